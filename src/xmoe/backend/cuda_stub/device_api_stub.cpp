@@ -1,0 +1,26 @@
+// Linked when xmoe is built without CUDA: every CUDA entry point says so clearly.
+#include <cstring>
+
+#include "xmoe/backend/device_api.h"
+#include "xmoe/core/error.h"
+
+namespace xmoe::backend {
+
+bool cuda_available() { return false; }
+int cuda_device_count() { return 0; }
+
+Allocator& cuda_allocator(int device_index) {
+  XMOE_FAIL("[device] cuda:{} requested, but this xmoe was built without CUDA (XMOE_CUDA=OFF)",
+            device_index);
+}
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  XMOE_CHECK(dst_device.is_cpu() && src_device.is_cpu(),
+             "[copy] {} -> {} needs CUDA, but this xmoe was built without CUDA (XMOE_CUDA=OFF)",
+             src_device.str(), dst_device.str());
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+
+void synchronize(Device) {}
+
+}  // namespace xmoe::backend

@@ -1,0 +1,18 @@
+#pragma once
+// What core needs from a device backend. The CUDA backend implements it in backend/cuda;
+// a build without CUDA links backend/cuda_stub, whose functions throw a clear error.
+#include <cstddef>
+
+#include "xmoe/core/allocator.h"
+
+namespace xmoe::backend {
+
+bool cuda_available();
+int cuda_device_count();
+Allocator& cuda_allocator(int device_index);
+/// Copies between any two devices (host<->device, device<->device); synchronous.
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+/// Blocks until the device's queued work is done (no-op for CPU).
+void synchronize(Device device);
+
+}  // namespace xmoe::backend
