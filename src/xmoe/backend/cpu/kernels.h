@@ -1,0 +1,40 @@
+#pragma once
+// CPU kernels: plain functions on raw row-major f32 pointers. They are the reference that the
+// CUDA kernels are checked against, and the multi-threaded CPU training path (OpenMP + OpenBLAS).
+#include <cstdint>
+
+namespace xmoe::cpu {
+
+// C[M,N] = alpha * op(A) @ op(B) + beta * C   (OpenBLAS sgemm; lda/ldb from the untransposed shapes)
+void gemm(float* c, const float* a, const float* b, int64_t m, int64_t n, int64_t k, bool trans_a,
+          bool trans_b, float alpha, float beta);
+// y[o_g:o_g+n_g] = x[o_g:o_g+n_g] @ w[g]  (w[g] is [K, M], or [M, K] when trans_w)
+void grouped_gemm(float* y, const float* x, const float* w, const int64_t* group_sizes,
+                  int64_t groups, int64_t k, int64_t m, bool trans_w);
+// dw[g] = x_g^T @ dy_g (+ dw[g] when accumulate); dw [G, K, M]
+void grouped_gemm_weight_grad(float* dw, const float* x, const float* dy,
+                              const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
+                              bool accumulate);
+
+void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols);
+void softmax_backward(float* dx, const float* y, const float* dy, int64_t rows, int64_t cols);
+void sigmoid_forward(float* y, const float* x, int64_t n);
+void sigmoid_backward(float* dx, const float* y, const float* dy, int64_t n);
+// h [N, 2f] = [gate | up]; a [N, f] = silu(gate) * up
+void swiglu_forward(float* a, const float* h, int64_t rows, int64_t f);
+void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, int64_t f);
+
+void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
+                     int64_t d, float eps);
+// dx; dw += sum over rows
+void rmsnorm_backward(float* dx, float* dw, const float* x, const float* w, const float* rstd,
+                      const float* dy, int64_t rows, int64_t d);
+
+void topk(float* values, int32_t* indices, const float* x, int64_t rows, int64_t cols, int64_t k);
+void gather_rows(float* out, const float* x, const int32_t* index, int64_t m, int64_t d);
+// out[index[i]] += weight[i] * src[i]; weight may be null
+void scatter_add_rows(float* out, const float* src, const int32_t* index, const float* weight,
+                      int64_t m, int64_t n_out, int64_t d);
+void row_dot(float* out, const float* a, const float* b, int64_t rows, int64_t d);
+
+}  // namespace xmoe::cpu

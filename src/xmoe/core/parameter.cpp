@@ -1,0 +1,23 @@
+#include "xmoe/core/parameter.h"
+
+namespace xmoe {
+
+Parameter Parameter::make(std::string name, Shape shape, ParamKind kind, bool weight_decay) {
+  Parameter p;
+  p.name = std::move(name);
+  p.kind = kind;
+  p.weight_decay = weight_decay;
+  p.global_rows = shape.empty() ? 1 : shape[0];
+  p.value = Tensor::zeros(shape);
+  p.grad = Tensor::zeros(shape);
+  return p;
+}
+
+void Parameter::init_normal(uint64_t seed, float std) {
+  const int64_t rows = value.dim() ? value.size(0) : 1;
+  const int64_t row_elems = rows ? value.numel() / rows : 0;
+  fill_normal(value, seed, stream_id(name), std, 0.0f,
+              static_cast<uint64_t>(row_offset * row_elems));
+}
+
+}  // namespace xmoe

@@ -1,0 +1,52 @@
+#pragma once
+// Trainable parameters. Modules own their Parameters and expose them by pointer; the optimizer,
+// gradient synchronisation and checkpoints work on that flat list.
+#include <string>
+#include <vector>
+
+#include "xmoe/core/rng.h"
+#include "xmoe/core/tensor.h"
+
+namespace xmoe {
+
+enum class ParamKind : uint8_t {
+  dense,   ///< replicated on every rank; gradient all-reduced over the world
+  expert,  ///< sharded over the expert-parallel group along dim 0; replicated over dp
+};
+
+struct Parameter {
+  std::string name;  ///< stable, hierarchical: "layers.3.moe.experts.gate_up"
+  Tensor value;      ///< f32 master weights
+  Tensor grad;       ///< same shape; backward accumulates into it
+  ParamKind kind = ParamKind::dense;
+  bool weight_decay = true;  ///< false for norms, biases, temperatures
+  int64_t global_rows = 0;   ///< expert params: dim 0 of the unsharded tensor
+  int64_t row_offset = 0;    ///< expert params: first global row held here
+
+  /// Allocates value and a zeroed grad of `shape`.
+  static Parameter make(std::string name, Shape shape, ParamKind kind = ParamKind::dense,
+                        bool weight_decay = true);
+  void zero_grad() { grad.zero_(); }
+  /// value ~ N(0, std^2) from (seed, name, global element index): the same numbers however the
+  /// parameter is sharded.
+  void init_normal(uint64_t seed, float std);
+  void init_constant(float v) { value.fill_(v); }
+};
+
+/// Anything that owns parameters.
+class Module {
+ public:
+  virtual ~Module() = default;
+  /// Appends pointers to this module's parameters (and its children's) in a stable order.
+  virtual void collect_parameters(std::vector<Parameter*>& out) = 0;
+  std::vector<Parameter*> parameters() {
+    std::vector<Parameter*> out;
+    collect_parameters(out);
+    return out;
+  }
+  void zero_grad() {
+    for (Parameter* p : parameters()) p->zero_grad();
+  }
+};
+
+}  // namespace xmoe

@@ -1,0 +1,86 @@
+#pragma once
+// Public ops: one function per op. Each validates its arguments (shapes, dtypes, devices) with
+// messages that name the op, then dispatches to a backend kernel (backend/cpu, backend/cuda).
+// All float tensors here are f32 on the CPU; bf16 is the CUDA path's storage type.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "xmoe/core/tensor.h"
+
+namespace xmoe::ops {
+
+// ---- linear algebra -------------------------------------------------------------------------
+
+/// c = op(a) @ op(b); a [M, K] (or [K, M] with trans_a), b [K, N] (or [N, K] with trans_b).
+Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+/// c = alpha * op(a) @ op(b) + beta * c, in place (c must already have the result's shape).
+void matmul_into(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                 float alpha = 1.0f, float beta = 0.0f);
+
+/// Grouped GEMM over contiguous row groups: rows [o_g, o_g + n_g) of x [N, K] times w[g].
+/// w is [G, K, M] (or [G, M, K] with trans_w); group_sizes has G entries summing to N.
+/// Returns y [N, M]. Groups with zero rows are skipped.
+Tensor grouped_matmul(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes,
+                      bool trans_w = false);
+/// Weight gradient of grouped_matmul (trans_w = false): dw[g] (+)= x_g^T @ dy_g, dw [G, K, M].
+void grouped_matmul_weight_grad(Tensor& dw, const Tensor& x, const Tensor& dy,
+                                std::span<const int64_t> group_sizes, bool accumulate);
+
+// ---- activations ----------------------------------------------------------------------------
+
+/// Softmax over the last dimension.
+Tensor softmax(const Tensor& x);
+/// dx = y * (dy - sum(dy * y)) over the last dimension, given y = softmax(x).
+Tensor softmax_backward(const Tensor& y, const Tensor& dy);
+Tensor sigmoid(const Tensor& x);
+/// dx = dy * y * (1 - y), given y = sigmoid(x).
+Tensor sigmoid_backward(const Tensor& y, const Tensor& dy);
+/// SwiGLU on a fused gate|up projection: h [N, 2f] -> silu(h[:, :f]) * h[:, f:], [N, f].
+Tensor swiglu(const Tensor& h);
+/// Gradient of swiglu: dh [N, 2f] from h [N, 2f] and da [N, f].
+Tensor swiglu_backward(const Tensor& h, const Tensor& da);
+
+// ---- normalisation --------------------------------------------------------------------------
+
+struct RmsNormResult {
+  Tensor y;     ///< [N, d]
+  Tensor rstd;  ///< [N] 1 / sqrt(mean(x^2) + eps), saved for backward
+};
+/// y = x * rstd * weight over rows of x [N, d]; weight [d].
+RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps);
+/// Returns dx; adds the weight gradient into dweight [d].
+Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                        const Tensor& dy, Tensor& dweight);
+
+// ---- selection and indexing -----------------------------------------------------------------
+
+struct TopKResult {
+  Tensor values;   ///< [N, k] f32, descending
+  Tensor indices;  ///< [N, k] i32; ties go to the lower index
+};
+/// Top-k of each row of x [N, E].
+TopKResult topk(const Tensor& x, int64_t k);
+
+/// out[i] = x[index[i]]: x [N, d], index i32 [M] -> [M, d].
+Tensor gather_rows(const Tensor& x, const Tensor& index);
+/// out[index[i]] += weight[i] * src[i]; out [N, d], src [M, d], index i32 [M], weight f32 [M]
+/// (an undefined weight means 1). Deterministic: rows are added in index order of i.
+void scatter_add_rows(Tensor& out, const Tensor& src, const Tensor& index,
+                      const Tensor& weight = Tensor());
+/// out[i] = sum_j a[i, j] * b[i, j]: a, b [N, d] -> [N].
+Tensor row_dot(const Tensor& a, const Tensor& b);
+
+// ---- elementwise and reductions -------------------------------------------------------------
+
+Tensor add(const Tensor& a, const Tensor& b);
+/// a += alpha * b
+void add_(Tensor& a, const Tensor& b, float alpha = 1.0f);
+Tensor mul(const Tensor& a, const Tensor& b);
+void scale_(Tensor& a, float s);
+double sum(const Tensor& x);
+double sum_squares(const Tensor& x);
+/// True if every element is finite.
+bool all_finite(const Tensor& x);
+
+}  // namespace xmoe::ops

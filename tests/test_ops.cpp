@@ -1,0 +1,144 @@
+// CPU op tests: values against direct loops, gradients against finite differences, and errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "gradcheck.h"
+#include "xmoe/ops/ops.h"
+
+using namespace xmoe;
+using xmoe::testing::expect_gradient_close;
+using xmoe::testing::randn;
+using xmoe::testing::weighted_sum;
+
+TEST(Ops, MatmulMatchesLoopsAllTransposes) {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      Tensor a = randn(ta ? Shape{5, 3} : Shape{3, 5}, 1);
+      Tensor b = randn(tb ? Shape{4, 5} : Shape{5, 4}, 2);
+      Tensor c = ops::matmul(a, b, ta, tb);
+      ASSERT_EQ(c.shape(), (Shape{3, 4}));
+      const float *pa = a.data<float>(), *pb = b.data<float>(), *pc = c.data<float>();
+      for (int i = 0; i < 3; ++i)
+        for (int j = 0; j < 4; ++j) {
+          double s = 0;
+          for (int k = 0; k < 5; ++k)
+            s += (ta ? pa[k * 3 + i] : pa[i * 5 + k]) * (tb ? pb[j * 5 + k] : pb[k * 4 + j]);
+          EXPECT_NEAR(pc[i * 4 + j], s, 1e-5);
+        }
+    }
+  EXPECT_THROW(ops::matmul(randn({3, 5}, 1), randn({4, 4}, 2)), Error);
+}
+
+TEST(Ops, GroupedMatmulEqualsPerGroupMatmul) {
+  const std::vector<int64_t> sizes = {3, 0, 5, 1};
+  Tensor x = randn({9, 6}, 3);
+  Tensor w = randn({4, 6, 7}, 4);
+  Tensor y = ops::grouped_matmul(x, w, sizes);
+  int64_t row = 0;
+  for (int g = 0; g < 4; ++g) {
+    if (sizes[g]) {
+      Tensor wg = w.rows(g, g + 1).reshape({6, 7});
+      Tensor ref = ops::matmul(x.rows(row, row + sizes[g]), wg);
+      auto a = y.rows(row, row + sizes[g]).to_vector<float>();
+      auto b = ref.to_vector<float>();
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5);
+    }
+    row += sizes[g];
+  }
+  // trans_w: w^T layout [G, M, K]
+  Tensor wt = randn({4, 7, 6}, 5);
+  Tensor yt = ops::grouped_matmul(x, wt, sizes, true);
+  Tensor ref0 = ops::matmul(x.rows(0, 3), wt.rows(0, 1).reshape({7, 6}), false, true);
+  auto a = yt.rows(0, 3).to_vector<float>();
+  auto b = ref0.to_vector<float>();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5);
+  // Weight gradient by finite differences; empty group gets zero grad.
+  Tensor r = randn({9, 7}, 6);
+  Tensor dw = Tensor::zeros({4, 6, 7});
+  ops::grouped_matmul_weight_grad(dw, x, r, sizes, false);
+  expect_gradient_close(w, dw, [&] { return weighted_sum(ops::grouped_matmul(x, w, sizes), r); },
+                        "grouped dw");
+  EXPECT_THROW(ops::grouped_matmul(x, w, std::vector<int64_t>{3, 0, 5}), Error);
+  EXPECT_THROW(ops::grouped_matmul(x, w, std::vector<int64_t>{3, 0, 5, 2}), Error);
+}
+
+TEST(Ops, SoftmaxSigmoidSwigluGradients) {
+  Tensor x = randn({4, 6}, 7);
+  Tensor r = randn({4, 6}, 8);
+  Tensor y = ops::softmax(x);
+  for (int i = 0; i < 4; ++i) {
+    double s = 0;
+    for (int j = 0; j < 6; ++j) s += y.data<float>()[i * 6 + j];
+    EXPECT_NEAR(s, 1.0, 1e-6);
+  }
+  expect_gradient_close(x, ops::softmax_backward(y, r),
+                        [&] { return weighted_sum(ops::softmax(x), r); }, "softmax");
+  Tensor ys = ops::sigmoid(x);
+  expect_gradient_close(x, ops::sigmoid_backward(ys, r),
+                        [&] { return weighted_sum(ops::sigmoid(x), r); }, "sigmoid");
+  Tensor h = randn({5, 8}, 9);
+  Tensor ra = randn({5, 4}, 10);
+  expect_gradient_close(h, ops::swiglu_backward(h, ra),
+                        [&] { return weighted_sum(ops::swiglu(h), ra); }, "swiglu");
+  const float g = h.data<float>()[0], u = h.data<float>()[4];
+  EXPECT_NEAR(ops::swiglu(h).data<float>()[0], g / (1 + std::exp(-g)) * u, 1e-6);
+  EXPECT_THROW(ops::swiglu(randn({2, 3}, 1)), Error);
+}
+
+TEST(Ops, RmsNormGradients) {
+  Tensor x = randn({6, 10}, 11);
+  Tensor w = randn({10}, 12, 0.5f);
+  Tensor r = randn({6, 10}, 13);
+  auto out = ops::rmsnorm(x, w, 1e-5f);
+  Tensor dw = Tensor::zeros({10});
+  Tensor dx = ops::rmsnorm_backward(x, w, out.rstd, r, dw);
+  auto f = [&] { return weighted_sum(ops::rmsnorm(x, w, 1e-5f).y, r); };
+  expect_gradient_close(x, dx, f, "rmsnorm dx");
+  expect_gradient_close(w, dw, f, "rmsnorm dw");
+  EXPECT_THROW(ops::rmsnorm(x, randn({9}, 1), 1e-5f), Error);
+}
+
+TEST(Ops, TopKIsSortedAndStableOnTies) {
+  Tensor x = Tensor::from_vector<float>({0.1f, 0.5f, 0.5f, 0.2f, 3.f, 1.f, 2.f, 0.f}, {2, 4});
+  auto r = ops::topk(x, 2);
+  EXPECT_EQ(r.indices.to_vector<int32_t>(), (std::vector<int32_t>{1, 2, 0, 2}));
+  EXPECT_EQ(r.values.to_vector<float>(), (std::vector<float>{0.5f, 0.5f, 3.f, 2.f}));
+  EXPECT_THROW(ops::topk(x, 5), Error);
+  EXPECT_THROW(ops::topk(x, 0), Error);
+}
+
+TEST(Ops, GatherScatterAreAdjoint) {
+  Tensor x = randn({5, 3}, 14);
+  Tensor idx = Tensor::from_vector<int32_t>({4, 0, 4, 2}, {4});
+  Tensor g = ops::gather_rows(x, idx);
+  EXPECT_EQ(g.rows(2, 3).to_vector<float>(), x.rows(4, 5).to_vector<float>());
+  // <gather(x), r> == <x, scatter(r)>
+  Tensor r = randn({4, 3}, 15);
+  Tensor back = Tensor::zeros({5, 3});
+  ops::scatter_add_rows(back, r, idx);
+  EXPECT_NEAR(weighted_sum(g, r), weighted_sum(x, back), 1e-5);
+  // Weighted scatter: row 4 receives w0*r0 + w2*r2.
+  Tensor w = Tensor::from_vector<float>({0.5f, 1.f, 2.f, 1.f}, {4});
+  Tensor out = Tensor::zeros({5, 3});
+  ops::scatter_add_rows(out, r, idx, w);
+  EXPECT_NEAR(out.data<float>()[12], 0.5f * r.data<float>()[0] + 2.f * r.data<float>()[6], 1e-6);
+  EXPECT_THROW(ops::gather_rows(x, Tensor::from_vector<int32_t>({5}, {1})), Error);
+  Tensor dots = ops::row_dot(r, r);
+  EXPECT_NEAR(dots.data<float>()[1], ops::sum_squares(r.rows(1, 2)), 1e-5);
+}
+
+TEST(Ops, ElementwiseAndReductions) {
+  Tensor a = Tensor::from_vector<float>({1, 2, 3}, {3});
+  Tensor b = Tensor::from_vector<float>({4, 5, 6}, {3});
+  EXPECT_EQ(ops::add(a, b).to_vector<float>(), (std::vector<float>{5, 7, 9}));
+  ops::add_(a, b, -1.f);
+  EXPECT_EQ(a.to_vector<float>(), (std::vector<float>{-3, -3, -3}));
+  ops::scale_(b, 2.f);
+  EXPECT_EQ(ops::sum(b), 30.0);
+  EXPECT_EQ(ops::sum_squares(a), 27.0);
+  EXPECT_TRUE(ops::all_finite(b));
+  b.data<float>()[1] = NAN;
+  EXPECT_FALSE(ops::all_finite(b));
+  EXPECT_THROW(ops::add(a, Tensor::zeros({4})), Error);
+}
