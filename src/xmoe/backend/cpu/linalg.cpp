@@ -1,4 +1,7 @@
 #include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
 
 #include <cstring>
 #include <vector>
@@ -21,24 +24,46 @@ void gemm(float* c, const float* a, const float* b, int64_t m, int64_t n, int64_
               static_cast<int>(k), alpha, a, lda, b, ldb, beta, c, static_cast<int>(n));
 }
 
+namespace {
+
+/// Runs body(g, first_row) for every group. Fine-grained experts make each group's GEMM small
+/// (tens to hundreds of rows), where OpenBLAS's own threading costs more than it gains: the
+/// groups are then spread over OpenMP threads, each GEMM single-threaded, largest first.
+template <class Body>
+void for_each_group(const int64_t* group_sizes, int64_t groups, Body&& body) {
+  std::vector<int64_t> first(static_cast<size_t>(groups) + 1, 0);
+  for (int64_t g = 0; g < groups; ++g) first[g + 1] = first[g] + group_sizes[g];
+  const int64_t avg_rows = groups ? first[groups] / groups : 0;
+  const int threads = omp_get_max_threads();
+  if (groups < 2 || threads < 2 || avg_rows > 1024) {
+    for (int64_t g = 0; g < groups; ++g) body(g, first[g]);
+    return;
+  }
+  std::vector<int64_t> order(static_cast<size_t>(groups));
+  for (int64_t g = 0; g < groups; ++g) order[g] = g;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return group_sizes[a] > group_sizes[b]; });
+  const int blas_threads = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < groups; ++i) body(order[i], first[order[i]]);
+  openblas_set_num_threads(blas_threads);
+}
+
+}  // namespace
+
 void grouped_gemm(float* y, const float* x, const float* w, const int64_t* group_sizes,
                   int64_t groups, int64_t k, int64_t m, bool trans_w) {
-  // One sgemm per non-empty group; OpenBLAS threads each of them. Fine-grained experts make
-  // groups small, so the groups themselves are not split further here.
-  int64_t row = 0;
-  for (int64_t g = 0; g < groups; ++g) {
+  for_each_group(group_sizes, groups, [&](int64_t g, int64_t row) {
     const int64_t n = group_sizes[g];
-    if (n > 0)
-      gemm(y + row * m, x + row * k, w + g * k * m, n, m, k, false, trans_w, 1.0f, 0.0f);
-    row += n;
-  }
+    if (n > 0) gemm(y + row * m, x + row * k, w + g * k * m, n, m, k, false, trans_w, 1.0f, 0.0f);
+  });
 }
 
 void grouped_gemm_weight_grad(float* dw, const float* x, const float* dy,
                               const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
                               bool accumulate) {
-  int64_t row = 0;
-  for (int64_t g = 0; g < groups; ++g) {
+  for_each_group(group_sizes, groups, [&](int64_t g, int64_t row) {
     const int64_t n = group_sizes[g];
     float* dwg = dw + g * k * m;
     if (n > 0) {
@@ -46,8 +71,7 @@ void grouped_gemm_weight_grad(float* dw, const float* x, const float* dy,
     } else if (!accumulate) {
       std::memset(dwg, 0, sizeof(float) * static_cast<size_t>(k * m));
     }
-    row += n;
-  }
+  });
 }
 
 }  // namespace xmoe::cpu

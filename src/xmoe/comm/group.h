@@ -1,0 +1,102 @@
+#pragma once
+// Communication groups. One abstract Group (rank, size, split, collectives) with backends:
+// single-process (comm/single_group.cpp), MPI for CPU buffers (comm/mpi/), and NCCL for device
+// buffers (comm/nccl/, with the CUDA backend). Collectives work on contiguous tensors; the
+// *_async variants return a Work handle so communication can overlap compute.
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "xmoe/comm/topology.h"
+#include "xmoe/core/tensor.h"
+
+namespace xmoe::comm {
+
+enum class ReduceOp : uint8_t { sum, max, min };
+
+/// Payload bytes this rank sent, per collective kind and link class. Bytes are counted per
+/// destination peer as the data a direct exchange would move (all_to_all_v: exactly the rows
+/// sent to each peer; all_gather: this rank's block to each peer; reduce_scatter: block j to
+/// peer j; all_reduce = reduce_scatter + all_gather), so they do not depend on the library's
+/// internal algorithm. Messages to oneself are not counted.
+struct ByteCounters {
+  enum Kind : int { all_to_all, all_gather, reduce_scatter, all_reduce, broadcast, num_kinds };
+  std::array<std::array<int64_t, 2>, num_kinds> bytes{};  // [kind][LinkClass]
+  std::array<int64_t, num_kinds> calls{};
+
+  int64_t total(LinkClass link) const;
+  int64_t of(Kind kind, LinkClass link) const { return bytes[kind][static_cast<int>(link)]; }
+  void reset() { *this = ByteCounters{}; }
+};
+
+/// A pending collective. wait() blocks until it is done and its outputs are valid.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+};
+
+class Group {
+ public:
+  virtual ~Group() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// Ranks with the same color form a new group, ordered by key (then by old rank).
+  virtual std::shared_ptr<Group> split(int color, int key) = 0;
+  /// Which node each rank of this group is on.
+  const Topology& topology() const { return topology_; }
+
+  /// In-place reduction over all ranks (f32, i32, i64).
+  virtual void all_reduce(Tensor& t, ReduceOp op = ReduceOp::sum) = 0;
+  virtual std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op = ReduceOp::sum) = 0;
+  /// Concatenation of every rank's `t` along dim 0 (all ranks give the same shape).
+  virtual Tensor all_gather(const Tensor& t) = 0;
+  /// Sum over ranks of `t`, scattered along dim 0: rank r gets rows [r·n/size, (r+1)·n/size).
+  virtual Tensor reduce_scatter(const Tensor& t) = 0;
+  /// Uneven all-to-all over dim 0: rows [o_p, o_p + send_rows[p]) of `send` go to rank p; the
+  /// result holds, in rank order, recv_rows[p] rows from each rank p. Zero rows are fine.
+  virtual Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
+                              std::span<const int64_t> recv_rows) = 0;
+  virtual std::unique_ptr<Work> all_to_all_v_async(const Tensor& send,
+                                                   std::span<const int64_t> send_rows,
+                                                   std::span<const int64_t> recv_rows,
+                                                   Tensor& recv) = 0;
+  /// Every rank gets `count` int64 values from every rank: out[p * count + i] (metadata
+  /// exchange before all_to_all_v).
+  virtual std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send) = 0;
+  virtual void broadcast(Tensor& t, int root) = 0;
+  virtual void barrier() = 0;
+  /// Stops every process of the job (after an unrecoverable error on this rank).
+  [[noreturn]] virtual void abort(int code) = 0;
+
+  ByteCounters& counters() { return counters_; }
+  const ByteCounters& counters() const { return counters_; }
+  std::string backend_name() const { return backend_; }
+
+ protected:
+  Group(std::string backend, Topology topology)
+      : backend_(std::move(backend)), topology_(std::move(topology)) {}
+  void count(ByteCounters::Kind kind, int peer, int64_t bytes);
+
+  std::string backend_;
+  Topology topology_;
+  ByteCounters counters_;
+};
+
+/// The single-process group (size 1): collectives are copies.
+std::shared_ptr<Group> make_single_group();
+
+/// The world group: MPI when the process was started by mpirun/srun (and xmoe was built with
+/// MPI), else the single-process group. `ranks_per_node` > 0 declares simulated nodes.
+/// The first call initialises MPI; later calls return the same group.
+std::shared_ptr<Group> world(int ranks_per_node = 0);
+/// True when this process was launched by an MPI launcher (OMPI/PMI/PMIx/Slurm variables).
+bool launched_by_mpi();
+/// Finalises MPI if world() initialised it (call once at the end of main).
+void finalize();
+
+}  // namespace xmoe::comm

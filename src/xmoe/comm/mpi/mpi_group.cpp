@@ -1,0 +1,278 @@
+// comm::Group over MPI for CPU buffers. Rows travel as a contiguous MPI datatype of one row's
+// bytes, so counts stay small integers whatever the row width.
+#include "xmoe/comm/mpi/mpi_group.h"
+
+#include <mpi.h>
+
+#include <numeric>
+
+namespace xmoe::comm::mpi {
+
+namespace {
+
+void check_mpi(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  XMOE_FAIL("[mpi] {} failed: {}", call, std::string(text, static_cast<size_t>(len)));
+}
+
+#define MPI_CHECK(call) check_mpi((call), #call)
+
+MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::f32: return MPI_FLOAT;
+    case DType::i32: return MPI_INT32_T;
+    case DType::i64: return MPI_INT64_T;
+    case DType::u8: return MPI_UINT8_T;
+    case DType::bf16: break;
+  }
+  XMOE_FAIL("[mpi] no reduction for dtype {}", dtype_name(t));
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return MPI_SUM;
+    case ReduceOp::max: return MPI_MAX;
+    case ReduceOp::min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+void require_cpu(const Tensor& t, const char* op) {
+  XMOE_CHECK(t.is_cpu(), "[{}] the MPI backend moves CPU tensors; got {} (use NCCL for GPU tensors)",
+             op, t.str());
+}
+
+/// Bytes of one dim-0 row (defined by the trailing dims, also when there are no rows).
+int64_t row_bytes(const Tensor& t) {
+  int64_t n = static_cast<int64_t>(dtype_size(t.dtype()));
+  for (int64_t i = 1; i < t.dim(); ++i) n *= t.size(i);
+  return n;
+}
+
+/// A datatype of one row (freed with the object).
+class RowType {
+ public:
+  explicit RowType(int64_t bytes) {
+    MPI_CHECK(MPI_Type_contiguous(static_cast<int>(std::max<int64_t>(bytes, 1)), MPI_BYTE, &type_));
+    MPI_CHECK(MPI_Type_commit(&type_));
+  }
+  ~RowType() { MPI_Type_free(&type_); }
+  RowType(const RowType&) = delete;
+  RowType& operator=(const RowType&) = delete;
+  MPI_Datatype get() const { return type_; }
+
+ private:
+  MPI_Datatype type_;
+};
+
+std::vector<int> to_int_counts(std::span<const int64_t> rows, const char* what) {
+  std::vector<int> out(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    XMOE_CHECK(rows[i] >= 0 && rows[i] <= INT32_MAX, "[all_to_all_v] {}[{}] = {} out of range",
+               what, i, rows[i]);
+    out[i] = static_cast<int>(rows[i]);
+  }
+  return out;
+}
+
+std::vector<int> displacements(const std::vector<int>& counts) {
+  std::vector<int> d(counts.size(), 0);
+  for (size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1];
+  return d;
+}
+
+/// A non-blocking MPI collective; keeps its buffers and datatype alive until wait().
+class MpiWork final : public Work {
+ public:
+  MpiWork(MPI_Request request, std::vector<Tensor> keep, std::unique_ptr<RowType> type,
+          std::vector<std::vector<int>> counts)
+      : request_(request), keep_(std::move(keep)), type_(std::move(type)),
+        counts_(std::move(counts)) {}
+  ~MpiWork() override {
+    if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+  }
+  void wait() override { MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE)); }
+
+ private:
+  MPI_Request request_;
+  std::vector<Tensor> keep_;
+  std::unique_ptr<RowType> type_;
+  std::vector<std::vector<int>> counts_;
+};
+
+class MpiGroup final : public Group {
+ public:
+  MpiGroup(MPI_Comm comm, Topology topology, bool owns)
+      : Group("mpi", std::move(topology)), comm_(comm), owns_(owns) {
+    MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  }
+  ~MpiGroup() override {
+    if (owns_) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  std::shared_ptr<Group> split(int color, int key) override {
+    MPI_Comm sub;
+    MPI_CHECK(MPI_Comm_split(comm_, color, key, &sub));
+    int sub_size = 0;
+    MPI_CHECK(MPI_Comm_size(sub, &sub_size));
+    std::vector<int> parent_ranks(static_cast<size_t>(sub_size));
+    MPI_CHECK(MPI_Allgather(&rank_, 1, MPI_INT, parent_ranks.data(), 1, MPI_INT, sub));
+    return std::make_shared<MpiGroup>(sub, topology_.subset(parent_ranks), true);
+  }
+
+  void all_reduce(Tensor& t, ReduceOp op) override { all_reduce_async(t, op)->wait(); }
+
+  std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op) override {
+    require_cpu(t, "all_reduce");
+    ++counters_.calls[ByteCounters::all_reduce];
+    const int64_t block = static_cast<int64_t>(t.nbytes()) / size_;
+    for (int p = 0; p < size_; ++p) count(ByteCounters::all_reduce, p, 2 * block);
+    MPI_Request req;
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.raw(), static_cast<int>(t.numel()),
+                             mpi_type(t.dtype()), mpi_op(op), comm_, &req));
+    return std::make_unique<MpiWork>(req, std::vector<Tensor>{t}, nullptr,
+                                     std::vector<std::vector<int>>{});
+  }
+
+  Tensor all_gather(const Tensor& t) override {
+    require_cpu(t, "all_gather");
+    ++counters_.calls[ByteCounters::all_gather];
+    Shape shape = t.shape();
+    XMOE_CHECK(!shape.empty(), "[all_gather] needs at least 1-d tensors");
+    shape[0] *= size_;
+    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+    for (int p = 0; p < size_; ++p) count(ByteCounters::all_gather, p, static_cast<int64_t>(t.nbytes()));
+    MPI_CHECK(MPI_Allgather(t.raw(), static_cast<int>(t.nbytes()), MPI_BYTE, out.raw(),
+                            static_cast<int>(t.nbytes()), MPI_BYTE, comm_));
+    return out;
+  }
+
+  Tensor reduce_scatter(const Tensor& t) override {
+    require_cpu(t, "reduce_scatter");
+    XMOE_CHECK(t.dim() >= 1 && t.size(0) % size_ == 0,
+               "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(), size_);
+    ++counters_.calls[ByteCounters::reduce_scatter];
+    Shape shape = t.shape();
+    shape[0] /= size_;
+    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+    for (int p = 0; p < size_; ++p)
+      count(ByteCounters::reduce_scatter, p, static_cast<int64_t>(out.nbytes()));
+    MPI_CHECK(MPI_Reduce_scatter_block(t.raw(), out.raw(), static_cast<int>(out.numel()),
+                                       mpi_type(t.dtype()), MPI_SUM, comm_));
+    return out;
+  }
+
+  Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
+                      std::span<const int64_t> recv_rows) override {
+    Tensor recv;
+    all_to_all_v_async(send, send_rows, recv_rows, recv)->wait();
+    return recv;
+  }
+
+  std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,
+                                           std::span<const int64_t> recv_rows,
+                                           Tensor& recv) override {
+    require_cpu(send, "all_to_all_v");
+    XMOE_CHECK(static_cast<int>(send_rows.size()) == size_ &&
+                   static_cast<int>(recv_rows.size()) == size_,
+               "[all_to_all_v] need {} send and recv counts, got {} and {}", size_,
+               send_rows.size(), recv_rows.size());
+    const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
+    XMOE_CHECK(send.dim() >= 1 && sent == send.size(0),
+               "[all_to_all_v] send counts sum to {} but send has {} rows", sent,
+               send.dim() ? send.size(0) : 0);
+    ++counters_.calls[ByteCounters::all_to_all];
+    const int64_t rb = row_bytes(send);
+    Shape shape = send.shape();
+    shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+    recv = Tensor::empty(shape, send.dtype(), send.device());
+    for (int p = 0; p < size_; ++p) count(ByteCounters::all_to_all, p, send_rows[p] * rb);
+    auto sc = to_int_counts(send_rows, "send_rows"), rc = to_int_counts(recv_rows, "recv_rows");
+    auto sd = displacements(sc), rd = displacements(rc);
+    auto type = std::make_unique<RowType>(rb);
+    MPI_Request req;
+    MPI_CHECK(MPI_Ialltoallv(send.raw(), sc.data(), sd.data(), type->get(), recv.raw(), rc.data(),
+                             rd.data(), type->get(), comm_, &req));
+    return std::make_unique<MpiWork>(req, std::vector<Tensor>{send, recv}, std::move(type),
+                                     std::vector<std::vector<int>>{sc, rc, sd, rd});
+  }
+
+  std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send) override {
+    XMOE_CHECK(send.size() % static_cast<size_t>(size_) == 0,
+               "[all_to_all_counts] {} values do not split over {} ranks", send.size(), size_);
+    const int per = static_cast<int>(send.size() / static_cast<size_t>(size_));
+    std::vector<int64_t> out(send.size());
+    MPI_CHECK(MPI_Alltoall(send.data(), per, MPI_INT64_T, out.data(), per, MPI_INT64_T, comm_));
+    return out;
+  }
+
+  void broadcast(Tensor& t, int root) override {
+    require_cpu(t, "broadcast");
+    XMOE_CHECK(root >= 0 && root < size_, "[broadcast] root {} outside a group of {}", root, size_);
+    ++counters_.calls[ByteCounters::broadcast];
+    if (rank_ == root)
+      for (int p = 0; p < size_; ++p) count(ByteCounters::broadcast, p, static_cast<int64_t>(t.nbytes()));
+    MPI_CHECK(MPI_Bcast(t.raw(), static_cast<int>(t.nbytes()), MPI_BYTE, root, comm_));
+  }
+
+  void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+
+  [[noreturn]] void abort(int code) override {
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::_Exit(code);
+  }
+
+ private:
+  MPI_Comm comm_;
+  bool owns_;
+  int rank_ = 0, size_ = 1;
+};
+
+bool we_initialised = false;
+
+Topology detect_topology(MPI_Comm comm, int ranks_per_node) {
+  int size = 0, rank = 0;
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  if (ranks_per_node > 0) return Topology::uniform(size, ranks_per_node);
+  // Ranks that can share memory are on one node; name the node by its lowest world rank.
+  MPI_Comm local;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local));
+  int leader = rank;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, local));
+  MPI_Comm_free(&local);
+  std::vector<int> nodes(static_cast<size_t>(size));
+  MPI_CHECK(MPI_Allgather(&leader, 1, MPI_INT, nodes.data(), 1, MPI_INT, comm));
+  return Topology(std::move(nodes));
+}
+
+}  // namespace
+
+std::shared_ptr<Group> make_world(int ranks_per_node) {
+  int initialised = 0;
+  MPI_Initialized(&initialised);
+  if (!initialised) {
+    int provided = 0;
+    MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
+    we_initialised = true;
+  }
+  // Errors come back as codes that MPI_CHECK turns into xmoe::Error with MPI's own text.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  return std::make_shared<MpiGroup>(MPI_COMM_WORLD, detect_topology(MPI_COMM_WORLD, ranks_per_node),
+                                    false);
+}
+
+void finalize() {
+  int finalised = 0;
+  MPI_Finalized(&finalised);
+  if (we_initialised && !finalised) MPI_Finalize();
+}
+
+}  // namespace xmoe::comm::mpi

@@ -1,0 +1,87 @@
+#include "xmoe/moe/expert.h"
+
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::moe {
+
+namespace {
+
+class SwigluExperts final : public Experts {
+ public:
+  explicit SwigluExperts(const ExpertArgs& a) : recompute_(a.recompute) {
+    XMOE_CHECK(a.num_local >= 0 && a.first_expert >= 0 &&
+                   a.first_expert + a.num_local <= a.num_experts,
+               "[moe experts] local experts [{}, {}) outside [0, {})", a.first_expert,
+               a.first_expert + a.num_local, a.num_experts);
+    XMOE_CHECK(a.hidden >= 1, "[moe] moe.expert_hidden = {} must be >= 1", a.hidden);
+    gate_up_ = Parameter::make(a.prefix + ".experts.gate_up", {a.num_local, a.d_model, 2 * a.hidden},
+                               ParamKind::expert);
+    down_ = Parameter::make(a.prefix + ".experts.down", {a.num_local, a.hidden, a.d_model},
+                            ParamKind::expert);
+    for (Parameter* p : {&gate_up_, &down_}) {
+      p->global_rows = a.num_experts;
+      p->row_offset = a.first_expert;
+    }
+    gate_up_.init_normal(a.seed, a.init_std);
+    down_.init_normal(a.seed, a.down_std);
+  }
+
+  std::string_view name() const override { return "swiglu"; }
+
+  Tensor forward(const Tensor& rows, std::span<const int64_t> group_sizes) override {
+    groups_.assign(group_sizes.begin(), group_sizes.end());
+    rows_ = rows;                                                                   // [N, d]
+    Tensor h = xmoe::ops::grouped_matmul(rows, gate_up_.value, groups_);             // [N, 2f]
+    Tensor out = xmoe::ops::grouped_matmul(xmoe::ops::swiglu(h), down_.value, groups_);  // [N, d]
+    h_ = recompute_ ? Tensor() : h;
+    return out;
+  }
+
+  Tensor backward(const Tensor& d_out) override {
+    XMOE_CHECK(rows_.defined(), "[moe experts] backward without a forward");
+    check_shape(d_out, {rows_.size(0), down_.value.size(2)}, "moe experts backward", "d_out");
+    Tensor h = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, gate_up_.value, groups_);
+    Tensor a = xmoe::ops::swiglu(h);                                                 // [N, f]
+    xmoe::ops::grouped_matmul_weight_grad(down_.grad, a, d_out, groups_, true);
+    Tensor da = xmoe::ops::grouped_matmul(d_out, down_.value, groups_, true);         // [N, f]
+    a = Tensor();
+    Tensor dh = xmoe::ops::swiglu_backward(h, da);                                   // [N, 2f]
+    da = Tensor();
+    h = Tensor();
+    h_ = Tensor();
+    xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_, true);
+    return xmoe::ops::grouped_matmul(dh, gate_up_.value, groups_, true);             // [N, d]
+  }
+
+  void release() override { rows_ = h_ = Tensor(); }
+  void set_recompute(bool on) override { recompute_ = on; }
+  void collect_parameters(std::vector<Parameter*>& out) override {
+    out.push_back(&gate_up_);
+    out.push_back(&down_);
+  }
+
+ private:
+  bool recompute_;
+  Parameter gate_up_, down_;
+  std::vector<int64_t> groups_;
+  Tensor rows_, h_;
+};
+
+}  // namespace
+
+ExpertRegistry& expert_registry() {
+  static ExpertRegistry registry = [] {
+    ExpertRegistry r("expert");
+    r.add("swiglu", [](const ExpertArgs& a) -> std::unique_ptr<Experts> {
+      return std::make_unique<SwigluExperts>(a);
+    });
+    return r;
+  }();
+  return registry;
+}
+
+std::unique_ptr<Experts> make_experts(const std::string& name, const ExpertArgs& args) {
+  return expert_registry().create(name, args);
+}
+
+}  // namespace xmoe::moe

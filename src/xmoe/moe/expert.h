@@ -1,0 +1,48 @@
+#pragma once
+// Stage 4, Expert: the routed experts over contiguous row groups (one group per local expert).
+// Built-in "swiglu": out = (silu(x Wg) * x Wu) Wd per expert, with
+//   "<prefix>.experts.gate_up" [E_local, d, 2f]  (gate | up fused)
+//   "<prefix>.experts.down"    [E_local, f, d]
+// as ParamKind::expert (global_rows = E, row_offset = first local expert). One grouped GEMM per
+// projection. Saved for backward: the input rows and h = rows @ gate_up (or only the rows, with
+// recompute, which redoes the first grouped GEMM in backward).
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "xmoe/core/parameter.h"
+#include "xmoe/moe/registry.h"
+
+namespace xmoe::moe {
+
+struct ExpertArgs {
+  std::string prefix;
+  int64_t num_experts = 0;   ///< global E
+  int64_t first_expert = 0;  ///< first expert held here
+  int64_t num_local = 0;     ///< E_local
+  int64_t d_model = 0, hidden = 0;
+  uint64_t seed = 0;
+  float init_std = 0.02f, down_std = 0.02f;
+  bool recompute = false;
+};
+
+class Experts : public Module {
+ public:
+  virtual std::string_view name() const = 0;
+  /// rows [N, d] grouped by local expert, group_sizes [E_local] -> out [N, d].
+  virtual Tensor forward(const Tensor& rows, std::span<const int64_t> group_sizes) = 0;
+  /// d_out [N, d] -> d_rows [N, d]; accumulates the weight gradients.
+  virtual Tensor backward(const Tensor& d_out) = 0;
+  virtual void release() = 0;
+  virtual void set_recompute(bool on) = 0;
+};
+
+using ExpertRegistry = Registry<Experts, const ExpertArgs&>;
+/// Built-in: "swiglu".
+ExpertRegistry& expert_registry();
+std::unique_ptr<Experts> make_experts(const std::string& name, const ExpertArgs& args);
+
+}  // namespace xmoe::moe

@@ -1,0 +1,57 @@
+#include "xmoe/moe/gate.h"
+
+#include "xmoe/moe/gates/gates.h"
+
+namespace xmoe::moe {
+
+Gate::Gate(const GateArgs& args)
+    : cfg_(args.config),
+      prefix_(args.prefix),
+      num_experts_(args.config.num_experts),
+      top_k_(args.config.top_k),
+      d_model_(args.d_model) {
+  XMOE_CHECK(num_experts_ >= 1, "[moe] moe.num_experts = {} must be >= 1", num_experts_);
+  XMOE_CHECK(top_k_ >= 1, "[moe] moe.top_k = {} must be >= 1", top_k_);
+  XMOE_CHECK(top_k_ <= num_experts_, "[moe] moe.top_k = {} exceeds moe.num_experts = {}", top_k_,
+             num_experts_);
+  XMOE_CHECK(d_model_ >= 1, "[moe] d_model = {} must be >= 1", d_model_);
+}
+
+int64_t Gate::check_forward_args(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) const {
+  const std::string op = fmt::format("moe gate {}", name());
+  check_dtype(x, DType::f32, op.c_str(), "x");
+  check_shape(x, {-1, d_model_}, op.c_str(), "x");
+  const int64_t T = x.size(0);
+  XMOE_CHECK(seq_len >= 1 && T % seq_len == 0,
+             "[{}] {} tokens are not a multiple of seq_len = {}", op, T, seq_len);
+  if (fixed_idx.defined()) {
+    check_dtype(fixed_idx, DType::i32, op.c_str(), "fixed_idx");
+    check_shape(fixed_idx, {T, top_k_}, op.c_str(), "fixed_idx");
+    for (int32_t e : fixed_idx.span<int32_t>())
+      XMOE_CHECK(e >= 0 && e < num_experts_, "[{}] fixed_idx holds expert {} outside [0, {})", op,
+                 e, num_experts_);
+  }
+  return T;
+}
+
+AuxLossWeights Gate::aux_weights() const {
+  return {cfg_.aux_loss_weight, cfg_.seq_aux_loss_weight, cfg_.z_loss_weight};
+}
+
+GateRegistry& gate_registry() {
+  static GateRegistry registry = [] {
+    GateRegistry r("moe.gate");
+    r.add("softmax_topk", make_softmax_topk_gate);
+    r.add("sigmoid", make_sigmoid_gate);
+    r.add("switch", make_switch_gate);
+    r.add("xmoe", make_xmoe_gate);
+    return r;
+  }();
+  return registry;
+}
+
+std::unique_ptr<Gate> make_gate(const GateArgs& args) {
+  return gate_registry().create(args.config.gate, args);
+}
+
+}  // namespace xmoe::moe

@@ -1,0 +1,77 @@
+#pragma once
+// Stage 1, Gate: x [T, d] -> topk_idx i32 [T, k], topk_weight f32 [T, k], aux losses.
+// Gates by name (moe.gate): softmax_topk, sigmoid, switch, xmoe; see docs/moe.md.
+//
+// Routing (which k experts) is discrete: it has no gradient, and a finite-difference check only
+// agrees with backward while the selection stays put. forward(..., fixed_idx) reuses a given
+// selection and recomputes only the (differentiable) weights and losses — that is how gradient
+// checks and MoELayer::set_frozen_routing hold routing fixed.
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "xmoe/config/config.h"
+#include "xmoe/core/parameter.h"
+#include "xmoe/moe/losses.h"
+#include "xmoe/moe/registry.h"
+
+namespace xmoe::moe {
+
+struct GateOutput {
+  Tensor topk_idx;     ///< i32 [T, k], expert ids
+  Tensor topk_weight;  ///< f32 [T, k], combine weights
+  AuxLossTerms aux;    ///< unweighted terms and their weighted sum (aux.weighted)
+};
+
+/// What a gate factory gets.
+struct GateArgs {
+  MoeConfig config;
+  int64_t d_model = 0;
+  std::string prefix;  ///< parameter names start with "<prefix>.router."
+  uint64_t seed = 0;
+  float init_std = 0.02f;
+};
+
+class Gate : public Module {
+ public:
+  explicit Gate(const GateArgs& args);
+
+  /// x [T, d]; T must be a multiple of seq_len (sequences for the sequence-level loss).
+  /// fixed_idx (i32 [T, k]), when defined, replaces the gate's own expert selection.
+  virtual GateOutput forward(const Tensor& x, int64_t seq_len,
+                             const Tensor& fixed_idx = Tensor()) = 0;
+  /// d_topk_weight [T, k] -> dx [T, d]; accumulates the router's parameter gradients, including
+  /// those of the weighted aux losses of the last forward.
+  virtual Tensor backward(const Tensor& d_topk_weight) = 0;
+  /// Aux-loss-free balancing (sigmoid gate): bias_e += rate * sign(mean_load - load_e).
+  /// `load` is the routed slots per expert of the last step. A no-op for other gates.
+  virtual void update_bias(std::span<const int64_t> load) {}
+  /// The selection bias [E] (a buffer, not trained by the optimizer), or nullptr.
+  virtual Tensor* routing_bias() { return nullptr; }
+  virtual std::string_view name() const = 0;
+  /// Frees what forward saved for backward.
+  virtual void release() = 0;
+
+  int64_t num_experts() const { return num_experts_; }
+  int64_t top_k() const { return top_k_; }
+  int64_t d_model() const { return d_model_; }
+
+ protected:
+  /// Checks x [T, d_model], seq_len and fixed_idx; returns T.
+  int64_t check_forward_args(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) const;
+  AuxLossWeights aux_weights() const;
+
+  MoeConfig cfg_;
+  std::string prefix_;
+  int64_t num_experts_, top_k_, d_model_;
+};
+
+using GateRegistry = Registry<Gate, const GateArgs&>;
+/// The gate registry, holding the built-in gates; add your own with gate_registry().add().
+GateRegistry& gate_registry();
+/// Creates args.config.gate (an unknown name throws, listing the known gates).
+std::unique_ptr<Gate> make_gate(const GateArgs& args);
+
+}  // namespace xmoe::moe

@@ -1,0 +1,47 @@
+#pragma once
+// Internal: the built-in gates' factories (each in its own file) and the softmax routing that
+// softmax_topk, switch and xmoe share.
+#include <memory>
+
+#include "xmoe/moe/gate.h"
+
+namespace xmoe::moe {
+
+std::unique_ptr<Gate> make_softmax_topk_gate(const GateArgs& args);
+std::unique_ptr<Gate> make_sigmoid_gate(const GateArgs& args);
+std::unique_ptr<Gate> make_switch_gate(const GateArgs& args);
+std::unique_ptr<Gate> make_xmoe_gate(const GateArgs& args);
+
+/// logits [T, E] -> top-k routing through a softmax, with the aux losses.
+///  softmax_before_topk: P = softmax(logits), select top-k of P, weights P[idx] (GShard, Switch)
+///  else:                select top-k of logits, weights softmax over the k logits (Mixtral)
+///  renormalize:         weights /= their sum (a no-op for the Mixtral form)
+/// The balance losses use P = softmax(logits) over all E in both forms.
+class SoftmaxRouting {
+ public:
+  struct Options {
+    int64_t top_k = 2;
+    bool softmax_before_topk = true;
+    bool renormalize = true;
+    AuxLossWeights aux;
+  };
+  explicit SoftmaxRouting(Options o) : o_(o) {}
+  GateOutput forward(const Tensor& logits, int64_t seq_len, const Tensor& fixed_idx);
+  /// d_topk_weight [T, k] -> d logits [T, E] (weight path + aux losses).
+  Tensor backward(const Tensor& d_topk_weight);
+  void release();
+
+ private:
+  Options o_;
+  Tensor logits_, probs_, idx_, weights_, sums_;
+  AuxLossState aux_state_;
+};
+
+}  // namespace xmoe::moe
+
+namespace xmoe::moe {
+/// A linear router (logits = x @ W, W "<prefix>.router.weight" [d, E]) with softmax routing;
+/// softmax_topk and switch are this with different options.
+std::unique_ptr<Gate> make_linear_softmax_gate(const GateArgs& a, std::string_view name,
+                                               SoftmaxRouting::Options o);
+}  // namespace xmoe::moe

@@ -1,0 +1,138 @@
+// sigmoid (DeepSeek-V3): s = sigmoid(x @ W). Selection uses s + bias, where the bias [E] is a
+// buffer nudged after each step toward balanced load (aux-loss-free balancing), optionally
+// limited to the best topk_groups of num_groups expert groups (group score = sum of its top-2
+// biased scores). The weights use the raw scores of the chosen experts, normalised over the k
+// and multiplied by routed_scaling. The balance losses use the normalised scores s / sum_e s.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "xmoe/moe/gates/gates.h"
+#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::moe {
+
+namespace {
+
+class SigmoidGate final : public Gate {
+ public:
+  explicit SigmoidGate(const GateArgs& a) : Gate(a) {
+    const int64_t G = cfg_.num_groups;
+    XMOE_CHECK(G >= 1 && num_experts_ % G == 0,
+               "[moe] moe.num_groups = {} must divide moe.num_experts = {}", G, num_experts_);
+    XMOE_CHECK(cfg_.topk_groups >= 1 && cfg_.topk_groups <= G,
+               "[moe] moe.topk_groups = {} must be in [1, moe.num_groups = {}]", cfg_.topk_groups,
+               G);
+    XMOE_CHECK(top_k_ <= cfg_.topk_groups * (num_experts_ / G),
+               "[moe] moe.top_k = {} exceeds the {} experts of moe.topk_groups = {} groups",
+               top_k_, cfg_.topk_groups * (num_experts_ / G), cfg_.topk_groups);
+    weight_ = Parameter::make(prefix_ + ".router.weight", {d_model_, num_experts_});
+    weight_.init_normal(a.seed, a.init_std);
+    bias_ = Tensor::zeros({num_experts_});
+  }
+
+  GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
+    check_forward_args(x, seq_len, fixed_idx);
+    x_ = x;
+    logits_ = xmoe::ops::matmul(x, weight_.value);  // [T, E]
+    scores_ = xmoe::ops::sigmoid(logits_);           // [T, E]
+    idx_ = fixed_idx.defined() ? fixed_idx : select(scores_);
+    weights_ = renormalize_rows(take_along_rows(scores_, idx_), cfg_.routed_scaling, wsums_);
+    probs_ = renormalize_rows(scores_, 1.0f, psums_);  // [T, E], rows sum to 1
+    GateOutput out{idx_, weights_, {}};
+    out.aux = aux_losses(probs_, idx_, logits_, seq_len, aux_weights(), aux_state_);
+    return out;
+  }
+
+  Tensor backward(const Tensor& d_topk_weight) override {
+    XMOE_CHECK(scores_.defined(), "[moe gate sigmoid] backward without a forward");
+    check_shape(d_topk_weight, weights_.shape(), "moe gate sigmoid", "d_topk_weight");
+    const int64_t T = scores_.size(0);
+    Tensor dscores = Tensor::zeros({T, num_experts_});
+    put_along_rows_add(dscores, idx_,
+                       renormalize_rows_backward(weights_, wsums_, d_topk_weight,
+                                                 cfg_.routed_scaling));
+    Tensor dprobs = Tensor::zeros({T, num_experts_});
+    Tensor dlogits = Tensor::zeros({T, num_experts_});
+    aux_losses_backward(logits_, aux_state_, aux_weights(), dprobs, dlogits);
+    xmoe::ops::add_(dscores, renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
+    xmoe::ops::add_(dlogits, xmoe::ops::sigmoid_backward(scores_, dscores));
+    xmoe::ops::matmul_into(weight_.grad, x_, dlogits, true, false, 1.f, 1.f);
+    return xmoe::ops::matmul(dlogits, weight_.value, false, true);
+  }
+
+  void update_bias(std::span<const int64_t> load) override {
+    XMOE_CHECK(static_cast<int64_t>(load.size()) == num_experts_,
+               "[moe gate sigmoid] update_bias got {} loads for {} experts", load.size(),
+               num_experts_);
+    double total = 0;
+    for (int64_t l : load) total += static_cast<double>(l);
+    const double mean = total / static_cast<double>(num_experts_);
+    float* b = bias_.data<float>();
+    for (int64_t e = 0; e < num_experts_; ++e) {
+      const double diff = mean - static_cast<double>(load[e]);
+      b[e] += cfg_.bias_update_rate * static_cast<float>((diff > 0) - (diff < 0));
+    }
+  }
+
+  Tensor* routing_bias() override { return &bias_; }
+  void collect_parameters(std::vector<Parameter*>& out) override { out.push_back(&weight_); }
+  std::string_view name() const override { return "sigmoid"; }
+  void release() override { x_ = logits_ = scores_ = idx_ = weights_ = wsums_ = probs_ = psums_ = Tensor(); }
+
+ private:
+  /// Top-k of scores + bias, within the topk_groups best groups. Returns i32 [T, k].
+  Tensor select(const Tensor& scores) const {
+    const int64_t T = scores.size(0), E = num_experts_, G = cfg_.num_groups;
+    const int64_t per = E / G;
+    Tensor biased = scores.clone();
+    float* b = biased.data<float>();
+    const float* bias = bias_.data<float>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e) b[t * E + e] += bias[e];
+    if (G > 1 && cfg_.topk_groups < G) {
+      std::vector<float> gscore(G);
+      std::vector<int64_t> order(G);
+      for (int64_t t = 0; t < T; ++t) {
+        float* row = b + t * E;
+        for (int64_t g = 0; g < G; ++g) {
+          // Sum of the group's top-2 biased scores (the one score for groups of one).
+          float first = -std::numeric_limits<float>::infinity(), second = first;
+          for (int64_t e = g * per; e < (g + 1) * per; ++e) {
+            if (row[e] > first) {
+              second = first;
+              first = row[e];
+            } else if (row[e] > second) {
+              second = row[e];
+            }
+          }
+          gscore[g] = per >= 2 ? first + second : first;
+          order[g] = g;
+        }
+        std::partial_sort(order.begin(), order.begin() + cfg_.topk_groups, order.end(),
+                          [&](int64_t a, int64_t c) {
+                            return gscore[a] > gscore[c] || (gscore[a] == gscore[c] && a < c);
+                          });
+        std::vector<char> keep(G, 0);
+        for (int64_t i = 0; i < cfg_.topk_groups; ++i) keep[order[i]] = 1;
+        for (int64_t e = 0; e < E; ++e)
+          if (!keep[e / per]) row[e] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    return xmoe::ops::topk(biased, top_k_).indices;
+  }
+
+  Parameter weight_;
+  Tensor bias_;  // [E] selection bias, updated by update_bias, not by the optimizer
+  Tensor x_, logits_, scores_, idx_, weights_, wsums_, probs_, psums_;
+  AuxLossState aux_state_;
+};
+
+}  // namespace
+
+std::unique_ptr<Gate> make_sigmoid_gate(const GateArgs& a) {
+  return std::make_unique<SigmoidGate>(a);
+}
+
+}  // namespace xmoe::moe

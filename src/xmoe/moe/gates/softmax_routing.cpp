@@ -1,0 +1,46 @@
+#include "xmoe/moe/gates/gates.h"
+#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::moe {
+
+GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len,
+                                   const Tensor& fixed_idx) {
+  logits_ = logits;                 // [T, E]
+  probs_ = xmoe::ops::softmax(logits);  // [T, E], for the balance losses (and GShard weights)
+  GateOutput out;
+  if (o_.softmax_before_topk) {
+    idx_ = fixed_idx.defined() ? fixed_idx : xmoe::ops::topk(probs_, o_.top_k).indices;
+    Tensor v = take_along_rows(probs_, idx_);  // [T, k]
+    weights_ = o_.renormalize ? renormalize_rows(v, 1.0f, sums_) : v;
+  } else {
+    idx_ = fixed_idx.defined() ? fixed_idx : xmoe::ops::topk(logits, o_.top_k).indices;
+    weights_ = xmoe::ops::softmax(take_along_rows(logits, idx_));  // [T, k], sums to 1
+  }
+  out.topk_idx = idx_;
+  out.topk_weight = weights_;
+  out.aux = aux_losses(probs_, idx_, logits_, seq_len, o_.aux, aux_state_);
+  return out;
+}
+
+Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight) {
+  XMOE_CHECK(probs_.defined(), "[moe gate] backward without a forward");
+  check_shape(d_topk_weight, weights_.shape(), "moe gate backward", "d_topk_weight");
+  const int64_t T = probs_.size(0), E = probs_.size(1);
+  Tensor dprobs = Tensor::zeros({T, E});
+  Tensor dlogits = Tensor::zeros({T, E});  // direct contributions (Mixtral weights, z-loss)
+  if (o_.softmax_before_topk) {
+    Tensor dv = o_.renormalize ? renormalize_rows_backward(weights_, sums_, d_topk_weight, 1.0f)
+                               : d_topk_weight;
+    put_along_rows_add(dprobs, idx_, dv);
+  } else {
+    put_along_rows_add(dlogits, idx_, xmoe::ops::softmax_backward(weights_, d_topk_weight));
+  }
+  aux_losses_backward(logits_, aux_state_, o_.aux, dprobs, dlogits);
+  xmoe::ops::add_(dlogits, xmoe::ops::softmax_backward(probs_, dprobs));
+  return dlogits;
+}
+
+void SoftmaxRouting::release() { logits_ = probs_ = idx_ = weights_ = sums_ = Tensor(); }
+
+}  // namespace xmoe::moe

@@ -1,0 +1,92 @@
+// xmoe (Chi et al. 2022, "On the Representation Collapse of Sparse Mixture of Experts"):
+//   z = x @ Wp                       Wp "<prefix>.router.weight" [d, router_dim]
+//   logits = cos(z, e_j) / tau       e  "<prefix>.router.expert_embeddings" [router_dim, E]
+//                                    tau "<prefix>.router.temperature" [1], learned, >= 0.01
+// then softmax over E and top-k (renormalised per moe.renormalize). Both z and the expert
+// embeddings are L2-normalised, so routing depends on directions in a small space.
+#include "xmoe/moe/gates/gates.h"
+#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::moe {
+
+namespace {
+
+constexpr float kMinTemperature = 0.01f;
+
+class XmoeGate final : public Gate {
+ public:
+  explicit XmoeGate(const GateArgs& a)
+      : Gate(a),
+        routing_({cfg_.top_k, true, cfg_.renormalize,
+                  {cfg_.aux_loss_weight, cfg_.seq_aux_loss_weight, cfg_.z_loss_weight}}) {
+    XMOE_CHECK(cfg_.router_dim >= 1, "[moe] moe.router_dim = {} must be >= 1", cfg_.router_dim);
+    XMOE_CHECK(cfg_.router_temperature > 0.f, "[moe] moe.router_temperature = {} must be > 0",
+               cfg_.router_temperature);
+    const int64_t r = cfg_.router_dim;
+    proj_ = Parameter::make(prefix_ + ".router.weight", {d_model_, r});
+    proj_.init_normal(a.seed, a.init_std);
+    emb_ = Parameter::make(prefix_ + ".router.expert_embeddings", {r, num_experts_});
+    emb_.init_normal(a.seed, a.init_std);
+    temp_ = Parameter::make(prefix_ + ".router.temperature", {1}, ParamKind::dense, false);
+    temp_.init_constant(cfg_.router_temperature);
+  }
+
+  GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
+    check_forward_args(x, seq_len, fixed_idx);
+    x_ = x;
+    zn_ = l2_normalize_rows(xmoe::ops::matmul(x, proj_.value));  // [T, r]
+    en_ = l2_normalize_rows(transpose(emb_.value));               // [E, r]
+    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);          // [T, E]
+    tau_ = std::max(temp_.value.data<float>()[0], kMinTemperature);
+    Tensor logits = cos_.clone();
+    xmoe::ops::scale_(logits, 1.0f / tau_);
+    return routing_.forward(logits, seq_len, fixed_idx);
+  }
+
+  Tensor backward(const Tensor& d_topk_weight) override {
+    Tensor dlogits = routing_.backward(d_topk_weight);  // [T, E]
+    // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
+    if (temp_.value.data<float>()[0] >= kMinTemperature) {
+      double dot = 0;
+      const float* g = dlogits.data<float>();
+      const float* c = cos_.data<float>();
+      for (int64_t i = 0; i < dlogits.numel(); ++i) dot += static_cast<double>(g[i]) * c[i];
+      temp_.grad.data<float>()[0] += static_cast<float>(-dot / (tau_ * tau_));
+    }
+    Tensor dcos = dlogits;
+    xmoe::ops::scale_(dcos, 1.0f / tau_);
+    Tensor dzn = xmoe::ops::matmul(dcos, en_.y);              // [T, r]
+    Tensor den = xmoe::ops::matmul(dcos, zn_.y, true, false); // [E, r]
+    Tensor demb = transpose(l2_normalize_rows_backward(en_.y, en_.norm, den));  // [r, E]
+    xmoe::ops::add_(emb_.grad, demb);
+    Tensor dz = l2_normalize_rows_backward(zn_.y, zn_.norm, dzn);  // [T, r]
+    xmoe::ops::matmul_into(proj_.grad, x_, dz, true, false, 1.f, 1.f);
+    return xmoe::ops::matmul(dz, proj_.value, false, true);
+  }
+
+  void collect_parameters(std::vector<Parameter*>& out) override {
+    out.push_back(&proj_);
+    out.push_back(&emb_);
+    out.push_back(&temp_);
+  }
+  std::string_view name() const override { return "xmoe"; }
+  void release() override {
+    x_ = cos_ = Tensor();
+    zn_ = en_ = {};
+    routing_.release();
+  }
+
+ private:
+  SoftmaxRouting routing_;
+  Parameter proj_, emb_, temp_;
+  Tensor x_, cos_;
+  L2NormResult zn_, en_;
+  float tau_ = 1.0f;
+};
+
+}  // namespace
+
+std::unique_ptr<Gate> make_xmoe_gate(const GateArgs& a) { return std::make_unique<XmoeGate>(a); }
+
+}  // namespace xmoe::moe

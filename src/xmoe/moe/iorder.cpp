@@ -1,0 +1,38 @@
+#include "xmoe/moe/iorder.h"
+
+#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::moe {
+
+Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
+                       const TokenLayout& layout) {
+  const char* op = "moe iorder";
+  const int64_t N = layout.num_rows();
+  check_shape(rows_out, {N, -1}, op, "rows_out");
+  check_shape(combine_weights, {N}, op, "combine_weights");
+  rows_out_ = rows_out;
+  combine_weights_ = combine_weights;
+  token_ids_ = layout.token_ids;
+  padded_ = layout.padded;
+  Tensor y = Tensor::zeros({layout.num_tokens, rows_out.size(1)});
+  if (padded_) {
+    scatter_add_rows_masked(y, rows_out, token_ids_, combine_weights);
+  } else {
+    xmoe::ops::scatter_add_rows(y, rows_out, token_ids_, combine_weights);
+  }
+  return y;
+}
+
+IOrder::Grads IOrder::backward(const Tensor& dy) {
+  XMOE_CHECK(rows_out_.defined(), "[moe iorder] backward without a forward");
+  check_shape(dy, {-1, rows_out_.size(1)}, "moe iorder backward", "dy");
+  Grads g;
+  // dy gathered to rows [N, d]; it becomes d_rows in place once d_combine_weights is taken.
+  g.d_rows = padded_ ? gather_rows_masked(dy, token_ids_) : xmoe::ops::gather_rows(dy, token_ids_);
+  g.d_combine_weights = xmoe::ops::row_dot(rows_out_, g.d_rows);
+  scale_rows_(g.d_rows, combine_weights_);
+  return g;
+}
+
+}  // namespace xmoe::moe

@@ -1,0 +1,107 @@
+#pragma once
+// MoELayer: the six stages composed, FSMoE-style, with hooks around each.
+//
+//   forward:  gate -> order -> dispatch -> expert -> combine -> iorder   (+ shared experts)
+//   backward: shared, iorder, combine, expert, dispatch, order, gate     (reverse)
+//
+// Every stage is created by name (moe.gate, moe.impl, moe.dispatch) and owns what it saves for
+// backward; see docs/moe.md for the data layout and the options.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xmoe/config/config.h"
+#include "xmoe/core/parameter.h"
+#include "xmoe/moe/dispatch.h"
+#include "xmoe/moe/expert.h"
+#include "xmoe/moe/gate.h"
+#include "xmoe/moe/hooks.h"
+#include "xmoe/moe/iorder.h"
+#include "xmoe/moe/order.h"
+#include "xmoe/moe/shared.h"
+
+namespace xmoe::moe {
+
+class MoELayer : public Module {
+ public:
+  /// Router and expert weights ~ N(0, init_std^2) from (seed, parameter name), so the same
+  /// however experts are sharded; the down projections (routed and shared) use down_std when
+  /// given (the model passes init_std / sqrt(2 * num_layers)). Parameter names start with prefix.
+  MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix, uint64_t seed,
+           float init_std, std::optional<float> down_std = std::nullopt);
+  ~MoELayer() override;
+
+  /// x [T, d] -> y [T, d]; T must be a multiple of seq_len (sequences, for the sequence-level
+  /// balance loss). Saves what backward needs.
+  Tensor forward(const Tensor& x, int64_t seq_len);
+  /// dy [T, d] -> dx [T, d]. Accumulates every parameter's gradient, including the router's
+  /// through the combine weights and the weighted aux losses (whose upstream gradient is 1:
+  /// the trainer adds aux_loss() to the loss). Frees the saved activations.
+  Tensor backward(const Tensor& dy);
+  /// Frees what the last forward saved (for forward-only use, e.g. evaluation).
+  void release();
+
+  /// Weighted sum of the aux losses of the last forward.
+  float aux_loss() const { return static_cast<float>(aux_.weighted); }
+  /// The unweighted terms (load_balance, seq_balance, z_loss) of the last forward.
+  const AuxLossTerms& aux_terms() const { return aux_; }
+
+  /// Sigmoid gate: bias_e += rate * sign(mean_load - load_e) from the load routed since the last
+  /// call (all micro-batches of the step). A no-op for other gates. Call after the optimizer step.
+  void update_routing_bias();
+
+  /// (token, slot) pairs each expert processed in the last forward [E].
+  const std::vector<int64_t>& tokens_per_expert() const { return tokens_per_expert_; }
+  /// Pairs routed to each expert in the last forward, before any capacity drop [E].
+  const std::vector<int64_t>& expert_load() const { return load_; }
+  /// Pairs dropped for lack of capacity in the last forward (padded impl only; PFT drops none).
+  int64_t dropped_tokens() const { return dropped_; }
+
+  /// While on, forward reuses the last forward's topk_idx (the expert choice) and recomputes
+  /// only the weights and losses: routing is discrete, so gradient checks must hold it fixed.
+  void set_frozen_routing(bool on) { frozen_routing_ = on; }
+  bool frozen_routing() const { return frozen_routing_; }
+  /// Recompute the experts' gate_up output in backward instead of saving it.
+  void set_recompute(bool on) { experts_->set_recompute(on); }
+
+  /// Callbacks before/after each stage (see hooks.h).
+  Hooks& hooks() { return hooks_; }
+
+  const MoeConfig& config() const { return cfg_; }
+  const std::string& prefix() const { return prefix_; }
+  int64_t d_model() const { return d_model_; }
+  Gate& gate() { return *gate_; }
+  Experts& experts() { return *experts_; }
+  /// Layout of the last forward (freed by backward/release).
+  const TokenLayout& layout() const { return order_->layout(); }
+
+  void collect_parameters(std::vector<Parameter*>& out) override;
+
+ private:
+  template <class Body> void run_stage(StageContext& ctx, Stage stage, Body&& body);
+
+  MoeConfig cfg_;
+  int64_t d_model_;
+  std::string prefix_;
+  std::unique_ptr<Gate> gate_;
+  std::unique_ptr<Order> order_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+  std::unique_ptr<Experts> experts_;
+  IOrder iorder_;
+  std::unique_ptr<SharedExperts> shared_;  // null when num_shared_experts = 0
+  Hooks hooks_;
+
+  // State of the last forward.
+  DispatchHandle handle_;
+  AuxLossTerms aux_;
+  Tensor last_topk_idx_;
+  bool gate_output_replaced_ = false;
+  bool have_forward_ = false;
+  std::vector<int64_t> tokens_per_expert_, load_, pending_load_;
+  int64_t dropped_ = 0;
+  bool frozen_routing_ = false;
+};
+
+}  // namespace xmoe::moe

@@ -1,0 +1,40 @@
+#pragma once
+// Small ops the MoE stages need that xmoe/ops/ops.h does not (yet) provide. Same conventions as
+// ops.h: argument checks name the op, CPU f32/i32 tensors; a CUDA backend would move these into
+// ops.h + backend/{cpu,cuda}. Index tensors are i32; an index < 0 marks an empty (padding) slot.
+#include <cstdint>
+
+#include "xmoe/core/tensor.h"
+
+namespace xmoe::moe {
+
+/// out[i] = x[index[i]], or a zero row where index[i] < 0. x [N, d], index i32 [M] -> [M, d].
+Tensor gather_rows_masked(const Tensor& x, const Tensor& index);
+/// out[index[i]] += weight[i] * src[i], skipping rows with index[i] < 0 (weight undefined = 1).
+void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index,
+                             const Tensor& weight = Tensor());
+/// x[i, :] *= w[i] in place; x [N, d], w f32 [N].
+void scale_rows_(Tensor& x, const Tensor& w);
+/// out[i, j] = x[i, idx[i, j]]: x [N, E], idx i32 [N, k] -> [N, k].
+Tensor take_along_rows(const Tensor& x, const Tensor& idx);
+/// out[i, idx[i, j]] += src[i, j]: out [N, E], idx i32 [N, k], src [N, k].
+void put_along_rows_add(Tensor& out, const Tensor& idx, const Tensor& src);
+/// Transpose of a 2-d f32 tensor: [M, N] -> [N, M].
+Tensor transpose(const Tensor& x);
+
+struct L2NormResult {
+  Tensor y;     ///< [N, d] rows of unit length
+  Tensor norm;  ///< [N] max(||x_i||, eps), saved for backward
+};
+/// y_i = x_i / max(||x_i||, eps) over the rows of x [N, d].
+L2NormResult l2_normalize_rows(const Tensor& x, float eps = 1e-6f);
+/// dx_i = (dy_i - y_i (y_i . dy_i)) / norm_i (the eps clamp is treated as inactive).
+Tensor l2_normalize_rows_backward(const Tensor& y, const Tensor& norm, const Tensor& dy);
+
+/// w = scale * v / sum_j v_j over rows of v [N, k]; returns w and saves the row sums in `sums`.
+Tensor renormalize_rows(const Tensor& v, float scale, Tensor& sums);
+/// dv from dw for renormalize_rows: dv_j = (scale * dw_j - sum_i dw_i w_i) / s.
+Tensor renormalize_rows_backward(const Tensor& w, const Tensor& sums, const Tensor& dw,
+                                 float scale);
+
+}  // namespace xmoe::moe

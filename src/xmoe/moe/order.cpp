@@ -1,0 +1,113 @@
+#include "xmoe/moe/order.h"
+
+#include "xmoe/moe/moe_ops.h"
+#include "xmoe/moe/padded.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::moe {
+
+void pft_layout_kernel(const int32_t* topk_idx, const float* topk_weight, int64_t tokens,
+                       int64_t top_k, int64_t experts, int32_t* token_ids, int32_t* expert_ids,
+                       float* combine_weights, int32_t* slot_to_row, int64_t* tokens_per_expert) {
+  const int64_t pairs = tokens * top_k;
+  for (int64_t e = 0; e < experts; ++e) tokens_per_expert[e] = 0;
+  for (int64_t i = 0; i < pairs; ++i) ++tokens_per_expert[topk_idx[i]];
+  std::vector<int64_t> next(static_cast<size_t>(experts), 0);  // exclusive prefix sums
+  for (int64_t e = 1; e < experts; ++e) next[e] = next[e - 1] + tokens_per_expert[e - 1];
+  // Visiting pairs in (token, slot) order keeps each expert's rows in that order (stable).
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int32_t e = topk_idx[i];
+    const int64_t row = next[e]++;
+    token_ids[row] = static_cast<int32_t>(i / top_k);
+    expert_ids[row] = e;
+    combine_weights[row] = topk_weight[i];
+    slot_to_row[i] = static_cast<int32_t>(row);
+  }
+}
+
+namespace {
+
+class PftOrder final : public Order {
+ public:
+  explicit PftOrder(const MoeConfig& c) : Order(c.num_experts) {}
+  std::string_view name() const override { return "pft"; }
+
+ protected:
+  TokenLayout make_layout(const Tensor& topk_idx, const Tensor& topk_weight) const override {
+    const int64_t num_experts = num_experts_;
+    const int64_t T = topk_idx.size(0), k = topk_idx.size(1), N = T * k;
+    TokenLayout l;
+    l.num_tokens = T;
+    l.top_k = k;
+    l.num_experts = num_experts;
+    l.token_ids = Tensor::empty({N}, DType::i32);
+    l.expert_ids = Tensor::empty({N}, DType::i32);
+    l.combine_weights = Tensor::empty({N});
+    l.slot_to_row = Tensor::empty({N}, DType::i32);
+    l.tokens_per_expert.assign(static_cast<size_t>(num_experts), 0);
+    pft_layout_kernel(topk_idx.data<int32_t>(), topk_weight.data<float>(), T, k, num_experts,
+                      l.token_ids.data<int32_t>(), l.expert_ids.data<int32_t>(),
+                      l.combine_weights.data<float>(), l.slot_to_row.data<int32_t>(),
+                      l.tokens_per_expert.data());
+    l.group_sizes = l.tokens_per_expert;
+    l.load = l.tokens_per_expert;
+    return l;
+  }
+};
+
+}  // namespace
+
+Tensor Order::forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight) {
+  const char* op = "moe order";
+  check_dtype(topk_idx, DType::i32, op, "topk_idx");
+  check_dtype(topk_weight, DType::f32, op, "topk_weight");
+  check_shape(topk_idx, {x.size(0), -1}, op, "topk_idx");
+  check_shape(topk_weight, topk_idx.shape(), op, "topk_weight");
+  XMOE_CHECK(topk_idx.is_cpu(), "[{}] only the CPU layout is implemented", op);
+  layout_ = {};  // free the previous step's layout before building the next
+  d_model_ = x.size(1);
+  for (int32_t e : topk_idx.span<int32_t>())
+    XMOE_CHECK(e >= 0 && e < num_experts_, "[{}] topk_idx holds expert {} outside [0, {})", op, e,
+               num_experts_);
+  layout_ = make_layout(topk_idx, topk_weight);
+  return layout_.padded ? gather_rows_masked(x, layout_.token_ids)
+                        : xmoe::ops::gather_rows(x, layout_.token_ids);
+}
+
+Order::Grads Order::backward(const Tensor& d_rows, const Tensor& d_combine_weights) const {
+  const TokenLayout& l = layout_;
+  XMOE_CHECK(l.token_ids.defined(), "[moe order] backward without a forward");
+  const int64_t N = l.num_rows();
+  check_shape(d_rows, {N, d_model_}, "moe order backward", "d_rows");
+  check_shape(d_combine_weights, {N}, "moe order backward", "d_combine_weights");
+  Grads g;
+  g.dx = Tensor::zeros({l.num_tokens, d_model_});
+  Tensor dcw = d_combine_weights.reshape({N, 1});
+  if (l.padded) {
+    scatter_add_rows_masked(g.dx, d_rows, l.token_ids);
+    g.d_topk_weight = gather_rows_masked(dcw, l.slot_to_row);
+  } else {
+    xmoe::ops::scatter_add_rows(g.dx, d_rows, l.token_ids);
+    g.d_topk_weight = xmoe::ops::gather_rows(dcw, l.slot_to_row);
+  }
+  g.d_topk_weight = g.d_topk_weight.reshape({l.num_tokens, l.top_k});
+  return g;
+}
+
+OrderRegistry& order_registry() {
+  static OrderRegistry registry = [] {
+    OrderRegistry r("moe.impl");
+    r.add("pft", [](const MoeConfig& c) -> std::unique_ptr<Order> {
+      return std::make_unique<PftOrder>(c);
+    });
+    r.add("padded", make_padded_order);
+    return r;
+  }();
+  return registry;
+}
+
+std::unique_ptr<Order> make_order(const MoeConfig& config) {
+  return order_registry().create(config.impl, config);
+}
+
+}  // namespace xmoe::moe

@@ -1,0 +1,79 @@
+#pragma once
+// Stage 2, Order: lays out the T*k (token, slot) pairs as expert input rows, grouped by expert,
+// then gathers the rows. Implementations by name (moe.impl):
+//   pft    — the padding-free token buffer (X-MoE): exactly T*k rows, stably sorted by expert
+//            (counting sort; within an expert, in (token, slot) order). No capacity, no drop.
+//   padded — the DeepSpeed-MoE/Tutel baseline: [E, C, d] buffers, C = ceil(cf * T * k / E),
+//            pairs beyond C per expert dropped in token order (moe/padded.h).
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "xmoe/config/config.h"
+#include "xmoe/core/tensor.h"
+#include "xmoe/moe/registry.h"
+
+namespace xmoe::moe {
+
+/// Where each (token, slot) pair sits in the expert input buffer. N = rows of the buffer
+/// (PFT: T*k; padded: E*C). Index tensors live on the tensors' device; counts on the host
+/// (grouped GEMM and all-to-all-v need them there).
+struct TokenLayout {
+  int64_t num_tokens = 0, top_k = 0, num_experts = 0;
+  Tensor token_ids;        ///< i32 [N] token of each row; -1 marks a padding row
+  Tensor expert_ids;       ///< i32 [N] expert of each row (non-decreasing)
+  Tensor combine_weights;  ///< f32 [N] topk_weight of the row's pair; 0 for padding rows
+  Tensor slot_to_row;      ///< i32 [T*k] row of pair (t, j) at t*k + j; -1 if it was dropped
+  std::vector<int64_t> group_sizes;        ///< [E] buffer rows per expert (padded: C each)
+  std::vector<int64_t> tokens_per_expert;  ///< [E] pairs each expert processes
+  std::vector<int64_t> load;               ///< [E] pairs routed to each expert (before drops)
+  int64_t capacity = 0;  ///< padded: C; pft: 0 (none)
+  int64_t dropped = 0;   ///< pairs dropped for lack of capacity
+  bool padded = false;   ///< token_ids may hold -1 (padding rows)
+  int64_t num_rows() const { return token_ids.defined() ? token_ids.numel() : 0; }
+};
+
+/// Counting sort of the (token, slot) pairs by expert: the PFT on raw host pointers.
+/// topk_idx [T*k]; outputs token_ids, expert_ids, combine_weights, slot_to_row [T*k] and
+/// tokens_per_expert [E].
+void pft_layout_kernel(const int32_t* topk_idx, const float* topk_weight, int64_t tokens,
+                       int64_t top_k, int64_t experts, int32_t* token_ids, int32_t* expert_ids,
+                       float* combine_weights, int32_t* slot_to_row, int64_t* tokens_per_expert);
+
+class Order {
+ public:
+  explicit Order(int64_t num_experts) : num_experts_(num_experts) {}
+  virtual ~Order() = default;
+  virtual std::string_view name() const = 0;
+
+  /// Builds the layout from the gate's topk_idx i32 [T, k] and topk_weight f32 [T, k], then
+  /// gathers x [T, d] into the rows [N, d].
+  Tensor forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight);
+  const TokenLayout& layout() const { return layout_; }
+
+  struct Grads {
+    Tensor dx;             ///< [T, d]: row gradients added back into their tokens
+    Tensor d_topk_weight;  ///< [T, k]: combine-weight gradients back in (token, slot) order
+  };
+  /// d_rows [N, d] and d_combine_weights [N] -> Grads.
+  Grads backward(const Tensor& d_rows, const Tensor& d_combine_weights) const;
+  void release() { layout_ = {}; }
+
+ protected:
+  /// topk_idx, topk_weight [T, k] on the host, ids checked to be in [0, num_experts_).
+  virtual TokenLayout make_layout(const Tensor& topk_idx, const Tensor& topk_weight) const = 0;
+
+  int64_t num_experts_;
+
+ private:
+  TokenLayout layout_;
+  int64_t d_model_ = 0;
+};
+
+using OrderRegistry = Registry<Order, const MoeConfig&>;
+/// Built-in: "pft", "padded" (the value of moe.impl).
+OrderRegistry& order_registry();
+std::unique_ptr<Order> make_order(const MoeConfig& config);
+
+}  // namespace xmoe::moe

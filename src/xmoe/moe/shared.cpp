@@ -1,0 +1,30 @@
+#include "xmoe/moe/shared.h"
+
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::moe {
+
+SharedExperts::SharedExperts(const std::string& prefix, int64_t d_model, int64_t hidden,
+                             uint64_t seed, float init_std, float down_std) {
+  gate_up_ = Parameter::make(prefix + ".shared.gate_up", {d_model, 2 * hidden});
+  down_ = Parameter::make(prefix + ".shared.down", {hidden, d_model});
+  gate_up_.init_normal(seed, init_std);
+  down_.init_normal(seed, down_std);
+}
+
+Tensor SharedExperts::forward(const Tensor& x) {
+  x_ = x;
+  h_ = xmoe::ops::matmul(x, gate_up_.value);                      // [T, 2Sf]
+  return xmoe::ops::matmul(xmoe::ops::swiglu(h_), down_.value);   // [T, d]
+}
+
+Tensor SharedExperts::backward(const Tensor& dy) {
+  XMOE_CHECK(h_.defined(), "[moe shared] backward without a forward");
+  Tensor a = xmoe::ops::swiglu(h_);                                          // [T, Sf]
+  xmoe::ops::matmul_into(down_.grad, a, dy, true, false, 1.f, 1.f);          // dWd += a^T dy
+  Tensor dh = xmoe::ops::swiglu_backward(h_, xmoe::ops::matmul(dy, down_.value, false, true));
+  xmoe::ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, 1.f);      // dWgu += x^T dh
+  return xmoe::ops::matmul(dh, gate_up_.value, false, true);                 // [T, d]
+}
+
+}  // namespace xmoe::moe

@@ -1,0 +1,119 @@
+// Collectives under mpirun with rank-encoded payloads: every received slice is checked.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "xmoe/comm/group.h"
+
+using namespace xmoe;
+using comm::ByteCounters;
+using comm::LinkClass;
+
+namespace {
+std::shared_ptr<comm::Group> world() { return comm::world(); }
+/// Value that encodes (source rank, destination rank, row, column).
+float code(int src, int dst, int64_t row, int64_t col) {
+  return static_cast<float>(src * 1000000 + dst * 10000 + row * 10 + col);
+}
+}  // namespace
+
+TEST(Comm, AllReduceAllGatherReduceScatterBroadcast) {
+  auto g = world();
+  const int r = g->rank(), n = g->size();
+  Tensor t = Tensor::from_vector<float>({float(r), 1.f, float(r * r)}, {3});
+  g->all_reduce(t);
+  const float sum_r = n * (n - 1) / 2.f;
+  EXPECT_EQ(t.to_vector<float>()[0], sum_r);
+  EXPECT_EQ(t.to_vector<float>()[1], float(n));
+  Tensor m = Tensor::from_vector<int32_t>({r}, {1});
+  g->all_reduce(m, comm::ReduceOp::max);
+  EXPECT_EQ(m.data<int32_t>()[0], n - 1);
+
+  Tensor mine = Tensor::from_vector<float>({float(r), float(r) + 0.5f}, {1, 2});
+  Tensor all = g->all_gather(mine);
+  ASSERT_EQ(all.shape(), (Shape{n, 2}));
+  for (int p = 0; p < n; ++p) EXPECT_EQ(all.data<float>()[p * 2], float(p));
+
+  Tensor full = Tensor::empty({int64_t(2 * n)});
+  for (int i = 0; i < 2 * n; ++i) full.data<float>()[i] = float(i + r);
+  Tensor part = g->reduce_scatter(full);
+  ASSERT_EQ(part.numel(), 2);
+  EXPECT_EQ(part.data<float>()[0], float(n * (2 * r) + sum_r));
+
+  Tensor b = Tensor::from_vector<float>({float(r)}, {1});
+  g->broadcast(b, n - 1);
+  EXPECT_EQ(b.data<float>()[0], float(n - 1));
+}
+
+TEST(Comm, AllToAllVMovesExactlyTheRowsWithEmptyRanks) {
+  auto g = world();
+  const int r = g->rank(), n = g->size();
+  const int64_t d = 3;
+  // Rank r sends (r + p) % 3 rows to rank p: some pairs send nothing, and with n >= 3 the
+  // pattern leaves some rank receiving zero rows from some peers.
+  std::vector<int64_t> send_rows(n);
+  for (int p = 0; p < n; ++p) send_rows[p] = (r + p) % 3;
+  const auto recv_rows = g->all_to_all_counts(send_rows);
+  for (int p = 0; p < n; ++p) EXPECT_EQ(recv_rows[p], (p + r) % 3);
+  const int64_t total = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
+  Tensor send = Tensor::empty({total, d});
+  int64_t row = 0;
+  for (int p = 0; p < n; ++p)
+    for (int64_t i = 0; i < send_rows[p]; ++i, ++row)
+      for (int64_t c = 0; c < d; ++c) send.data<float>()[row * d + c] = code(r, p, i, c);
+  g->counters().reset();
+  Tensor recv = g->all_to_all_v(send, send_rows, recv_rows);
+  row = 0;
+  for (int p = 0; p < n; ++p)
+    for (int64_t i = 0; i < recv_rows[p]; ++i, ++row)
+      for (int64_t c = 0; c < d; ++c)
+        ASSERT_EQ(recv.data<float>()[row * d + c], code(p, r, i, c)) << "from " << p;
+  int64_t off_rank = 0;
+  for (int p = 0; p < n; ++p)
+    if (p != r) off_rank += send_rows[p] * d * 4;
+  EXPECT_EQ(g->counters().total(LinkClass::intra_node) + g->counters().total(LinkClass::inter_node),
+            off_rank);
+  // A rank that sends and receives nothing at all still completes the collective.
+  std::vector<int64_t> none(n, 0);
+  if (r == 0) {
+    Tensor empty = Tensor::empty({0, d});
+    Tensor got = g->all_to_all_v(empty, none, std::vector<int64_t>(n, 0));
+    EXPECT_EQ(got.size(0), 0);
+  } else {
+    Tensor empty = Tensor::empty({0, d});
+    Tensor got = g->all_to_all_v(empty, none, none);
+    EXPECT_EQ(got.size(0), 0);
+  }
+}
+
+TEST(Comm, AsyncAllToAllOverlapsAndCompletes) {
+  auto g = world();
+  const int r = g->rank(), n = g->size();
+  std::vector<int64_t> rows(n, 2);
+  Tensor send = Tensor::empty({2 * n, 1});
+  for (int p = 0; p < n; ++p)
+    for (int i = 0; i < 2; ++i) send.data<float>()[p * 2 + i] = code(r, p, i, 0);
+  Tensor recv;
+  auto work = g->all_to_all_v_async(send, rows, rows, recv);
+  work->wait();
+  for (int p = 0; p < n; ++p) EXPECT_EQ(recv.data<float>()[p * 2 + 1], code(p, r, 1, 0));
+}
+
+TEST(Comm, SplitAndDeclaredTopology) {
+  auto g = world();
+  const int r = g->rank(), n = g->size();
+  auto half = g->split(r % 2, r);
+  EXPECT_EQ(half->size(), (n + 1 - r % 2) / 2);
+  Tensor t = Tensor::from_vector<float>({1.f}, {1});
+  half->all_reduce(t);
+  EXPECT_EQ(t.data<float>()[0], float(half->size()));
+  if (n % 2 == 0) {
+    const auto topo = comm::Topology::uniform(n, 2);
+    EXPECT_EQ(topo.num_nodes(), n / 2);
+    EXPECT_EQ(topo.node_of(r), r / 2);
+    EXPECT_EQ(topo.local_rank(r), r % 2);
+    EXPECT_EQ(topo.link(0, 1), LinkClass::intra_node);
+    if (n > 2) EXPECT_EQ(topo.link(0, 2), LinkClass::inter_node);
+  }
+  EXPECT_THROW(comm::Topology::uniform(n, n + 1), Error);
+}

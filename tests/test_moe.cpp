@@ -1,0 +1,544 @@
+// Unit tests of the MoE stages and layer: the PFT layout, padded baseline, gates, hooks, errors.
+// Gradient checks live in test_moe_grad.cpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <set>
+
+#include "gradcheck.h"
+#include "xmoe/moe/layer.h"
+#include "xmoe/moe/padded.h"
+#include "xmoe/ops/ops.h"
+
+using namespace xmoe;
+using namespace xmoe::moe;
+using xmoe::testing::randn;
+
+namespace {
+
+MoeConfig small_config(const std::string& gate = "softmax_topk") {
+  MoeConfig c;
+  c.num_experts = 6;
+  c.top_k = 2;
+  c.expert_hidden = 4;
+  c.num_shared_experts = 0;
+  c.gate = gate;
+  return c;
+}
+
+/// Random distinct top-k expert ids per token.
+Tensor random_topk(int64_t T, int64_t k, int64_t E, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> idx;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> perm(E);
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int64_t i = E - 1; i > 0; --i)
+      std::swap(perm[i], perm[rng.below(static_cast<uint64_t>(i + 1))]);
+    idx.insert(idx.end(), perm.begin(), perm.begin() + k);
+  }
+  return Tensor::from_vector(idx, {T, k});
+}
+
+template <class F> std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+}  // namespace
+
+// ---- Order: the padding-free token buffer -----------------------------------------------------
+
+TEST(MoeOrder, PftInvariants) {
+  const int64_t T = 37, k = 3, E = 8, d = 5;
+  MoeConfig c = small_config();
+  c.num_experts = E;
+  c.top_k = k;
+  auto order = make_order(c);
+  EXPECT_EQ(order->name(), "pft");
+  Tensor idx = random_topk(T, k, E, 1);
+  Tensor w = randn({T, k}, 2);
+  Tensor x = randn({T, d}, 3);
+  Tensor rows = order->forward(x, idx, w);
+  const TokenLayout& l = order->layout();
+
+  ASSERT_EQ(l.num_rows(), T * k);  // exactly T*k rows, no padding
+  EXPECT_EQ(rows.shape(), (Shape{T * k, d}));
+  EXPECT_EQ(std::accumulate(l.tokens_per_expert.begin(), l.tokens_per_expert.end(), int64_t{0}),
+            T * k);
+  EXPECT_EQ(l.dropped, 0);
+  auto tok = l.token_ids.to_vector<int32_t>();
+  auto exp = l.expert_ids.to_vector<int32_t>();
+  auto cw = l.combine_weights.to_vector<float>();
+  auto s2r = l.slot_to_row.to_vector<int32_t>();
+  auto iv = idx.to_vector<int32_t>();
+  auto wv = w.to_vector<float>();
+  // Grouped by expert with tokens_per_expert rows each; stable: token ids ascending inside.
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < l.tokens_per_expert[e]; ++i, ++row) {
+      EXPECT_EQ(exp[row], e);
+      if (i > 0) EXPECT_LT(tok[row - 1], tok[row]) << "expert " << e;
+    }
+  // slot_to_row is the inverse map, and a permutation of the rows.
+  std::set<int32_t> seen;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t r = s2r[t * k + j];
+      ASSERT_GE(r, 0);
+      EXPECT_EQ(tok[r], t);
+      EXPECT_EQ(exp[r], iv[t * k + j]);
+      EXPECT_EQ(cw[r], wv[t * k + j]);
+      seen.insert(r);
+    }
+  EXPECT_EQ(static_cast<int64_t>(seen.size()), T * k);
+  // The rows are the tokens.
+  auto xv = x.to_vector<float>();
+  auto rv = rows.to_vector<float>();
+  for (int64_t r = 0; r < T * k; ++r)
+    for (int64_t j = 0; j < d; ++j) EXPECT_EQ(rv[r * d + j], xv[tok[r] * d + j]);
+}
+
+TEST(MoeOrder, PftBackwardAddsRowsIntoTokensAndMapsWeights) {
+  const int64_t T = 5, k = 2, E = 4, d = 3;
+  MoeConfig c = small_config();
+  c.num_experts = E;
+  auto order = make_order(c);
+  Tensor idx = random_topk(T, k, E, 9);
+  order->forward(randn({T, d}, 1), idx, randn({T, k}, 2));
+  const TokenLayout& l = order->layout();
+  Tensor d_rows = randn({T * k, d}, 3);
+  Tensor d_cw = randn({T * k}, 4);
+  Order::Grads g = order->backward(d_rows, d_cw);
+  auto tok = l.token_ids.to_vector<int32_t>();
+  auto s2r = l.slot_to_row.to_vector<int32_t>();
+  std::vector<float> expect(T * d, 0.f);
+  auto dr = d_rows.to_vector<float>();
+  for (int64_t r = 0; r < T * k; ++r)
+    for (int64_t j = 0; j < d; ++j) expect[tok[r] * d + j] += dr[r * d + j];
+  auto got = g.dx.to_vector<float>();
+  for (size_t i = 0; i < expect.size(); ++i) EXPECT_FLOAT_EQ(got[i], expect[i]);
+  auto dtw = g.d_topk_weight.to_vector<float>();
+  auto dcw = d_cw.to_vector<float>();
+  for (int64_t i = 0; i < T * k; ++i) EXPECT_EQ(dtw[i], dcw[s2r[i]]);
+}
+
+// ---- Padded baseline ----------------------------------------------------------------------------
+
+TEST(MoePadded, EnoughCapacityMatchesPft) {
+  const int64_t T = 24, d = 8;
+  MoeConfig c = small_config();
+  c.num_shared_experts = 1;
+  c.aux_loss_weight = 0.1f;
+  MoeConfig cp = c;
+  cp.impl = "padded";
+  cp.capacity_factor = static_cast<float>(c.num_experts) / c.top_k;  // C = T: nothing can drop
+  MoELayer pft(c, d, "m", 3, 0.5f), padded(cp, d, "m", 3, 0.5f);
+  Tensor x = randn({T, d}, 5), dy = randn({T, d}, 6);
+  Tensor y0 = pft.forward(x, 12), y1 = padded.forward(x, 12);
+  EXPECT_EQ(padded.dropped_tokens(), 0);
+  EXPECT_EQ(padded.layout().num_rows(), c.num_experts * T);  // [E, C, d] with C = T
+  EXPECT_EQ(pft.tokens_per_expert(), padded.tokens_per_expert());
+  auto a = y0.to_vector<float>(), b = y1.to_vector<float>();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5);
+  EXPECT_NEAR(pft.aux_loss(), padded.aux_loss(), 1e-6);
+  auto dx0 = pft.backward(dy).to_vector<float>(), dx1 = padded.backward(dy).to_vector<float>();
+  for (size_t i = 0; i < dx0.size(); ++i) EXPECT_NEAR(dx0[i], dx1[i], 1e-5);
+  auto p0 = pft.parameters(), p1 = padded.parameters();
+  ASSERT_EQ(p0.size(), p1.size());
+  for (size_t i = 0; i < p0.size(); ++i) {
+    auto g0 = p0[i]->grad.to_vector<float>(), g1 = p1[i]->grad.to_vector<float>();
+    for (size_t j = 0; j < g0.size(); ++j) EXPECT_NEAR(g0[j], g1[j], 1e-5) << p0[i]->name;
+  }
+}
+
+TEST(MoePadded, CapacityOneDropsSkewedRoutingAndCountsIt) {
+  const int64_t T = 12, d = 8, E = 6, k = 2;
+  MoeConfig c = small_config();
+  c.impl = "padded";
+  c.capacity_factor = 1.0f;  // C = ceil(12 * 2 / 6) = 4
+  MoELayer layer(c, d, "m", 3, 0.5f);
+  // Skew: every token goes to experts 0 and 1 (a hook replaces the gate's choice).
+  std::vector<int32_t> forced;
+  for (int64_t t = 0; t < T; ++t) forced.insert(forced.end(), {0, 1});
+  layer.hooks().after(Stage::gate, [&](StageContext& ctx) {
+    ctx.replace("topk_idx", Tensor::from_vector(forced, {T, k}));
+  });
+  Tensor y = layer.forward(randn({T, d}, 1), 6);
+  EXPECT_EQ(padded_capacity(1.0f, T, k, E), 4);
+  EXPECT_EQ(layer.layout().capacity, 4);
+  EXPECT_EQ(layer.dropped_tokens(), 2 * (T - 4));
+  EXPECT_EQ(layer.expert_load(), (std::vector<int64_t>{12, 12, 0, 0, 0, 0}));
+  EXPECT_EQ(layer.tokens_per_expert(), (std::vector<int64_t>{4, 4, 0, 0, 0, 0}));
+  // Tokens 4.. lost both their pairs (first come, first served) and get nothing.
+  auto yv = y.to_vector<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    double norm = 0;
+    for (int64_t j = 0; j < d; ++j) norm += std::fabs(yv[t * d + j]);
+    if (t < 4) EXPECT_GT(norm, 0) << t;
+    else EXPECT_EQ(norm, 0) << t;
+  }
+  Tensor dx = layer.backward(randn({T, d}, 2));
+  EXPECT_TRUE(xmoe::ops::all_finite(dx));
+}
+
+TEST(MoePadded, BuffersAreAllocatedAsECd) {
+  const int64_t T = 64, d = 16;
+  MoeConfig c = small_config();
+  c.impl = "padded";
+  c.capacity_factor = 2.0f;
+  MoELayer layer(c, d, "m", 3, 0.5f);
+  const int64_t C = padded_capacity(2.0f, T, c.top_k, c.num_experts);
+  int64_t rows_bytes = 0;
+  layer.hooks().after(Stage::order, [&](StageContext& ctx) {
+    rows_bytes = static_cast<int64_t>(ctx.get("rows").nbytes());
+  });
+  layer.forward(randn({T, d}, 1), 16);
+  EXPECT_EQ(rows_bytes, c.num_experts * C * d * 4);
+}
+
+// ---- Gates ------------------------------------------------------------------------------------
+
+TEST(MoeGate, WeightsFollowTheGateOptions) {
+  const int64_t T = 16, d = 8;
+  Tensor x = randn({T, d}, 1);
+  struct Case {
+    std::string gate;
+    bool before, renorm;
+    float scaling;
+  };
+  for (const Case& cs : {Case{"softmax_topk", true, true, 1.f}, Case{"softmax_topk", false, true, 1.f},
+                         Case{"softmax_topk", true, false, 1.f}, Case{"sigmoid", true, true, 2.5f},
+                         Case{"xmoe", true, true, 1.f}}) {
+    MoeConfig c = small_config(cs.gate);
+    c.softmax_before_topk = cs.before;
+    c.renormalize = cs.renorm;
+    c.routed_scaling = cs.scaling;
+    auto gate = make_gate({c, d, "g", 1, 0.5f});
+    GateOutput g = gate->forward(x, 8);
+    ASSERT_EQ(g.topk_idx.shape(), (Shape{T, 2}));
+    ASSERT_EQ(g.topk_weight.shape(), (Shape{T, 2}));
+    auto w = g.topk_weight.to_vector<float>();
+    auto idx = g.topk_idx.to_vector<int32_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      EXPECT_NE(idx[t * 2], idx[t * 2 + 1]);
+      const float s = w[t * 2] + w[t * 2 + 1];
+      if (cs.renorm || !cs.before) EXPECT_NEAR(s, cs.scaling, 1e-5) << cs.gate;
+      else EXPECT_LT(s, 1.0f);
+      if (cs.gate != "sigmoid") EXPECT_GE(w[t * 2], w[t * 2 + 1]) << cs.gate;  // descending
+    }
+  }
+}
+
+TEST(MoeGate, AuxLossValuesMatchTheirDefinitions) {
+  const int64_t T = 16, d = 8, E = 6, k = 2, L = 4;
+  MoeConfig c = small_config();
+  c.aux_loss_weight = 0.5f;
+  c.seq_aux_loss_weight = 0.25f;
+  c.z_loss_weight = 0.125f;
+  auto gate = make_gate({c, d, "g", 1, 0.5f});
+  Tensor x = randn({T, d}, 2);
+  GateOutput g = gate->forward(x, L);
+  Tensor logits = xmoe::ops::matmul(x, gate->parameters()[0]->value);
+  auto lv = logits.to_vector<float>();
+  auto idx = g.topk_idx.to_vector<int32_t>();
+  std::vector<double> P(T * E);
+  double z = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    double m = *std::max_element(lv.begin() + t * E, lv.begin() + (t + 1) * E), s = 0;
+    for (int64_t e = 0; e < E; ++e) s += std::exp(lv[t * E + e] - m);
+    for (int64_t e = 0; e < E; ++e) P[t * E + e] = std::exp(lv[t * E + e] - m) / s;
+    z += std::pow(m + std::log(s), 2) / T;
+  }
+  auto balance = [&](int64_t t0, int64_t t1) {
+    std::vector<double> f(E, 0), p(E, 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < k; ++j) f[idx[t * k + j]] += 1.0 / ((t1 - t0) * k);
+      for (int64_t e = 0; e < E; ++e) p[e] += P[t * E + e] / (t1 - t0);
+    }
+    double l = 0;
+    for (int64_t e = 0; e < E; ++e) l += E * f[e] * p[e];
+    return l;
+  };
+  double seq = 0;
+  for (int64_t s = 0; s < T / L; ++s) seq += balance(s * L, (s + 1) * L) / (T / L);
+  EXPECT_NEAR(g.aux.load_balance, balance(0, T), 1e-5);
+  EXPECT_NEAR(g.aux.seq_balance, seq, 1e-5);
+  EXPECT_NEAR(g.aux.z_loss, z, 1e-4);
+  EXPECT_NEAR(g.aux.weighted, 0.5 * balance(0, T) + 0.25 * seq + 0.125 * z, 1e-4);
+}
+
+TEST(MoeGate, SigmoidBiasUpdateMovesLoadTowardBalance) {
+  const int64_t T = 256, d = 16;
+  MoeConfig c = small_config("sigmoid");
+  c.num_experts = 8;
+  c.top_k = 2;
+  c.bias_update_rate = 0.01f;
+  MoELayer layer(c, d, "m", 3, 0.5f);
+  // Skewed inputs: a shared offset makes a few experts win most tokens.
+  Tensor x = randn({T, d}, 4);
+  for (int64_t t = 0; t < T; ++t) x.data<float>()[t * d] += 3.0f;
+  auto imbalance = [&] {
+    layer.forward(x, T);
+    layer.release();
+    const auto& load = layer.expert_load();
+    return static_cast<double>(*std::max_element(load.begin(), load.end())) / (T * 2.0 / 8);
+  };
+  const double before = imbalance();
+  layer.update_routing_bias();
+  double after = before;
+  for (int step = 0; step < 300; ++step) {
+    after = imbalance();
+    layer.update_routing_bias();
+  }
+  EXPECT_GT(before, 1.5) << "the test needs skewed routing to start from";
+  EXPECT_LT(after, before);
+  EXPECT_LT(after, 1.3);
+  // The bias is a buffer: not among the parameters, and non-zero now.
+  ASSERT_NE(layer.gate().routing_bias(), nullptr);
+  EXPECT_GT(xmoe::ops::sum_squares(*layer.gate().routing_bias()), 0.0);
+  for (Parameter* p : layer.parameters()) EXPECT_EQ(p->name.find("bias"), std::string::npos);
+}
+
+TEST(MoeGate, GroupLimitedRoutingStaysInsideTheKeptGroups) {
+  const int64_t T = 200, d = 8, E = 16, G = 4, K = 2, k = 3;
+  MoeConfig c = small_config("sigmoid");
+  c.num_experts = E;
+  c.top_k = k;
+  c.num_groups = G;
+  c.topk_groups = K;
+  auto gate = make_gate({c, d, "g", 1, 0.7f});
+  // A non-zero bias, so the group scores must use the biased scores.
+  Tensor* bias = gate->routing_bias();
+  for (int64_t e = 0; e < E; ++e) bias->data<float>()[e] = 0.05f * static_cast<float>(e % 5);
+  Tensor x = randn({T, d}, 3);
+  GateOutput g = gate->forward(x, T);
+  auto idx = g.topk_idx.to_vector<int32_t>();
+  auto s = xmoe::ops::sigmoid(xmoe::ops::matmul(x, gate->parameters()[0]->value))
+               .to_vector<float>();
+  const int64_t per = E / G;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::pair<float, int64_t>> gs;
+    for (int64_t grp = 0; grp < G; ++grp) {
+      std::vector<float> b;
+      for (int64_t e = grp * per; e < (grp + 1) * per; ++e)
+        b.push_back(s[t * E + e] + bias->data<float>()[e]);
+      std::sort(b.rbegin(), b.rend());
+      gs.push_back({-(b[0] + b[1]), grp});
+    }
+    std::sort(gs.begin(), gs.end());
+    std::set<int64_t> kept = {gs[0].second, gs[1].second}, used;
+    for (int64_t j = 0; j < k; ++j) {
+      EXPECT_TRUE(kept.count(idx[t * k + j] / per)) << "token " << t << " expert " << idx[t * k + j];
+      used.insert(idx[t * k + j] / per);
+    }
+    EXPECT_LE(static_cast<int64_t>(used.size()), K);
+  }
+}
+
+TEST(MoeGate, RegistryListsKnownGates) {
+  auto names = gate_registry().names();
+  EXPECT_EQ(names, (std::vector<std::string>{"sigmoid", "softmax_topk", "switch", "xmoe"}));
+}
+
+// ---- Hooks ------------------------------------------------------------------------------------
+
+TEST(MoeHooks, ObserversSeeEachStagesTensors) {
+  const int64_t T = 12, d = 8;
+  MoeConfig c = small_config();
+  c.num_shared_experts = 1;
+  MoELayer layer(c, d, "layers.1.moe", 3, 0.5f);
+  std::vector<std::string> trace;
+  for (int s = 0; s < kNumStages; ++s)
+    for (Phase p : {Phase::forward, Phase::backward}) {
+      layer.hooks().before(static_cast<Stage>(s), [&](StageContext& ctx) {
+        trace.push_back(fmt::format("{}:{}:before", phase_name(ctx.phase()), stage_name(ctx.stage())));
+      }, p);
+    }
+  Tensor seen_idx, seen_w, seen_rows, seen_tpe, seen_out;
+  layer.hooks().after(Stage::gate, [&](StageContext& ctx) {
+    EXPECT_EQ(ctx.layer(), "layers.1.moe");
+    seen_idx = ctx.get("topk_idx");
+    seen_w = ctx.get("topk_weight");
+    EXPECT_TRUE(ctx.has_scalar("aux_loss"));
+  });
+  layer.hooks().after(Stage::order, [&](StageContext& ctx) {
+    seen_rows = ctx.get("rows");
+    seen_tpe = ctx.get("tokens_per_expert");
+  });
+  layer.hooks().after(Stage::expert, [&](StageContext& ctx) { seen_out = ctx.get("expert_out"); });
+  Tensor x = randn({T, d}, 1);
+  layer.forward(x, 6);
+  EXPECT_EQ(seen_idx.shape(), (Shape{T, 2}));
+  EXPECT_EQ(seen_idx.dtype(), DType::i32);
+  EXPECT_EQ(seen_w.shape(), (Shape{T, 2}));
+  EXPECT_EQ(seen_rows.shape(), (Shape{T * 2, d}));
+  EXPECT_EQ(seen_out.shape(), (Shape{T * 2, d}));
+  EXPECT_EQ(seen_tpe.to_vector<int64_t>(), layer.tokens_per_expert());
+  // The observed rows are the gathered tokens, in PFT order.
+  auto tok = layer.layout().token_ids.to_vector<int32_t>();
+  EXPECT_EQ(seen_rows.rows(0, 1).to_vector<float>(), x.rows(tok[0], tok[0] + 1).to_vector<float>());
+  layer.backward(randn({T, d}, 2));
+  const std::vector<std::string> expect = {
+      "forward:gate:before",     "forward:order:before",   "forward:dispatch:before",
+      "forward:expert:before",   "forward:combine:before", "forward:iorder:before",
+      "forward:shared:before",   "backward:shared:before", "backward:iorder:before",
+      "backward:combine:before", "backward:expert:before", "backward:dispatch:before",
+      "backward:order:before",   "backward:gate:before"};
+  EXPECT_EQ(trace, expect);
+  try {
+    StageContext ctx("m", Phase::forward);
+    ctx.get("nope");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_TRUE(contains(e.what(), "no tensor 'nope'"));
+  }
+}
+
+TEST(MoeHooks, ReplacingHookChangesTheOutput) {
+  const int64_t T = 12, d = 8;
+  MoeConfig c = small_config();
+  MoELayer layer(c, d, "m", 3, 0.5f);
+  Tensor x = randn({T, d}, 1);
+  const auto y0 = layer.forward(x, 6).to_vector<float>();
+  layer.release();
+  // Force every token onto experts (4, 5) with equal weights.
+  std::vector<int32_t> idx;
+  for (int64_t t = 0; t < T; ++t) idx.insert(idx.end(), {4, 5});
+  const HookId id = layer.hooks().after(Stage::gate, [&](StageContext& ctx) {
+    ctx.replace("topk_idx", Tensor::from_vector(idx, {T, 2}));
+    ctx.replace("topk_weight", Tensor::full({T, 2}, 0.5f));
+  });
+  const auto y1 = layer.forward(x, 6).to_vector<float>();
+  EXPECT_EQ(layer.tokens_per_expert(), (std::vector<int64_t>{0, 0, 0, 0, T, T}));
+  EXPECT_NE(y0, y1);
+  // Backward runs; the replaced weights are constants, so the router gets only aux gradients.
+  Tensor dx = layer.backward(randn({T, d}, 2));
+  EXPECT_TRUE(xmoe::ops::all_finite(dx));
+  layer.hooks().remove(id);
+  EXPECT_EQ(layer.forward(x, 6).to_vector<float>(), y0);
+}
+
+TEST(MoeHooks, BeforeHookCanReplaceTheStageInput) {
+  const int64_t T = 12, d = 8;
+  MoELayer layer(small_config(), d, "m", 3, 0.5f);
+  Tensor x = randn({T, d}, 1);
+  layer.hooks().before(Stage::expert, [&](StageContext& ctx) {
+    ctx.replace("expert_in", Tensor::zeros(ctx.get("expert_in").shape()));
+  });
+  // Zero expert inputs give zero SwiGLU outputs, so y (no shared experts) is zero.
+  EXPECT_EQ(xmoe::ops::sum_squares(layer.forward(x, 6)), 0.0);
+}
+
+// ---- Layer ------------------------------------------------------------------------------------
+
+TEST(MoeLayer, ParametersAreNamedAndShardable) {
+  MoeConfig c = small_config("xmoe");
+  c.num_shared_experts = 2;
+  MoELayer layer(c, 8, "layers.2.moe", 1, 0.02f, 0.005f);
+  std::vector<std::string> names;
+  for (Parameter* p : layer.parameters()) names.push_back(p->name);
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "layers.2.moe.router.weight", "layers.2.moe.router.expert_embeddings",
+                       "layers.2.moe.router.temperature", "layers.2.moe.experts.gate_up",
+                       "layers.2.moe.experts.down", "layers.2.moe.shared.gate_up",
+                       "layers.2.moe.shared.down"}));
+  auto ps = layer.parameters();
+  EXPECT_EQ(ps[3]->value.shape(), (Shape{6, 8, 8}));
+  EXPECT_EQ(ps[3]->kind, ParamKind::expert);
+  EXPECT_EQ(ps[3]->global_rows, 6);
+  EXPECT_EQ(ps[4]->value.shape(), (Shape{6, 4, 8}));
+  EXPECT_EQ(ps[5]->value.shape(), (Shape{8, 2 * 2 * 4}));
+  EXPECT_EQ(ps[5]->kind, ParamKind::dense);
+  EXPECT_EQ(ps[6]->value.shape(), (Shape{2 * 4, 8}));
+  EXPECT_FALSE(ps[2]->weight_decay);
+  EXPECT_FLOAT_EQ(ps[2]->value.data<float>()[0], c.router_temperature);
+  // down_std scales the down projections only.
+  EXPECT_NEAR(std::sqrt(xmoe::ops::sum_squares(ps[4]->value) / ps[4]->value.numel()), 0.005, 0.002);
+  EXPECT_NEAR(std::sqrt(xmoe::ops::sum_squares(ps[3]->value) / ps[3]->value.numel()), 0.02, 0.005);
+}
+
+TEST(MoeLayer, FrozenRoutingReusesTheSelection) {
+  const int64_t T = 12, d = 8;
+  MoELayer layer(small_config(), d, "m", 3, 0.5f);
+  Tensor x = randn({T, d}, 1);
+  layer.forward(x, 6);
+  const auto tpe = layer.tokens_per_expert();
+  const auto s2r = layer.layout().slot_to_row.to_vector<int32_t>();
+  layer.set_frozen_routing(true);
+  layer.forward(randn({T, d}, 99), 6);  // different tokens, same routing
+  EXPECT_EQ(layer.tokens_per_expert(), tpe);
+  EXPECT_EQ(layer.layout().slot_to_row.to_vector<int32_t>(), s2r);
+}
+
+TEST(MoeLayer, BadArgumentsRaiseClearErrors) {
+  MoeConfig c = small_config();
+  c.top_k = 9;
+  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }),
+                       "moe.top_k = 9 exceeds moe.num_experts = 6"));
+  c = small_config("nope");
+  const std::string gate_err = error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); });
+  EXPECT_TRUE(contains(gate_err, "unknown moe.gate = 'nope'")) << gate_err;
+  EXPECT_TRUE(contains(gate_err, "sigmoid, softmax_topk, switch, xmoe")) << gate_err;
+  c = small_config();
+  c.impl = "dense";
+  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }),
+                       "unknown moe.impl = 'dense' (known: padded, pft)"));
+  c = small_config("switch");
+  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }), "routes top-1"));
+  c = small_config();
+  c.dispatch = "all_to_all";
+  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }), "comm layer"));
+  c = small_config("sigmoid");
+  c.num_groups = 4;
+  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }),
+                       "moe.num_groups = 4 must divide moe.num_experts = 6"));
+
+  MoELayer layer(small_config(), 8, "m", 1, 0.1f);
+  EXPECT_TRUE(contains(error_of([&] { layer.forward(Tensor::zeros({12, 7}), 6); }),
+                       "[moe] x has shape [12, 7], expected [-1, 8]"));
+  EXPECT_TRUE(contains(error_of([&] { layer.forward(Tensor::zeros({12, 8}), 5); }),
+                       "12 tokens are not a multiple of seq_len = 5"));
+  EXPECT_TRUE(contains(error_of([&] { layer.backward(Tensor::zeros({12, 8})); }),
+                       "backward without a forward"));
+}
+
+TEST(MoeLayer, RoutedOutputIsTheWeightedSumOfExpertOutputs) {
+  // Reference: per token, loop over its k experts and run a plain SwiGLU with matmul.
+  const int64_t T = 10, d = 8, f = 4;
+  MoeConfig c = small_config();
+  MoELayer layer(c, d, "m", 3, 0.5f);
+  Tensor x = randn({T, d}, 1);
+  Tensor idx_seen, w_seen;
+  layer.hooks().after(Stage::gate, [&](StageContext& ctx) {
+    idx_seen = ctx.get("topk_idx");
+    w_seen = ctx.get("topk_weight");
+  });
+  auto y = layer.forward(x, 5).to_vector<float>();
+  auto ps = layer.parameters();
+  const Tensor& gu = ps[1]->value;
+  const Tensor& dn = ps[2]->value;
+  auto iv = idx_seen.to_vector<int32_t>();
+  auto wv = w_seen.to_vector<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<float> ref(d, 0.f);
+    for (int64_t j = 0; j < 2; ++j) {
+      const int64_t e = iv[t * 2 + j];
+      Tensor gu_e = gu.rows(e, e + 1).reshape({d, 2 * f}).clone();
+      Tensor dn_e = dn.rows(e, e + 1).reshape({f, d}).clone();
+      Tensor o = xmoe::ops::matmul(xmoe::ops::swiglu(xmoe::ops::matmul(x.rows(t, t + 1).clone(), gu_e)), dn_e);
+      for (int64_t i = 0; i < d; ++i) ref[i] += wv[t * 2 + j] * o.data<float>()[i];
+    }
+    for (int64_t i = 0; i < d; ++i) EXPECT_NEAR(y[t * d + i], ref[i], 1e-5);
+  }
+}

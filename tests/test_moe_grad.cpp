@@ -1,0 +1,167 @@
+// Finite-difference gradient checks of the whole MoE layer, per gate and implementation.
+// Routing (the top-k choice) is discrete, so each check first routes once and then freezes the
+// selection (MoELayer::set_frozen_routing): the weights, losses and everything downstream stay
+// differentiable, and central differences agree with backward. The scalar checked is
+//   L = sum(y * R) + aux_loss   (R a fixed random tensor),
+// so backward(R) must also deliver the aux-loss gradients. f32 forward, eps = 1e-2, error
+// normalised by the largest gradient entry of the tensor (gradcheck.h): 2% of that scale.
+#include <gtest/gtest.h>
+
+#include "gradcheck.h"
+#include "xmoe/moe/layer.h"
+
+using namespace xmoe;
+using namespace xmoe::moe;
+using xmoe::testing::expect_gradient_close;
+using xmoe::testing::randn;
+using xmoe::testing::weighted_sum;
+
+namespace {
+
+constexpr int64_t kT = 12, kD = 8, kSeq = 6;
+
+MoeConfig small_config(const std::string& gate) {
+  MoeConfig c;
+  c.num_experts = 6;
+  c.top_k = 2;
+  c.expert_hidden = 4;
+  c.num_shared_experts = 1;
+  c.gate = gate;
+  c.aux_loss_weight = 0.f;
+  c.seq_aux_loss_weight = 0.f;
+  c.z_loss_weight = 0.f;
+  return c;
+}
+
+/// Checks d L / d x and d L / d every parameter; returns the parameter names checked.
+/// With aux_only, R = 0: the aux losses are the whole loss, so their gradients are not drowned
+/// by the (much larger) gradient of sum(y * R) within the tolerance.
+std::vector<std::string> check_layer_gradients(const MoeConfig& cfg, float init_std = 0.5f,
+                                               bool aux_only = false) {
+  MoELayer layer(cfg, kD, "layers.0.moe", 7, init_std);
+  Tensor x = randn({kT, kD}, 11);
+  Tensor r = aux_only ? Tensor::zeros({kT, kD}) : randn({kT, kD}, 12);
+  layer.forward(x, kSeq);
+  layer.release();
+  layer.set_frozen_routing(true);
+
+  auto loss = [&] {
+    Tensor y = layer.forward(x, kSeq);
+    const double l = weighted_sum(y, r) + layer.aux_terms().weighted;
+    layer.release();
+    return l;
+  };
+  layer.zero_grad();
+  layer.forward(x, kSeq);
+  Tensor dx = layer.backward(r);
+  expect_gradient_close(x, dx, loss, "x", 1e-2, 2e-2, 1000);
+  std::vector<std::string> names;
+  for (Parameter* p : layer.parameters()) {
+    Tensor g = p->grad.clone();
+    expect_gradient_close(p->value, g, loss, p->name.c_str(), 1e-2, 2e-2, 1000);
+    names.push_back(p->name);
+  }
+  return names;
+}
+
+}  // namespace
+
+TEST(MoeGrad, SoftmaxTopkGShardWithAllThreeLosses) {
+  MoeConfig c = small_config("softmax_topk");
+  c.aux_loss_weight = 0.5f;
+  c.seq_aux_loss_weight = 0.3f;
+  c.z_loss_weight = 0.1f;
+  auto names = check_layer_gradients(c);
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "layers.0.moe.router.weight", "layers.0.moe.experts.gate_up",
+                       "layers.0.moe.experts.down", "layers.0.moe.shared.gate_up",
+                       "layers.0.moe.shared.down"}));
+}
+
+TEST(MoeGrad, AuxLossesAloneReachTheRouterOfEachGate) {
+  for (const std::string gate : {"softmax_topk", "mixtral", "sigmoid", "switch", "xmoe"}) {
+    SCOPED_TRACE(gate);
+    MoeConfig c = small_config(gate == "mixtral" ? "softmax_topk" : gate);
+    c.softmax_before_topk = gate != "mixtral";
+    if (gate == "switch") c.top_k = 1;
+    c.num_groups = gate == "sigmoid" ? 3 : 1;
+    c.topk_groups = gate == "sigmoid" ? 2 : 1;
+    c.router_dim = 4;
+    for (int which = 0; which < 3; ++which) {  // each loss alone, so none hides another
+      c.aux_loss_weight = which == 0 ? 1.0f : 0.f;
+      c.seq_aux_loss_weight = which == 1 ? 1.0f : 0.f;
+      c.z_loss_weight = which == 2 ? 1.0f : 0.f;
+      check_layer_gradients(c, 0.5f, /*aux_only=*/true);
+    }
+  }
+}
+
+TEST(MoeGrad, SoftmaxTopkGShardNoRenormalize) {
+  MoeConfig c = small_config("softmax_topk");
+  c.renormalize = false;
+  c.aux_loss_weight = 0.2f;
+  check_layer_gradients(c);
+}
+
+TEST(MoeGrad, SoftmaxTopkMixtral) {
+  MoeConfig c = small_config("softmax_topk");
+  c.softmax_before_topk = false;
+  c.aux_loss_weight = 0.4f;
+  c.z_loss_weight = 0.05f;
+  check_layer_gradients(c);
+}
+
+TEST(MoeGrad, SigmoidWithGroupsScalingAndLosses) {
+  MoeConfig c = small_config("sigmoid");
+  c.num_groups = 3;
+  c.topk_groups = 2;
+  c.routed_scaling = 2.5f;
+  c.aux_loss_weight = 0.3f;
+  c.seq_aux_loss_weight = 0.5f;
+  c.z_loss_weight = 0.05f;
+  check_layer_gradients(c);
+}
+
+TEST(MoeGrad, Switch) {
+  MoeConfig c = small_config("switch");
+  c.top_k = 1;
+  c.aux_loss_weight = 0.5f;
+  c.z_loss_weight = 0.1f;
+  check_layer_gradients(c);
+}
+
+TEST(MoeGrad, XmoeCosineRouterProjectionEmbeddingsTemperature) {
+  MoeConfig c = small_config("xmoe");
+  c.router_dim = 4;
+  c.router_temperature = 0.5f;
+  c.aux_loss_weight = 0.3f;
+  c.seq_aux_loss_weight = 0.2f;
+  c.z_loss_weight = 0.02f;
+  auto names = check_layer_gradients(c);
+  EXPECT_EQ(names[0], "layers.0.moe.router.weight");
+  EXPECT_EQ(names[1], "layers.0.moe.router.expert_embeddings");
+  EXPECT_EQ(names[2], "layers.0.moe.router.temperature");
+}
+
+TEST(MoeGrad, PaddedWithDroppedTokens) {
+  MoeConfig c = small_config("softmax_topk");
+  c.impl = "padded";
+  c.capacity_factor = 0.75f;  // C = 3 of 4 average rows: something drops
+  c.aux_loss_weight = 0.1f;
+  c.num_shared_experts = 0;
+  check_layer_gradients(c);
+}
+
+TEST(MoeGrad, RecomputeGivesTheSameGradients) {
+  MoeConfig c = small_config("softmax_topk");
+  Tensor x = randn({kT, kD}, 3), r = randn({kT, kD}, 4);
+  std::vector<std::vector<float>> grads[2];
+  for (int rc = 0; rc < 2; ++rc) {
+    MoELayer layer(c, kD, "m", 5, 0.5f);
+    layer.set_recompute(rc == 1);
+    layer.forward(x, kSeq);
+    grads[rc].push_back(layer.backward(r).to_vector<float>());
+    for (Parameter* p : layer.parameters()) grads[rc].push_back(p->grad.to_vector<float>());
+  }
+  EXPECT_EQ(grads[0], grads[1]);
+}
