@@ -288,9 +288,10 @@ TEST(MoeGate, SigmoidBiasUpdateMovesLoadTowardBalance) {
   // Skewed inputs: a shared offset makes a few experts win most tokens.
   Tensor x = randn({T, d}, 4);
   for (int64_t t = 0; t < T; ++t) x.data<float>()[t * d] += 3.0f;
+  const Tensor zero_grad = Tensor::zeros({T, d});
   auto imbalance = [&] {
     layer.forward(x, T);
-    layer.release();
+    layer.backward(zero_grad);  // a trained-on forward: its load counts toward the update
     const auto& load = layer.expert_load();
     return static_cast<double>(*std::max_element(load.begin(), load.end())) / (T * 2.0 / 8);
   };
@@ -307,6 +308,12 @@ TEST(MoeGate, SigmoidBiasUpdateMovesLoadTowardBalance) {
   // The bias is a buffer: not among the parameters, and non-zero now.
   ASSERT_NE(layer.gate().routing_bias(), nullptr);
   EXPECT_GT(xmoe::ops::sum_squares(*layer.gate().routing_bias()), 0.0);
+  // A forward released without backward (evaluation) leaves the bias where it is.
+  const std::vector<float> bias = layer.gate().routing_bias()->to_vector<float>();
+  layer.forward(x, T);
+  layer.release();
+  layer.update_routing_bias();
+  EXPECT_EQ(layer.gate().routing_bias()->to_vector<float>(), bias);
   for (Parameter* p : layer.parameters()) EXPECT_EQ(p->name.find("bias"), std::string::npos);
 }
 

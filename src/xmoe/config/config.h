@@ -9,30 +9,33 @@
 namespace xmoe {
 
 struct MoeConfig {
-  int num_experts = 16;          ///< routed experts E
-  int top_k = 2;                 ///< experts per token k
-  int expert_hidden = 128;       ///< f: hidden width of one routed expert
-  int num_shared_experts = 1;    ///< always-on experts (one SwiGLU of width shared * f)
+  int num_experts = 16;               ///< routed experts E
+  int top_k = 2;                      ///< experts per token k
+  int expert_hidden = 128;            ///< f: hidden width of one routed expert
+  int num_shared_experts = 1;         ///< always-on experts (one SwiGLU of width shared * f)
   std::string gate = "softmax_topk";  ///< softmax_topk | sigmoid | switch | xmoe
   // softmax_topk
-  bool softmax_before_topk = true;  ///< softmax over all E then top-k (GShard), else top-k then softmax (Mixtral)
-  bool renormalize = true;          ///< renormalise the k weights to sum to 1
+  /// softmax over all E then top-k (GShard), else top-k then softmax (Mixtral)
+  bool softmax_before_topk = true;
+  bool renormalize = true;  ///< renormalise the k weights to sum to 1
   // sigmoid (DeepSeek-V3)
-  int num_groups = 1;            ///< expert groups for group-limited routing
-  int topk_groups = 1;           ///< groups a token may route into
-  float routed_scaling = 1.0f;   ///< multiplies routed weights
+  int num_groups = 1;              ///< expert groups for group-limited routing
+  int topk_groups = 1;             ///< groups a token may route into
+  float routed_scaling = 1.0f;     ///< multiplies routed weights
   float bias_update_rate = 1e-3f;  ///< aux-loss-free balancing bias step (0 = off)
   // xmoe (cosine router)
-  int router_dim = 16;           ///< low-dimensional projection width
+  int router_dim = 16;              ///< low-dimensional projection width
   float router_temperature = 0.3f;  ///< initial temperature (learned)
   // losses
   float aux_loss_weight = 0.01f;     ///< GShard/Switch load-balance loss
   float seq_aux_loss_weight = 0.0f;  ///< sequence-level balance loss
   float z_loss_weight = 0.0f;        ///< router z-loss
   // implementation
-  std::string impl = "pft";      ///< pft (padding-free) | padded (capacity, drops overflow)
-  float capacity_factor = 1.25f; ///< padded only
+  std::string impl = "pft";        ///< pft (padding-free) | padded (capacity, drops overflow)
+  float capacity_factor = 1.25f;   ///< padded only
   std::string dispatch = "local";  ///< local | all_to_all | rbd
+
+  bool operator==(const MoeConfig&) const = default;
 };
 
 struct ModelConfig {
@@ -40,9 +43,9 @@ struct ModelConfig {
   int d_model = 256;
   int num_layers = 4;
   int num_heads = 4;
-  int num_kv_heads = 4;          ///< < num_heads: grouped-query attention
+  int num_kv_heads = 4;  ///< < num_heads: grouped-query attention
   int max_seq_len = 256;
-  int dense_hidden = 512;        ///< SwiGLU width of the first_dense_layers dense FFNs
+  int dense_hidden = 512;  ///< SwiGLU width of the first_dense_layers dense FFNs
   int first_dense_layers = 1;
   float rope_theta = 10000.0f;
   float norm_eps = 1e-5f;
@@ -50,17 +53,21 @@ struct ModelConfig {
   bool tie_embeddings = false;
   std::vector<std::string> recompute;  ///< modules recomputed in backward: attention, ffn, moe
   MoeConfig moe;
+
+  bool operator==(const ModelConfig&) const = default;
 };
 
 struct DataConfig {
   std::string corpus = "/usr/share/games/fortunes";  ///< a text file or a folder of text files
   std::string dir = "data/default";  ///< where prepared token files live (train.bin, val.bin)
   float val_fraction = 0.05f;
+
+  bool operator==(const DataConfig&) const = default;
 };
 
 struct TrainConfig {
   int steps = 600;
-  int batch_size = 16;           ///< sequences per micro-batch (per data-parallel rank)
+  int batch_size = 16;  ///< sequences per micro-batch (per data-parallel rank)
   int seq_len = 128;
   int grad_accum = 1;
   float lr = 3e-3f;
@@ -73,16 +80,20 @@ struct TrainConfig {
   int eval_batches = 8;
   int save_every = 200;
   int log_every = 10;
-  int max_bad_steps = 5;         ///< consecutive NaN/Inf steps before the run stops
+  int max_bad_steps = 5;  ///< consecutive NaN/Inf steps before the run stops
   uint64_t seed = 1234;
   std::string out_dir = "runs/default";
   std::string device = "cpu";
+
+  bool operator==(const TrainConfig&) const = default;
 };
 
 struct ParallelConfig {
-  int ep = 1;                    ///< expert-parallel degree
-  int tp = 1;                    ///< tensor-parallel degree (turns on SSMB)
-  int ranks_per_node = 0;        ///< 0 = detect; >0 declares simulated nodes
+  int ep = 1;              ///< expert-parallel degree
+  int tp = 1;              ///< tensor-parallel degree (turns on SSMB)
+  int ranks_per_node = 0;  ///< 0 = detect; >0 declares simulated nodes
+
+  bool operator==(const ParallelConfig&) const = default;
 };
 
 struct Config {
@@ -90,6 +101,61 @@ struct Config {
   DataConfig data;
   TrainConfig train;
   ParallelConfig parallel;
+
+  bool operator==(const Config&) const = default;
 };
+
+// ---- the key table and everything derived from it (config.cpp) --------------------------
+
+enum class ConfigType : uint8_t { int_, float_, bool_, string, uint64, string_list };
+
+/// One row of the key table, as shown to users (docs, `xmoe config keys`).
+struct ConfigKeyInfo {
+  std::string name;  ///< dotted name, e.g. "model.moe.top_k"
+  ConfigType type;
+  std::string type_name;      ///< "int", "float", "bool", "string", "uint64", "list of string"
+  std::string default_value;  ///< the struct default, formatted as in YAML
+  std::string range;          ///< "[1, inf)", "softmax_topk | sigmoid | ...", "any"
+  std::string doc;
+};
+
+/// Every key, in table order (model, model.moe, data, train, parallel).
+const std::vector<ConfigKeyInfo>& config_keys();
+/// Value of `key` formatted as a YAML scalar or flow list; throws on unknown keys.
+std::string config_get(const Config& config, const std::string& key);
+/// Sets `key` from its text form (lists are comma-separated); checks the type but not ranges.
+void config_set(Config& config, const std::string& key, const std::string& value);
+
+/// Loads a YAML file of nested maps mirroring the dotted names (model: {moe: {top_k: 6}}).
+/// A top-level `preset: <name>` starts from that preset. Unknown keys are errors naming the key
+/// and the closest known key; type errors name the key and the value. Does not validate().
+Config load_config_file(const std::string& path);
+/// Same, from YAML text; `source` names it in errors.
+Config load_config_string(const std::string& yaml, const std::string& source = "<string>");
+/// Applies "key=value" (from `--set key=value`); lists are comma-separated.
+void apply_override(Config& config, const std::string& key_eq_value);
+/// Checks every key's range and the cross-key rules; throws one Error listing every violation,
+/// each naming the keys and their values.
+void validate(const Config& config);
+/// All keys as nested YAML; load_config_string(to_yaml(c)) == c.
+std::string to_yaml(const Config& config);
+/// docs/config.md, generated from the key table.
+std::string config_reference_markdown();
+
+/// Named model/run shapes. "tiny" is exactly the struct defaults.
+Config preset(const std::string& name);
+std::vector<std::string> preset_names();
+/// One-line description of a preset (shape, and for planning presets what is approximated).
+std::string preset_description(const std::string& name);
+
+struct ParamCount {
+  int64_t total = 0;      ///< all trained parameters
+  int64_t active = 0;     ///< parameters one token uses (k routed experts instead of E)
+  int64_t embedding = 0;  ///< token embedding (+ LM head unless tied)
+};
+/// Counts parameters of the decoder: embeddings, per layer 2 RMSNorms, attention (q, k, v, o),
+/// a SwiGLU FFN (dense layers) or router + routed + shared experts (MoE layers), final norm.
+/// The sigmoid gate's balancing bias is not a trained parameter and is not counted.
+ParamCount count_parameters(const ModelConfig& model);
 
 }  // namespace xmoe

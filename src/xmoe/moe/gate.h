@@ -45,6 +45,9 @@ class Gate : public Module {
   /// d_topk_weight [T, k] -> dx [T, d]; accumulates the router's parameter gradients, including
   /// those of the weighted aux losses of the last forward.
   virtual Tensor backward(const Tensor& d_topk_weight) = 0;
+  /// Upstream gradient of the aux losses in the next backward (default 1): the trainer's
+  /// loss scale, e.g. 1/grad_accum, so the aux term is weighted like the cross-entropy.
+  void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }
   /// Aux-loss-free balancing (sigmoid gate): bias_e += rate * sign(mean_load - load_e).
   /// `load` is the routed slots per expert of the last step. A no-op for other gates.
   virtual void update_bias(std::span<const int64_t> load) {}
@@ -63,8 +66,12 @@ class Gate : public Module {
   int64_t check_forward_args(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) const;
   AuxLossWeights aux_weights() const;
 
+  /// aux_weights() times the aux-gradient scale, for backward.
+  AuxLossWeights aux_grad_weights() const { return aux_weights().scaled(aux_grad_scale_); }
+
   MoeConfig cfg_;
   std::string prefix_;
+  float aux_grad_scale_ = 1.0f;
   int64_t num_experts_, top_k_, d_model_;
 };
 

@@ -154,16 +154,20 @@ Tensor MoELayer::backward(const Tensor& dy) {
     // Weights a hook replaced are constants: only the aux losses reach the router then.
     Tensor dw = ctx.get("d_topk_weight");
     if (gate_output_replaced_) dw = Tensor::zeros(dw.shape());
+    gate_->set_aux_grad_scale(aux_grad_scale_);
     ctx.set("d_x_gate", gate_->backward(dw));
   });
   Tensor dx = ctx.get("d_x_routed");
   xmoe::ops::add_(dx, ctx.get("d_x_gate"));
   if (shared_) xmoe::ops::add_(dx, ctx.get("d_x_shared"));
+  have_forward_ = false;  // trained on: its load stays in the pending bias update
   release();
   return dx;
 }
 
 void MoELayer::release() {
+  if (have_forward_)  // forward-only (evaluation): take its load back out of the pending update
+    for (size_t e = 0; e < load_.size(); ++e) pending_load_[e] -= load_[e];
   gate_->release();
   order_->release();
   experts_->release();

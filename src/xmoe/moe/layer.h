@@ -40,7 +40,11 @@ class MoELayer : public Module {
   /// through the combine weights and the weighted aux losses (whose upstream gradient is 1:
   /// the trainer adds aux_loss() to the loss). Frees the saved activations.
   Tensor backward(const Tensor& dy);
-  /// Frees what the last forward saved (for forward-only use, e.g. evaluation).
+  /// Upstream gradient of the aux losses in backward (default 1). The model sets it to its loss
+  /// scale (e.g. 1/grad_accum) so the aux term is weighted like the cross-entropy.
+  void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }
+  /// Frees what the last forward saved. A forward released without a backward (evaluation)
+  /// does not count toward the routing-bias update.
   void release();
 
   /// Weighted sum of the aux losses of the last forward.
@@ -102,6 +106,7 @@ class MoELayer : public Module {
   std::vector<int64_t> tokens_per_expert_, load_, pending_load_;
   int64_t dropped_ = 0;
   bool frozen_routing_ = false;
+  float aux_grad_scale_ = 1.0f;
 };
 
 }  // namespace xmoe::moe

@@ -20,6 +20,8 @@ struct AuxLossWeights {
   float load_balance = 0.f;
   float seq_balance = 0.f;
   float z_loss = 0.f;
+  /// The same weights times s (the aux losses' upstream gradient, e.g. 1/grad_accum).
+  AuxLossWeights scaled(float s) const { return {load_balance * s, seq_balance * s, z_loss * s}; }
 };
 
 /// Unweighted values of the last forward and their weighted sum.

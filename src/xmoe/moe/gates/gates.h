@@ -27,8 +27,9 @@ class SoftmaxRouting {
   };
   explicit SoftmaxRouting(Options o) : o_(o) {}
   GateOutput forward(const Tensor& logits, int64_t seq_len, const Tensor& fixed_idx);
-  /// d_topk_weight [T, k] -> d logits [T, E] (weight path + aux losses).
-  Tensor backward(const Tensor& d_topk_weight);
+  /// d_topk_weight [T, k] -> d logits [T, E] (weight path + aux losses, whose upstream
+  /// gradient is aux_scale).
+  Tensor backward(const Tensor& d_topk_weight, float aux_scale = 1.0f);
   void release();
 
  private:

@@ -55,7 +55,7 @@ class SigmoidGate final : public Gate {
                                                  cfg_.routed_scaling));
     Tensor dprobs = Tensor::zeros({T, num_experts_});
     Tensor dlogits = Tensor::zeros({T, num_experts_});
-    aux_losses_backward(logits_, aux_state_, aux_weights(), dprobs, dlogits);
+    aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits);
     xmoe::ops::add_(dscores, renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
     xmoe::ops::add_(dlogits, xmoe::ops::sigmoid_backward(scores_, dscores));
     xmoe::ops::matmul_into(weight_.grad, x_, dlogits, true, false, 1.f, 1.f);

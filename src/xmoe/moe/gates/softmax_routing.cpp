@@ -23,7 +23,7 @@ GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len,
   return out;
 }
 
-Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight) {
+Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale) {
   XMOE_CHECK(probs_.defined(), "[moe gate] backward without a forward");
   check_shape(d_topk_weight, weights_.shape(), "moe gate backward", "d_topk_weight");
   const int64_t T = probs_.size(0), E = probs_.size(1);
@@ -36,7 +36,7 @@ Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight) {
   } else {
     put_along_rows_add(dlogits, idx_, xmoe::ops::softmax_backward(weights_, d_topk_weight));
   }
-  aux_losses_backward(logits_, aux_state_, o_.aux, dprobs, dlogits);
+  aux_losses_backward(logits_, aux_state_, o_.aux.scaled(aux_scale), dprobs, dlogits);
   xmoe::ops::add_(dlogits, xmoe::ops::softmax_backward(probs_, dprobs));
   return dlogits;
 }

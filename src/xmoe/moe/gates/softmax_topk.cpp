@@ -22,7 +22,7 @@ class SoftmaxTopkGate final : public Gate {
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
-    Tensor dlogits = routing_.backward(d_topk_weight);                      // [T, E]
+    Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);                      // [T, E]
     xmoe::ops::matmul_into(weight_.grad, x_, dlogits, true, false, 1.f, 1.f);  // dW += x^T dl
     return xmoe::ops::matmul(dlogits, weight_.value, false, true);          // dx = dl W^T
   }

@@ -45,7 +45,7 @@ class XmoeGate final : public Gate {
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
-    Tensor dlogits = routing_.backward(d_topk_weight);  // [T, E]
+    Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);  // [T, E]
     // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
     if (temp_.value.data<float>()[0] >= kMinTemperature) {
       double dot = 0;

@@ -1,0 +1,667 @@
+// The key table: every configuration key is declared here once, with its type (from the
+// struct member), default (the struct's), range or choices, and a one-line doc. Parsing,
+// overrides, validation, YAML output and docs/config.md are all derived from it.
+#include "xmoe/config/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <set>
+#include <variant>
+
+#include "xmoe/core/device.h"
+#include "xmoe/core/error.h"
+
+namespace xmoe {
+
+namespace {
+
+using Ref = std::variant<int*, float*, bool*, std::string*, uint64_t*, std::vector<std::string>*>;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+struct Range {
+  double lo = -kInf, hi = kInf;
+  bool lo_open = false, hi_open = false;
+};
+Range any() {
+  return {};
+}
+Range at_least(double lo) {
+  return {lo, kInf, false, false};
+}
+Range positive() {
+  return {0, kInf, true, false};
+}
+Range half_open(double lo, double hi) {
+  return {lo, hi, false, true};
+}
+
+struct Key {
+  std::string name;
+  Ref (*ref)(Config&);
+  Range range;
+  std::vector<std::string> choices;  // strings: allowed values; lists: allowed entries
+  std::string doc;
+  std::string range_text = {};  // overrides the generated range text
+};
+
+// The dotted key is the C++ member path, so the name and the accessor cannot disagree.
+#define XMOE_KEY(path, ...)                                       \
+  Key {                                                           \
+#path, [](Config & c) -> Ref { return &c.path; }, __VA_ARGS__ \
+  }
+
+const std::vector<Key>& table() {
+  static const std::vector<Key> keys = {
+      // model
+      XMOE_KEY(model.vocab_size, at_least(1), {}, "vocabulary size (256 for the byte tokenizer)"),
+      XMOE_KEY(model.d_model, at_least(1), {}, "hidden width d"),
+      XMOE_KEY(model.num_layers, at_least(1), {}, "transformer blocks"),
+      XMOE_KEY(model.num_heads, at_least(1), {}, "attention query heads"),
+      XMOE_KEY(model.num_kv_heads, at_least(1), {},
+               "key/value heads; fewer than num_heads gives grouped-query attention"),
+      XMOE_KEY(model.max_seq_len, at_least(1), {},
+               "longest sequence the model supports (RoPE table)"),
+      XMOE_KEY(model.dense_hidden, at_least(1), {},
+               "SwiGLU hidden width of the first_dense_layers dense FFNs"),
+      XMOE_KEY(model.first_dense_layers, at_least(0), {},
+               "leading blocks with a dense FFN instead of an MoE layer"),
+      XMOE_KEY(model.rope_theta, positive(), {}, "RoPE base frequency"),
+      XMOE_KEY(model.norm_eps, positive(), {}, "RMSNorm epsilon"),
+      XMOE_KEY(model.init_std, positive(), {}, "standard deviation of the normal weight init"),
+      XMOE_KEY(model.tie_embeddings, any(), {}, "share the token embedding with the LM head"),
+      XMOE_KEY(model.recompute, any(), {"attention", "ffn", "moe"},
+               "modules recomputed in backward instead of keeping activations"),
+      // model.moe
+      XMOE_KEY(model.moe.num_experts, at_least(1), {}, "routed experts E per MoE layer"),
+      XMOE_KEY(model.moe.top_k, at_least(1), {}, "routed experts per token k"),
+      XMOE_KEY(model.moe.expert_hidden, at_least(1), {}, "hidden width f of one routed expert"),
+      XMOE_KEY(model.moe.num_shared_experts, at_least(0), {},
+               "always-on experts, run as one SwiGLU of width num_shared_experts * f"),
+      XMOE_KEY(model.moe.gate, any(), {"softmax_topk", "sigmoid", "switch", "xmoe"},
+               "gate function: GShard/Mixtral softmax top-k, DeepSeek-V3 sigmoid, Switch top-1, "
+               "X-MoE cosine router"),
+      XMOE_KEY(model.moe.softmax_before_topk, any(), {},
+               "softmax_topk: softmax over all E then top-k (GShard); false: top-k then softmax "
+               "(Mixtral)"),
+      XMOE_KEY(model.moe.renormalize, any(), {}, "renormalise the k routing weights to sum to 1"),
+      XMOE_KEY(model.moe.num_groups, at_least(1), {},
+               "sigmoid: expert groups for group-limited routing"),
+      XMOE_KEY(model.moe.topk_groups, at_least(1), {}, "sigmoid: groups a token may route into"),
+      XMOE_KEY(model.moe.routed_scaling, positive(), {}, "multiplies the routed experts' weights"),
+      XMOE_KEY(model.moe.bias_update_rate, at_least(0), {},
+               "sigmoid: step of the aux-loss-free balancing bias (0 = off)"),
+      XMOE_KEY(model.moe.router_dim, at_least(1), {},
+               "xmoe: width of the low-dimensional routing projection"),
+      XMOE_KEY(model.moe.router_temperature, positive(), {},
+               "xmoe: initial cosine-router temperature (learned)"),
+      XMOE_KEY(model.moe.aux_loss_weight, at_least(0), {},
+               "GShard/Switch load-balance loss weight"),
+      XMOE_KEY(model.moe.seq_aux_loss_weight, at_least(0), {},
+               "sequence-level balance loss weight"),
+      XMOE_KEY(model.moe.z_loss_weight, at_least(0), {}, "router z-loss weight"),
+      XMOE_KEY(model.moe.impl, any(), {"pft", "padded"},
+               "pft: padding-free token buffers; padded: fixed capacity, drops overflow tokens"),
+      XMOE_KEY(model.moe.capacity_factor, positive(), {},
+               "padded: expert capacity = capacity_factor * tokens * k / E"),
+      XMOE_KEY(model.moe.dispatch, any(), {"local", "all_to_all", "rbd"},
+               "token exchange: local (no EP), all_to_all, or redundancy-bypassing dispatch"),
+      // data
+      XMOE_KEY(data.corpus, any(), {}, "a text file or a folder of text files to prepare"),
+      XMOE_KEY(data.dir, any(), {},
+               "folder of prepared token files (train.bin, val.bin, meta.json)"),
+      XMOE_KEY(data.val_fraction, half_open(0, 1), {},
+               "fraction of the tokens (the last ones) held out for validation"),
+      // train
+      XMOE_KEY(train.steps, at_least(1), {}, "optimizer steps"),
+      XMOE_KEY(train.batch_size, at_least(1), {},
+               "sequences per micro-batch per data-parallel rank"),
+      XMOE_KEY(train.seq_len, at_least(1), {}, "tokens per training sequence"),
+      XMOE_KEY(train.grad_accum, at_least(1), {}, "micro-batches accumulated per step"),
+      XMOE_KEY(train.lr, positive(), {}, "peak learning rate"),
+      XMOE_KEY(train.min_lr, at_least(0), {}, "learning rate at the end of the cosine decay"),
+      XMOE_KEY(train.warmup_steps, at_least(0), {}, "linear warmup steps"),
+      XMOE_KEY(train.weight_decay, at_least(0), {}, "AdamW decoupled weight decay"),
+      XMOE_KEY(train.beta1, half_open(0, 1), {}, "AdamW beta1"),
+      XMOE_KEY(train.beta2, half_open(0, 1), {}, "AdamW beta2"),
+      XMOE_KEY(train.adam_eps, positive(), {}, "AdamW epsilon"),
+      XMOE_KEY(train.grad_clip, at_least(0), {}, "global gradient-norm clip (0 = off)"),
+      XMOE_KEY(train.eval_every, at_least(0), {}, "steps between evaluations (0 = never)"),
+      XMOE_KEY(train.eval_batches, at_least(1), {}, "validation batches per evaluation"),
+      XMOE_KEY(train.save_every, at_least(0), {},
+               "steps between checkpoints (0 = only at the end)"),
+      XMOE_KEY(train.log_every, at_least(1), {}, "steps between log lines"),
+      XMOE_KEY(train.max_bad_steps, at_least(1), {},
+               "consecutive NaN/Inf steps before the run stops"),
+      XMOE_KEY(train.seed, any(), {}, "seed of parameter init, data order and sampling"),
+      XMOE_KEY(train.out_dir, any(), {}, "run folder: checkpoints and logs"),
+      XMOE_KEY(train.device, any(), {}, "device of this process", "cpu | cuda | cuda:N"),
+      // parallel
+      XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
+      XMOE_KEY(parallel.tp, at_least(1), {},
+               "tensor-parallel degree of attention and dense layers (turns on SSMB)"),
+      XMOE_KEY(parallel.ranks_per_node, at_least(0), {},
+               "ranks per node: 0 = detect, >0 declares simulated nodes"),
+  };
+  return keys;
+}
+
+#undef XMOE_KEY
+
+const Key* find_key(const std::string& name) {
+  static const std::map<std::string, const Key*> index = [] {
+    std::map<std::string, const Key*> m;
+    for (const Key& k : table()) m[k.name] = &k;
+    return m;
+  }();
+  auto it = index.find(name);
+  return it == index.end() ? nullptr : it->second;
+}
+
+// "model", "model.moe", "data", ...: every proper prefix of a key.
+bool is_section(const std::string& name) {
+  for (const Key& k : table())
+    if (k.name.size() > name.size() && k.name.compare(0, name.size(), name) == 0 &&
+        k.name[name.size()] == '.')
+      return true;
+  return false;
+}
+
+ConfigType type_of(const Ref& r) {
+  return static_cast<ConfigType>(r.index());
+}
+
+const char* type_name(ConfigType t) {
+  switch (t) {
+    case ConfigType::int_:
+      return "int";
+    case ConfigType::float_:
+      return "float";
+    case ConfigType::bool_:
+      return "bool";
+    case ConfigType::string:
+      return "string";
+    case ConfigType::uint64:
+      return "uint64";
+    case ConfigType::string_list:
+      return "list of string";
+  }
+  return "?";
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string last_part(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
+// The closest known key: by whole-name edit distance, or by the last component (so a key put
+// in the wrong section, `top_k` or `train.top_k`, still finds `model.moe.top_k`).
+std::string suggest(const std::string& unknown) {
+  std::string best;
+  size_t best_score = std::numeric_limits<size_t>::max();
+  for (const Key& k : table()) {
+    const size_t score = std::min(edit_distance(unknown, k.name),
+                                  edit_distance(last_part(unknown), last_part(k.name)) + 1);
+    if (score < best_score) best_score = score, best = k.name;
+  }
+  const size_t limit = std::max<size_t>(2, last_part(unknown).size() / 2 + 1);
+  return best_score <= limit ? best : "";
+}
+
+[[noreturn]] void unknown_key(const std::string& name, const std::string& where) {
+  const std::string s = suggest(name);
+  XMOE_FAIL(
+      "[config] {}unknown key '{}'{}", where, name,
+      s.empty() ? " (see docs/config.md for the keys)" : fmt::format(" (did you mean '{}'?)", s));
+}
+
+std::string trim(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+std::vector<std::string> split_list(std::string v) {
+  v = trim(v);
+  if (v.size() >= 2 && v.front() == '[' && v.back() == ']') v = v.substr(1, v.size() - 2);
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= v.size()) {
+    const size_t comma = std::min(v.find(',', start), v.size());
+    std::string item = trim(v.substr(start, comma - start));
+    if (item.size() >= 2 && (item.front() == '"' || item.front() == '\'') &&
+        item.back() == item.front())
+      item = item.substr(1, item.size() - 2);
+    if (!item.empty()) out.push_back(item);
+    start = comma + 1;
+  }
+  return out;
+}
+
+[[noreturn]] void type_error(const Key& k, ConfigType t, const std::string& value) {
+  XMOE_FAIL("[config] {} = '{}' is not a valid {}", k.name, value, type_name(t));
+}
+
+void set_from_text(Config& c, const Key& k, const std::string& raw) {
+  const Ref r = k.ref(c);
+  const ConfigType t = type_of(r);
+  const std::string v = trim(raw);
+  switch (t) {
+    case ConfigType::int_: {
+      long long x = 0;
+      const char* end = v.data() + v.size();
+      auto [p, ec] = std::from_chars(v.data(), end, x);
+      if (v.empty() || ec != std::errc() || p != end || x < std::numeric_limits<int>::min() ||
+          x > std::numeric_limits<int>::max())
+        type_error(k, t, raw);
+      *std::get<int*>(r) = static_cast<int>(x);
+      return;
+    }
+    case ConfigType::float_: {
+      char* end = nullptr;
+      const double x = v.empty() ? 0 : std::strtod(v.c_str(), &end);
+      if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(x)) type_error(k, t, raw);
+      *std::get<float*>(r) = static_cast<float>(x);
+      return;
+    }
+    case ConfigType::bool_: {
+      std::string l = v;
+      std::transform(l.begin(), l.end(), l.begin(),
+                     [](unsigned char ch) { return std::tolower(ch); });
+      if (l == "true" || l == "yes" || l == "on" || l == "1") {
+        *std::get<bool*>(r) = true;
+      } else if (l == "false" || l == "no" || l == "off" || l == "0") {
+        *std::get<bool*>(r) = false;
+      } else {
+        type_error(k, t, raw);
+      }
+      return;
+    }
+    case ConfigType::string:
+      *std::get<std::string*>(r) = v;
+      return;
+    case ConfigType::uint64: {
+      uint64_t x = 0;
+      const char* end = v.data() + v.size();
+      auto [p, ec] = std::from_chars(v.data(), end, x);
+      if (v.empty() || ec != std::errc() || p != end) type_error(k, t, raw);
+      *std::get<uint64_t*>(r) = x;
+      return;
+    }
+    case ConfigType::string_list:
+      *std::get<std::vector<std::string>*>(r) = split_list(v);
+      return;
+  }
+}
+
+std::string quote(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out + "\"";
+}
+
+std::string format_value(const Config& cc, const Key& k) {
+  Config& c = const_cast<Config&>(cc);  // the accessor only reads here
+  return std::visit(
+      [](auto* p) -> std::string {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          return *p ? "true" : "false";
+        } else if constexpr (std::is_same_v<T, float>) {
+          std::string s = fmt::format("{}", *p);  // shortest text that round-trips
+          if (s.find_first_of(".en") == std::string::npos) s += ".0";
+          return s;
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          return quote(*p);
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          std::string s = "[";
+          for (size_t i = 0; i < p->size(); ++i) s += (i ? ", " : "") + quote((*p)[i]);
+          return s + "]";
+        } else {
+          return fmt::format("{}", *p);
+        }
+      },
+      k.ref(c));
+}
+
+std::string fmt_num(double x) {
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  return fmt::format("{}", x);
+}
+
+std::string range_text(const Key& k) {
+  if (!k.range_text.empty()) return k.range_text;
+  static Config probe;  // only the variant's index is used
+  const ConfigType t = type_of(k.ref(probe));
+  if (!k.choices.empty()) {
+    std::string s;
+    for (size_t i = 0; i < k.choices.size(); ++i) s += (i ? " | " : "") + k.choices[i];
+    return t == ConfigType::string_list ? "each of " + s : s;
+  }
+  if (t == ConfigType::string) return "non-empty";
+  if (t == ConfigType::bool_ || t == ConfigType::uint64) return "any";
+  const Range& r = k.range;
+  if (r.lo == -kInf && r.hi == kInf) return "any";
+  return fmt::format("{}{}, {}{}", r.lo_open ? "(" : "[", fmt_num(r.lo), fmt_num(r.hi),
+                     r.hi_open || r.hi == kInf ? ")" : "]");
+}
+
+void check_range(const Config& cc, const Key& k, std::vector<std::string>& errors) {
+  Config& c = const_cast<Config&>(cc);
+  const Ref r = k.ref(c);
+  auto in_range = [&](double x) {
+    const Range& g = k.range;
+    return (g.lo_open ? x > g.lo : x >= g.lo) && (g.hi_open ? x < g.hi : x <= g.hi);
+  };
+  const std::string shown = format_value(cc, k);
+  if (auto* p = std::get_if<int*>(&r)) {
+    if (!in_range(**p))
+      errors.push_back(fmt::format("{} = {} is outside {}", k.name, shown, range_text(k)));
+  } else if (auto* f = std::get_if<float*>(&r)) {
+    if (!std::isfinite(**f) || !in_range(**f))
+      errors.push_back(fmt::format("{} = {} is outside {}", k.name, shown, range_text(k)));
+  } else if (auto* s = std::get_if<std::string*>(&r)) {
+    if (!k.choices.empty()) {
+      if (std::find(k.choices.begin(), k.choices.end(), **s) == k.choices.end())
+        errors.push_back(fmt::format("{} = {} is not one of {}", k.name, shown, range_text(k)));
+    } else if (k.range_text.empty() && (*s)->empty()) {
+      errors.push_back(fmt::format("{} is empty", k.name));
+    }
+  } else if (auto* l = std::get_if<std::vector<std::string>*>(&r)) {
+    for (const std::string& e : **l)
+      if (!k.choices.empty() && std::find(k.choices.begin(), k.choices.end(), e) == k.choices.end())
+        errors.push_back(fmt::format("{} entry '{}' is not one of {}", k.name, e, range_text(k)));
+  }
+}
+
+// ---- YAML ----------------------------------------------------------------------------
+
+std::string node_text(const YAML::Node& n) {
+  YAML::Emitter e;
+  e << YAML::Flow << n;
+  return e.c_str();
+}
+
+void load_node(Config& c, const YAML::Node& map, const std::string& prefix,
+               const std::string& src) {
+  const std::string where = src + ": ";
+  for (const auto& item : map) {
+    const std::string k = item.first.as<std::string>();
+    const std::string name = prefix.empty() ? k : prefix + "." + k;
+    const YAML::Node& v = item.second;
+    if (prefix.empty() && k == "preset") continue;  // applied before the other keys
+    if (const Key* key = find_key(name)) {
+      const ConfigType t = type_of(key->ref(c));
+      if (t == ConfigType::string_list) {
+        std::vector<std::string> list;
+        if (v.IsSequence()) {
+          for (const auto& e : v) {
+            XMOE_CHECK(e.IsScalar(), "[config] {}{} entry {} is not a string", where, name,
+                       node_text(e));
+            list.push_back(e.Scalar());
+          }
+        } else if (v.IsScalar()) {
+          list = split_list(v.Scalar());
+        } else {
+          XMOE_CHECK(v.IsNull(), "[config] {}{} = {} is not a list of strings", where, name,
+                     node_text(v));
+        }
+        *std::get<std::vector<std::string>*>(key->ref(c)) = list;
+      } else {
+        XMOE_CHECK(v.IsScalar(), "[config] {}{} = {} is not a valid {}", where, name,
+                   v.IsNull() ? "(nothing)" : node_text(v), type_name(t));
+        set_from_text(c, *key, v.Scalar());
+      }
+    } else if (is_section(name)) {
+      XMOE_CHECK(v.IsMap() || v.IsNull(),
+                 "[config] {}'{}' is a section; expected a map of keys, got {}", where, name,
+                 node_text(v));
+      if (v.IsMap()) load_node(c, v, name, src);
+    } else {
+      // Name the first leaf under an unknown section ("modle.d_model"), which finds the
+      // closest key better than the section name alone.
+      std::string leaf = name;
+      for (YAML::Node n = v; n.IsMap() && n.size() > 0;) {
+        const auto first = n.begin();
+        leaf += "." + first->first.as<std::string>();
+        n = first->second;
+      }
+      unknown_key(leaf, where);
+    }
+  }
+}
+
+}  // namespace
+
+const std::vector<ConfigKeyInfo>& config_keys() {
+  static const std::vector<ConfigKeyInfo> infos = [] {
+    const Config defaults;
+    std::vector<ConfigKeyInfo> out;
+    for (const Key& k : table()) {
+      const ConfigType t = type_of(k.ref(const_cast<Config&>(defaults)));
+      out.push_back({k.name, t, type_name(t), format_value(defaults, k), range_text(k), k.doc});
+    }
+    return out;
+  }();
+  return infos;
+}
+
+std::string config_get(const Config& config, const std::string& key) {
+  const Key* k = find_key(key);
+  if (!k) unknown_key(key, "");
+  return format_value(config, *k);
+}
+
+void config_set(Config& config, const std::string& key, const std::string& value) {
+  const Key* k = find_key(key);
+  if (!k) unknown_key(key, "");
+  set_from_text(config, *k, value);
+}
+
+void apply_override(Config& config, const std::string& key_eq_value) {
+  const size_t eq = key_eq_value.find('=');
+  XMOE_CHECK(eq != std::string::npos, "[config] override '{}' is not key=value", key_eq_value);
+  config_set(config, trim(key_eq_value.substr(0, eq)), key_eq_value.substr(eq + 1));
+}
+
+Config load_config_string(const std::string& yaml, const std::string& source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml);
+  } catch (const YAML::Exception& e) {
+    XMOE_FAIL("[config] {}: invalid YAML: {}", source, e.what());
+  }
+  if (root.IsNull()) return Config{};
+  XMOE_CHECK(root.IsMap(), "[config] {}: expected a map of keys at the top level", source);
+  Config c;
+  if (const YAML::Node p = root["preset"]) {
+    XMOE_CHECK(p.IsScalar(), "[config] {}: preset = {} is not a name", source, node_text(p));
+    c = preset(p.Scalar());
+  }
+  load_node(c, root, "", source);
+  return c;
+}
+
+Config load_config_file(const std::string& path) {
+  std::string text;
+  {
+    FILE* f = std::fopen(path.c_str(), "rb");
+    XMOE_CHECK(f, "[config] cannot open config file {}", path);
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+    std::fclose(f);
+  }
+  return load_config_string(text, path);
+}
+
+void validate(const Config& c) {
+  std::vector<std::string> errors;
+  for (const Key& k : table()) check_range(c, k, errors);
+
+  const ModelConfig& m = c.model;
+  const MoeConfig& moe = m.moe;
+  auto fail = [&]<typename... A>(fmt::format_string<A...> f, A&&... a) {
+    errors.push_back(fmt::format(f, std::forward<A>(a)...));
+  };
+  if (moe.top_k > moe.num_experts)
+    fail("model.moe.top_k = {} exceeds model.moe.num_experts = {}", moe.top_k, moe.num_experts);
+  if (m.num_heads > 0 && m.d_model % m.num_heads != 0)
+    fail("model.d_model = {} is not divisible by model.num_heads = {}", m.d_model, m.num_heads);
+  else if (m.num_heads > 0 && (m.d_model / m.num_heads) % 2 != 0)
+    fail("head dimension model.d_model / model.num_heads = {} / {} = {} is odd; RoPE needs it even",
+         m.d_model, m.num_heads, m.d_model / m.num_heads);
+  if (m.num_kv_heads > 0 && m.num_heads % m.num_kv_heads != 0)
+    fail("model.num_heads = {} is not divisible by model.num_kv_heads = {}", m.num_heads,
+         m.num_kv_heads);
+  if (c.parallel.ep > 0 && moe.num_experts % c.parallel.ep != 0)
+    fail("model.moe.num_experts = {} is not divisible by parallel.ep = {}", moe.num_experts,
+         c.parallel.ep);
+  if (c.parallel.tp > 0 && m.num_heads % c.parallel.tp != 0)
+    fail("model.num_heads = {} is not divisible by parallel.tp = {}", m.num_heads, c.parallel.tp);
+  if (c.parallel.tp > 0 && m.num_kv_heads % c.parallel.tp != 0)
+    fail("model.num_kv_heads = {} is not divisible by parallel.tp = {}", m.num_kv_heads,
+         c.parallel.tp);
+  if (moe.gate == "switch" && moe.top_k != 1)
+    fail("model.moe.gate = \"switch\" routes to one expert but model.moe.top_k = {}", moe.top_k);
+  if (moe.gate == "sigmoid" && moe.num_groups > 0 && moe.topk_groups > 0) {
+    if (moe.num_experts % moe.num_groups != 0) {
+      fail("model.moe.num_experts = {} is not divisible by model.moe.num_groups = {}",
+           moe.num_experts, moe.num_groups);
+    } else {
+      if (moe.topk_groups > moe.num_groups)
+        fail("model.moe.topk_groups = {} exceeds model.moe.num_groups = {}", moe.topk_groups,
+             moe.num_groups);
+      const int reachable =
+          std::min(moe.topk_groups, moe.num_groups) * (moe.num_experts / moe.num_groups);
+      if (moe.top_k > reachable)
+        fail(
+            "model.moe.top_k = {} exceeds the {} experts reachable in model.moe.topk_groups = {} "
+            "of model.moe.num_groups = {} groups",
+            moe.top_k, reachable, moe.topk_groups, moe.num_groups);
+    }
+  }
+  if (m.first_dense_layers > m.num_layers)
+    fail("model.first_dense_layers = {} exceeds model.num_layers = {}", m.first_dense_layers,
+         m.num_layers);
+  if (c.train.seq_len > m.max_seq_len)
+    fail("train.seq_len = {} exceeds model.max_seq_len = {}", c.train.seq_len, m.max_seq_len);
+  if (c.train.min_lr > c.train.lr)
+    fail("train.min_lr = {} exceeds train.lr = {}", c.train.min_lr, c.train.lr);
+  if (c.train.eval_every > 0 && c.data.val_fraction <= 0)
+    fail("train.eval_every = {} needs a validation split but data.val_fraction = {}",
+         c.train.eval_every, c.data.val_fraction);
+  try {
+    parse_device(c.train.device);
+  } catch (const Error&) {
+    fail("train.device = \"{}\" is not cpu, cuda or cuda:N", c.train.device);
+  }
+
+  if (errors.size() == 1) XMOE_FAIL("[config] {}", errors[0]);
+  if (!errors.empty()) {
+    std::string msg = fmt::format("[config] {} problems:", errors.size());
+    for (const std::string& e : errors) msg += "\n  - " + e;
+    XMOE_FAIL("{}", msg);
+  }
+}
+
+std::string to_yaml(const Config& c) {
+  std::string out;
+  std::vector<std::string> open;  // sections currently open, outermost first
+  for (const Key& k : table()) {
+    std::vector<std::string> parts;
+    size_t start = 0, dot;
+    while ((dot = k.name.find('.', start)) != std::string::npos) {
+      parts.push_back(k.name.substr(start, dot - start));
+      start = dot + 1;
+    }
+    const std::string leaf = k.name.substr(start);
+    size_t common = 0;
+    while (common < open.size() && common < parts.size() && open[common] == parts[common]) ++common;
+    open.resize(common);
+    for (size_t i = common; i < parts.size(); ++i) {
+      out += std::string(2 * i, ' ') + parts[i] + ":\n";
+      open.push_back(parts[i]);
+    }
+    out += std::string(2 * parts.size(), ' ') + leaf + ": " + format_value(c, k) + "\n";
+  }
+  return out;
+}
+
+std::string config_reference_markdown() {
+  std::string md =
+      "# Configuration reference\n\n"
+      "<!-- Generated by xmoe::config_reference_markdown() from the key table in "
+      "src/xmoe/config/config.cpp; tests/test_config.cpp checks that this file is up to date. "
+      "-->\n\n"
+      "A run is configured by a YAML file of nested maps that mirror the dotted key names\n"
+      "(`model: {moe: {top_k: 6}}` sets `model.moe.top_k`), optionally starting from a preset\n"
+      "(`preset: moe-1b` at the top level), then by `--set key=value` overrides (lists are\n"
+      "comma-separated: `--set model.recompute=attention,moe`). Unknown keys and values of the\n"
+      "wrong type are errors. `validate()` checks every range below and these cross-key rules:\n\n"
+      "- `model.moe.top_k <= model.moe.num_experts`; `switch` gate needs `top_k == 1`\n"
+      "- `model.d_model % model.num_heads == 0`, the head dimension is even (RoPE),\n"
+      "  `model.num_heads % model.num_kv_heads == 0`\n"
+      "- `model.moe.num_experts % parallel.ep == 0`; `model.num_heads` and `model.num_kv_heads`\n"
+      "  divisible by `parallel.tp`\n"
+      "- `sigmoid` gate: `num_experts % num_groups == 0`, `topk_groups <= num_groups`,\n"
+      "  `top_k <= topk_groups * num_experts / num_groups`\n"
+      "- `model.first_dense_layers <= model.num_layers`; `train.seq_len <= model.max_seq_len`;\n"
+      "  `train.min_lr <= train.lr`; `train.eval_every > 0` needs `data.val_fraction > 0`\n\n";
+  std::string section;
+  for (const ConfigKeyInfo& k : config_keys()) {
+    const std::string s = k.name.substr(0, k.name.rfind('.'));
+    if (s != section) {
+      section = s;
+      md += fmt::format(
+          "\n## `{}`\n\n| key | type | default | range | meaning |\n|---|---|---|---|---|\n",
+          section);
+    }
+    std::string range = k.range;
+    for (size_t p = 0; (p = range.find('|', p)) != std::string::npos; p += 2)
+      range.replace(p, 1, "\\|");
+    std::string doc = k.doc;
+    for (size_t p = 0; (p = doc.find('|', p)) != std::string::npos; p += 2)
+      doc.replace(p, 1, "\\|");
+    md += fmt::format("| `{}` | {} | `{}` | {} | {} |\n", k.name, k.type_name, k.default_value,
+                      range, doc);
+  }
+  md +=
+      "\n## Presets\n\n"
+      "`preset: <name>` in a config file, or `xmoe train --preset <name>`. Parameter counts are\n"
+      "from `count_parameters()` (embedding and LM head included; active = with k of the E\n"
+      "routed experts).\n\n"
+      "| preset | total params | active params | description |\n|---|---|---|---|\n";
+  for (const std::string& name : preset_names()) {
+    const ParamCount pc = count_parameters(preset(name).model);
+    auto human = [](int64_t n) {
+      return n >= 1000000000 ? fmt::format("{:.2f}B", n / 1e9) : fmt::format("{:.1f}M", n / 1e6);
+    };
+    md += fmt::format("| `{}` | {} | {} | {} |\n", name, human(pc.total), human(pc.active),
+                      preset_description(name));
+  }
+  return md;
+}
+
+}  // namespace xmoe

@@ -1,0 +1,84 @@
+#include "xmoe/model/attention.h"
+
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::model {
+
+Attention::Attention(std::string prefix, AttentionShape shape,
+                     std::shared_ptr<const ops::RopeTables> rope, uint64_t seed, float init_std,
+                     float out_std)
+    : shape_(shape),
+      rope_(std::move(rope)),
+      wq_(Parameter::make(prefix + ".wq", {shape.d_model, shape.num_heads * shape.head_dim})),
+      wk_(Parameter::make(prefix + ".wk", {shape.d_model, shape.num_kv_heads * shape.head_dim})),
+      wv_(Parameter::make(prefix + ".wv", {shape.d_model, shape.num_kv_heads * shape.head_dim})),
+      wo_(Parameter::make(prefix + ".wo", {shape.num_heads * shape.head_dim, shape.d_model})) {
+  XMOE_CHECK(shape.num_kv_heads > 0 && shape.num_heads % shape.num_kv_heads == 0,
+             "[attention] {}: num_heads = {} is not a multiple of num_kv_heads = {}", prefix,
+             shape.num_heads, shape.num_kv_heads);
+  XMOE_CHECK(rope_ && rope_->head_dim == shape.head_dim,
+             "[attention] {}: RoPE tables do not match head_dim {}", prefix, shape.head_dim);
+  wq_.init_normal(seed, init_std);
+  wk_.init_normal(seed, init_std);
+  wv_.init_normal(seed, init_std);
+  wo_.init_normal(seed, out_std);
+}
+
+void Attention::compute_inner() {
+  const int64_t h = shape_.num_heads, hkv = shape_.num_kv_heads, hd = shape_.head_dim;
+  q_ = ops::matmul(x_, wq_.value).reshape({batch_, seq_, h, hd});
+  k_ = ops::matmul(x_, wk_.value).reshape({batch_, seq_, hkv, hd});
+  v_ = ops::matmul(x_, wv_.value).reshape({batch_, seq_, hkv, hd});
+  ops::rope_(q_, *rope_);
+  ops::rope_(k_, *rope_);
+  auto r = ops::attention(q_, k_, v_, /*causal=*/true);
+  a_ = r.out;
+  lse_ = r.lse;
+}
+
+Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
+  check_shape(x, {batch * seq_len, shape_.d_model}, "attention", "x");
+  batch_ = batch;
+  seq_ = seq_len;
+  x_ = x;
+  compute_inner();
+  Tensor y = ops::matmul(a_.reshape({batch * seq_len, -1}), wo_.value);
+  if (recompute_) q_ = k_ = v_ = a_ = lse_ = Tensor();
+  return y;
+}
+
+Tensor Attention::backward(const Tensor& dy) {
+  XMOE_CHECK(x_.defined(), "[attention] {}: backward without a forward", wq_.name);
+  if (!a_.defined()) compute_inner();  // recompute: the same ops on the same x give the same bits
+  const int64_t t = batch_ * seq_;
+  check_shape(dy, {t, shape_.d_model}, "attention_backward", "dy");
+  const Tensor a2 = a_.reshape({t, -1});
+  ops::matmul_into(wo_.grad, a2, dy, /*trans_a=*/true, false, 1.f, 1.f);
+  Tensor da = ops::matmul(dy, wo_.value, false, /*trans_b=*/true).reshape(a_.shape());
+  auto g = ops::attention_backward(q_, k_, v_, a_, lse_, da, /*causal=*/true);
+  ops::rope_backward_(g.dq, *rope_);
+  ops::rope_backward_(g.dk, *rope_);
+  const Tensor dq = g.dq.reshape({t, -1}), dk = g.dk.reshape({t, -1}), dv = g.dv.reshape({t, -1});
+  ops::matmul_into(wq_.grad, x_, dq, true, false, 1.f, 1.f);
+  ops::matmul_into(wk_.grad, x_, dk, true, false, 1.f, 1.f);
+  ops::matmul_into(wv_.grad, x_, dv, true, false, 1.f, 1.f);
+  Tensor dx = ops::matmul(dq, wq_.value, false, true);
+  ops::matmul_into(dx, dk, wk_.value, false, true, 1.f, 1.f);
+  ops::matmul_into(dx, dv, wv_.value, false, true, 1.f, 1.f);
+  release();
+  return dx;
+}
+
+int64_t Attention::saved_bytes() const {
+  return held_bytes(x_) + held_bytes(q_) + held_bytes(k_) + held_bytes(v_) + held_bytes(a_) +
+         held_bytes(lse_);
+}
+
+void Attention::collect_parameters(std::vector<Parameter*>& out) {
+  out.push_back(&wq_);
+  out.push_back(&wk_);
+  out.push_back(&wv_);
+  out.push_back(&wo_);
+}
+
+}  // namespace xmoe::model

@@ -1,0 +1,65 @@
+#pragma once
+// Causal self-attention with RoPE and grouped-query heads.
+//
+//   q = x wq [T, H·hd], k = x wk, v = x wv [T, Hkv·hd]   (seen as [B, S, heads, hd])
+//   q, k <- RoPE(q), RoPE(k)
+//   a = softmax(q k^T / sqrt(hd) + causal mask) v        [B, S, H, hd]
+//   y = a wo                                              [T, d]
+#include <memory>
+#include <string>
+
+#include "xmoe/core/parameter.h"
+#include "xmoe/model/embedding.h"
+#include "xmoe/ops/model_ops.h"
+
+namespace xmoe::model {
+
+struct AttentionShape {
+  int64_t d_model = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;  ///< d_model / num_heads
+};
+
+class Attention : public Module {
+ public:
+  /// Parameters "<prefix>.wq" [d, H·hd], ".wk" [d, Hkv·hd], ".wv" [d, Hkv·hd], ".wo" [H·hd, d];
+  /// wq, wk, wv ~ N(0, init_std^2), wo ~ N(0, out_std^2). `rope` is shared by all layers.
+  Attention(std::string prefix, AttentionShape shape, std::shared_ptr<const ops::RopeTables> rope,
+            uint64_t seed, float init_std, float out_std);
+
+  /// x [B·S, d] -> [B·S, d].
+  /// Saves x (shared with the caller) and, unless recompute is on, q, k, v (after RoPE), the
+  /// attention output a and the softmax log-sum-exp: T·(2·H + 2·Hkv)·hd + B·H·S floats.
+  /// With recompute only x is kept and the rest is recomputed in backward.
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);
+  /// dy [B·S, d] -> dx; accumulates the four weight gradients; releases what forward saved.
+  Tensor backward(const Tensor& dy);
+
+  /// Frees what forward saved (forward-only use).
+  void release() { x_ = q_ = k_ = v_ = a_ = lse_ = Tensor(); }
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recompute() const { return recompute_; }
+  int64_t saved_bytes() const;
+  void collect_parameters(std::vector<Parameter*>& out) override;
+
+  Parameter& wq() { return wq_; }
+  Parameter& wk() { return wk_; }
+  Parameter& wv() { return wv_; }
+  Parameter& wo() { return wo_; }
+
+ private:
+  // Projections, RoPE and attention from x_ into q_, k_, v_, a_, lse_.
+  void compute_inner();
+
+  AttentionShape shape_;
+  std::shared_ptr<const ops::RopeTables> rope_;
+  Parameter wq_, wk_, wv_, wo_;
+  bool recompute_ = false;
+  int64_t batch_ = 0, seq_ = 0;
+  Tensor x_;          // [T, d]
+  Tensor q_, k_, v_;  // [B, S, H|Hkv, hd]
+  Tensor a_, lse_;    // [B, S, H, hd], [B, H, S]
+};
+
+}  // namespace xmoe::model

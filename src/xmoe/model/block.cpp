@@ -1,0 +1,85 @@
+#include "xmoe/model/block.h"
+
+#include <cmath>
+
+#include "xmoe/model/moe_ffn.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::model {
+
+RecomputeOptions parse_recompute(const std::vector<std::string>& names) {
+  RecomputeOptions r;
+  for (const std::string& n : names) {
+    if (n == "attention") {
+      r.attention = true;
+    } else if (n == "ffn") {
+      r.ffn = true;
+    } else if (n == "moe") {
+      r.moe = true;
+    } else {
+      XMOE_FAIL("[config] model.recompute entry '{}' is not one of attention, ffn, moe", n);
+    }
+  }
+  return r;
+}
+
+TransformerBlock::TransformerBlock(const ModelConfig& cfg, int index,
+                                   std::shared_ptr<const ops::RopeTables> rope, uint64_t seed) {
+  const std::string p = "layers." + std::to_string(index);
+  // GPT-2 / Megatron: the projections that write into the residual stream are scaled down by
+  // 1/sqrt(2·L) so that the stream's variance does not grow with depth.
+  const float out_std = cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.num_layers));
+  AttentionShape shape{cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_model / cfg.num_heads};
+  attn_norm_ = std::make_unique<RMSNorm>(p + ".attn_norm.weight", cfg.d_model, cfg.norm_eps);
+  attn_ =
+      std::make_unique<Attention>(p + ".attn", shape, std::move(rope), seed, cfg.init_std, out_std);
+  ffn_norm_ = std::make_unique<RMSNorm>(p + ".ffn_norm.weight", cfg.d_model, cfg.norm_eps);
+  if (index < cfg.first_dense_layers) {
+    ffn_ = std::make_unique<DenseFFN>(p + ".ffn", cfg.d_model, cfg.dense_hidden, seed, cfg.init_std,
+                                      out_std);
+  } else {
+    ffn_ = make_moe_ffn(cfg.moe, cfg.d_model, p + ".moe", seed, cfg.init_std, out_std);
+  }
+  set_recompute(parse_recompute(cfg.recompute));
+}
+
+void TransformerBlock::set_recompute(const RecomputeOptions& r) {
+  attn_->set_recompute(r.attention);
+  ffn_->set_recompute(ffn_->moe_layer() ? r.moe : r.ffn);
+}
+
+Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
+  Tensor h = attn_->forward(attn_norm_->forward(x), batch, seq_len);
+  ops::add_(h, x);  // h is a fresh tensor nobody else holds
+  Tensor y = ffn_->forward(ffn_norm_->forward(h), seq_len);
+  return ops::add(y, h);  // out of place: the FFN may keep its output
+}
+
+Tensor TransformerBlock::backward(const Tensor& dy) {
+  Tensor dh = ffn_norm_->backward(ffn_->backward(dy));
+  ops::add_(dh, dy);
+  Tensor dx = attn_norm_->backward(attn_->backward(dh));
+  ops::add_(dx, dh);
+  return dx;
+}
+
+void TransformerBlock::release() {
+  attn_norm_->release();
+  attn_->release();
+  ffn_norm_->release();
+  ffn_->release();
+}
+
+int64_t TransformerBlock::saved_bytes() const {
+  return attn_norm_->saved_bytes() + attn_->saved_bytes() + ffn_norm_->saved_bytes() +
+         ffn_->saved_bytes();
+}
+
+void TransformerBlock::collect_parameters(std::vector<Parameter*>& out) {
+  attn_norm_->collect_parameters(out);
+  attn_->collect_parameters(out);
+  ffn_norm_->collect_parameters(out);
+  ffn_->collect_parameters(out);
+}
+
+}  // namespace xmoe::model

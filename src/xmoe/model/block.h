@@ -1,0 +1,60 @@
+#pragma once
+// One pre-norm decoder block:
+//   h = x + Attention(RMSNorm(x))
+//   y = h + FFN(RMSNorm(h))        FFN = dense SwiGLU or the MoE layer
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "xmoe/config/config.h"
+#include "xmoe/model/attention.h"
+#include "xmoe/model/ffn.h"
+#include "xmoe/model/rmsnorm.h"
+
+namespace xmoe::model {
+
+/// Which modules drop their activations after forward and recompute them in backward
+/// (ModelConfig::recompute entries "attention", "ffn", "moe").
+struct RecomputeOptions {
+  bool attention = false;
+  bool ffn = false;  ///< dense FFNs
+  bool moe = false;  ///< MoE layers
+};
+/// Parses ModelConfig::recompute; throws on an unknown entry.
+RecomputeOptions parse_recompute(const std::vector<std::string>& names);
+
+class TransformerBlock : public Module {
+ public:
+  /// Layer `index` of a model: parameters "layers.{index}.attn_norm.weight",
+  /// "layers.{index}.attn.{wq,wk,wv,wo}", "layers.{index}.ffn_norm.weight", then
+  /// "layers.{index}.ffn.{gate_up,down}" (index < first_dense_layers) or
+  /// "layers.{index}.moe.*" (the MoE layer).
+  TransformerBlock(const ModelConfig& cfg, int index, std::shared_ptr<const ops::RopeTables> rope,
+                   uint64_t seed);
+
+  /// x [B·S, d] -> [B·S, d].
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);
+  /// dy [B·S, d] -> dx.
+  Tensor backward(const Tensor& dy);
+
+  /// Frees what forward saved (forward-only use).
+  void release();
+  void set_recompute(const RecomputeOptions& r);
+  bool is_moe() { return ffn_->moe_layer() != nullptr; }
+  /// Bytes held for backward by the block's modules.
+  int64_t saved_bytes() const;
+  void collect_parameters(std::vector<Parameter*>& out) override;
+
+  Attention& attention() { return *attn_; }
+  FeedForward& ffn() { return *ffn_; }
+  RMSNorm& attn_norm() { return *attn_norm_; }
+  RMSNorm& ffn_norm() { return *ffn_norm_; }
+
+ private:
+  std::unique_ptr<RMSNorm> attn_norm_;
+  std::unique_ptr<Attention> attn_;
+  std::unique_ptr<RMSNorm> ffn_norm_;
+  std::unique_ptr<FeedForward> ffn_;
+};
+
+}  // namespace xmoe::model

@@ -1,0 +1,42 @@
+#include "xmoe/model/ffn.h"
+
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::model {
+
+DenseFFN::DenseFFN(std::string prefix, int64_t d_model, int64_t hidden, uint64_t seed,
+                   float init_std, float out_std)
+    : gate_up_(Parameter::make(prefix + ".gate_up", {d_model, 2 * hidden})),
+      down_(Parameter::make(prefix + ".down", {hidden, d_model})) {
+  gate_up_.init_normal(seed, init_std);
+  down_.init_normal(seed, out_std);
+}
+
+Tensor DenseFFN::forward(const Tensor& x, int64_t /*seq_len*/) {
+  check_shape(x, {-1, gate_up_.value.size(0)}, "dense_ffn", "x");
+  x_ = x;
+  Tensor h = ops::matmul(x, gate_up_.value);  // [T, 2h]
+  Tensor y = ops::matmul(ops::swiglu(h), down_.value);
+  if (!recompute_) h_ = h;
+  return y;
+}
+
+Tensor DenseFFN::backward(const Tensor& dy) {
+  XMOE_CHECK(x_.defined(), "[dense_ffn] {}: backward without a forward", gate_up_.name);
+  if (!h_.defined()) h_ = ops::matmul(x_, gate_up_.value);
+  const Tensor a = ops::swiglu(h_);  // [T, h]
+  ops::matmul_into(down_.grad, a, dy, /*trans_a=*/true, false, 1.f, 1.f);
+  const Tensor da = ops::matmul(dy, down_.value, false, /*trans_b=*/true);
+  const Tensor dh = ops::swiglu_backward(h_, da);
+  ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, 1.f);
+  Tensor dx = ops::matmul(dh, gate_up_.value, false, true);
+  x_ = h_ = Tensor();
+  return dx;
+}
+
+void DenseFFN::collect_parameters(std::vector<Parameter*>& out) {
+  out.push_back(&gate_up_);
+  out.push_back(&down_);
+}
+
+}  // namespace xmoe::model

@@ -1,0 +1,59 @@
+#pragma once
+// The feed-forward half of a block, behind one small interface so that a block holds either a
+// dense SwiGLU FFN or the MoE layer (model/moe_ffn.h) without knowing which.
+#include <string>
+
+#include "xmoe/core/parameter.h"
+#include "xmoe/model/embedding.h"
+
+namespace xmoe::moe {
+class MoELayer;
+}
+
+namespace xmoe::model {
+
+class FeedForward : public Module {
+ public:
+  /// x [T, d] -> [T, d]; T = batch · seq_len tokens, sequence-major.
+  virtual Tensor forward(const Tensor& x, int64_t seq_len) = 0;
+  /// dy [T, d] -> dx; accumulates parameter gradients; releases what forward saved.
+  virtual Tensor backward(const Tensor& dy) = 0;
+  /// Frees what forward saved (forward-only use, e.g. evaluation).
+  virtual void release() = 0;
+  /// Drop saved activations after forward and recompute them in backward.
+  virtual void set_recompute(bool on) = 0;
+  /// Bytes currently held for backward.
+  virtual int64_t saved_bytes() const = 0;
+  /// Weighted auxiliary loss of the last forward (0 for dense).
+  virtual float aux_loss() const { return 0.f; }
+  /// The MoE layer inside, or null for a dense FFN.
+  virtual moe::MoELayer* moe_layer() { return nullptr; }
+};
+
+/// SwiGLU FFN: y = (silu(x Wg) * x Wu) Wd with a fused gate|up weight.
+class DenseFFN : public FeedForward {
+ public:
+  /// Parameters "<prefix>.gate_up" [d, 2h] ~ N(0, init_std^2), "<prefix>.down" [h, d] ~
+  /// N(0, out_std^2).
+  DenseFFN(std::string prefix, int64_t d_model, int64_t hidden, uint64_t seed, float init_std,
+           float out_std);
+
+  /// Saves x (shared with the caller) and, unless recompute is on, h = x gate_up [T, 2h]:
+  /// T·2h floats. The SwiGLU output silu(g)·u is recomputed from h in backward (elementwise).
+  Tensor forward(const Tensor& x, int64_t seq_len) override;
+  Tensor backward(const Tensor& dy) override;
+  void release() override { x_ = h_ = Tensor(); }
+  void set_recompute(bool on) override { recompute_ = on; }
+  int64_t saved_bytes() const override { return held_bytes(x_) + held_bytes(h_); }
+  void collect_parameters(std::vector<Parameter*>& out) override;
+
+  Parameter& gate_up() { return gate_up_; }
+  Parameter& down() { return down_; }
+
+ private:
+  Parameter gate_up_, down_;
+  bool recompute_ = false;
+  Tensor x_, h_;
+};
+
+}  // namespace xmoe::model

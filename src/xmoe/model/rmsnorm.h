@@ -1,0 +1,32 @@
+#pragma once
+// RMSNorm module: y = x / sqrt(mean(x^2) + eps) * weight over the last dimension.
+#include <string>
+
+#include "xmoe/core/parameter.h"
+#include "xmoe/model/embedding.h"
+
+namespace xmoe::model {
+
+class RMSNorm : public Module {
+ public:
+  /// Parameter `name` [d], initialised to 1, without weight decay.
+  RMSNorm(std::string name, int64_t d, float eps);
+
+  /// x [T, d] -> [T, d]. Saves x (shared with the caller, not copied) and rstd [T].
+  Tensor forward(const Tensor& x);
+  /// Returns dx; adds into the weight's gradient; releases what forward saved.
+  Tensor backward(const Tensor& dy);
+
+  /// Frees what forward saved (forward-only use).
+  void release() { x_ = rstd_ = Tensor(); }
+  Parameter& weight() { return weight_; }
+  int64_t saved_bytes() const { return held_bytes(x_) + held_bytes(rstd_); }
+  void collect_parameters(std::vector<Parameter*>& out) override { out.push_back(&weight_); }
+
+ private:
+  Parameter weight_;
+  float eps_;
+  Tensor x_, rstd_;
+};
+
+}  // namespace xmoe::model

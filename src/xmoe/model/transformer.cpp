@@ -1,0 +1,161 @@
+#include "xmoe/model/transformer.h"
+
+#include "xmoe/moe/layer.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::model {
+
+void validate(const ModelConfig& c) {
+  XMOE_CHECK(c.vocab_size > 0, "[config] model.vocab_size = {} must be positive", c.vocab_size);
+  XMOE_CHECK(c.num_layers > 0, "[config] model.num_layers = {} must be positive", c.num_layers);
+  XMOE_CHECK(c.num_heads > 0 && c.d_model % c.num_heads == 0,
+             "[config] model.d_model = {} is not a multiple of model.num_heads = {}", c.d_model,
+             c.num_heads);
+  XMOE_CHECK((c.d_model / c.num_heads) % 2 == 0,
+             "[config] head_dim = model.d_model / model.num_heads = {} must be even (RoPE)",
+             c.d_model / c.num_heads);
+  XMOE_CHECK(c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0,
+             "[config] model.num_heads = {} is not a multiple of model.num_kv_heads = {}",
+             c.num_heads, c.num_kv_heads);
+  XMOE_CHECK(c.max_seq_len > 0, "[config] model.max_seq_len = {} must be positive", c.max_seq_len);
+  XMOE_CHECK(c.first_dense_layers >= 0, "[config] model.first_dense_layers = {} must be >= 0",
+             c.first_dense_layers);
+  XMOE_CHECK(c.first_dense_layers == 0 || c.dense_hidden > 0,
+             "[config] model.dense_hidden = {} must be positive", c.dense_hidden);
+  XMOE_CHECK(c.init_std > 0, "[config] model.init_std = {} must be positive", c.init_std);
+  XMOE_CHECK(c.norm_eps > 0, "[config] model.norm_eps = {} must be positive", c.norm_eps);
+  parse_recompute(c.recompute);
+}
+
+Transformer::Transformer(const ModelConfig& cfg, uint64_t seed) : cfg_(cfg) {
+  validate(cfg);
+  const int64_t d = cfg.d_model, v = cfg.vocab_size;
+  rope_ = std::make_shared<const ops::RopeTables>(
+      ops::rope_tables(cfg.max_seq_len, d / cfg.num_heads, cfg.rope_theta));
+  embed_ = std::make_unique<Embedding>("embed.weight", v, d, seed, cfg.init_std);
+  for (int i = 0; i < cfg.num_layers; ++i)
+    blocks_.push_back(std::make_unique<TransformerBlock>(cfg, i, rope_, seed));
+  final_norm_ = std::make_unique<RMSNorm>("final_norm.weight", d, cfg.norm_eps);
+  if (!cfg.tie_embeddings) {
+    lm_head_ = std::make_unique<Parameter>(Parameter::make("lm_head.weight", {d, v}));
+    lm_head_->init_normal(seed, cfg.init_std);
+  }
+}
+
+Transformer::~Transformer() = default;
+
+Tensor Transformer::forward(const Tensor& ids) {
+  XMOE_CHECK(ids.dim() == 2, "[transformer] ids must be [B, S], got {}", shape_str(ids.shape()));
+  check_dtype(ids, DType::i32, "transformer", "ids");
+  batch_ = ids.size(0);
+  seq_ = ids.size(1);
+  XMOE_CHECK(seq_ >= 1 && seq_ <= cfg_.max_seq_len,
+             "[transformer] sequence length {} outside [1, model.max_seq_len = {}]", seq_,
+             cfg_.max_seq_len);
+  logits_ = targets_ = Tensor();
+  Tensor x = embed_->forward(ids);  // [T, d]
+  for (auto& b : blocks_) x = b->forward(x, batch_, seq_);
+  xf_ = final_norm_->forward(x);
+  // logits [T, V] = xf [T, d] @ lm_head [d, V]   (tied: @ embed^T, embed [V, d])
+  return lm_head_ ? ops::matmul(xf_, lm_head_->value)
+                  : ops::matmul(xf_, embed_->weight().value, false, true);
+}
+
+float Transformer::forward_loss(const Tensor& ids, const Tensor& targets) {
+  Tensor logits = forward(ids);
+  XMOE_CHECK(targets.numel() == logits.size(0), "[transformer] targets {} do not match ids {}",
+             shape_str(targets.shape()), shape_str(ids.shape()));
+  targets_ = targets.reshape({targets.numel()});
+  ce_ = ops::cross_entropy(logits, targets_);
+  logits_ = logits;
+  return ce_.loss;
+}
+
+float Transformer::loss(const Tensor& logits, const Tensor& targets) {
+  return ops::cross_entropy(logits, targets.reshape({targets.numel()})).loss;
+}
+
+float Transformer::evaluate_loss(const Tensor& ids, const Tensor& targets) {
+  const float l = forward_loss(ids, targets);
+  release();
+  return l;
+}
+
+void Transformer::release() {
+  embed_->release();
+  for (auto& b : blocks_) b->release();
+  final_norm_->release();
+  xf_ = logits_ = targets_ = Tensor();
+  ce_ = {};
+}
+
+void Transformer::backward(float dloss) {
+  XMOE_CHECK(logits_.defined(), "[transformer] backward() without a forward_loss()");
+  // The logits are not needed again: their buffer becomes dlogits.
+  Tensor dlogits = logits_;
+  logits_ = Tensor();
+  ops::cross_entropy_backward_(dlogits, targets_, ce_, dloss);
+  targets_ = Tensor();
+  ce_ = {};
+  // The aux losses are part of the objective with the same scale as the cross-entropy.
+  for (moe::MoELayer* layer : moe_layers()) layer->set_aux_grad_scale(dloss);
+  backward_logits(dlogits);
+  for (moe::MoELayer* layer : moe_layers()) layer->set_aux_grad_scale(1.0f);
+}
+
+void Transformer::backward_logits(const Tensor& dlogits) {
+  XMOE_CHECK(xf_.defined(), "[transformer] backward without a forward");
+  check_shape(dlogits, {batch_ * seq_, cfg_.vocab_size}, "transformer_backward", "dlogits");
+  Tensor dx;
+  if (lm_head_) {
+    ops::matmul_into(lm_head_->grad, xf_, dlogits, /*trans_a=*/true, false, 1.f, 1.f);
+    dx = ops::matmul(dlogits, lm_head_->value, false, /*trans_b=*/true);
+  } else {
+    Parameter& e = embed_->weight();
+    ops::matmul_into(e.grad, dlogits, xf_, /*trans_a=*/true, false, 1.f, 1.f);
+    dx = ops::matmul(dlogits, e.value);
+  }
+  xf_ = Tensor();
+  dx = final_norm_->backward(dx);
+  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) dx = (*it)->backward(dx);
+  embed_->backward(dx);
+}
+
+float Transformer::aux_loss() const {
+  float s = 0.f;
+  for (const auto& b : blocks_) s += b->ffn().aux_loss();
+  return s;
+}
+
+std::vector<moe::MoELayer*> Transformer::moe_layers() {
+  std::vector<moe::MoELayer*> out;
+  for (auto& b : blocks_)
+    if (moe::MoELayer* m = b->ffn().moe_layer()) out.push_back(m);
+  return out;
+}
+
+void Transformer::set_recompute(const RecomputeOptions& r) {
+  for (auto& b : blocks_) b->set_recompute(r);
+}
+
+int64_t Transformer::saved_bytes() const {
+  int64_t s = embed_->saved_bytes() + final_norm_->saved_bytes() + held_bytes(xf_) +
+              held_bytes(logits_) + held_bytes(targets_) + held_bytes(ce_.lse);
+  for (const auto& b : blocks_) s += b->saved_bytes();
+  return s;
+}
+
+void Transformer::collect_parameters(std::vector<Parameter*>& out) {
+  embed_->collect_parameters(out);
+  for (auto& b : blocks_) b->collect_parameters(out);
+  final_norm_->collect_parameters(out);
+  if (lm_head_) out.push_back(lm_head_.get());
+}
+
+int64_t Transformer::num_parameters() {
+  int64_t n = 0;
+  for (Parameter* p : parameters()) n += p->value.numel();
+  return n;
+}
+
+}  // namespace xmoe::model

@@ -1,0 +1,88 @@
+#pragma once
+// Decoder-only transformer (DeepSeek-style MoE LM):
+//   ids [B, S] -> Embedding -> L x TransformerBlock -> RMSNorm -> LM head -> logits [B·S, V]
+// Blocks i < first_dense_layers use a dense SwiGLU FFN, the others the MoE layer.
+// Every module has an explicit forward and backward and owns what it saves (see docs/model.md).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "xmoe/config/config.h"
+#include "xmoe/model/block.h"
+#include "xmoe/model/embedding.h"
+#include "xmoe/model/rmsnorm.h"
+#include "xmoe/ops/model_ops.h"
+
+namespace xmoe::model {
+
+/// Throws "[config] model.<key> ..." for an inconsistent ModelConfig (head sizes, layers, ...).
+void validate(const ModelConfig& cfg);
+
+class Transformer : public Module {
+ public:
+  /// Builds and initialises every parameter from `seed` (matrices N(0, init_std^2), wo and
+  /// down scaled by 1/sqrt(2·num_layers), norms 1). The same seed gives the same weights on
+  /// any number of ranks.
+  Transformer(const ModelConfig& cfg, uint64_t seed);
+  ~Transformer() override;
+
+  /// ids i32 [B, S] (S <= max_seq_len) -> logits [B·S, V]. Saves what backward needs.
+  Tensor forward(const Tensor& ids);
+  /// forward + mean cross-entropy against targets i32 [B, S] (targets < 0 are ignored).
+  /// Keeps the logits and the loss's log-sum-exp for backward(). Returns the CE loss only:
+  /// add aux_loss() for the training objective.
+  float forward_loss(const Tensor& ids, const Tensor& targets);
+  /// Mean cross-entropy of given logits [B·S, V] against targets [B, S] (targets < 0 ignored).
+  static float loss(const Tensor& logits, const Tensor& targets);
+  /// Forward-only loss for evaluation: forward + cross-entropy, then release(). Leaves the
+  /// parameters' grads untouched. (MoE layers still count their load in it.)
+  float evaluate_loss(const Tensor& ids, const Tensor& targets);
+  /// Frees every activation saved by the last forward (all modules and the logits).
+  void release();
+
+  /// Backward of the loss of the last forward_loss, scaled by `dloss` (e.g. 1/grad_accum); the
+  /// MoE aux losses' gradients get the same scale.
+  /// Accumulates into every parameter's grad and releases all saved activations. The MoE
+  /// layers add their aux-loss gradients themselves.
+  void backward(float dloss = 1.0f);
+  /// Backward from a gradient of the logits of the last forward(): dlogits [B·S, V].
+  void backward_logits(const Tensor& dlogits);
+
+  /// Sum of the MoE layers' weighted auxiliary losses of the last forward.
+  float aux_loss() const;
+  std::vector<moe::MoELayer*> moe_layers();
+  /// Switches recompute per module kind (initially from ModelConfig::recompute).
+  void set_recompute(const RecomputeOptions& r);
+  /// Bytes of activations currently held for backward, all modules together.
+  int64_t saved_bytes() const;
+
+  /// embed.weight, then per layer: attn_norm, attn.{wq,wk,wv,wo}, ffn_norm, ffn/moe, then
+  /// final_norm.weight, lm_head.weight (absent with tie_embeddings).
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  int64_t num_parameters();
+
+  const ModelConfig& config() const { return cfg_; }
+  int num_layers() const { return static_cast<int>(blocks_.size()); }
+  TransformerBlock& block(int i) { return *blocks_.at(static_cast<size_t>(i)); }
+  Embedding& embedding() { return *embed_; }
+  RMSNorm& final_norm() { return *final_norm_; }
+  /// The LM head [d, V], or null when tied to the embedding.
+  Parameter* lm_head() { return lm_head_.get(); }
+
+ private:
+  ModelConfig cfg_;
+  std::shared_ptr<const ops::RopeTables> rope_;
+  std::unique_ptr<Embedding> embed_;
+  std::vector<std::unique_ptr<TransformerBlock>> blocks_;
+  std::unique_ptr<RMSNorm> final_norm_;
+  std::unique_ptr<Parameter> lm_head_;
+
+  // Saved by forward / forward_loss.
+  int64_t batch_ = 0, seq_ = 0;
+  Tensor xf_;       // [T, d] final-norm output, input of the LM head
+  Tensor logits_;   // [T, V] (kept by forward_loss until backward)
+  Tensor targets_;  // [T] i32
+  ops::CrossEntropyResult ce_;
+};
+
+}  // namespace xmoe::model

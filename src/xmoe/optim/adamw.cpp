@@ -1,0 +1,90 @@
+#include "xmoe/optim/adamw.h"
+
+#include <cmath>
+#include <set>
+
+namespace xmoe::optim {
+
+AdamWConfig AdamWConfig::from(const TrainConfig& t) {
+  return {t.beta1, t.beta2, t.adam_eps, t.weight_decay};
+}
+
+AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
+    : params_(std::move(params)), cfg_(cfg) {
+  XMOE_CHECK(cfg.beta1 >= 0 && cfg.beta1 < 1, "[adamw] beta1 = {} must be in [0, 1)", cfg.beta1);
+  XMOE_CHECK(cfg.beta2 >= 0 && cfg.beta2 < 1, "[adamw] beta2 = {} must be in [0, 1)", cfg.beta2);
+  XMOE_CHECK(cfg.eps > 0, "[adamw] eps = {} must be positive", cfg.eps);
+  XMOE_CHECK(cfg.weight_decay >= 0, "[adamw] weight_decay = {} must be >= 0", cfg.weight_decay);
+  std::set<std::string> names;
+  for (Parameter* p : params_) {
+    XMOE_CHECK(p && p->value.defined(), "[adamw] undefined parameter");
+    XMOE_CHECK(names.insert(p->name).second, "[adamw] parameter name '{}' appears twice", p->name);
+    check_shape(p->grad, p->value.shape(), "adamw", p->name.c_str());
+    m_.push_back(Tensor::zeros(p->value.shape()));
+    v_.push_back(Tensor::zeros(p->value.shape()));
+  }
+}
+
+void AdamW::step(float lr) {
+  ++step_;
+  const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
+  const double t = static_cast<double>(step_);
+  const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(b1), t));
+  const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(b2), t));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i];
+    const float decay = p.weight_decay ? 1.0f - lr * cfg_.weight_decay : 1.0f;
+    float* w = p.value.data<float>();
+    const float* g = p.grad.data<float>();
+    float* m = m_[i].data<float>();
+    float* v = v_[i].data<float>();
+    const int64_t n = p.value.numel();
+#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
+    for (int64_t j = 0; j < n; ++j) {
+      m[j] = b1 * m[j] + (1.f - b1) * g[j];
+      v[j] = b2 * v[j] + (1.f - b2) * g[j] * g[j];
+      const float mhat = m[j] / bc1, vhat = v[j] / bc2;
+      w[j] = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
+    }
+  }
+}
+
+void AdamW::zero_grad() {
+  for (Parameter* p : params_) p->zero_grad();
+}
+
+void AdamW::export_state(std::map<std::string, Tensor>& out) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out[params_[i]->name + ".adam_m"] = m_[i];
+    out[params_[i]->name + ".adam_v"] = v_[i];
+  }
+  out[kStepKey] = Tensor::from_vector<int64_t>({step_}, {1});
+}
+
+void AdamW::import_state(const std::map<std::string, Tensor>& in) {
+  auto find = [&](const std::string& key, const Shape& shape, DType dtype) -> const Tensor& {
+    auto it = in.find(key);
+    XMOE_CHECK(it != in.end(), "[adamw] state has no tensor '{}'", key);
+    XMOE_CHECK(it->second.dtype() == dtype && it->second.shape() == shape,
+               "[adamw] state tensor '{}' is {}{}, expected {}{}", key,
+               dtype_name(it->second.dtype()), shape_str(it->second.shape()), dtype_name(dtype),
+               shape_str(shape));
+    return it->second;
+  };
+  // Validate everything before changing anything.
+  const Tensor& step = find(kStepKey, {1}, DType::i64);
+  std::vector<const Tensor*> ms, vs;
+  for (Parameter* p : params_) {
+    ms.push_back(&find(p->name + ".adam_m", p->value.shape(), DType::f32));
+    vs.push_back(&find(p->name + ".adam_v", p->value.shape(), DType::f32));
+  }
+  const int64_t s = step.to_vector<int64_t>()[0];
+  XMOE_CHECK(s >= 0, "[adamw] state step = {} is negative", s);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    m_[i].copy_from(ms[i]->to(Device::cpu()));
+    v_[i].copy_from(vs[i]->to(Device::cpu()));
+  }
+  step_ = s;
+}
+
+}  // namespace xmoe::optim

@@ -1,0 +1,63 @@
+#pragma once
+// AdamW (Loshchilov & Hutter 2019) with decoupled weight decay, on f32 master weights.
+//   m <- b1 m + (1 - b1) g            v <- b2 v + (1 - b2) g^2
+//   p <- p - lr * wd * p              (only where Parameter::weight_decay)
+//   p <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "xmoe/config/config.h"
+#include "xmoe/core/parameter.h"
+#include "xmoe/optim/clip.h"  // clip_grad_norm, grads_finite: used with every step
+
+namespace xmoe::optim {
+
+struct AdamWConfig {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;
+  /// train.beta1, train.beta2, train.adam_eps, train.weight_decay.
+  static AdamWConfig from(const TrainConfig& t);
+};
+
+class AdamW {
+ public:
+  /// Keeps the pointers (the parameters must outlive the optimizer) and zeroed m, v per
+  /// parameter. Parameter names must be unique (they key the exported state).
+  AdamW(std::vector<Parameter*> params, AdamWConfig cfg);
+
+  /// One update of every parameter from its grad with learning rate `lr`; step() += 1.
+  /// Does not clear the grads.
+  void step(float lr);
+  /// Zeroes every parameter's grad.
+  void zero_grad();
+
+  /// Number of updates done (t of the bias correction).
+  int64_t step_count() const { return step_; }
+  const AdamWConfig& config() const { return cfg_; }
+  const std::vector<Parameter*>& parameters() const { return params_; }
+  /// First / second moment of parameter i.
+  const Tensor& m(size_t i) const { return m_.at(i); }
+  const Tensor& v(size_t i) const { return v_.at(i); }
+
+  /// Name of the tensor holding the step count in exported state (i64 [1]).
+  static constexpr const char* kStepKey = "optim.step";
+  /// Adds "<param>.adam_m", "<param>.adam_v" (f32, the parameter's shape) and "optim.step"
+  /// (i64 [1]) to `out`, for checkpoints. The tensors share storage with the optimizer.
+  void export_state(std::map<std::string, Tensor>& out) const;
+  /// Loads what export_state wrote (other tensors in `in`, e.g. parameters, are ignored). Every
+  /// parameter's moments must be present with its shape; a missing or mis-shaped one throws
+  /// "[adamw] ..." and leaves the optimizer unchanged.
+  void import_state(const std::map<std::string, Tensor>& in);
+
+ private:
+  std::vector<Parameter*> params_;
+  AdamWConfig cfg_;
+  std::vector<Tensor> m_, v_;
+  int64_t step_ = 0;
+};
+
+}  // namespace xmoe::optim

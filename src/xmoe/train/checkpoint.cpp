@@ -1,0 +1,242 @@
+#include "xmoe/train/checkpoint.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <regex>
+
+#include "xmoe/io/file.h"
+#include "xmoe/io/safetensors.h"
+
+namespace xmoe::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kManifest = "manifest.json";
+constexpr const char* kFormat = "xmoe-checkpoint";
+
+std::string join(const std::string& dir, const std::string& name) {
+  return (fs::path(dir) / name).string();
+}
+
+void remove_all_or_throw(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  XMOE_CHECK(!ec, "[checkpoint] cannot remove {}: {}", path, ec.message());
+}
+
+void rename_or_throw(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  fs::rename(from, to, ec);
+  XMOE_CHECK(!ec, "[checkpoint] cannot rename {} -> {}: {}", from, to, ec.message());
+}
+
+std::string parent_of(const std::string& dir) {
+  const fs::path p = fs::path(dir).lexically_normal().parent_path();
+  return p.empty() ? "." : p.string();
+}
+
+// "runs/x/step-200/" -> "runs/x/step-200", so tmp and .old names are siblings, not children.
+std::string strip_slash(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+json read_manifest(const std::string& dir) {
+  const std::string path = join(dir, kManifest);
+  XMOE_CHECK(fs::is_directory(dir), "[checkpoint] {}: no such checkpoint folder", dir);
+  XMOE_CHECK(fs::is_regular_file(path),
+             "[checkpoint] {}: manifest missing (incomplete or not a checkpoint)", path);
+  json m;
+  try {
+    m = json::parse(io::read_file(path));
+  } catch (const json::exception& e) {
+    XMOE_FAIL("[checkpoint] {}: manifest is not valid JSON ({})", path, e.what());
+  }
+  XMOE_CHECK(m.is_object() && m.value("format", "") == kFormat,
+             "[checkpoint] {}: not an xmoe checkpoint manifest (format != '{}')", path, kFormat);
+  XMOE_CHECK(m.value("version", 0) == kCheckpointFormatVersion,
+             "[checkpoint] {}: format version {} is not supported (this build reads {})", path,
+             m.value("version", 0), kCheckpointFormatVersion);
+  XMOE_CHECK(m.contains("files") && m["files"].is_array() && m.contains("world") &&
+                 m["world"].is_number_integer() && m.contains("state"),
+             "[checkpoint] {}: manifest lacks files, world or state", path);
+  XMOE_CHECK(m["files"].size() == m["world"].get<size_t>(),
+             "[checkpoint] {}: manifest lists {} files for world {}", path, m["files"].size(),
+             m["world"].get<int>());
+  return m;
+}
+
+// Checks one listed file's presence, size and checksum.
+void verify_file(const std::string& dir, const json& entry) {
+  XMOE_CHECK(entry.is_object() && entry.contains("name") && entry.contains("bytes") &&
+                 entry.contains("crc32c"),
+             "[checkpoint] {}: malformed files entry {}", join(dir, kManifest), entry.dump());
+  const std::string name = entry["name"].get<std::string>();
+  XMOE_CHECK(name.find('/') == std::string::npos && name != ".." && name != ".",
+             "[checkpoint] {}: file name '{}' is not a plain name", join(dir, kManifest), name);
+  const std::string path = join(dir, name);
+  XMOE_CHECK(fs::is_regular_file(path), "[checkpoint] {}: file missing", path);
+  const uint64_t want = entry["bytes"].get<uint64_t>(), have = fs::file_size(path);
+  XMOE_CHECK(have == want, "[checkpoint] {}: {} bytes, manifest says {} (truncated or altered)",
+             path, have, want);
+  XMOE_CHECK(io::crc32c_hex(io::file_crc32c(path)) == entry["crc32c"].get<std::string>(),
+             "[checkpoint] {}: checksum mismatch (file corrupt)", path);
+}
+
+}  // namespace
+
+std::string checkpoint_rank_file(int rank) {
+  return fmt::format("model-rank{}.safetensors", rank);
+}
+
+std::string checkpoint_tmp_dir(const std::string& dir) {
+  const std::string d = strip_slash(dir);
+  return d + ".tmp-" + io::crc32c_hex(io::crc32c(d.data(), d.size()));
+}
+
+void write_checkpoint_shard(const std::string& tmp_dir,
+                            const std::map<std::string, Tensor>& tensors, int rank) {
+  XMOE_CHECK(fs::is_directory(tmp_dir), "[checkpoint] {}: tmp folder does not exist", tmp_dir);
+  const std::string path = join(tmp_dir, checkpoint_rank_file(rank));
+  io::save_safetensors(path, tensors, {{"format", kFormat}, {"rank", std::to_string(rank)}});
+  io::fsync_path(path);
+}
+
+void commit_checkpoint(const std::string& tmp_dir, const std::string& dir_in,
+                       const json& manifest_extra, int world) {
+  const std::string dir = strip_slash(dir_in);
+  json files = json::array();
+  for (int r = 0; r < world; ++r) {
+    const std::string name = checkpoint_rank_file(r), path = join(tmp_dir, name);
+    XMOE_CHECK(fs::is_regular_file(path),
+               "[checkpoint] {}: rank {} did not write its file (world {})", path, r, world);
+    files.push_back({{"name", name},
+                     {"rank", r},
+                     {"bytes", fs::file_size(path)},
+                     {"crc32c", io::crc32c_hex(io::file_crc32c(path))}});
+  }
+  const json manifest = {{"format", kFormat},
+                         {"version", kCheckpointFormatVersion},
+                         {"world", world},
+                         {"files", files},
+                         {"state", manifest_extra}};
+  io::write_file_atomic(join(tmp_dir, kManifest), manifest.dump(2) + "\n");
+  io::fsync_path(tmp_dir);
+
+  // Replace: dir -> dir.old, tmp -> dir, delete dir.old. At every instant either `dir` is absent
+  // or it is a complete checkpoint.
+  const std::string old = dir + ".old";
+  const bool had_old = fs::exists(dir);
+  if (had_old) {
+    remove_all_or_throw(old);
+    rename_or_throw(dir, old);
+  }
+  rename_or_throw(tmp_dir, dir);
+  io::fsync_path(parent_of(dir));
+  remove_all_or_throw(old);  // also a `.old` left by a save that crashed between the renames
+}
+
+void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tensor>& tensors,
+                     const json& manifest_extra, int rank, int world,
+                     const std::function<void()>& barrier) {
+  XMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "[checkpoint] rank {} outside world {}", rank,
+             world);
+  XMOE_CHECK(world == 1 || barrier,
+             "[checkpoint] save with world {} needs a barrier to coordinate the ranks", world);
+  const std::string dir = strip_slash(dir_in);
+  const std::string tmp = checkpoint_tmp_dir(dir);
+  auto sync = [&] {
+    if (barrier) barrier();
+  };
+  if (rank == 0) {
+    std::error_code ec;
+    fs::create_directories(parent_of(dir), ec);
+    XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", parent_of(dir), ec.message());
+    remove_all_or_throw(tmp);  // leftover of a crashed save
+    fs::create_directory(tmp, ec);
+    XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", tmp, ec.message());
+  }
+  sync();
+  write_checkpoint_shard(tmp, tensors, rank);
+  sync();
+  if (rank == 0) commit_checkpoint(tmp, dir, manifest_extra, world);
+  sync();
+}
+
+namespace {
+
+Checkpoint load_impl(const std::string& dir_in, int only_rank) {
+  const std::string dir = strip_slash(dir_in);
+  Checkpoint ck;
+  ck.manifest = read_manifest(dir);
+  ck.world = ck.manifest["world"].get<int>();
+  ck.state = ck.manifest["state"];
+  XMOE_CHECK(only_rank < ck.world, "[checkpoint] {}: rank {} requested, saved with world {}", dir,
+             only_rank, ck.world);
+  for (const json& entry : ck.manifest["files"]) verify_file(dir, entry);
+  for (const json& entry : ck.manifest["files"]) {
+    const int r = entry.value("rank", 0);
+    if (only_rank >= 0 && r != only_rank) continue;
+    const std::string path = join(dir, entry["name"].get<std::string>());
+    io::SafetensorsFile f;
+    try {
+      f = io::load_safetensors(path);
+    } catch (const Error& e) {
+      XMOE_FAIL("[checkpoint] {}: invalid tensor file: {}", path, e.what());
+    }
+    for (auto& [name, t] : f.tensors) {
+      auto it = ck.tensors.find(name);
+      if (it == ck.tensors.end()) {
+        ck.tensors.emplace(name, std::move(t));
+        continue;
+      }
+      // A replicated tensor saved by several ranks: the copies must agree.
+      const Tensor& a = it->second;
+      XMOE_CHECK(a.dtype() == t.dtype() && a.shape() == t.shape() &&
+                     (a.nbytes() == 0 || std::memcmp(a.raw(), t.raw(), a.nbytes()) == 0),
+                 "[checkpoint] {}: tensor '{}' differs from the copy in another rank's file", path,
+                 name);
+    }
+  }
+  return ck;
+}
+
+}  // namespace
+
+Checkpoint load_checkpoint(const std::string& dir) {
+  return load_impl(dir, -1);
+}
+
+Checkpoint load_checkpoint_rank(const std::string& dir, int rank) {
+  XMOE_CHECK(rank >= 0, "[checkpoint] {}: rank {} < 0", dir, rank);
+  return load_impl(dir, rank);
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(run_dir, ec)) return std::nullopt;
+  static const std::regex pattern(R"(step-(\d+)(\.old)?)");
+  // step -> (path, is_old); a complete `step-N` wins over `step-N.old`.
+  std::map<uint64_t, std::pair<std::string, bool>> found;
+  for (const auto& entry : fs::directory_iterator(run_dir, ec)) {
+    std::smatch m;
+    const std::string name = entry.path().filename().string();
+    if (!std::regex_match(name, m, pattern)) continue;
+    if (!entry.is_directory() || !fs::is_regular_file(entry.path() / kManifest)) continue;
+    const uint64_t step = std::stoull(m[1].str());
+    const bool is_old = m[2].matched;
+    if (is_old && fs::exists(fs::path(run_dir) / fmt::format("step-{}", m[1].str()))) continue;
+    auto it = found.find(step);
+    if (it == found.end() || (it->second.second && !is_old))
+      found[step] = {entry.path().string(), is_old};
+  }
+  if (found.empty()) return std::nullopt;
+  return found.rbegin()->second.first;
+}
+
+}  // namespace xmoe::train

@@ -1,0 +1,82 @@
+#include "xmoe/train/generate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <numeric>
+#include <vector>
+
+#include "xmoe/config/config.h"
+#include "xmoe/core/rng.h"
+#include "xmoe/data/tokenizer.h"
+#include "xmoe/model/transformer.h"
+#include "xmoe/train/checkpoint.h"
+
+namespace xmoe::train {
+
+namespace {
+
+/// Samples one token id from logits [V] with temperature and top-k.
+int sample(const float* logits, int64_t vocab, const GenerateOptions& o, Rng& rng) {
+  if (o.temperature <= 0) return static_cast<int>(std::max_element(logits, logits + vocab) - logits);
+  std::vector<int> ids(static_cast<size_t>(vocab));
+  std::iota(ids.begin(), ids.end(), 0);
+  const int64_t k = o.top_k > 0 ? std::min<int64_t>(o.top_k, vocab) : vocab;
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  std::vector<double> p(static_cast<size_t>(k));
+  const double mx = logits[ids[0]];
+  double total = 0;
+  for (int64_t i = 0; i < k; ++i) total += p[i] = std::exp((logits[ids[i]] - mx) / o.temperature);
+  double u = rng.uniform() * total;
+  for (int64_t i = 0; i < k; ++i) {
+    u -= p[i];
+    if (u <= 0) return ids[i];
+  }
+  return ids[k - 1];
+}
+
+}  // namespace
+
+std::string generate(const std::string& checkpoint, const GenerateOptions& options) {
+  std::string dir = checkpoint;
+  if (!std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) {
+    const auto latest = latest_checkpoint(dir);
+    XMOE_CHECK(latest.has_value(), "[generate] {} is neither a checkpoint nor a run folder with one",
+               checkpoint);
+    dir = *latest;
+  }
+  const Checkpoint ckpt = load_checkpoint(dir);
+  const Config config =
+      load_config_string(ckpt.state.at("config").get<std::string>(), dir + "/manifest.json");
+  XMOE_CHECK(config.model.vocab_size == 256,
+             "[generate] the checkpoint's vocabulary has {} tokens; only the byte-level "
+             "tokenizer (256) can decode text",
+             config.model.vocab_size);
+  model::Transformer model(config.model, config.train.seed);
+  for (Parameter* p : model.parameters()) {
+    auto it = ckpt.tensors.find(p->name);
+    XMOE_CHECK(it != ckpt.tensors.end(), "[generate] {} has no tensor '{}'", dir, p->name);
+    p->value.copy_from(it->second);
+  }
+
+  std::vector<int32_t> ids;
+  for (uint16_t t : data::encode(options.prompt)) ids.push_back(t);
+  if (ids.empty()) ids.push_back('\n');
+  Rng rng(options.seed, stream_id("generate"));
+  const int64_t window = config.model.max_seq_len;
+  const int64_t vocab = config.model.vocab_size;
+  std::string out = options.prompt;
+  for (int i = 0; i < options.max_new_tokens; ++i) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), window);
+    std::vector<int32_t> context(ids.end() - n, ids.end());
+    const Tensor logits = model.forward(Tensor::from_vector(context, {1, n}));
+    model.release();
+    const int next = sample(logits.data<float>() + (n - 1) * vocab, vocab, options, rng);
+    ids.push_back(next);
+    out.push_back(static_cast<char>(next));
+  }
+  return out;
+}
+
+}  // namespace xmoe::train

@@ -1,0 +1,53 @@
+#pragma once
+// The training loop: data → model forward/backward → gradient clipping → AdamW → routing-bias
+// update, with a live progress line, periodic validation, JSON-lines metrics and atomic
+// checkpoints that resume bit for bit on the CPU.
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "xmoe/config/config.h"
+
+namespace xmoe::train {
+
+struct StepMetrics {
+  int step = 0;               ///< 1-based step just finished
+  double loss = 0;            ///< mean cross-entropy over the global batch (nats/token)
+  double aux_loss = 0;        ///< weighted MoE auxiliary losses
+  double lr = 0;
+  double grad_norm = 0;       ///< global norm before clipping
+  double tokens_per_s = 0;
+  double seconds = 0;         ///< wall time of this step
+  int64_t max_expert_load = 0;  ///< over all MoE layers, tokens routed to the busiest expert
+  int64_t min_expert_load = 0;
+  bool skipped = false;       ///< non-finite loss or gradient: no update was made
+};
+
+struct EvalMetrics {
+  int step = 0;
+  double val_loss = 0;
+};
+
+struct TrainOptions {
+  bool resume = false;        ///< continue from the latest checkpoint of train.out_dir
+  bool progress = true;       ///< print the live progress line
+  int stop_after = -1;        ///< stop (with a checkpoint) after this step; -1 = train.steps
+};
+
+struct TrainResult {
+  int first_step = 0;         ///< step the run started from (0, or the resumed checkpoint's)
+  int last_step = 0;
+  double seconds = 0;
+  std::vector<StepMetrics> steps;
+  std::vector<EvalMetrics> evals;
+  std::string out_dir;
+  std::string last_checkpoint;
+};
+
+/// Trains `config` (already validated). Prepares the corpus into data.dir on first use.
+TrainResult train(const Config& config, const TrainOptions& options = {});
+
+/// Makes sure data.dir holds train.bin/val.bin for data.corpus; prepares them if missing.
+void ensure_prepared_data(const DataConfig& data);
+
+}  // namespace xmoe::train

@@ -1,0 +1,277 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "xmoe/config/config.h"
+#include "xmoe/core/error.h"
+
+using namespace xmoe;
+
+namespace {
+
+// The message of the Error `f` throws (fails the test if it throws nothing).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an xmoe::Error";
+  return "";
+}
+
+#define EXPECT_CONTAINS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)
+
+}  // namespace
+
+TEST(Config, TinyIsTheStructDefaults) {
+  EXPECT_TRUE(preset("tiny") == Config{});
+  EXPECT_EQ(to_yaml(preset("tiny")), to_yaml(Config{}));
+}
+
+TEST(Config, EveryPresetValidates) {
+  for (const std::string& name : preset_names()) {
+    SCOPED_TRACE(name);
+    EXPECT_NO_THROW(validate(preset(name)));
+    EXPECT_FALSE(preset_description(name).empty());
+  }
+}
+
+TEST(Config, YamlRoundTrip) {
+  for (const std::string& name : preset_names()) {
+    SCOPED_TRACE(name);
+    const Config c = preset(name);
+    EXPECT_TRUE(load_config_string(to_yaml(c)) == c) << to_yaml(c);
+  }
+  Config c;
+  c.model.recompute = {"attention", "moe"};
+  c.model.moe.router_temperature = 0.1234567f;
+  c.train.adam_eps = 1e-12f;
+  c.train.seed = 18446744073709551615ull;
+  c.data.corpus = "a \"quoted\" path\\with: colon";
+  c.model.tie_embeddings = true;
+  const Config back = load_config_string(to_yaml(c));
+  EXPECT_TRUE(back == c) << to_yaml(c);
+  EXPECT_EQ(back.data.corpus, c.data.corpus);
+  EXPECT_EQ(back.train.seed, c.train.seed);
+  EXPECT_EQ(back.model.recompute, c.model.recompute);
+}
+
+TEST(Config, NestedYamlAndPreset) {
+  const Config c = load_config_string(R"(
+preset: moe-1b
+model:
+  moe:
+    top_k: 4
+  recompute: [attention, ffn]
+train:
+  lr: 2e-3
+  device: cuda:1
+)");
+  EXPECT_EQ(c.model.d_model, 1024);  // from the preset
+  EXPECT_EQ(c.model.moe.top_k, 4);
+  EXPECT_EQ(c.model.recompute, (std::vector<std::string>{"attention", "ffn"}));
+  EXPECT_FLOAT_EQ(c.train.lr, 2e-3f);
+  EXPECT_EQ(c.train.device, "cuda:1");
+  EXPECT_NO_THROW(validate(c));
+}
+
+TEST(Config, LoadFile) {
+  const auto path = std::filesystem::temp_directory_path() / "xmoe_test_config.yaml";
+  std::ofstream(path) << "model:\n  num_layers: 6\nparallel: {ep: 2}\n";
+  const Config c = load_config_file(path.string());
+  EXPECT_EQ(c.model.num_layers, 6);
+  EXPECT_EQ(c.parallel.ep, 2);
+  std::filesystem::remove(path);
+  EXPECT_CONTAINS(error_of([] { load_config_file("/nonexistent/x.yaml"); }), "/nonexistent/x.yaml");
+}
+
+TEST(Config, UnknownKeySuggestsTheClosest) {
+  EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  moe:\n    topk: 6\n"); }),
+                  "unknown key 'model.moe.topk' (did you mean 'model.moe.top_k'?)");
+  // In the wrong section: found by its last component.
+  EXPECT_CONTAINS(error_of([] { load_config_string("train:\n  top_k: 6\n"); }),
+                  "unknown key 'train.top_k' (did you mean 'model.moe.top_k'?)");
+  EXPECT_CONTAINS(error_of([] { load_config_string("modle:\n  d_model: 6\n"); }),
+                  "unknown key 'modle.d_model' (did you mean 'model.d_model'?)");
+  Config c;
+  EXPECT_CONTAINS(error_of([&] { apply_override(c, "train.lrr=1"); }),
+                  "unknown key 'train.lrr' (did you mean 'train.lr'?)");
+  const std::string far = error_of([] { load_config_string("zzzzzzzzzzzz: 1\n"); });
+  EXPECT_CONTAINS(far, "unknown key 'zzzzzzzzzzzz'");
+  EXPECT_EQ(far.find("did you mean"), std::string::npos);
+}
+
+TEST(Config, TypeErrorsNameKeyAndValue) {
+  EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  moe:\n    top_k: six\n"); }),
+                  "model.moe.top_k = 'six' is not a valid int");
+  EXPECT_CONTAINS(error_of([] { load_config_string("train:\n  lr: fast\n"); }),
+                  "train.lr = 'fast' is not a valid float");
+  EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  tie_embeddings: maybe\n"); }),
+                  "model.tie_embeddings = 'maybe' is not a valid bool");
+  EXPECT_CONTAINS(error_of([] { load_config_string("train:\n  seed: -1\n"); }),
+                  "train.seed = '-1' is not a valid uint64");
+  EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  d_model: [1, 2]\n"); }),
+                  "model.d_model");
+  EXPECT_CONTAINS(error_of([] { load_config_string("model: 3\n"); }), "'model' is a section");
+  EXPECT_CONTAINS(error_of([] { load_config_string("model: {d_model: 99999999999}\n"); }),
+                  "model.d_model = '99999999999'");
+}
+
+TEST(Config, BadPresetNameListsTheNames) {
+  const std::string e = error_of([] { preset("moe-2b"); });
+  EXPECT_CONTAINS(e, "unknown preset 'moe-2b'");
+  EXPECT_CONTAINS(e, "moe-1b");
+  EXPECT_CONTAINS(e, "tiny");
+  EXPECT_CONTAINS(error_of([] { load_config_string("preset: nope\n"); }), "unknown preset 'nope'");
+}
+
+TEST(Config, Overrides) {
+  Config c;
+  apply_override(c, "model.moe.top_k=6");
+  apply_override(c, "train.lr = 1e-4");
+  apply_override(c, "model.tie_embeddings=yes");
+  apply_override(c, "model.recompute=attention, moe");
+  apply_override(c, "train.out_dir=runs/a=b");  // only the first '=' splits
+  apply_override(c, "train.seed=42");
+  EXPECT_EQ(c.model.moe.top_k, 6);
+  EXPECT_FLOAT_EQ(c.train.lr, 1e-4f);
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_EQ(c.model.recompute, (std::vector<std::string>{"attention", "moe"}));
+  EXPECT_EQ(c.train.out_dir, "runs/a=b");
+  EXPECT_EQ(c.train.seed, 42u);
+  apply_override(c, "model.recompute=");
+  EXPECT_TRUE(c.model.recompute.empty());
+  EXPECT_EQ(config_get(c, "model.moe.top_k"), "6");
+  EXPECT_CONTAINS(error_of([&] { apply_override(c, "model.moe.top_k"); }), "not key=value");
+  EXPECT_CONTAINS(error_of([&] { apply_override(c, "model.moe.top_k=2.5"); }),
+                  "model.moe.top_k = '2.5'");
+}
+
+TEST(Config, RangeAndCrossKeyErrorsNameKeysAndValues) {
+  auto check = [](const char* setting, const std::vector<std::string>& needles) {
+    Config c;
+    for (const std::string& s : {std::string(setting)}) {
+      size_t start = 0;
+      while (start < s.size()) {
+        const size_t semi = std::min(s.find(';', start), s.size());
+        apply_override(c, s.substr(start, semi - start));
+        start = semi + 1;
+      }
+    }
+    const std::string e = error_of([&] { validate(c); });
+    for (const std::string& n : needles) EXPECT_CONTAINS(e, n);
+  };
+  check("model.moe.num_experts=8;model.moe.top_k=9",
+        {"model.moe.top_k = 9 exceeds model.moe.num_experts = 8"});
+  check("model.d_model=250", {"model.d_model = 250 is not divisible by model.num_heads = 4"});
+  check("model.d_model=12;model.num_heads=4", {"head dimension", "= 3 is odd"});
+  check("model.num_kv_heads=3", {"model.num_heads = 4 is not divisible by model.num_kv_heads = 3"});
+  check("parallel.ep=3", {"model.moe.num_experts = 16 is not divisible by parallel.ep = 3"});
+  check("model.moe.gate=topk", {"model.moe.gate = \"topk\" is not one of softmax_topk"});
+  check("model.moe.gate=switch", {"model.moe.gate = \"switch\"", "model.moe.top_k = 2"});
+  check("model.moe.gate=sigmoid;model.moe.num_groups=3",
+        {"model.moe.num_experts = 16 is not divisible by model.moe.num_groups = 3"});
+  check("model.moe.gate=sigmoid;model.moe.num_groups=4;model.moe.topk_groups=5",
+        {"model.moe.topk_groups = 5 exceeds model.moe.num_groups = 4"});
+  check("model.moe.gate=sigmoid;model.moe.num_groups=8;model.moe.topk_groups=1;model.moe.top_k=3",
+        {"model.moe.top_k = 3 exceeds the 2 experts reachable"});
+  check("model.moe.impl=dense", {"model.moe.impl = \"dense\""});
+  check("model.moe.dispatch=nccl", {"model.moe.dispatch = \"nccl\""});
+  check("model.first_dense_layers=5",
+        {"model.first_dense_layers = 5 exceeds model.num_layers = 4"});
+  check("train.seq_len=512", {"train.seq_len = 512 exceeds model.max_seq_len = 256"});
+  check("train.min_lr=0.1", {"train.min_lr = 0.1 exceeds train.lr = 0.003"});
+  check("model.recompute=attention,mlp", {"model.recompute entry 'mlp'"});
+  check("train.device=gpu", {"train.device = \"gpu\""});
+  check("model.moe.top_k=0", {"model.moe.top_k = 0 is outside [1, inf)"});
+  check("train.lr=0", {"train.lr = 0.0 is outside (0, inf)"});
+  check("data.val_fraction=1", {"data.val_fraction = 1.0 is outside [0, 1)"});
+  check("data.corpus=", {"data.corpus is empty"});
+  // Several problems are reported together.
+  check("model.d_model=250;parallel.ep=3",
+        {"2 problems", "model.d_model = 250", "parallel.ep = 3"});
+  Config ok;
+  ok.train.device = "cuda:3";
+  EXPECT_NO_THROW(validate(ok));
+}
+
+TEST(Config, KeyTableCoversEveryField) {
+  // Changing each key away from its default must change the YAML: a key whose accessor pointed
+  // at the wrong member would be caught by a duplicate, and the count guards forgotten fields.
+  std::set<std::string> names;
+  for (const ConfigKeyInfo& k : config_keys()) {
+    EXPECT_TRUE(names.insert(k.name).second) << "duplicate key " << k.name;
+    EXPECT_FALSE(k.doc.empty()) << k.name;
+    EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
+  }
+  // 13 model + 19 model.moe + 3 data + 20 train + 3 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 19u + 3u + 20u + 3u);
+}
+
+TEST(Config, ParameterCounts) {
+  const ParamCount p = count_parameters(preset("moe-1b").model);
+  EXPECT_NEAR(static_cast<double>(p.total), 0.97e9, 0.03 * 0.97e9);
+  EXPECT_NEAR(static_cast<double>(p.active), 0.24e9, 0.03 * 0.24e9);
+  EXPECT_EQ(p.embedding, 2LL * 32768 * 1024);
+
+  // tiny by hand: d=256, V=256, 4 layers (1 dense), 4 heads = 4 kv heads, E=16 f=128 k=2, 1 shared.
+  const int64_t d = 256, emb = 2 * 256 * d, attn = 4 * d * d, norms = 2 * d;
+  const int64_t dense = 3 * d * 512, router = d * 16, expert = 3 * d * 128, shared = 3 * d * 128;
+  const ParamCount t = count_parameters(Config{}.model);
+  EXPECT_EQ(t.total, emb + 4 * (attn + norms) + dense + 3 * (router + 16 * expert + shared) + d);
+  EXPECT_EQ(t.active, emb + 4 * (attn + norms) + dense + 3 * (router + 2 * expert + shared) + d);
+
+  // GQA, tied embeddings, the X-MoE gate and the (untrained) sigmoid bias.
+  ModelConfig m = Config{}.model;
+  m.num_kv_heads = 2;
+  m.tie_embeddings = true;
+  m.moe.gate = "xmoe";
+  const ParamCount g = count_parameters(m);
+  const int64_t attn_gqa = 2 * d * d + 2 * d * (2 * 64);
+  const int64_t router_x = d * 16 + 16 * 16 + 1;
+  EXPECT_EQ(g.total,
+            256 * d + 4 * (attn_gqa + norms) + dense + 3 * (router_x + 16 * expert + shared) + d);
+  m.moe.gate = "sigmoid";
+  m.tie_embeddings = false;
+  m.num_kv_heads = 4;
+  EXPECT_EQ(count_parameters(m).total, t.total);
+
+  // Real shapes land near their published sizes.
+  EXPECT_NEAR(count_parameters(preset("deepseek-moe-16b").model).total / 1e9, 16.4, 0.3);
+  EXPECT_NEAR(count_parameters(preset("mixtral-8x7b").model).total / 1e9, 46.7, 0.3);
+  EXPECT_NEAR(count_parameters(preset("mixtral-8x7b").model).active / 1e9, 12.9, 0.3);
+  EXPECT_NEAR(count_parameters(preset("xmoe-small").model).total / 1e9, 10.1, 0.5);
+  EXPECT_NEAR(count_parameters(preset("xmoe-medium").model).total / 1e9, 55, 2.5);
+  EXPECT_NEAR(count_parameters(preset("xmoe-large").model).total / 1e9, 545, 25);
+}
+
+TEST(Config, ReferenceDocIsUpToDate) {
+  const std::string md = config_reference_markdown();
+  for (const ConfigKeyInfo& k : config_keys()) EXPECT_CONTAINS(md, "`" + k.name + "`");
+  const auto path = std::filesystem::path(XMOE_SOURCE_DIR) / "docs" / "config.md";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path << " is missing; write it with `xmoe config keys > docs/config.md`";
+  const std::string committed((std::istreambuf_iterator<char>(in)),
+                              std::istreambuf_iterator<char>());
+  EXPECT_EQ(committed, md) << path
+                           << " is stale; regenerate it with `xmoe config keys > docs/config.md`";
+}
+
+TEST(Config, ShippedConfigFilesLoadAndValidate) {
+  const auto dir = std::filesystem::path(XMOE_SOURCE_DIR) / "configs";
+  int n = 0;
+  if (std::filesystem::is_directory(dir))
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      if (e.path().extension() == ".yaml" || e.path().extension() == ".yml") {
+        SCOPED_TRACE(e.path().string());
+        EXPECT_NO_THROW(validate(load_config_file(e.path().string())));
+        ++n;
+      }
+  if (n == 0) GTEST_SKIP() << "no configs/*.yaml";
+}

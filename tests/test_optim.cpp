@@ -1,0 +1,168 @@
+// AdamW against hand-computed steps, its checkpoint state, the LR schedule, gradient clipping
+// and the non-finite check.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "xmoe/ops/ops.h"
+#include "xmoe/optim/adamw.h"
+#include "xmoe/optim/clip.h"
+#include "xmoe/optim/schedule.h"
+
+using namespace xmoe;
+using optim::AdamW;
+using optim::AdamWConfig;
+
+namespace {
+Parameter param(const std::string& name, std::vector<float> v, bool decay = true) {
+  Parameter p = Parameter::make(name, {static_cast<int64_t>(v.size())}, ParamKind::dense, decay);
+  p.value.copy_from(Tensor::from_vector<float>(v, {static_cast<int64_t>(v.size())}));
+  return p;
+}
+void set_grad(Parameter& p, std::vector<float> g) {
+  p.grad.copy_from(Tensor::from_vector<float>(g, p.grad.shape()));
+}
+}  // namespace
+
+TEST(AdamW, OneStepMatchesHandComputedValues) {
+  Parameter w = param("w", {1.0f, -2.0f});
+  Parameter n = param("n", {1.0f}, /*decay=*/false);
+  AdamW opt({&w, &n}, {0.9f, 0.999f, 1e-8f, 0.1f});
+  set_grad(w, {0.5f, 0.1f});
+  set_grad(n, {-0.3f});
+  opt.step(0.01f);
+  EXPECT_EQ(opt.step_count(), 1);
+  // Step 1: m_hat = g, v_hat = g^2, so the Adam update is lr * g / (|g| + eps) = ±lr.
+  //   w0: 1.0 * (1 - 0.01 * 0.1) - 0.01 = 0.989;  w1: -2.0 * 0.999 - 0.01 = -2.008
+  //   n (no decay): 1.0 + 0.01 = 1.01
+  EXPECT_NEAR(w.value.data<float>()[0], 0.989f, 1e-6);
+  EXPECT_NEAR(w.value.data<float>()[1], -2.008f, 1e-6);
+  EXPECT_NEAR(n.value.data<float>()[0], 1.01f, 1e-6);
+  EXPECT_NEAR(opt.m(0).data<float>()[0], 0.05f, 1e-7);  // (1 - 0.9) * 0.5
+  // 1 - 0.999f is 0.99998713e-3 in f32: moments carry a relative error of ~1e-5.
+  EXPECT_NEAR(opt.v(0).data<float>()[0], 0.00025f, 1e-8);  // (1 - 0.999) * 0.25
+
+  // Step 2 on w0 with g = -0.25, worked by hand:
+  //   m = 0.9 * 0.05 + 0.1 * (-0.25) = 0.02            m_hat = 0.02 / 0.19 = 0.1052632
+  //   v = 0.999 * 0.00025 + 0.001 * 0.0625 = 0.00031225  v_hat = v / 0.001999 = 0.1562031
+  //   w0 = 0.989 * 0.999 - 0.01 * 0.1052632 / 0.3952254 = 0.9853477
+  set_grad(w, {-0.25f, 0.1f});
+  set_grad(n, {0.0f});
+  opt.step(0.01f);
+  EXPECT_NEAR(w.value.data<float>()[0], 0.9853477f, 2e-6);
+  EXPECT_NEAR(opt.m(0).data<float>()[0], 0.02f, 1e-7);
+  EXPECT_NEAR(opt.v(0).data<float>()[0], 0.00031225f, 1e-8);
+  // The optimizer does not clear the grads.
+  EXPECT_EQ(w.grad.data<float>()[0], -0.25f);
+  opt.zero_grad();
+  EXPECT_EQ(ops::sum_squares(w.grad), 0.0);
+}
+
+TEST(AdamW, StateRoundTripResumesExactly) {
+  Parameter a1 = param("layers.0.w", {0.3f, -0.7f, 1.1f}), b1 = param("n", {1.f}, false);
+  Parameter a2 = param("layers.0.w", {0.3f, -0.7f, 1.1f}), b2 = param("n", {1.f}, false);
+  AdamW o1({&a1, &b1}, {}), o2({&a2, &b2}, {});
+  auto grads = [](int s, Parameter& a, Parameter& b) {
+    set_grad(a, {0.1f * s, -0.2f, 0.05f * s * s});
+    set_grad(b, {0.01f * s});
+  };
+  for (int s = 1; s <= 3; ++s) {
+    grads(s, a1, b1);
+    o1.step(1e-2f);
+  }
+  std::map<std::string, Tensor> state;
+  o1.export_state(state);
+  EXPECT_EQ(state.size(), 5u);
+  ASSERT_TRUE(state.count("layers.0.w.adam_m") && state.count("layers.0.w.adam_v") &&
+              state.count("n.adam_m") && state.count(AdamW::kStepKey));
+  EXPECT_EQ(state.at(AdamW::kStepKey).dtype(), DType::i64);
+  // A resumed optimizer (weights copied, state loaded) takes the same next step, bit for bit.
+  a2.value.copy_from(a1.value);
+  b2.value.copy_from(b1.value);
+  std::map<std::string, Tensor> copy;
+  for (auto& [k, t] : state) copy[k] = t.clone();
+  o2.import_state(copy);
+  EXPECT_EQ(o2.step_count(), 3);
+  grads(4, a1, b1);
+  grads(4, a2, b2);
+  o1.step(1e-2f);
+  o2.step(1e-2f);
+  EXPECT_EQ(a1.value.to_vector<float>(), a2.value.to_vector<float>());
+  EXPECT_EQ(b1.value.to_vector<float>(), b2.value.to_vector<float>());
+}
+
+TEST(AdamW, BadStateAndConfigThrow) {
+  Parameter a = param("w", {1.f, 2.f});
+  AdamW opt({&a}, {});
+  std::map<std::string, Tensor> state;
+  opt.export_state(state);
+  auto missing = state;
+  missing.erase("w.adam_v");
+  EXPECT_THROW(opt.import_state(missing), Error);
+  auto wrong = state;
+  wrong["w.adam_m"] = Tensor::zeros({3});
+  EXPECT_THROW(opt.import_state(wrong), Error);
+  Parameter dup = param("w", {1.f});
+  EXPECT_THROW(AdamW({&a, &dup}, {}), Error);
+  EXPECT_THROW(AdamW({&a}, {1.0f, 0.95f, 1e-8f, 0.1f}), Error);  // beta1 = 1
+}
+
+TEST(Schedule, WarmupThenCosineToMinLr) {
+  const optim::LrSchedule s{1.0f, 0.1f, 10, 110};  // steps 0..109
+  EXPECT_FLOAT_EQ(s.at(0), 0.1f);                  // warmup start: peak / warmup
+  EXPECT_FLOAT_EQ(s.at(4), 0.5f);
+  EXPECT_FLOAT_EQ(s.at(9), 1.0f);      // warmup end: peak
+  EXPECT_NEAR(s.at(59), 0.55f, 1e-6);  // half-way through the cosine: (peak + min) / 2
+  EXPECT_NEAR(s.at(34), 0.1f + 0.9f * 0.5f * (1 + std::cos(M_PI * 0.25)), 1e-6);
+  EXPECT_NEAR(s.at(109), 0.1f, 1e-6);                             // last step: min_lr
+  EXPECT_NEAR(s.at(500), 0.1f, 1e-6);                             // and after
+  for (int i = 9; i < 109; ++i) EXPECT_LT(s.at(i + 1), s.at(i));  // monotone decay
+  // No warmup: the cosine starts at once, one step in (n = 1 of 100).
+  const optim::LrSchedule nw{2.0f, 0.0f, 0, 100};
+  EXPECT_NEAR(nw.at(0), 1.0 + std::cos(M_PI * 0.01), 1e-6);
+  EXPECT_NEAR(nw.at(99), 0.0, 1e-6);
+  TrainConfig t;
+  t.lr = 3e-3f;
+  t.min_lr = 3e-4f;
+  t.warmup_steps = 50;
+  t.steps = 600;
+  const auto f = optim::LrSchedule::from(t);
+  EXPECT_FLOAT_EQ(f.at(49), 3e-3f);
+  EXPECT_NEAR(f.at(599), 3e-4f, 1e-9);
+}
+
+TEST(Clip, ScalesToTheMaxNormAndReturnsThePreClipNorm) {
+  Parameter a = param("a", {3.f, 0.f}), b = param("b", {4.f});
+  std::vector<Parameter*> ps = {&a, &b};
+  set_grad(a, {3.f, 0.f});
+  set_grad(b, {4.f});
+  EXPECT_DOUBLE_EQ(optim::grad_norm(ps), 5.0);
+  EXPECT_DOUBLE_EQ(optim::clip_grad_norm(ps, 1.0f), 5.0);
+  EXPECT_NEAR(optim::grad_norm(ps), 1.0, 1e-6);
+  EXPECT_NEAR(a.grad.data<float>()[0], 0.6f, 1e-7);
+  EXPECT_NEAR(b.grad.data<float>()[0], 0.8f, 1e-7);
+  // Below the limit, or clipping off: unchanged.
+  EXPECT_NEAR(optim::clip_grad_norm(ps, 2.0f), 1.0, 1e-6);
+  EXPECT_NEAR(b.grad.data<float>()[0], 0.8f, 1e-7);
+  set_grad(b, {40.f});
+  EXPECT_NEAR(optim::clip_grad_norm(ps, 0.0f), std::sqrt(0.36 + 1600.0), 1e-4);
+  EXPECT_EQ(b.grad.data<float>()[0], 40.f);
+  EXPECT_FLOAT_EQ(optim::clip_factor(10.0, 2.5f), 0.25f);
+}
+
+TEST(Clip, DetectsNonFiniteGradients) {
+  Parameter a = param("a", {1.f, 1.f}), b = param("layers.3.moe.router", {1.f});
+  std::vector<Parameter*> ps = {&a, &b};
+  set_grad(a, {1.f, 2.f});
+  EXPECT_TRUE(optim::grads_finite(ps));
+  EXPECT_EQ(optim::first_nonfinite_grad(ps), "");
+  set_grad(b, {std::numeric_limits<float>::quiet_NaN()});
+  EXPECT_FALSE(optim::grads_finite(ps));
+  EXPECT_EQ(optim::first_nonfinite_grad(ps), "layers.3.moe.router");
+  // A non-finite norm is reported and the gradients are left alone.
+  EXPECT_TRUE(std::isnan(optim::clip_grad_norm(ps, 1.0f)));
+  EXPECT_EQ(a.grad.data<float>()[1], 2.f);
+  set_grad(b, {std::numeric_limits<float>::infinity()});
+  EXPECT_FALSE(optim::grads_finite(ps));
+}
