@@ -10,7 +10,7 @@ endfunction()
 
 message(STATUS "")
 message(STATUS "xmoe ${PROJECT_VERSION} configuration (${CMAKE_BUILD_TYPE}, ${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER_VERSION})")
-message(STATUS "  [x] CPU backend: OpenBLAS ${BLAS_LIBRARIES}, OpenMP ${OpenMP_CXX_VERSION}")
+message(STATUS "  [x] CPU backend: OpenBLAS (${XMOE_BLAS_FLAVOR}) ${BLAS_LIBRARIES}, OpenMP ${OpenMP_CXX_VERSION}")
 xmoe_summary_line("CUDA backend (XMOE_CUDA)" "${XMOE_CUDA}" "${XMOE_CUDA_REASON}")
 xmoe_summary_line("MPI communication (XMOE_MPI)" "${XMOE_MPI}" "${XMOE_MPI_REASON}")
 xmoe_summary_line("NCCL communication (XMOE_NCCL)" "${XMOE_NCCL}" "${XMOE_NCCL_REASON}")

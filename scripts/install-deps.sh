@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build ccache pkg-config
-  libopenblas-dev libyaml-cpp-dev libfmt-dev libspdlog-dev nlohmann-json3-dev libcli11-dev
+  libopenblas-openmp-dev libyaml-cpp-dev libfmt-dev libspdlog-dev nlohmann-json3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev
   libopenmpi-dev openmpi-bin
   fortunes  # the built-in default corpus: ~2.4 MB of English text in /usr/share/games/fortunes

@@ -43,11 +43,9 @@ void for_each_group(const int64_t* group_sizes, int64_t groups, Body&& body) {
   for (int64_t g = 0; g < groups; ++g) order[g] = g;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return group_sizes[a] > group_sizes[b]; });
-  const int blas_threads = openblas_get_num_threads();
-  openblas_set_num_threads(1);
+  // OpenBLAS's OpenMP build runs a GEMM called inside a parallel region on the calling thread.
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < groups; ++i) body(order[i], first[order[i]]);
-  openblas_set_num_threads(blas_threads);
 }
 
 }  // namespace
