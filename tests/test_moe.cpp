@@ -504,8 +504,8 @@ TEST(MoeLayer, BadArgumentsRaiseClearErrors) {
   c = small_config("switch");
   EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }), "routes top-1"));
   c = small_config();
-  c.dispatch = "all_to_all";
-  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }), "comm layer"));
+  c.dispatch = "rbd";
+  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }), "not implemented yet"));
   c = small_config("sigmoid");
   c.num_groups = 4;
   EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }),
@@ -548,4 +548,46 @@ TEST(MoeLayer, RoutedOutputIsTheWeightedSumOfExpertOutputs) {
     }
     for (int64_t i = 0; i < d; ++i) EXPECT_NEAR(y[t * d + i], ref[i], 1e-5);
   }
+}
+
+TEST(MoeLayer, AllToAllWithOneRankIsExactlyLocal) {
+  // ep = 1 (one process, or a single-process group): the all_to_all dispatcher is the identity,
+  // so the layer's output and gradients are bit for bit those of `local`.
+  for (const char* gate : {"softmax_topk", "sigmoid"}) {
+    MoeConfig c = small_config(gate);
+    c.num_shared_experts = 1;
+    c.aux_loss_weight = 0.1f;
+    c.seq_aux_loss_weight = 0.1f;
+    c.z_loss_weight = 0.01f;
+    MoELayer local(c, 8, "m", 3, 0.3f);
+    c.dispatch = "all_to_all";
+    parallel::Layout single = parallel::Layout::single();
+    MoELayer a2a(c, 8, "m", 3, 0.3f, std::nullopt, &single);
+    Tensor x = randn({12, 8}, 4), dy = randn({12, 8}, 5);
+    EXPECT_EQ(a2a.forward(x, 6).to_vector<float>(), local.forward(x, 6).to_vector<float>());
+    EXPECT_EQ(a2a.aux_loss(), local.aux_loss());
+    EXPECT_EQ(a2a.backward(dy).to_vector<float>(), local.backward(dy).to_vector<float>());
+    auto pa = a2a.parameters(), pl = local.parameters();
+    ASSERT_EQ(pa.size(), pl.size());
+    for (size_t i = 0; i < pa.size(); ++i)
+      EXPECT_EQ(pa[i]->grad.to_vector<float>(), pl[i]->grad.to_vector<float>()) << pa[i]->name;
+    DispatchConfig dc;
+    dc.algorithm = "all_to_all";
+    dc.num_experts = 6;
+    auto d = make_dispatcher(dc);
+    const std::vector<int64_t> tpe{2, 0, 1, 0, 0, 3};
+    DispatchResult r = d->dispatch(x.rows(0, 6), tpe);
+    EXPECT_EQ(r.handle.recv_tokens_per_expert, tpe);
+    EXPECT_EQ(d->combine(r.rows, r.handle).to_vector<float>(), x.rows(0, 6).to_vector<float>());
+  }
+  MoeConfig c = small_config();
+  c.dispatch = "all_to_all";
+  c.num_experts = 7;
+  // 7 experts cannot be split over ep = 2 (checked before any group is touched).
+  parallel::Layout two;
+  two.ep = 2;
+  two.dp = 1;
+  two.world_size = 2;
+  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f, std::nullopt, &two); }),
+                       "moe.num_experts = 7 is not divisible by parallel.ep = 2"));
 }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/error.h"
 #include "xmoe/data/prepare.h"
@@ -124,6 +125,9 @@ int main(int argc, char** argv) {
   try {
     if (*train_cmd) {
       const Config config = train_cfg.resolve();
+      // Under mpirun/srun only rank 0 talks; the others log warnings and errors.
+      if (comm::world(config.parallel.ranks_per_node)->rank() != 0)
+        spdlog::set_level(spdlog::level::warn);
       const ParamCount n = count_parameters(config.model);
       spdlog::info("model: {:.2f}M parameters ({:.2f}M active), {} layers, {} experts top-{}, run folder {}",
                    n.total / 1e6, n.active / 1e6, config.model.num_layers,
@@ -153,12 +157,21 @@ int main(int argc, char** argv) {
     } else if (*inspect_cmd) {
       inspect(inspect_dir);
     }
-  } catch (const xmoe::Error& e) {
-    std::fprintf(stderr, "xmoe: error: %s\n", e.what());
-    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "xmoe: unexpected error: %s\n", e.what());
-    return 2;
+    const bool ours = dynamic_cast<const xmoe::Error*>(&e) != nullptr;
+    if (comm::launched_by_mpi()) {
+      // One failing rank stops the whole job at once: the others may be waiting in a
+      // collective and would otherwise hang. Checkpoints are written atomically, so the last
+      // complete one stays intact.
+      auto world = comm::world();
+      std::fprintf(stderr, "xmoe: rank %d of %d: %s%s\nxmoe: stopping all ranks\n", world->rank(),
+                   world->size(), ours ? "error: " : "unexpected error: ", e.what());
+      std::fflush(stderr);
+      world->abort(1);
+    }
+    std::fprintf(stderr, "xmoe: %s%s\n", ours ? "error: " : "unexpected error: ", e.what());
+    return ours ? 1 : 2;
   }
+  comm::finalize();
   return 0;
 }

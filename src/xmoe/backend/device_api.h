@@ -12,6 +12,9 @@ int cuda_device_count();
 Allocator& cuda_allocator(int device_index);
 /// Copies between any two devices (host<->device, device<->device); synchronous.
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+/// Sets `bytes` bytes at `dst` to zero: memset on the CPU; on CUDA a cudaMemsetAsync queued on the
+/// device's current stream (ordered before later ops; copy_bytes waits for it).
+void fill_zero(void* dst, size_t bytes, Device device);
 /// Blocks until the device's queued work is done (no-op for CPU).
 void synchronize(Device device);
 

@@ -110,8 +110,9 @@ const std::vector<Key>& table() {
                "pft: padding-free token buffers; padded: fixed capacity, drops overflow tokens"),
       XMOE_KEY(model.moe.capacity_factor, positive(), {},
                "padded: expert capacity = capacity_factor * tokens * k / E"),
-      XMOE_KEY(model.moe.dispatch, any(), {"local", "all_to_all", "rbd"},
-               "token exchange: local (no EP), all_to_all, or redundancy-bypassing dispatch"),
+      XMOE_KEY(model.moe.dispatch, any(), {"auto", "local", "all_to_all", "rbd"},
+               "token exchange: auto (local when parallel.ep = 1, else all_to_all), local, "
+               "all_to_all, or redundancy-bypassing dispatch"),
       // data
       XMOE_KEY(data.corpus, any(), {}, "a text file or a folder of text files to prepare"),
       XMOE_KEY(data.dir, any(), {},

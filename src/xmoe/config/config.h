@@ -33,7 +33,7 @@ struct MoeConfig {
   // implementation
   std::string impl = "pft";        ///< pft (padding-free) | padded (capacity, drops overflow)
   float capacity_factor = 1.25f;   ///< padded only
-  std::string dispatch = "local";  ///< local | all_to_all | rbd
+  std::string dispatch = "auto";  ///< auto | local | all_to_all | rbd
 
   bool operator==(const MoeConfig&) const = default;
 };

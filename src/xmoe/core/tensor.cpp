@@ -65,6 +65,7 @@ template Tensor Tensor::from_vector<bf16>(const std::vector<bf16>&, Shape, Devic
 template Tensor Tensor::from_vector<int32_t>(const std::vector<int32_t>&, Shape, Device);
 template Tensor Tensor::from_vector<int64_t>(const std::vector<int64_t>&, Shape, Device);
 template Tensor Tensor::from_vector<uint8_t>(const std::vector<uint8_t>&, Shape, Device);
+template Tensor Tensor::from_vector<double>(const std::vector<double>&, Shape, Device);
 
 int64_t Tensor::size(int64_t i) const {
   const int64_t n = dim();
@@ -147,12 +148,7 @@ void Tensor::copy_from(const Tensor& src) {
 
 void Tensor::zero_() {
   if (numel_ == 0) return;
-  if (is_cpu()) {
-    std::memset(raw(), 0, nbytes());
-  } else {
-    std::vector<char> zeros(nbytes(), 0);
-    backend::copy_bytes(raw(), device_, zeros.data(), Device::cpu(), nbytes());
-  }
+  backend::fill_zero(raw(), nbytes(), device_);
 }
 
 void Tensor::fill_(float value) {
@@ -174,6 +170,7 @@ template std::vector<bf16> Tensor::to_vector<bf16>() const;
 template std::vector<int32_t> Tensor::to_vector<int32_t>() const;
 template std::vector<int64_t> Tensor::to_vector<int64_t>() const;
 template std::vector<uint8_t> Tensor::to_vector<uint8_t>() const;
+template std::vector<double> Tensor::to_vector<double>() const;
 
 double Tensor::item(int64_t i) const {
   XMOE_CHECK(i >= 0 && i < numel_, "[item] index {} out of range for {}", i, str());
@@ -184,6 +181,7 @@ double Tensor::item(int64_t i) const {
     case DType::i32: return *one.data<int32_t>();
     case DType::i64: return static_cast<double>(*one.data<int64_t>());
     case DType::u8: return *one.data<uint8_t>();
+    case DType::f64: return *one.data<double>();
   }
   return 0;
 }

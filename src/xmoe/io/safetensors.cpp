@@ -33,12 +33,14 @@ std::string_view safetensors_dtype(DType dtype) {
       return "I64";
     case DType::u8:
       return "U8";
+    case DType::f64:
+      return "F64";
   }
   return "?";
 }
 
 std::optional<DType> parse_safetensors_dtype(std::string_view name) {
-  for (DType t : {DType::f32, DType::bf16, DType::i32, DType::i64, DType::u8})
+  for (DType t : {DType::f32, DType::bf16, DType::i32, DType::i64, DType::u8, DType::f64})
     if (safetensors_dtype(t) == name) return t;
   return std::nullopt;
 }

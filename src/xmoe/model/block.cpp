@@ -24,7 +24,8 @@ RecomputeOptions parse_recompute(const std::vector<std::string>& names) {
 }
 
 TransformerBlock::TransformerBlock(const ModelConfig& cfg, int index,
-                                   std::shared_ptr<const ops::RopeTables> rope, uint64_t seed) {
+                                   std::shared_ptr<const ops::RopeTables> rope, uint64_t seed,
+                                   const parallel::Layout* layout) {
   const std::string p = "layers." + std::to_string(index);
   // GPT-2 / Megatron: the projections that write into the residual stream are scaled down by
   // 1/sqrt(2·L) so that the stream's variance does not grow with depth.
@@ -38,7 +39,7 @@ TransformerBlock::TransformerBlock(const ModelConfig& cfg, int index,
     ffn_ = std::make_unique<DenseFFN>(p + ".ffn", cfg.d_model, cfg.dense_hidden, seed, cfg.init_std,
                                       out_std);
   } else {
-    ffn_ = make_moe_ffn(cfg.moe, cfg.d_model, p + ".moe", seed, cfg.init_std, out_std);
+    ffn_ = make_moe_ffn(cfg.moe, cfg.d_model, p + ".moe", seed, cfg.init_std, out_std, layout);
   }
   set_recompute(parse_recompute(cfg.recompute));
 }

@@ -10,6 +10,7 @@
 #include "xmoe/model/attention.h"
 #include "xmoe/model/ffn.h"
 #include "xmoe/model/rmsnorm.h"
+#include "xmoe/parallel/layout.h"
 
 namespace xmoe::model {
 
@@ -30,7 +31,7 @@ class TransformerBlock : public Module {
   /// "layers.{index}.ffn.{gate_up,down}" (index < first_dense_layers) or
   /// "layers.{index}.moe.*" (the MoE layer).
   TransformerBlock(const ModelConfig& cfg, int index, std::shared_ptr<const ops::RopeTables> rope,
-                   uint64_t seed);
+                   uint64_t seed, const parallel::Layout* layout = nullptr);
 
   /// x [B·S, d] -> [B·S, d].
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);

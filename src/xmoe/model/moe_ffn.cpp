@@ -5,11 +5,12 @@
 namespace xmoe::model {
 
 namespace {
+
 class MoEFFN : public FeedForward {
  public:
   MoEFFN(const MoeConfig& cfg, int64_t d_model, std::string prefix, uint64_t seed, float init_std,
-         float out_std)
-      : layer_(cfg, d_model, std::move(prefix), seed, init_std, out_std) {}
+         float out_std, const parallel::Layout* layout)
+      : layer_(cfg, d_model, std::move(prefix), seed, init_std, out_std, layout) {}
 
   Tensor forward(const Tensor& x, int64_t seq_len) override { return layer_.forward(x, seq_len); }
   Tensor backward(const Tensor& dy) override { return layer_.backward(dy); }
@@ -28,8 +29,10 @@ class MoEFFN : public FeedForward {
 }  // namespace
 
 std::unique_ptr<FeedForward> make_moe_ffn(const MoeConfig& cfg, int64_t d_model, std::string prefix,
-                                          uint64_t seed, float init_std, float out_std) {
-  return std::make_unique<MoEFFN>(cfg, d_model, std::move(prefix), seed, init_std, out_std);
+                                          uint64_t seed, float init_std, float out_std,
+                                          const parallel::Layout* layout) {
+  return std::make_unique<MoEFFN>(cfg, d_model, std::move(prefix), seed, init_std, out_std,
+                                  layout);
 }
 
 }  // namespace xmoe::model

@@ -27,14 +27,15 @@ void validate(const ModelConfig& c) {
   parse_recompute(c.recompute);
 }
 
-Transformer::Transformer(const ModelConfig& cfg, uint64_t seed) : cfg_(cfg) {
+Transformer::Transformer(const ModelConfig& cfg, uint64_t seed, const parallel::Layout* layout)
+    : cfg_(cfg) {
   validate(cfg);
   const int64_t d = cfg.d_model, v = cfg.vocab_size;
   rope_ = std::make_shared<const ops::RopeTables>(
       ops::rope_tables(cfg.max_seq_len, d / cfg.num_heads, cfg.rope_theta));
   embed_ = std::make_unique<Embedding>("embed.weight", v, d, seed, cfg.init_std);
   for (int i = 0; i < cfg.num_layers; ++i)
-    blocks_.push_back(std::make_unique<TransformerBlock>(cfg, i, rope_, seed));
+    blocks_.push_back(std::make_unique<TransformerBlock>(cfg, i, rope_, seed, layout));
   final_norm_ = std::make_unique<RMSNorm>("final_norm.weight", d, cfg.norm_eps);
   if (!cfg.tie_embeddings) {
     lm_head_ = std::make_unique<Parameter>(Parameter::make("lm_head.weight", {d, v}));

@@ -23,7 +23,9 @@ class Transformer : public Module {
   /// Builds and initialises every parameter from `seed` (matrices N(0, init_std^2), wo and
   /// down scaled by 1/sqrt(2·num_layers), norms 1). The same seed gives the same weights on
   /// any number of ranks.
-  Transformer(const ModelConfig& cfg, uint64_t seed);
+  /// `layout` (null = one process) shards the MoE layers' experts over its ep group; dense
+  /// parameters are whole on every rank.
+  Transformer(const ModelConfig& cfg, uint64_t seed, const parallel::Layout* layout = nullptr);
   ~Transformer() override;
 
   /// ids i32 [B, S] (S <= max_seq_len) -> logits [B·S, V]. Saves what backward needs.

@@ -3,33 +3,44 @@
 // expert and the outputs back (DeepEP-style). dispatch() returns the received rows plus a
 // DispatchHandle (counts per source/destination, the received rows' grouping by local expert)
 // that combine() — and both backwards — require. Implementations by name (moe.dispatch):
-//   local       one process: identity (implemented)
-//   all_to_all  uneven all-to-all-v of exactly the routed rows, counts exchanged first (later)
+//   local       one process: identity
+//   all_to_all  uneven all-to-all-v of exactly the routed rows over the ep group, per-expert
+//               counts exchanged first; received rows permuted into local-expert-major order
 //   rbd         redundancy-bypassing two-stage dispatch over the node hierarchy (later)
 // Backward of dispatch is a combine of the gradients with the same handle, and vice versa.
+// Every rank of the group takes part in every collective, also one that sends or receives no
+// row at all (a skipped collective would hang the others).
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
 
+#include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/tensor.h"
 #include "xmoe/moe/registry.h"
 
 namespace xmoe::moe {
 
-/// Communication knobs, in one place (DeepEP's Config). Only `local` exists so far; the rest is
-/// what the comm-backed dispatchers will read.
+/// Communication knobs, in one place (DeepEP's Config).
 struct DispatchConfig {
   std::string algorithm = "local";  ///< moe.dispatch
   int64_t num_experts = 0;          ///< global E
   int ep_rank = 0, ep_size = 1;     ///< expert-parallel group (experts split in contiguous blocks)
+  /// The ep group (all_to_all, rbd); rank/size must equal ep_rank/ep_size. Null = one process.
+  std::shared_ptr<comm::Group> group;
   int ranks_per_node = 0;           ///< rbd: ranks sharing a node (0 = detect)
   int64_t chunk_rows = 0;           ///< rows per message chunk for pipelining (0 = one message)
 };
 
 /// Everything combine needs to reverse a dispatch.
+///
+/// all_to_all: rows arrive grouped by source rank, then by local expert (the sender's order);
+/// the experts need them grouped by local expert, then by source rank. recv_layout[j] is the
+/// arrival row that becomes expert-order row j (expert_rows = arrival[recv_layout]);
+/// arrival_layout is its inverse (arrival = expert_rows[arrival_layout]), which combine uses.
+/// Both are undefined when no permutation is needed (local, or one rank).
 struct DispatchHandle {
   std::vector<int64_t> send_counts;  ///< [ep_size] rows sent to each rank
   std::vector<int64_t> recv_counts;  ///< [ep_size] rows received from each rank
@@ -37,8 +48,11 @@ struct DispatchHandle {
   std::vector<int64_t> recv_tokens_per_expert;
   /// [E] rows per global expert as sent (the order stage's grouping).
   std::vector<int64_t> send_tokens_per_expert;
+  /// [ep_size * E_local] rows received from source p for local expert i at p * E_local + i.
+  std::vector<int64_t> recv_counts_per_expert;
   int64_t num_send_rows = 0, num_recv_rows = 0;
-  Tensor recv_layout;  ///< comm dispatchers: row permutation from arrival to expert order
+  Tensor recv_layout;     ///< i32 [N_recv]: arrival row of expert-order row j
+  Tensor arrival_layout;  ///< i32 [N_recv]: expert-order row of arrival row i (the inverse)
 };
 
 struct DispatchResult {
@@ -62,7 +76,7 @@ class Dispatcher {
 };
 
 using DispatchRegistry = Registry<Dispatcher, const DispatchConfig&>;
-/// Built-in: "local"; "all_to_all" and "rbd" are reserved and throw until the comm layer exists.
+/// Built-in: "local", "all_to_all"; "rbd" is reserved and throws until it is implemented.
 DispatchRegistry& dispatch_registry();
 std::unique_ptr<Dispatcher> make_dispatcher(const DispatchConfig& config);
 

@@ -7,6 +7,7 @@ namespace xmoe::moe {
 Gate::Gate(const GateArgs& args)
     : cfg_(args.config),
       prefix_(args.prefix),
+      world_(args.world),
       num_experts_(args.config.num_experts),
       top_k_(args.config.top_k),
       d_model_(args.d_model) {

@@ -32,6 +32,9 @@ struct GateArgs {
   std::string prefix;  ///< parameter names start with "<prefix>.router."
   uint64_t seed = 0;
   float init_std = 0.02f;
+  /// Ranks whose tokens form the global batch: the aux losses' statistics are summed over it
+  /// (parallel::Layout::world). Null = one process.
+  std::shared_ptr<comm::Group> world;
 };
 
 class Gate : public Module {
@@ -71,6 +74,7 @@ class Gate : public Module {
 
   MoeConfig cfg_;
   std::string prefix_;
+  std::shared_ptr<comm::Group> world_;  // statistics group (null = one process)
   float aux_grad_scale_ = 1.0f;
   int64_t num_experts_, top_k_, d_model_;
 };

@@ -7,8 +7,12 @@
 namespace xmoe::moe {
 
 MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix, uint64_t seed,
-                   float init_std, std::optional<float> down_std)
-    : cfg_(config), d_model_(d_model), prefix_(std::move(prefix)) {
+                   float init_std, std::optional<float> down_std,
+                   const parallel::Layout* layout)
+    : cfg_(config),
+      par_(layout ? *layout : parallel::Layout::single()),
+      d_model_(d_model),
+      prefix_(std::move(prefix)) {
   const MoeConfig& c = cfg_;
   XMOE_CHECK(c.num_experts >= 1, "[moe] moe.num_experts = {} must be >= 1", c.num_experts);
   XMOE_CHECK(c.top_k >= 1, "[moe] moe.top_k = {} must be >= 1", c.top_k);
@@ -17,18 +21,31 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
   XMOE_CHECK(c.num_shared_experts >= 0, "[moe] moe.num_shared_experts = {} must be >= 0",
              c.num_shared_experts);
   XMOE_CHECK(d_model >= 1, "[moe] d_model = {} must be >= 1", d_model);
+  XMOE_CHECK(par_.ep >= 1 && c.num_experts % par_.ep == 0,
+             "[moe] moe.num_experts = {} is not divisible by parallel.ep = {}", c.num_experts,
+             par_.ep);
+  XMOE_CHECK(par_.ep == 1 || c.dispatch != "local",
+             "[moe] moe.dispatch = 'local' holds every expert on one rank, but parallel.ep = {}; "
+             "use 'all_to_all'",
+             par_.ep);
   const float dstd = down_std.value_or(init_std);
 
   order_ = make_order(c);  // first: an unknown moe.impl fails before any allocation
-  gate_ = make_gate({c, d_model, prefix_, seed, init_std});
+  // One process (world of size 1) makes no collective: the statistics are already global.
+  auto stats = par_.world && par_.world->size() > 1 ? par_.world : nullptr;
+  gate_ = make_gate({c, d_model, prefix_, seed, init_std, stats});
   DispatchConfig dc;
   dc.algorithm = c.dispatch;
   dc.num_experts = c.num_experts;
+  dc.ep_rank = par_.ep_rank;
+  dc.ep_size = par_.ep;
+  dc.group = par_.ep_group;
   dispatcher_ = make_dispatcher(dc);
   ExpertArgs ea;
   ea.prefix = prefix_;
-  ea.num_experts = ea.num_local = c.num_experts;
-  ea.first_expert = 0;
+  ea.num_experts = c.num_experts;
+  ea.num_local = par_.local_experts(c.num_experts);
+  ea.first_expert = par_.first_expert(c.num_experts);
   ea.d_model = d_model;
   ea.hidden = c.expert_hidden;
   ea.seed = seed;
@@ -178,6 +195,12 @@ void MoELayer::release() {
 }
 
 void MoELayer::update_routing_bias() {
+  // Only the sigmoid gate has a bias; every rank has the same gate, so all skip or all reduce.
+  if (gate_->routing_bias() != nullptr && par_.world && par_.world->size() > 1) {
+    Tensor load = Tensor::from_vector(pending_load_, {static_cast<int64_t>(pending_load_.size())});
+    par_.world->all_reduce(load);  // i64, exact: the global load of the step
+    pending_load_ = load.to_vector<int64_t>();
+  }
   gate_->update_bias(pending_load_);
   std::fill(pending_load_.begin(), pending_load_.end(), 0);
 }

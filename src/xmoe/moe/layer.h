@@ -6,6 +6,15 @@
 //
 // Every stage is created by name (moe.gate, moe.impl, moe.dispatch) and owns what it saves for
 // backward; see docs/moe.md for the data layout and the options.
+//
+// Parallel context (parallel::Layout, world = dp x ep): this rank holds experts
+// [first_expert, first_expert + E/ep); dispatch moves rows over layout.ep_group; the aux-loss
+// statistics and the sigmoid gate's expert load are summed over layout.world, so that W ranks
+// train like one process of the global batch. Gradient convention (docs/moe.md): backward gives
+// W x d(global objective)/d(local tensor) for this rank's activations; the trainer must
+//   dense params (router, shared experts): sum over layout.world, then / W;
+//   expert params:                         sum over layout.dp_group, then / W (not / dp).
+// Every forward/backward/update_routing_bias makes collectives: all ranks call them together.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -14,6 +23,7 @@
 
 #include "xmoe/config/config.h"
 #include "xmoe/core/parameter.h"
+#include "xmoe/parallel/layout.h"
 #include "xmoe/moe/dispatch.h"
 #include "xmoe/moe/expert.h"
 #include "xmoe/moe/gate.h"
@@ -29,8 +39,11 @@ class MoELayer : public Module {
   /// Router and expert weights ~ N(0, init_std^2) from (seed, parameter name), so the same
   /// however experts are sharded; the down projections (routed and shared) use down_std when
   /// given (the model passes init_std / sqrt(2 * num_layers)). Parameter names start with prefix.
+  /// layout: the parallel context (copied; null = one process). With ep > 1, moe.dispatch must
+  /// be a comm dispatcher (all_to_all) and ep must divide moe.num_experts.
   MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix, uint64_t seed,
-           float init_std, std::optional<float> down_std = std::nullopt);
+           float init_std, std::optional<float> down_std = std::nullopt,
+           const parallel::Layout* layout = nullptr);
   ~MoELayer() override;
 
   /// x [T, d] -> y [T, d]; T must be a multiple of seq_len (sequences, for the sequence-level
@@ -47,18 +60,21 @@ class MoELayer : public Module {
   /// does not count toward the routing-bias update.
   void release();
 
-  /// Weighted sum of the aux losses of the last forward.
+  /// Weighted sum of the aux losses of the last forward, over the global batch (the same value
+  /// on every rank, equal to what one process of the whole batch reports).
   float aux_loss() const { return static_cast<float>(aux_.weighted); }
-  /// The unweighted terms (load_balance, seq_balance, z_loss) of the last forward.
+  /// The unweighted global terms (load_balance, seq_balance, z_loss) of the last forward.
   const AuxLossTerms& aux_terms() const { return aux_; }
 
   /// Sigmoid gate: bias_e += rate * sign(mean_load - load_e) from the load routed since the last
-  /// call (all micro-batches of the step). A no-op for other gates. Call after the optimizer step.
+  /// call (all micro-batches of the step), summed over layout.world first (one all_reduce), so
+  /// every rank applies the same bias. A no-op for other gates. Call after the optimizer step.
   void update_routing_bias();
 
-  /// (token, slot) pairs each expert processed in the last forward [E].
+  /// (token, slot) pairs of this rank's tokens each expert processed in the last forward [E].
   const std::vector<int64_t>& tokens_per_expert() const { return tokens_per_expert_; }
-  /// Pairs routed to each expert in the last forward, before any capacity drop [E].
+  /// Pairs of this rank's tokens routed to each expert in the last forward, before any capacity
+  /// drop [E] (local: sum over the world for the global load).
   const std::vector<int64_t>& expert_load() const { return load_; }
   /// Pairs dropped for lack of capacity in the last forward (padded impl only; PFT drops none).
   int64_t dropped_tokens() const { return dropped_; }
@@ -74,6 +90,9 @@ class MoELayer : public Module {
   Hooks& hooks() { return hooks_; }
 
   const MoeConfig& config() const { return cfg_; }
+  const parallel::Layout& parallel_layout() const { return par_; }
+  /// Rows this rank's experts processed in the last forward [E_local] (from every ep rank).
+  const std::vector<int64_t>& local_expert_rows() const { return handle_.recv_tokens_per_expert; }
   const std::string& prefix() const { return prefix_; }
   int64_t d_model() const { return d_model_; }
   Gate& gate() { return *gate_; }
@@ -87,6 +106,7 @@ class MoELayer : public Module {
   template <class Body> void run_stage(StageContext& ctx, Stage stage, Body&& body);
 
   MoeConfig cfg_;
+  parallel::Layout par_;
   int64_t d_model_;
   std::string prefix_;
   std::unique_ptr<Gate> gate_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace xmoe::moe {
 
@@ -15,8 +16,24 @@ double logsumexp_row(const float* x, int64_t n) {
 }
 }  // namespace
 
+void all_sum_f64(comm::Group* group, std::span<double> values) {
+  if (group == nullptr || group->size() == 1 || values.empty()) return;
+  const int64_t n = static_cast<int64_t>(values.size());
+  static_assert(sizeof(double) == sizeof(int64_t));
+  Tensor mine = Tensor::empty({1, n}, DType::i64);  // the doubles' bits (all_gather moves bytes)
+  std::memcpy(mine.raw(), values.data(), values.size_bytes());
+  Tensor all = group->all_gather(mine);  // [W, n]
+  const auto* bits = static_cast<const double*>(all.raw());
+  for (int64_t i = 0; i < n; ++i) {
+    double s = 0;
+    for (int p = 0; p < group->size(); ++p) s += bits[p * n + i];
+    values[i] = s;
+  }
+}
+
 AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tensor& z_logits,
-                        int64_t seq_len, const AuxLossWeights& w, AuxLossState& st) {
+                        int64_t seq_len, const AuxLossWeights& w, AuxLossState& st,
+                        comm::Group* world) {
   const char* op = "moe aux losses";
   check_shape(probs, {-1, -1}, op, "probs");
   const int64_t T = probs.size(0), E = probs.size(1);
@@ -28,27 +45,48 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
   st = {T, E, k, seq_len, std::vector<double>(E, 0.0), std::vector<double>(S * E, 0.0)};
   const int32_t* idx = topk_idx.data<int32_t>();
   const float* P = probs.data<float>();
+  // This rank's sums, then the global ones: [count_e (E), sum_t P[t,e] (E), T, S,
+  // sum_s E sum_e f_{s,e} P_{s,e}, sum_t lse_t^2]. Counts are exact in double.
+  std::vector<double> g(static_cast<size_t>(2 * E + 4), 0.0);
+  double* count = g.data();
+  double* psum = g.data() + E;
+  std::vector<double> seq_count(S * E, 0.0), seq_psum(S * E, 0.0);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = idx[t * k + j];
-      st.frac[e] += 1.0 / static_cast<double>(T * k);
-      st.seq_frac[(t / seq_len) * E + e] += 1.0 / static_cast<double>(seq_len * k);
+      count[e] += 1;
+      seq_count[(t / seq_len) * E + e] += 1;
     }
-  AuxLossTerms out;
-  std::vector<double> mean_p(E, 0.0), seq_mean_p(S * E, 0.0);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t e = 0; e < E; ++e) {
-      mean_p[e] += P[t * E + e] / static_cast<double>(T);
-      seq_mean_p[(t / seq_len) * E + e] += P[t * E + e] / static_cast<double>(seq_len);
+      psum[e] += P[t * E + e];
+      seq_psum[(t / seq_len) * E + e] += P[t * E + e];
     }
-  for (int64_t e = 0; e < E; ++e) out.load_balance += E * st.frac[e] * mean_p[e];
-  for (int64_t i = 0; i < S * E; ++i) out.seq_balance += E * st.seq_frac[i] * seq_mean_p[i];
-  out.seq_balance /= static_cast<double>(S);
+  for (int64_t i = 0; i < S * E; ++i) {
+    st.seq_frac[i] = seq_count[i] / static_cast<double>(seq_len * k);
+    g[2 * E + 2] += E * st.seq_frac[i] * (seq_psum[i] / static_cast<double>(seq_len));
+  }
+  g[2 * E] = static_cast<double>(T);
+  g[2 * E + 1] = static_cast<double>(S);
   const float* L = z_logits.data<float>();
   for (int64_t t = 0; t < T; ++t) {
     const double lse = logsumexp_row(L + t * E, E);
-    out.z_loss += lse * lse / static_cast<double>(T);
+    g[2 * E + 3] += lse * lse;
   }
+  all_sum_f64(world, g);
+  const double W = world ? static_cast<double>(world->size()) : 1.0;
+  const double Tg = g[2 * E], Sg = g[2 * E + 1];
+  AuxLossTerms out;
+  if (Tg > 0) {
+    for (int64_t e = 0; e < E; ++e) {
+      st.frac[e] = count[e] / (Tg * static_cast<double>(k));
+      out.load_balance += E * st.frac[e] * (psum[e] / Tg);
+    }
+    out.seq_balance = g[2 * E + 2] / Sg;
+    out.z_loss = g[2 * E + 3] / Tg;
+  }
+  st.lb_denom = st.z_denom = Tg / W;
+  st.seq_denom = static_cast<double>(seq_len) * Sg / W;
   out.weighted = w.load_balance * out.load_balance + w.seq_balance * out.seq_balance +
                  w.z_loss * out.z_loss;
   return out;
@@ -56,27 +94,28 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
 
 void aux_losses_backward(const Tensor& z_logits, const AuxLossState& st, const AuxLossWeights& w,
                          Tensor& dprobs, Tensor& dlogits) {
-  const int64_t T = st.tokens, E = st.experts, L = st.seq_len, S = T / L;
+  const int64_t T = st.tokens, E = st.experts, L = st.seq_len;
   check_shape(dprobs, {T, E}, "moe aux losses backward", "dprobs");
   check_shape(dlogits, {T, E}, "moe aux losses backward", "dlogits");
   float* dP = dprobs.data<float>();
-  // d/dP[t,e] of E * sum_e f_e * mean_t P[t,e] is E * f_e / T (f_e held fixed).
+  // d/dP[t,e] of E * sum_e f_e * mean_t P[t,e] is E * f_e / T (f_e held fixed); over ranks
+  // T is T_g / W (see the header: W times this rank's share of the global gradient).
   if (w.load_balance != 0.f)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t e = 0; e < E; ++e)
-        dP[t * E + e] += static_cast<float>(w.load_balance * E * st.frac[e] / T);
+        dP[t * E + e] += static_cast<float>(w.load_balance * E * st.frac[e] / st.lb_denom);
   if (w.seq_balance != 0.f)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t e = 0; e < E; ++e)
         dP[t * E + e] +=
-            static_cast<float>(w.seq_balance * E * st.seq_frac[(t / L) * E + e] / (L * S));
+            static_cast<float>(w.seq_balance * E * st.seq_frac[(t / L) * E + e] / st.seq_denom);
   // d/dlogits of mean_t lse_t^2 is 2 * lse_t / T * softmax(logits_t).
   if (w.z_loss != 0.f) {
     const float* Z = z_logits.data<float>();
     float* dZ = dlogits.data<float>();
     for (int64_t t = 0; t < T; ++t) {
       const double lse = logsumexp_row(Z + t * E, E);
-      const double c = w.z_loss * 2.0 * lse / T;
+      const double c = w.z_loss * 2.0 * lse / st.z_denom;
       for (int64_t e = 0; e < E; ++e)
         dZ[t * E + e] += static_cast<float>(c * std::exp(Z[t * E + e] - lse));
     }

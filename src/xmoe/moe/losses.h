@@ -9,9 +9,30 @@
 //       (the same, within each sequence of seq_len tokens; DeepSeek-V3's complementary loss)
 //   router z-loss (ST-MoE):        L_z   = mean_t logsumexp(logits_t)^2
 // A perfectly balanced router has L_lb = L_seq = 1.
+//
+// Over several ranks (data parallelism: each rank holds T_r of the T_g tokens of the global
+// batch), every statistic is taken over the GLOBAL batch, so N ranks train exactly like one
+// process of T_g tokens. Convention: the objective is the mean over ranks of each rank's loss
+// (each rank's cross-entropy is a mean over its tokens; the trainer averages gradients over the
+// W ranks of the world), so each rank's aux term is defined by its gradient:
+//
+//   d aux_r / d probs_r := W * d aux_global / d probs_r      (probs_r: this rank's tokens)
+//
+// Then (1/W) sum_r (router gradient of rank r) = d aux_global / d router, as one process gets.
+// With the global sums (counts_e, sum_t P[t,e], T_g, S_g, sum_t lse_t^2, per-sequence terms)
+// all-reduced over the world in forward:
+//   L_lb:  dP[t,e] = w * E * f_e / (T_g / W),  f_e = count_e / (T_g k) (global counts)
+//   L_seq: dP[t,e] = w * E * f_{s,e} / (seq_len * S_g / W)   (sequences are local)
+//   L_z:   dlogit  = w * 2 lse_t softmax_t / (T_g / W)
+// With equal T_r (T_g = W T_r) the seq and z gradients are exactly the local ones: those losses
+// are per-sequence/per-token means and average correctly when computed locally; the load-
+// balance loss is not (f_e and P_e are products of global means) and needs the reduction.
+// The reported values (AuxLossTerms) are the global ones, the same on every rank.
 #include <cstdint>
+#include <span>
 #include <vector>
 
+#include "xmoe/comm/group.h"
 #include "xmoe/core/tensor.h"
 
 namespace xmoe::moe {
@@ -34,15 +55,25 @@ struct AuxLossTerms {
 
 /// What aux_losses_backward needs from the forward (the counted fractions).
 struct AuxLossState {
-  int64_t tokens = 0, experts = 0, top_k = 0, seq_len = 0;
-  std::vector<double> frac;      ///< [E] f_e
-  std::vector<double> seq_frac;  ///< [S, E] f_{s,e}
+  int64_t tokens = 0, experts = 0, top_k = 0, seq_len = 0;  ///< this rank's T
+  std::vector<double> frac;      ///< [E] f_e over the global batch
+  std::vector<double> seq_frac;  ///< [S, E] f_{s,e} (this rank's sequences)
+  /// Gradient denominators: T_g / W, seq_len * S_g / W, T_g / W (T, seq_len * S, T alone).
+  double lb_denom = 1, seq_denom = 1, z_denom = 1;
 };
 
+/// Sums `values` over the ranks of `group` in double, identically on every rank (the partial
+/// sums are all-gathered bit for bit and added in rank order). No-op for null or one rank.
+/// comm::Group::all_reduce has no f64; this costs one all_gather of the values.
+void all_sum_f64(comm::Group* group, std::span<double> values);
+
 /// probs [T, E] (the differentiable router probabilities the balance losses use), topk_idx i32
-/// [T, k], z_logits [T, E] (the logits of the z-loss), seq_len dividing T.
+/// [T, k], z_logits [T, E] (the logits of the z-loss), seq_len dividing T. `world` (null = one
+/// process) is the group whose tokens form the global batch: one collective per call, which
+/// every rank of it must make.
 AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tensor& z_logits,
-                        int64_t seq_len, const AuxLossWeights& w, AuxLossState& state);
+                        int64_t seq_len, const AuxLossWeights& w, AuxLossState& state,
+                        comm::Group* world = nullptr);
 
 /// Adds d(weighted aux loss)/d probs into dprobs [T, E] and d/d z_logits into dlogits [T, E].
 void aux_losses_backward(const Tensor& z_logits, const AuxLossState& state,

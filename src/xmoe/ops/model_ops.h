@@ -2,7 +2,8 @@
 // Model-specific ops: token embedding, rotary position embedding, causal self-attention with
 // grouped-query heads, cross-entropy. Same conventions as ops.h: each function checks its
 // arguments (messages name the op) and dispatches to a backend kernel (backend/cpu/model_kernels).
-// Float tensors are f32 on the CPU; ids and targets are i32.
+// Float tensors are f32 on the CPU, f32 or bf16 on CUDA (outputs in the input's dtype; lse is
+// f32); ids and targets are i32 on the same device as the other operands.
 #include <cstdint>
 
 #include "xmoe/core/tensor.h"
@@ -34,6 +35,8 @@ struct RopeTables {
   float theta = 0.f;
 };
 RopeTables rope_tables(int64_t max_seq_len, int64_t head_dim, float theta);
+/// The same tables on `device` (CUDA ops need the tables on the tensors' device).
+RopeTables rope_tables(int64_t max_seq_len, int64_t head_dim, float theta, Device device);
 
 /// Rotates x [B, S, H, hd] in place (S <= tables.max_seq_len).
 void rope_(Tensor& x, const RopeTables& tables);

@@ -4,13 +4,21 @@
 #include <numeric>
 
 #include "xmoe/backend/cpu/kernels.h"
+#include "xmoe/backend/device_api.h"
 #include "xmoe/ops/dispatch.h"
 
 namespace xmoe::ops {
 
 using detail::require_2d;
+using detail::require_defined;
 using detail::require_f32;
+using detail::require_float;
+using detail::require_like;
+using detail::require_like_or_f32;
+using detail::require_on;
+using detail::require_same_device;
 using detail::rows_cols;
+using detail::stream_of;
 
 // ---- linear algebra -------------------------------------------------------------------------
 
@@ -20,8 +28,8 @@ struct MatmulDims {
 };
 
 MatmulDims matmul_dims(const char* op, const Tensor& a, const Tensor& b, bool ta, bool tb) {
-  require_f32(op, "a", a);
-  require_f32(op, "b", b);
+  require_float(op, "a", a);
+  require_like(op, "b", b, "a", a);
   require_2d(op, "a", a);
   require_2d(op, "b", b);
   const int64_t m = ta ? a.size(1) : a.size(0), ka = ta ? a.size(0) : a.size(1);
@@ -34,19 +42,29 @@ MatmulDims matmul_dims(const char* op, const Tensor& a, const Tensor& b, bool ta
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
   const auto [m, n, k] = matmul_dims("matmul", a, b, trans_a, trans_b);
-  Tensor c = Tensor::empty({m, n});
-  cpu::gemm(c.data<float>(), a.data<float>(), b.data<float>(), m, n, k, trans_a, trans_b, 1.f,
-            0.f);
+  Tensor c = Tensor::empty({m, n}, a.dtype(), a.device());
+  if (a.is_cpu()) {
+    cpu::gemm(c.data<float>(), a.data<float>(), b.data<float>(), m, n, k, trans_a, trans_b, 1.f,
+              0.f);
+  } else {
+    cuda::gemm(c.raw(), c.dtype(), a.raw(), b.raw(), a.dtype(), m, n, k, trans_a, trans_b, 1.f,
+               0.f, stream_of(a));
+  }
   return c;
 }
 
 void matmul_into(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                  float alpha, float beta) {
   const auto [m, n, k] = matmul_dims("matmul_into", a, b, trans_a, trans_b);
-  require_f32("matmul_into", "c", c);
+  require_like_or_f32("matmul_into", "c", c, "a", a);
   check_shape(c, {m, n}, "matmul_into", "c");
-  cpu::gemm(c.data<float>(), a.data<float>(), b.data<float>(), m, n, k, trans_a, trans_b, alpha,
-            beta);
+  if (a.is_cpu()) {
+    cpu::gemm(c.data<float>(), a.data<float>(), b.data<float>(), m, n, k, trans_a, trans_b, alpha,
+              beta);
+  } else {
+    cuda::gemm(c.raw(), c.dtype(), a.raw(), b.raw(), a.dtype(), m, n, k, trans_a, trans_b, alpha,
+               beta, stream_of(a));
+  }
 }
 
 namespace {
@@ -66,8 +84,8 @@ void check_groups(const char* op, std::span<const int64_t> group_sizes, int64_t 
 Tensor grouped_matmul(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes,
                       bool trans_w) {
   const char* op = "grouped_matmul";
-  require_f32(op, "x", x);
-  require_f32(op, "w", w);
+  require_float(op, "x", x);
+  require_like(op, "w", w, "x", x);
   require_2d(op, "x", x);
   XMOE_CHECK(w.dim() == 3, "[{}] w must be [G, K, M], got {}", op, shape_str(w.shape()));
   const int64_t groups = w.size(0);
@@ -75,172 +93,253 @@ Tensor grouped_matmul(const Tensor& x, const Tensor& w, std::span<const int64_t>
   XMOE_CHECK(x.size(1) == k, "[{}] x has {} columns but w{} has inner dimension {}", op, x.size(1),
              trans_w ? "^T" : "", k);
   check_groups(op, group_sizes, groups, x.size(0));
-  Tensor y = Tensor::empty({x.size(0), m});
-  cpu::grouped_gemm(y.data<float>(), x.data<float>(), w.data<float>(), group_sizes.data(), groups,
-                    k, m, trans_w);
+  Tensor y = Tensor::empty({x.size(0), m}, x.dtype(), x.device());
+  if (x.is_cpu()) {
+    cpu::grouped_gemm(y.data<float>(), x.data<float>(), w.data<float>(), group_sizes.data(),
+                      groups, k, m, trans_w);
+  } else {
+    cuda::grouped_gemm(y.raw(), x.raw(), w.raw(), x.dtype(), group_sizes.data(), groups, k, m,
+                       trans_w, stream_of(x));
+  }
   return y;
 }
 
 void grouped_matmul_weight_grad(Tensor& dw, const Tensor& x, const Tensor& dy,
                                 std::span<const int64_t> group_sizes, bool accumulate) {
   const char* op = "grouped_matmul_weight_grad";
-  require_f32(op, "dw", dw);
-  require_f32(op, "x", x);
-  require_f32(op, "dy", dy);
+  require_float(op, "x", x);
+  require_like_or_f32(op, "dw", dw, "x", x);
+  require_like(op, "dy", dy, "x", x);
   XMOE_CHECK(dw.dim() == 3, "[{}] dw must be [G, K, M], got {}", op, shape_str(dw.shape()));
   check_shape(x, {-1, dw.size(1)}, op, "x");
   check_shape(dy, {x.size(0), dw.size(2)}, op, "dy");
   check_groups(op, group_sizes, dw.size(0), x.size(0));
-  cpu::grouped_gemm_weight_grad(dw.data<float>(), x.data<float>(), dy.data<float>(),
-                                group_sizes.data(), dw.size(0), dw.size(1), dw.size(2),
-                                accumulate);
+  if (x.is_cpu()) {
+    cpu::grouped_gemm_weight_grad(dw.data<float>(), x.data<float>(), dy.data<float>(),
+                                  group_sizes.data(), dw.size(0), dw.size(1), dw.size(2),
+                                  accumulate);
+  } else {
+    cuda::grouped_gemm_weight_grad(dw.raw(), dw.dtype(), x.raw(), dy.raw(), x.dtype(),
+                                   group_sizes.data(), dw.size(0), dw.size(1), dw.size(2),
+                                   accumulate, stream_of(x));
+  }
 }
 
 // ---- activations ----------------------------------------------------------------------------
 
 Tensor softmax(const Tensor& x) {
-  require_f32("softmax", "x", x);
+  require_float("softmax", "x", x);
   const auto [rows, cols] = rows_cols(x);
-  Tensor y = Tensor::empty(x.shape());
-  cpu::softmax_forward(y.data<float>(), x.data<float>(), rows, cols);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (x.is_cpu()) {
+    cpu::softmax_forward(y.data<float>(), x.data<float>(), rows, cols);
+  } else {
+    cuda::softmax_forward(y.raw(), x.raw(), x.dtype(), rows, cols, stream_of(x));
+  }
   return y;
 }
 
 Tensor softmax_backward(const Tensor& y, const Tensor& dy) {
-  require_f32("softmax_backward", "y", y);
-  require_f32("softmax_backward", "dy", dy);
+  require_float("softmax_backward", "y", y);
+  require_like("softmax_backward", "dy", dy, "y", y);
   check_shape(dy, y.shape(), "softmax_backward", "dy");
   const auto [rows, cols] = rows_cols(y);
-  Tensor dx = Tensor::empty(y.shape());
-  cpu::softmax_backward(dx.data<float>(), y.data<float>(), dy.data<float>(), rows, cols);
+  Tensor dx = Tensor::empty(y.shape(), y.dtype(), y.device());
+  if (y.is_cpu()) {
+    cpu::softmax_backward(dx.data<float>(), y.data<float>(), dy.data<float>(), rows, cols);
+  } else {
+    cuda::softmax_backward(dx.raw(), y.raw(), dy.raw(), y.dtype(), rows, cols, stream_of(y));
+  }
   return dx;
 }
 
 Tensor sigmoid(const Tensor& x) {
-  require_f32("sigmoid", "x", x);
-  Tensor y = Tensor::empty(x.shape());
-  cpu::sigmoid_forward(y.data<float>(), x.data<float>(), x.numel());
+  require_float("sigmoid", "x", x);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (x.is_cpu()) {
+    cpu::sigmoid_forward(y.data<float>(), x.data<float>(), x.numel());
+  } else {
+    cuda::sigmoid_forward(y.raw(), x.raw(), x.dtype(), x.numel(), stream_of(x));
+  }
   return y;
 }
 
 Tensor sigmoid_backward(const Tensor& y, const Tensor& dy) {
-  require_f32("sigmoid_backward", "y", y);
-  require_f32("sigmoid_backward", "dy", dy);
+  require_float("sigmoid_backward", "y", y);
+  require_like("sigmoid_backward", "dy", dy, "y", y);
   check_shape(dy, y.shape(), "sigmoid_backward", "dy");
-  Tensor dx = Tensor::empty(y.shape());
-  cpu::sigmoid_backward(dx.data<float>(), y.data<float>(), dy.data<float>(), y.numel());
+  Tensor dx = Tensor::empty(y.shape(), y.dtype(), y.device());
+  if (y.is_cpu()) {
+    cpu::sigmoid_backward(dx.data<float>(), y.data<float>(), dy.data<float>(), y.numel());
+  } else {
+    cuda::sigmoid_backward(dx.raw(), y.raw(), dy.raw(), y.dtype(), y.numel(), stream_of(y));
+  }
   return dx;
 }
 
 Tensor swiglu(const Tensor& h) {
-  require_f32("swiglu", "h", h);
+  require_float("swiglu", "h", h);
   require_2d("swiglu", "h", h);
   XMOE_CHECK(h.size(1) % 2 == 0, "[swiglu] h must be [N, 2f], got {}", shape_str(h.shape()));
   const int64_t f = h.size(1) / 2;
-  Tensor a = Tensor::empty({h.size(0), f});
-  cpu::swiglu_forward(a.data<float>(), h.data<float>(), h.size(0), f);
+  Tensor a = Tensor::empty({h.size(0), f}, h.dtype(), h.device());
+  if (h.is_cpu()) {
+    cpu::swiglu_forward(a.data<float>(), h.data<float>(), h.size(0), f);
+  } else {
+    cuda::swiglu_forward(a.raw(), h.raw(), h.dtype(), h.size(0), f, stream_of(h));
+  }
   return a;
 }
 
 Tensor swiglu_backward(const Tensor& h, const Tensor& da) {
-  require_f32("swiglu_backward", "h", h);
-  require_f32("swiglu_backward", "da", da);
+  require_float("swiglu_backward", "h", h);
+  require_like("swiglu_backward", "da", da, "h", h);
   require_2d("swiglu_backward", "h", h);
   check_shape(da, {h.size(0), h.size(1) / 2}, "swiglu_backward", "da");
-  Tensor dh = Tensor::empty(h.shape());
-  cpu::swiglu_backward(dh.data<float>(), h.data<float>(), da.data<float>(), h.size(0),
-                       h.size(1) / 2);
+  Tensor dh = Tensor::empty(h.shape(), h.dtype(), h.device());
+  if (h.is_cpu()) {
+    cpu::swiglu_backward(dh.data<float>(), h.data<float>(), da.data<float>(), h.size(0),
+                         h.size(1) / 2);
+  } else {
+    cuda::swiglu_backward(dh.raw(), h.raw(), da.raw(), h.dtype(), h.size(0), h.size(1) / 2,
+                          stream_of(h));
+  }
   return dh;
 }
 
 // ---- normalisation --------------------------------------------------------------------------
 
 RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps) {
-  require_f32("rmsnorm", "x", x);
-  require_f32("rmsnorm", "weight", weight);
+  require_float("rmsnorm", "x", x);
+  require_like_or_f32("rmsnorm", "weight", weight, "x", x);
   const auto [rows, d] = rows_cols(x);
   check_shape(weight, {d}, "rmsnorm", "weight");
   XMOE_CHECK(eps > 0, "[rmsnorm] eps must be positive, got {}", eps);
-  RmsNormResult r{Tensor::empty(x.shape()), Tensor::empty({rows})};
-  cpu::rmsnorm_forward(r.y.data<float>(), r.rstd.data<float>(), x.data<float>(),
-                       weight.data<float>(), rows, d, eps);
+  RmsNormResult r{Tensor::empty(x.shape(), x.dtype(), x.device()),
+                  Tensor::empty({rows}, DType::f32, x.device())};
+  if (x.is_cpu()) {
+    cpu::rmsnorm_forward(r.y.data<float>(), r.rstd.data<float>(), x.data<float>(),
+                         weight.data<float>(), rows, d, eps);
+  } else {
+    cuda::rmsnorm_forward(r.y.raw(), r.rstd.data<float>(), x.raw(), x.dtype(), weight.raw(),
+                          weight.dtype(), rows, d, eps, stream_of(x));
+  }
   return r;
 }
 
 Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
                         const Tensor& dy, Tensor& dweight) {
   const char* op = "rmsnorm_backward";
-  require_f32(op, "x", x);
-  require_f32(op, "dy", dy);
-  require_f32(op, "dweight", dweight);
+  require_float(op, "x", x);
+  require_like(op, "dy", dy, "x", x);
+  require_like_or_f32(op, "weight", weight, "x", x);
+  require_like(op, "dweight", dweight, "weight", weight);
+  require_on(op, "rstd", rstd, DType::f32, "x", x);
   const auto [rows, d] = rows_cols(x);
   check_shape(dy, x.shape(), op, "dy");
   check_shape(weight, {d}, op, "weight");
   check_shape(dweight, {d}, op, "dweight");
   check_shape(rstd, {rows}, op, "rstd");
-  Tensor dx = Tensor::empty(x.shape());
-  cpu::rmsnorm_backward(dx.data<float>(), dweight.data<float>(), x.data<float>(),
-                        weight.data<float>(), rstd.data<float>(), dy.data<float>(), rows, d);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (x.is_cpu()) {
+    cpu::rmsnorm_backward(dx.data<float>(), dweight.data<float>(), x.data<float>(),
+                          weight.data<float>(), rstd.data<float>(), dy.data<float>(), rows, d);
+  } else {
+    const cuda::Stream s = stream_of(x);
+    Tensor ws = Tensor::empty(
+        {static_cast<int64_t>(cuda::rmsnorm_backward_workspace_bytes(rows, d))}, DType::u8,
+        x.device());
+    cuda::rmsnorm_backward(dx.raw(), dweight.raw(), x.raw(), x.dtype(), weight.raw(),
+                           weight.dtype(), rstd.data<float>(), dy.raw(), rows, d, ws.raw(), s);
+  }
   return dx;
 }
 
 // ---- selection and indexing -----------------------------------------------------------------
 
 TopKResult topk(const Tensor& x, int64_t k) {
-  require_f32("topk", "x", x);
+  require_float("topk", "x", x);
   require_2d("topk", "x", x);
   XMOE_CHECK(k >= 1 && k <= x.size(1), "[topk] k = {} must be in [1, {}] (columns of x)", k,
              x.size(1));
-  TopKResult r{Tensor::empty({x.size(0), k}), Tensor::empty({x.size(0), k}, DType::i32)};
-  cpu::topk(r.values.data<float>(), r.indices.data<int32_t>(), x.data<float>(), x.size(0),
-            x.size(1), k);
+  TopKResult r{Tensor::empty({x.size(0), k}, x.dtype(), x.device()),
+               Tensor::empty({x.size(0), k}, DType::i32, x.device())};
+  if (x.is_cpu()) {
+    cpu::topk(r.values.data<float>(), r.indices.data<int32_t>(), x.data<float>(), x.size(0),
+              x.size(1), k);
+  } else {
+    cuda::topk(r.values.raw(), r.indices.data<int32_t>(), x.raw(), x.dtype(), x.size(0),
+               x.size(1), k, stream_of(x));
+  }
   return r;
 }
 
 namespace {
-void check_index(const char* op, const Tensor& index, int64_t limit) {
-  detail::require_cpu(op, "index", index, DType::i32);
+/// i32 1-d index on x's device. Its values are checked on the CPU always, on CUDA only with
+/// XMOE_CUDA_CHECK_INDICES=1 (the check waits for the device).
+void check_index(const char* op, const Tensor& index, int64_t limit, const Tensor& ref,
+                 const char* ref_name) {
+  require_on(op, "index", index, DType::i32, ref_name, ref);
   XMOE_CHECK(index.dim() == 1, "[{}] index must be 1-d, got {}", op, shape_str(index.shape()));
-  const int32_t* p = index.data<int32_t>();
-  for (int64_t i = 0; i < index.numel(); ++i)
-    XMOE_CHECK(p[i] >= 0 && p[i] < limit, "[{}] index[{}] = {} out of range [0, {})", op, i, p[i],
-               limit);
+  if (index.is_cpu() || detail::cuda_check_indices())
+    detail::check_index_values(op, "index", index, limit, false);
 }
 }  // namespace
 
 Tensor gather_rows(const Tensor& x, const Tensor& index) {
-  require_f32("gather_rows", "x", x);
+  require_float("gather_rows", "x", x);
   require_2d("gather_rows", "x", x);
-  check_index("gather_rows", index, x.size(0));
-  Tensor out = Tensor::empty({index.numel(), x.size(1)});
-  cpu::gather_rows(out.data<float>(), x.data<float>(), index.data<int32_t>(), index.numel(),
-                   x.size(1));
+  check_index("gather_rows", index, x.size(0), x, "x");
+  Tensor out = Tensor::empty({index.numel(), x.size(1)}, x.dtype(), x.device());
+  if (x.is_cpu()) {
+    cpu::gather_rows(out.data<float>(), x.data<float>(), index.data<int32_t>(), index.numel(),
+                     x.size(1));
+  } else {
+    cuda::gather_rows(out.raw(), x.raw(), x.dtype(), index.data<int32_t>(), index.numel(),
+                      x.size(0), x.size(1), stream_of(x));
+  }
   return out;
 }
 
 void scatter_add_rows(Tensor& out, const Tensor& src, const Tensor& index, const Tensor& weight) {
   const char* op = "scatter_add_rows";
-  require_f32(op, "out", out);
-  require_f32(op, "src", src);
+  require_float(op, "out", out);
   require_2d(op, "out", out);
+  require_same_device(op, "src", src, "out", out);
+  require_float(op, "src", src);  // on CUDA src may be bf16 into an f32 out, or the other way
   check_shape(src, {index.numel(), out.size(1)}, op, "src");
-  check_index(op, index, out.size(0));
+  check_index(op, index, out.size(0), out, "out");
   if (weight.defined()) {
-    require_f32(op, "weight", weight);
+    require_same_device(op, "weight", weight, "out", out);
+    require_float(op, "weight", weight);
     check_shape(weight, {index.numel()}, op, "weight");
   }
-  cpu::scatter_add_rows(out.data<float>(), src.data<float>(), index.data<int32_t>(),
-                        weight.defined() ? weight.data<float>() : nullptr, index.numel(),
-                        out.size(0), out.size(1));
+  if (out.is_cpu()) {
+    cpu::scatter_add_rows(out.data<float>(), src.data<float>(), index.data<int32_t>(),
+                          weight.defined() ? weight.data<float>() : nullptr, index.numel(),
+                          out.size(0), out.size(1));
+  } else {
+    const cuda::Stream s = stream_of(out);
+    const size_t bytes = cuda::scatter_add_rows_workspace_bytes(index.numel(), out.size(0));
+    Tensor ws = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, out.device());
+    cuda::scatter_add_rows(out.raw(), out.dtype(), src.raw(), src.dtype(), index.data<int32_t>(),
+                           weight.defined() ? weight.raw() : nullptr,
+                           weight.defined() ? weight.dtype() : DType::f32, index.numel(),
+                           out.size(0), out.size(1), ws.raw(), bytes, s);
+  }
 }
 
 Tensor row_dot(const Tensor& a, const Tensor& b) {
-  require_f32("row_dot", "a", a);
-  require_f32("row_dot", "b", b);
+  require_float("row_dot", "a", a);
+  require_like("row_dot", "b", b, "a", a);
   require_2d("row_dot", "a", a);
   check_shape(b, a.shape(), "row_dot", "b");
-  Tensor out = Tensor::empty({a.size(0)});
-  cpu::row_dot(out.data<float>(), a.data<float>(), b.data<float>(), a.size(0), a.size(1));
+  Tensor out = Tensor::empty({a.size(0)}, a.dtype(), a.device());
+  if (a.is_cpu()) {
+    cpu::row_dot(out.data<float>(), a.data<float>(), b.data<float>(), a.size(0), a.size(1));
+  } else {
+    cuda::row_dot(out.raw(), a.raw(), b.raw(), a.dtype(), a.size(0), a.size(1), stream_of(a));
+  }
   return out;
 }
 
@@ -248,21 +347,49 @@ Tensor row_dot(const Tensor& a, const Tensor& b) {
 
 namespace {
 void same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  require_f32(op, "a", a);
-  require_f32(op, "b", b);
+  require_float(op, "a", a);
+  require_like(op, "b", b, "a", a);
   XMOE_CHECK(a.numel() == b.numel(), "[{}] shapes differ: {} vs {}", op, shape_str(a.shape()),
              shape_str(b.shape()));
+}
+
+/// One value reduced on the device (deterministic), copied to the host (waits for the stream).
+double cuda_reduce(const Tensor& x, cuda::Reduction kind) {
+  const cuda::Stream s = stream_of(x);
+  // [result double | partials], the partials 256-byte aligned
+  const size_t ws = cuda::reduce_workspace_bytes(x.numel());
+  Tensor buf = Tensor::empty({static_cast<int64_t>(256 + ws)}, DType::u8, x.device());
+  auto* result = static_cast<double*>(buf.raw());
+  cuda::reduce(result, x.raw(), x.dtype(), x.numel(), kind, static_cast<char*>(buf.raw()) + 256,
+               s);
+  double value = 0;
+  backend::copy_bytes(&value, Device::cpu(), result, x.device(), sizeof(double));
+  return value;
 }
 }  // namespace
 
 Tensor add(const Tensor& a, const Tensor& b) {
   same_shape("add", a, b);
+  if (!a.is_cpu()) {
+    Tensor c = Tensor::empty(a.shape(), a.dtype(), a.device());
+    cuda::add(c.raw(), a.raw(), b.raw(), a.dtype(), a.numel(), stream_of(a));
+    return c;
+  }
   Tensor c = a.clone();
   add_(c, b);
   return c;
 }
 
 void add_(Tensor& a, const Tensor& b, float alpha) {
+  if (!a.is_cpu()) {  // b may be bf16 into an f32 a, or the other way round
+    require_float("add_", "a", a);
+    require_same_device("add_", "b", b, "a", a);
+    require_float("add_", "b", b);
+    XMOE_CHECK(a.numel() == b.numel(), "[add_] shapes differ: {} vs {}", shape_str(a.shape()),
+               shape_str(b.shape()));
+    cuda::add_inplace(a.raw(), a.dtype(), b.raw(), b.dtype(), alpha, a.numel(), stream_of(a));
+    return;
+  }
   same_shape("add_", a, b);
   float* pa = a.data<float>();
   const float* pb = b.data<float>();
@@ -273,7 +400,11 @@ void add_(Tensor& a, const Tensor& b, float alpha) {
 
 Tensor mul(const Tensor& a, const Tensor& b) {
   same_shape("mul", a, b);
-  Tensor c = Tensor::empty(a.shape());
+  Tensor c = Tensor::empty(a.shape(), a.dtype(), a.device());
+  if (!a.is_cpu()) {
+    cuda::mul(c.raw(), a.raw(), b.raw(), a.dtype(), a.numel(), stream_of(a));
+    return c;
+  }
   const float *pa = a.data<float>(), *pb = b.data<float>();
   float* pc = c.data<float>();
   for (int64_t i = 0; i < a.numel(); ++i) pc[i] = pa[i] * pb[i];
@@ -281,7 +412,11 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 }
 
 void scale_(Tensor& a, float s) {
-  require_f32("scale_", "a", a);
+  require_float("scale_", "a", a);
+  if (!a.is_cpu()) {
+    cuda::scale_inplace(a.raw(), a.dtype(), s, a.numel(), stream_of(a));
+    return;
+  }
   float* p = a.data<float>();
   const int64_t n = a.numel();
 #pragma omp parallel for simd schedule(static) if (n > (1 << 16))
@@ -289,7 +424,8 @@ void scale_(Tensor& a, float s) {
 }
 
 double sum(const Tensor& x) {
-  require_f32("sum", "x", x);
+  require_float("sum", "x", x);
+  if (!x.is_cpu()) return cuda_reduce(x, cuda::Reduction::sum);
   const float* p = x.data<float>();
   double s = 0;
   for (int64_t i = 0; i < x.numel(); ++i) s += p[i];
@@ -297,7 +433,8 @@ double sum(const Tensor& x) {
 }
 
 double sum_squares(const Tensor& x) {
-  require_f32("sum_squares", "x", x);
+  require_float("sum_squares", "x", x);
+  if (!x.is_cpu()) return cuda_reduce(x, cuda::Reduction::sum_squares);
   const float* p = x.data<float>();
   double s = 0;
   for (int64_t i = 0; i < x.numel(); ++i) s += static_cast<double>(p[i]) * p[i];
@@ -305,11 +442,23 @@ double sum_squares(const Tensor& x) {
 }
 
 bool all_finite(const Tensor& x) {
-  require_f32("all_finite", "x", x);
+  require_float("all_finite", "x", x);
+  if (!x.is_cpu()) return cuda_reduce(x, cuda::Reduction::count_nonfinite) == 0.0;
   const float* p = x.data<float>();
   for (int64_t i = 0; i < x.numel(); ++i)
     if (!std::isfinite(p[i])) return false;
   return true;
+}
+
+Tensor cast(const Tensor& x, DType dtype) {
+  require_defined("cast", "x", x);
+  XMOE_CHECK(detail::is_float(x.dtype()) && detail::is_float(dtype),
+             "[cast] {} -> {}: only f32 <-> bf16 casts are supported", dtype_name(x.dtype()),
+             dtype_name(dtype));
+  if (x.is_cpu()) return x.to(dtype);
+  Tensor y = Tensor::empty(x.shape(), dtype, x.device());
+  cuda::cast(y.raw(), dtype, x.raw(), x.dtype(), x.numel(), stream_of(x));
+  return y;
 }
 
 }  // namespace xmoe::ops

@@ -1,7 +1,9 @@
 #pragma once
 // Public ops: one function per op. Each validates its arguments (shapes, dtypes, devices) with
 // messages that name the op, then dispatches to a backend kernel (backend/cpu, backend/cuda).
-// All float tensors here are f32 on the CPU; bf16 is the CUDA path's storage type.
+// Float tensors are f32 on the CPU; on CUDA they are f32 or bf16 (bf16 storage, f32 math), and an
+// op's float outputs have its input's dtype (statistics such as rstd and lse are always f32).
+// All operands of an op must be on one device (docs/cuda.md).
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -56,7 +58,7 @@ Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rst
 // ---- selection and indexing -----------------------------------------------------------------
 
 struct TopKResult {
-  Tensor values;   ///< [N, k] f32, descending
+  Tensor values;   ///< [N, k] of x's dtype, descending
   Tensor indices;  ///< [N, k] i32; ties go to the lower index
 };
 /// Top-k of each row of x [N, E].
@@ -65,7 +67,9 @@ TopKResult topk(const Tensor& x, int64_t k);
 /// out[i] = x[index[i]]: x [N, d], index i32 [M] -> [M, d].
 Tensor gather_rows(const Tensor& x, const Tensor& index);
 /// out[index[i]] += weight[i] * src[i]; out [N, d], src [M, d], index i32 [M], weight f32 [M]
-/// (an undefined weight means 1). Deterministic: rows are added in index order of i.
+/// (an undefined weight means 1). Deterministic: rows are added in index order of i (on CUDA
+/// too: the entries are sorted by destination on the device, no atomics). On CUDA, src and
+/// weight may be bf16 or f32 independently of out.
 void scatter_add_rows(Tensor& out, const Tensor& src, const Tensor& index,
                       const Tensor& weight = Tensor());
 /// out[i] = sum_j a[i, j] * b[i, j]: a, b [N, d] -> [N].
@@ -82,5 +86,9 @@ double sum(const Tensor& x);
 double sum_squares(const Tensor& x);
 /// True if every element is finite.
 bool all_finite(const Tensor& x);
+
+/// x converted to `dtype` (f32 <-> bf16, round to nearest even) on x's device; a copy when the
+/// dtype is already `dtype`.
+Tensor cast(const Tensor& x, DType dtype);
 
 }  // namespace xmoe::ops

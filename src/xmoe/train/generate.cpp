@@ -11,6 +11,7 @@
 #include "xmoe/data/tokenizer.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/train/checkpoint.h"
+#include "xmoe/train/state.h"
 
 namespace xmoe::train {
 
@@ -54,11 +55,7 @@ std::string generate(const std::string& checkpoint, const GenerateOptions& optio
              "tokenizer (256) can decode text",
              config.model.vocab_size);
   model::Transformer model(config.model, config.train.seed);
-  for (Parameter* p : model.parameters()) {
-    auto it = ckpt.tensors.find(p->name);
-    XMOE_CHECK(it != ckpt.tensors.end(), "[generate] {} has no tensor '{}'", dir, p->name);
-    p->value.copy_from(it->second);
-  }
+  restore_parameters(ckpt.tensors, model.parameters(), dir);
 
   std::vector<int32_t> ids;
   for (uint16_t t : data::encode(options.prompt)) ids.push_back(t);

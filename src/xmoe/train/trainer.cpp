@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -12,12 +13,14 @@
 #include "xmoe/data/prepare.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/moe/layer.h"
-#include "xmoe/ops/ops.h"
 #include "xmoe/optim/adamw.h"
 #include "xmoe/optim/clip.h"
 #include "xmoe/optim/schedule.h"
+#include "xmoe/parallel/grad_sync.h"
+#include "xmoe/parallel/layout.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/progress.h"
+#include "xmoe/train/state.h"
 
 namespace fs = std::filesystem;
 
@@ -35,43 +38,7 @@ void ensure_prepared_data(const DataConfig& data) {
 
 namespace {
 
-/// The sigmoid gate's balancing bias is state, not a parameter: it is saved under this name.
-std::string bias_name(const moe::MoELayer& layer) { return layer.prefix() + ".router.bias"; }
-
-/// Everything a checkpoint holds besides the config: model and optimizer tensors + counters.
-std::map<std::string, Tensor> snapshot_tensors(const std::vector<Parameter*>& params,
-                                               const optim::AdamW& opt,
-                                               const std::vector<moe::MoELayer*>& moe_layers) {
-  std::map<std::string, Tensor> out;
-  for (const Parameter* p : params) out.emplace(p->name, p->value);
-  opt.export_state(out);
-  for (moe::MoELayer* layer : moe_layers)
-    if (const Tensor* bias = layer->gate().routing_bias()) out.emplace(bias_name(*layer), *bias);
-  return out;
-}
-
-void restore_tensors(const std::map<std::string, Tensor>& tensors,
-                     const std::vector<Parameter*>& params, optim::AdamW& opt,
-                     const std::vector<moe::MoELayer*>& moe_layers, const std::string& dir) {
-  for (Parameter* p : params) {
-    auto it = tensors.find(p->name);
-    XMOE_CHECK(it != tensors.end(), "[checkpoint] {} has no tensor '{}'", dir, p->name);
-    XMOE_CHECK(it->second.shape() == p->value.shape(),
-               "[checkpoint] {}: '{}' has shape {} but the model expects {}", dir, p->name,
-               shape_str(it->second.shape()), shape_str(p->value.shape()));
-    p->value.copy_from(it->second);
-  }
-  opt.import_state(tensors);
-  for (moe::MoELayer* layer : moe_layers) {
-    if (Tensor* bias = layer->gate().routing_bias()) {
-      auto it = tensors.find(bias_name(*layer));
-      XMOE_CHECK(it != tensors.end(), "[checkpoint] {} has no tensor '{}'", dir, bias_name(*layer));
-      bias->copy_from(it->second);
-    }
-  }
-}
-
-/// True when two configs describe the same model (training and data settings may differ).
+/// True when two configs describe the same model (training, data and layout may differ).
 bool same_model(const Config& a, Config b) {
   b.train = a.train;
   b.data = a.data;
@@ -79,14 +46,35 @@ bool same_model(const Config& a, Config b) {
   return a == b;
 }
 
-double evaluate(model::Transformer& model, const data::DataLoader& loader, int batches) {
+/// Mean of a per-rank value over the world (every rank gets the same double).
+double world_mean(comm::Group& world, double v) {
+  if (world.size() == 1) return v;
+  Tensor t = Tensor::from_vector<double>({v}, {1});
+  world.all_reduce(t);
+  return t.data<double>()[0] / world.size();
+}
+
+double evaluate(model::Transformer& model, const data::DataLoader& loader, int batches,
+                comm::Group& world) {
   const int64_t n = std::min<int64_t>(batches, loader.num_eval_batches());
   double total = 0;
   for (int64_t i = 0; i < n; ++i) {
     const data::Batch b = loader.eval_batch(i);
     total += model.evaluate_loss(b.inputs, b.targets);
   }
-  return total / static_cast<double>(n);
+  return world_mean(world, total / static_cast<double>(n));
+}
+
+/// XMOE_INJECT_FAULT=<rank>:<step> makes that rank throw at that step: the test of how a job
+/// stops when one process fails (docs/training.md).
+void maybe_inject_fault(int rank, int step) {
+  static const char* spec = std::getenv("XMOE_INJECT_FAULT");
+  if (!spec) return;
+  int fault_rank = -1, fault_step = -1;
+  if (std::sscanf(spec, "%d:%d", &fault_rank, &fault_step) == 2 && fault_rank == rank &&
+      fault_step == step)
+    XMOE_FAIL("[train] injected fault on rank {} at step {} (XMOE_INJECT_FAULT={})", rank, step,
+              spec);
 }
 
 }  // namespace
@@ -96,26 +84,36 @@ TrainResult train(const Config& config, const TrainOptions& options) {
   XMOE_CHECK(tc.device == "cpu",
              "[train] train.device = {} is not available yet: this build trains on the CPU",
              tc.device);
-  ensure_prepared_data(config.data);
+  auto world_group = options.world ? options.world : comm::world(config.parallel.ranks_per_node);
+  const parallel::Layout layout = parallel::Layout::create(world_group, config.parallel.ep);
+  comm::Group& world = *layout.world;
+  const bool leader = layout.world_rank == 0;
+
+  if (leader) ensure_prepared_data(config.data);
+  world.barrier();
 
   data::TokenFile::Options topt;
   topt.vocab_size = config.model.vocab_size;
   topt.min_tokens = tc.seq_len + 1;
-  data::DataLoader train_loader(data::TokenFile::open((fs::path(config.data.dir) / "train.bin").string(), topt),
-                                tc.batch_size, tc.seq_len, tc.seed);
-  data::DataLoader val_loader(data::TokenFile::open((fs::path(config.data.dir) / "val.bin").string(), topt),
-                              tc.batch_size, tc.seq_len, tc.seed);
+  const fs::path data_dir(config.data.dir);
+  data::DataLoader train_loader(data::TokenFile::open((data_dir / "train.bin").string(), topt),
+                                tc.batch_size, tc.seq_len, tc.seed, layout.world_rank,
+                                layout.world_size);
+  data::DataLoader val_loader(data::TokenFile::open((data_dir / "val.bin").string(), topt),
+                              tc.batch_size, tc.seq_len, tc.seed, layout.world_rank,
+                              layout.world_size);
 
-  model::Transformer model(config.model, tc.seed);
+  model::Transformer model(config.model, tc.seed, &layout);
   const std::vector<Parameter*> params = model.parameters();
   const std::vector<moe::MoELayer*> moe_layers = model.moe_layers();
   optim::AdamW opt(params, optim::AdamWConfig::from(tc));
   const optim::LrSchedule schedule = optim::LrSchedule::from(tc);
+  parallel::GradientSync grad_sync(params, layout);
 
   TrainResult result;
   result.out_dir = tc.out_dir;
-  fs::create_directories(tc.out_dir);
-  {
+  if (leader) {
+    fs::create_directories(tc.out_dir);
     std::ofstream(fs::path(tc.out_dir) / "config.yaml") << to_yaml(config);
   }
 
@@ -128,34 +126,37 @@ TrainResult train(const Config& config, const TrainOptions& options) {
                                             *latest + "/manifest.json");
     XMOE_CHECK(same_model(saved, config),
                "[train] --resume: the model in {} differs from the configured model", *latest);
-    restore_tensors(ckpt.tensors, params, opt, moe_layers, *latest);
+    restore_checkpoint_tensors(ckpt.tensors, params, opt, moe_layers, *latest);
     step = ckpt.state.at("step").get<int>();
     train_loader.set_position(ckpt.state.at("data_position").get<uint64_t>());
-    spdlog::info("resumed from {} at step {}", *latest, step);
+    if (leader) spdlog::info("resumed from {} at step {}", *latest, step);
   }
   result.first_step = step;
   const int last = options.stop_after >= 0 ? std::min(options.stop_after, tc.steps) : tc.steps;
 
-  std::ofstream metrics(fs::path(tc.out_dir) / "metrics.jsonl", std::ios::app);
+  std::ofstream metrics;
+  if (leader) metrics.open(fs::path(tc.out_dir) / "metrics.jsonl", std::ios::app);
   auto save = [&](int at_step) {
     nlohmann::json state;
     state["config"] = to_yaml(config);
     state["step"] = at_step;
     state["data_position"] = train_loader.position();
     state["seed"] = tc.seed;
-    state["layout"] = {{"world", 1}, {"ep", 1}, {"dp", 1}};
+    state["layout"] = {{"world", layout.world_size}, {"ep", layout.ep}, {"dp", layout.dp}};
     const std::string dir = (fs::path(tc.out_dir) / fmt::format("step-{}", at_step)).string();
-    save_checkpoint(dir, snapshot_tensors(params, opt, moe_layers), state);
+    save_checkpoint(dir, checkpoint_tensors(params, opt, moe_layers, layout), state,
+                    layout.world_rank, layout.world_size, [&] { world.barrier(); });
     result.last_checkpoint = dir;
   };
 
-  Progress progress(options.progress, step, last);
-  const int64_t tokens_per_step =
-      static_cast<int64_t>(tc.batch_size) * tc.seq_len * tc.grad_accum;
+  Progress progress(options.progress && leader, step, last);
+  const int64_t tokens_per_step = static_cast<int64_t>(tc.batch_size) * tc.seq_len *
+                                  tc.grad_accum * layout.world_size;
   int bad_in_a_row = 0;
   Timer run_timer;
   while (step < last) {
     Timer step_timer;
+    maybe_inject_fault(layout.world_rank, step + 1);
     model.zero_grad();
     double loss = 0, aux = 0;
     std::vector<int64_t> load;
@@ -165,24 +166,27 @@ TrainResult train(const Config& config, const TrainOptions& options) {
       aux += model.aux_loss() / tc.grad_accum;
       model.backward(1.0f / static_cast<float>(tc.grad_accum));
       for (const moe::MoELayer* layer : moe_layers) {
-        const auto& tpe = layer->tokens_per_expert();
+        const auto& tpe = layer->expert_load();
         if (load.empty()) load.assign(tpe.size(), 0);
         for (size_t e = 0; e < tpe.size() && e < load.size(); ++e) load[e] += tpe[e];
       }
     }
+    grad_sync.sync();
     ++step;
     StepMetrics m;
     m.step = step;
-    m.loss = loss;
+    m.loss = world_mean(world, loss);
     m.aux_loss = aux;
     m.lr = schedule.at(step - 1);
-    m.grad_norm = optim::clip_grad_norm(params, tc.grad_clip);
-    if (!std::isfinite(loss) || !std::isfinite(m.grad_norm)) {
+    m.grad_norm = std::sqrt(grad_sync.global_grad_sum_squares());
+    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
+      // Every rank sees the same global loss and norm, so all skip (or stop) together.
       m.skipped = true;
       ++bad_in_a_row;
-      spdlog::warn("step {}: non-finite {} ({}); update skipped ({} in a row, limit {})", step,
-                   std::isfinite(loss) ? "gradient norm" : "loss",
-                   std::isfinite(loss) ? m.grad_norm : loss, bad_in_a_row, tc.max_bad_steps);
+      if (leader)
+        spdlog::warn("step {}: non-finite {} ({}); update skipped ({} in a row, limit {})", step,
+                     std::isfinite(m.loss) ? "gradient norm" : "loss",
+                     std::isfinite(m.loss) ? m.grad_norm : m.loss, bad_in_a_row, tc.max_bad_steps);
       XMOE_CHECK(bad_in_a_row < tc.max_bad_steps,
                  "[train] {} consecutive steps with a non-finite loss or gradient (last at step "
                  "{}); stopping. The last good checkpoint is {}",
@@ -190,6 +194,7 @@ TrainResult train(const Config& config, const TrainOptions& options) {
                  result.last_checkpoint.empty() ? std::string("(none yet)") : result.last_checkpoint);
     } else {
       bad_in_a_row = 0;
+      optim::scale_grads(params, optim::clip_factor(m.grad_norm, tc.grad_clip));
       opt.step(static_cast<float>(m.lr));
       for (moe::MoELayer* layer : moe_layers) layer->update_routing_bias();
     }
@@ -200,23 +205,24 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     m.seconds = step_timer.seconds();
     m.tokens_per_s = static_cast<double>(tokens_per_step) / m.seconds;
     result.steps.push_back(m);
-    metrics << nlohmann::json{{"step", m.step},       {"loss", m.loss},
-                              {"aux_loss", m.aux_loss}, {"lr", m.lr},
-                              {"grad_norm", m.grad_norm}, {"tokens_per_s", m.tokens_per_s},
-                              {"max_expert_load", m.max_expert_load},
-                              {"min_expert_load", m.min_expert_load},
-                              {"skipped", m.skipped}}
-                   .dump()
-            << "\n";
+    if (leader)
+      metrics << nlohmann::json{{"step", m.step},           {"loss", m.loss},
+                                {"aux_loss", m.aux_loss},   {"lr", m.lr},
+                                {"grad_norm", m.grad_norm}, {"tokens_per_s", m.tokens_per_s},
+                                {"max_expert_load", m.max_expert_load},
+                                {"min_expert_load", m.min_expert_load},
+                                {"skipped", m.skipped}}
+                     .dump()
+              << "\n";
     progress.on_step(m, step % tc.log_every == 0 || step == last);
 
     if (tc.eval_every > 0 && (step % tc.eval_every == 0 || step == last)) {
-      const double val = evaluate(model, val_loader, tc.eval_batches);
+      const double val = evaluate(model, val_loader, tc.eval_batches, world);
       result.evals.push_back({step, val});
-      metrics << nlohmann::json{{"step", step}, {"val_loss", val}}.dump() << "\n";
+      if (leader) metrics << nlohmann::json{{"step", step}, {"val_loss", val}}.dump() << "\n";
       progress.on_eval(step, val);
     }
-    metrics.flush();
+    if (leader) metrics.flush();
     if ((tc.save_every > 0 && step % tc.save_every == 0) || step == last) save(step);
   }
   result.last_step = step;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
 
 namespace xmoe::train {
@@ -32,6 +33,8 @@ struct TrainOptions {
   bool resume = false;        ///< continue from the latest checkpoint of train.out_dir
   bool progress = true;       ///< print the live progress line
   int stop_after = -1;        ///< stop (with a checkpoint) after this step; -1 = train.steps
+  /// The processes to train on; null = comm::world() (MPI under mpirun/srun, else one process).
+  std::shared_ptr<comm::Group> world;
 };
 
 struct TrainResult {

@@ -21,6 +21,13 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   if (bytes) std::memcpy(dst, src, bytes);
 }
 
+void fill_zero(void* dst, size_t bytes, Device device) {
+  XMOE_CHECK(device.is_cpu(),
+             "[fill_zero] {} needs CUDA, but this xmoe was built without CUDA (XMOE_CUDA=OFF)",
+             device.str());
+  if (bytes) std::memset(dst, 0, bytes);
+}
+
 void synchronize(Device) {}
 
 }  // namespace xmoe::backend

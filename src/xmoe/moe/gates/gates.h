@@ -26,7 +26,9 @@ class SoftmaxRouting {
     AuxLossWeights aux;
   };
   explicit SoftmaxRouting(Options o) : o_(o) {}
-  GateOutput forward(const Tensor& logits, int64_t seq_len, const Tensor& fixed_idx);
+  /// world: the statistics group of the aux losses (null = one process).
+  GateOutput forward(const Tensor& logits, int64_t seq_len, const Tensor& fixed_idx,
+                     comm::Group* world = nullptr);
   /// d_topk_weight [T, k] -> d logits [T, E] (weight path + aux losses, whose upstream
   /// gradient is aux_scale).
   Tensor backward(const Tensor& d_topk_weight, float aux_scale = 1.0f);

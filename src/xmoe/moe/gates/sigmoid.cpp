@@ -41,7 +41,7 @@ class SigmoidGate final : public Gate {
     weights_ = renormalize_rows(take_along_rows(scores_, idx_), cfg_.routed_scaling, wsums_);
     probs_ = renormalize_rows(scores_, 1.0f, psums_);  // [T, E], rows sum to 1
     GateOutput out{idx_, weights_, {}};
-    out.aux = aux_losses(probs_, idx_, logits_, seq_len, aux_weights(), aux_state_);
+    out.aux = aux_losses(probs_, idx_, logits_, seq_len, aux_weights(), aux_state_, world_.get());
     return out;
   }
 

@@ -5,7 +5,7 @@
 namespace xmoe::moe {
 
 GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len,
-                                   const Tensor& fixed_idx) {
+                                   const Tensor& fixed_idx, comm::Group* world) {
   logits_ = logits;                 // [T, E]
   probs_ = xmoe::ops::softmax(logits);  // [T, E], for the balance losses (and GShard weights)
   GateOutput out;
@@ -19,7 +19,7 @@ GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len,
   }
   out.topk_idx = idx_;
   out.topk_weight = weights_;
-  out.aux = aux_losses(probs_, idx_, logits_, seq_len, o_.aux, aux_state_);
+  out.aux = aux_losses(probs_, idx_, logits_, seq_len, o_.aux, aux_state_, world);
   return out;
 }
 

@@ -18,7 +18,8 @@ class SoftmaxTopkGate final : public Gate {
   GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
     check_forward_args(x, seq_len, fixed_idx);
     x_ = x;
-    return routing_.forward(xmoe::ops::matmul(x, weight_.value), seq_len, fixed_idx);
+    return routing_.forward(xmoe::ops::matmul(x, weight_.value), seq_len, fixed_idx,
+                            world_.get());
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {

@@ -41,7 +41,7 @@ class XmoeGate final : public Gate {
     tau_ = std::max(temp_.value.data<float>()[0], kMinTemperature);
     Tensor logits = cos_.clone();
     xmoe::ops::scale_(logits, 1.0f / tau_);
-    return routing_.forward(logits, seq_len, fixed_idx);
+    return routing_.forward(logits, seq_len, fixed_idx, world_.get());
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {

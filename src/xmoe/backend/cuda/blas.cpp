@@ -1,0 +1,253 @@
+// Dense and grouped GEMMs on cuBLAS (host code). Row-major C (M, N) = op(A) op(B) is computed as
+// the column-major product C^T (N, M) = op(B)^T op(A)^T, i.e. cuBLAS gets (b, a) swapped, with
+// the leading dimensions of the row-major storage. Math is f32 (CUBLAS_COMPUTE_32F: bf16 inputs
+// use tensor cores with f32 accumulation; f32 inputs do not use TF32).
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <spdlog/spdlog.h>
+
+#include <climits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xmoe/backend/cuda/check.h"
+#include "xmoe/backend/cuda/kernels.h"
+#include "xmoe/backend/device_api.h"
+
+/// CUBLAS_CHECK(cublasGemmEx(...)): throws xmoe::Error naming the call and the status.
+#define CUBLAS_CHECK(call)                                                                 \
+  do {                                                                                     \
+    const cublasStatus_t status_ = (call);                                                 \
+    XMOE_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "[cublas] {} failed: {} ({})", #call,     \
+               cublasGetStatusString(status_), static_cast<int>(status_));                \
+  } while (0)
+
+namespace xmoe::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS' recommendation for Hopper
+
+struct BlasContext {
+  cublasHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  Stream stream = nullptr;          // stream the handle is bound to
+  // [inputs bf16][output bf16]: cleared once cublasGemmGroupedBatchedEx declines those dtypes
+  bool grouped_supported[2][2] = {{true, true}, {true, true}};
+  std::mutex mutex;                 // one handle per device: calls are serialised
+};
+
+/// The cuBLAS handle of the current device, bound to `stream`. The 32 MiB workspace is held
+/// outside the caching allocator (it lives as long as the process and is not a tensor).
+BlasContext& blas_context(Stream stream) {
+  static std::mutex mutex;
+  static auto* contexts = new std::vector<std::unique_ptr<BlasContext>>();  // leaked on purpose
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  BlasContext* ctx = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (contexts->size() <= static_cast<size_t>(device))
+      contexts->resize(static_cast<size_t>(device) + 1);
+    auto& slot = (*contexts)[static_cast<size_t>(device)];
+    if (!slot) {
+      slot = std::make_unique<BlasContext>();
+      CUBLAS_CHECK(cublasCreate(&slot->handle));
+      CUDA_CHECK(cudaMalloc(&slot->workspace, kWorkspaceBytes));
+      CUBLAS_CHECK(cublasSetMathMode(slot->handle, CUBLAS_DEFAULT_MATH));
+    }
+    ctx = slot.get();
+  }
+  if (ctx->stream != stream || ctx->stream == nullptr) {
+    // cublasSetStream resets the workspace to cuBLAS' own pool, so set ours again after it.
+    CUBLAS_CHECK(cublasSetStream(ctx->handle, stream));
+    CUBLAS_CHECK(cublasSetWorkspace(ctx->handle, ctx->workspace, kWorkspaceBytes));
+    ctx->stream = stream;
+  }
+  return *ctx;
+}
+
+cudaDataType_t cuda_type(DType dt, const char* op) {
+  switch (dt) {
+    case DType::f32: return CUDA_R_32F;
+    case DType::bf16: return CUDA_R_16BF;
+    default: XMOE_FAIL("[{}] dtype {} has no cuBLAS path (expected f32 or bf16)", op, dtype_name(dt));
+  }
+}
+
+int to_int(int64_t v, const char* op) {
+  XMOE_CHECK(v >= 0 && v <= INT_MAX, "[{}] dimension {} exceeds the 32-bit cuBLAS API", op, v);
+  return static_cast<int>(v);
+}
+
+void check_types(DType c_dt, DType ab_dt, const char* op) {
+  XMOE_CHECK(c_dt == ab_dt || c_dt == DType::f32,
+             "[{}] output dtype {} with inputs {}: expected the inputs' dtype or f32", op,
+             dtype_name(c_dt), dtype_name(ab_dt));
+}
+
+// c = beta * c for an empty inner dimension (cuBLAS is not asked to handle k = 0).
+void scale_output(void* c, DType c_dt, int64_t count, float beta, Stream stream) {
+  if (beta == 0.f) {
+    CUDA_CHECK(cudaMemsetAsync(c, 0, static_cast<size_t>(count) * dtype_size(c_dt), stream));
+  } else if (beta != 1.f) {
+    scale_inplace(c, c_dt, beta, count, stream);
+  }
+}
+
+// One column-major cublasGemmEx for row-major c (m, n) = alpha op(a) op(b) + beta c.
+void gemm_ex(cublasHandle_t handle, void* c, cudaDataType_t ct, const void* a, const void* b,
+             cudaDataType_t abt, int m, int n, int k, bool ta, bool tb, int lda_rows,
+             int ldb_rows, float alpha, float beta) {
+  CUBLAS_CHECK(cublasGemmEx(handle, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            n, m, k, &alpha, b, abt, ldb_rows, a, abt, lda_rows, &beta, c, ct, n,
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace
+
+void gemm(void* c, DType c_dt, const void* a, const void* b, DType ab_dt, int64_t m, int64_t n,
+          int64_t k, bool trans_a, bool trans_b, float alpha, float beta, Stream stream) {
+  check_types(c_dt, ab_dt, "matmul");
+  if (m == 0 || n == 0) return;
+  if (k == 0) return scale_output(c, c_dt, m * n, beta, stream);
+  BlasContext& ctx = blas_context(stream);
+  std::lock_guard<std::mutex> lock(ctx.mutex);
+  // Row-major leading dimensions: a is (M, K) or (K, M), b is (K, N) or (N, K).
+  gemm_ex(ctx.handle, c, cuda_type(c_dt, "matmul"), a, b, cuda_type(ab_dt, "matmul"),
+          to_int(m, "matmul"), to_int(n, "matmul"), to_int(k, "matmul"), trans_a, trans_b,
+          to_int(trans_a ? m : k, "matmul"), to_int(trans_b ? k : n, "matmul"), alpha, beta);
+}
+
+namespace {
+
+/// One GEMM per non-empty group, described for cublasGemmGroupedBatchedEx (column-major view:
+/// C' (n', m') = op(A') op(B'), each problem its own group of batch size 1).
+struct GroupedProblems {
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<int> m, n, k, lda, ldb, ldc, batch;
+  std::vector<float> alpha, beta;
+  std::vector<const void*> a, b;
+  std::vector<void*> c;
+
+  void add(cublasOperation_t op_a, cublasOperation_t op_b, int m_, int n_, int k_, const void* a_,
+           int lda_, const void* b_, int ldb_, void* c_, int ldc_, float beta_) {
+    ta.push_back(op_a);
+    tb.push_back(op_b);
+    m.push_back(m_);
+    n.push_back(n_);
+    k.push_back(k_);
+    a.push_back(a_);
+    lda.push_back(lda_);
+    b.push_back(b_);
+    ldb.push_back(ldb_);
+    c.push_back(c_);
+    ldc.push_back(ldc_);
+    alpha.push_back(1.f);
+    beta.push_back(beta_);
+    batch.push_back(1);
+  }
+  size_t size() const { return m.size(); }
+};
+
+/// Runs the problems in one cublasGemmGroupedBatchedEx launch when cuBLAS takes the dtypes, else
+/// (or once it has declined) as a loop of cublasGemmEx.
+void run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stream stream,
+                 const char* op) {
+  if (p.size() == 0) return;
+  BlasContext& ctx = blas_context(stream);
+  std::lock_guard<std::mutex> lock(ctx.mutex);
+  bool& grouped = ctx.grouped_supported[abt == CUDA_R_16BF][ct == CUDA_R_16BF];
+  if (grouped && p.size() > 1) {
+    // The pointer arrays must be in device memory: one stream-ordered copy into a block of the
+    // caching allocator, handed back right after (a later use on this stream is ordered after
+    // the GEMM; cudaMemcpyAsync has staged the pageable source before it returns).
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    Allocator& alloc = backend::cuda_allocator(device);
+    const size_t count = p.size(), bytes = 3 * count * sizeof(void*);
+    std::vector<const void*> host(3 * count);
+    for (size_t i = 0; i < count; ++i) {
+      host[i] = p.a[i];
+      host[count + i] = p.b[i];
+      host[2 * count + i] = p.c[i];
+    }
+    void* dev = alloc.allocate(bytes);
+    CUDA_CHECK(cudaMemcpyAsync(dev, host.data(), bytes, cudaMemcpyHostToDevice, stream));
+    auto** ptrs = static_cast<void**>(dev);  // [a pointers | b pointers | c pointers]
+    const cublasStatus_t status = cublasGemmGroupedBatchedEx(
+        ctx.handle, p.ta.data(), p.tb.data(), p.m.data(), p.n.data(), p.k.data(), p.alpha.data(),
+        ptrs, abt, p.lda.data(), ptrs + count, abt, p.ldb.data(), p.beta.data(),
+        ptrs + 2 * count, ct, p.ldc.data(),
+        static_cast<int>(count), p.batch.data(), CUBLAS_COMPUTE_32F);
+    alloc.deallocate(dev, bytes);
+    if (status == CUBLAS_STATUS_SUCCESS) return;
+    XMOE_CHECK(status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE,
+               "[{}] cublasGemmGroupedBatchedEx failed: {} ({})", op,
+               cublasGetStatusString(status), static_cast<int>(status));
+    grouped = false;  // this cuBLAS declines these dtypes: loop from now on
+    spdlog::warn("[{}] cublasGemmGroupedBatchedEx declined ({}); using one cublasGemmEx per group",
+                 op, cublasGetStatusString(status));
+  }
+  for (size_t i = 0; i < p.size(); ++i)
+    CUBLAS_CHECK(cublasGemmEx(ctx.handle, p.ta[i], p.tb[i], p.m[i], p.n[i], p.k[i], &p.alpha[i],
+                              p.a[i], abt, p.lda[i], p.b[i], abt, p.ldb[i], &p.beta[i], p.c[i], ct,
+                              p.ldc[i], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+const char* byte_ptr(const void* p) { return static_cast<const char*>(p); }
+
+}  // namespace
+
+void grouped_gemm(void* y, const void* x, const void* w, DType dt, const int64_t* group_sizes,
+                  int64_t groups, int64_t k, int64_t m, bool trans_w, Stream stream) {
+  const char* op = "grouped_matmul";
+  const size_t es = dtype_size(dt);
+  const int ik = to_int(k, op), im = to_int(m, op);
+  GroupedProblems p;
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = group_sizes[g];
+    if (rows > 0 && m > 0) {
+      void* yg = static_cast<char*>(y) + static_cast<size_t>(row * m) * es;
+      if (k == 0) {
+        CUDA_CHECK(cudaMemsetAsync(yg, 0, static_cast<size_t>(rows * m) * es, stream));
+      } else {
+        // y_g (rows, M) = x_g (rows, K) @ w_g: column-major y_g^T (M, rows) = w_g^T x_g^T
+        p.add(trans_w ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, im, to_int(rows, op), ik,
+              byte_ptr(w) + static_cast<size_t>(g * k * m) * es, trans_w ? ik : im,
+              byte_ptr(x) + static_cast<size_t>(row * k) * es, ik, yg, im, 0.f);
+      }
+    }
+    row += rows;
+  }
+  run_grouped(p, cuda_type(dt, op), cuda_type(dt, op), stream, op);
+}
+
+void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* dy, DType dt,
+                              const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
+                              bool accumulate, Stream stream) {
+  const char* op = "grouped_matmul_weight_grad";
+  check_types(dw_dt, dt, op);
+  const size_t es = dtype_size(dt), ws = dtype_size(dw_dt);
+  const int ik = to_int(k, op), im = to_int(m, op);
+  GroupedProblems p;
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = group_sizes[g];
+    void* dwg = static_cast<char*>(dw) + static_cast<size_t>(g * k * m) * ws;
+    if (rows > 0 && k > 0 && m > 0) {
+      // dw_g (K, M) = x_g^T (K, rows) @ dy_g (rows, M): column-major dw_g^T (M, K) = dy_g^T x_g
+      p.add(CUBLAS_OP_N, CUBLAS_OP_T, im, ik, to_int(rows, op),
+            byte_ptr(dy) + static_cast<size_t>(row * m) * es, im,
+            byte_ptr(x) + static_cast<size_t>(row * k) * es, ik, dwg, im, accumulate ? 1.f : 0.f);
+    } else if (!accumulate && k * m > 0) {
+      CUDA_CHECK(cudaMemsetAsync(dwg, 0, static_cast<size_t>(k * m) * ws, stream));
+    }
+    row += rows;
+  }
+  run_grouped(p, cuda_type(dt, op), cuda_type(dw_dt, op), stream, op);
+}
+
+}  // namespace xmoe::cuda

@@ -1,0 +1,178 @@
+// Row gather and deterministic row scatter-add (also the embedding's forward and backward).
+//
+// scatter_add_rows: out[index[i]] += w[i] * src[i]. Atomics would make the f32 sum depend on
+// thread timing, so the entries are grouped by destination row instead:
+//   1. keys[i] = index[i] (n_out for an index out of range), vals[i] = i
+//   2. stable radix sort of (key, i) over the bits of n_out (CUB): within a destination row the
+//      entries stay in increasing i
+//   3. offsets[r] = first sorted position with key >= r (binary search, r = 0..n_out)
+//   4. one block per destination row adds its entries in sorted order, one thread per column:
+//      the same order as the CPU loop, whatever the launch configuration.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "xmoe/backend/cuda/common.cuh"
+
+namespace xmoe::cuda {
+
+namespace {
+
+template <class T>
+__global__ void gather_rows_kernel(T* out, const T* x, const int32_t* index, int64_t m,
+                                   int64_t n_rows, int64_t d) {
+  for (int64_t i = blockIdx.x; i < m; i += gridDim.x) {
+    const int64_t r = index[i];
+    const bool ok = r >= 0 && r < n_rows;
+    for (int64_t c = threadIdx.x; c < d; c += blockDim.x)
+      out[i * d + c] = ok ? x[r * d + c] : from_float<T>(0.f);
+  }
+}
+
+__global__ void find_bad_index_kernel(unsigned long long* first_bad, const int32_t* index,
+                                      int64_t n, int64_t limit, bool allow_negative) {
+  XMOE_GRID_STRIDE(i, n) {
+    const int32_t v = index[i];
+    if (v >= limit || (v < 0 && !allow_negative))
+      atomicMin(first_bad, static_cast<unsigned long long>(i));  // the minimum: deterministic
+  }
+}
+
+__global__ void scatter_keys_kernel(uint32_t* keys, int32_t* vals, const int32_t* index,
+                                    int64_t m, int64_t n_out) {
+  XMOE_GRID_STRIDE(i, m) {
+    const int32_t v = index[i];
+    keys[i] = (v >= 0 && v < n_out) ? static_cast<uint32_t>(v) : static_cast<uint32_t>(n_out);
+    vals[i] = static_cast<int32_t>(i);
+  }
+}
+
+__global__ void segment_offsets_kernel(int32_t* offsets, const uint32_t* keys, int64_t m,
+                                       int64_t n_out) {
+  XMOE_GRID_STRIDE(r, n_out + 1) {
+    int64_t lo = 0, hi = m;  // first position with keys[pos] >= r
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (keys[mid] < static_cast<uint32_t>(r)) lo = mid + 1;
+      else hi = mid;
+    }
+    offsets[r] = static_cast<int32_t>(lo);
+  }
+}
+
+template <class O, class S, class W>
+__global__ void scatter_rows_kernel(O* out, const S* src, const W* weight, const int32_t* order,
+                                    const int32_t* offsets, int64_t n_out, int64_t d) {
+  for (int64_t r = blockIdx.x; r < n_out; r += gridDim.x) {
+    const int32_t begin = offsets[r], end = offsets[r + 1];
+    if (begin == end) continue;
+    for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
+      float acc = to_float(out[r * d + c]);
+      for (int32_t e = begin; e < end; ++e) {
+        const int64_t i = order[e];
+        const float w = weight ? to_float(weight[i]) : 1.0f;
+        acc += w * to_float(src[i * d + c]);
+      }
+      out[r * d + c] = from_float<O>(acc);
+    }
+  }
+}
+
+int key_bits(int64_t n_out) {  // bits that hold keys 0..n_out
+  int bits = 1;
+  while (bits < 32 && (static_cast<int64_t>(1) << bits) <= n_out) ++bits;
+  return bits;
+}
+
+size_t align256(size_t b) { return (b + 255) / 256 * 256; }
+
+struct ScatterLayout {
+  size_t keys_in, keys_out, vals_in, vals_out, offsets, temp, temp_bytes, total;
+};
+
+ScatterLayout scatter_layout(int64_t m, int64_t n_out) {
+  ScatterLayout l{};
+  size_t temp_bytes = 0;
+  if (m > 0) {
+    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        nullptr, temp_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+        static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+        static_cast<int>(m), 0, key_bits(n_out)));
+  }
+  const size_t mk = align256(static_cast<size_t>(m) * 4);
+  l.keys_in = 0;
+  l.keys_out = l.keys_in + mk;
+  l.vals_in = l.keys_out + mk;
+  l.vals_out = l.vals_in + mk;
+  l.offsets = l.vals_out + mk;
+  l.temp = l.offsets + align256(static_cast<size_t>(n_out + 1) * 4);
+  l.temp_bytes = temp_bytes;
+  l.total = l.temp + align256(temp_bytes);
+  return l;
+}
+
+}  // namespace
+
+void gather_rows(void* out, const void* x, DType dt, const int32_t* index, int64_t m,
+                 int64_t n_rows, int64_t d, Stream stream) {
+  if (m == 0 || d == 0) return;
+  dispatch_float(dt, "gather_rows", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    gather_rows_kernel<T><<<grid_for(m, 1), kBlock, 0, stream>>>(
+        static_cast<T*>(out), static_cast<const T*>(x), index, m, n_rows, d);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void find_bad_index(int64_t* first_bad, const int32_t* index, int64_t n, int64_t limit,
+                    bool allow_negative, Stream stream) {
+  // All ones = -1 as int64 = "none"; as unsigned it is the identity of atomicMin.
+  CUDA_CHECK(cudaMemsetAsync(first_bad, 0xff, sizeof(int64_t), stream));
+  if (n == 0) return;
+  find_bad_index_kernel<<<grid_for(n), kBlock, 0, stream>>>(
+      reinterpret_cast<unsigned long long*>(first_bad), index, n, limit, allow_negative);
+  CUDA_CHECK_LAUNCH();
+}
+
+size_t scatter_add_rows_workspace_bytes(int64_t m, int64_t n_out) {
+  return scatter_layout(m, n_out).total;
+}
+
+void scatter_add_rows(void* out, DType out_dt, const void* src, DType src_dt, const int32_t* index,
+                      const void* weight, DType weight_dt, int64_t m, int64_t n_out, int64_t d,
+                      void* workspace, size_t workspace_bytes, Stream stream) {
+  if (m == 0 || d == 0 || n_out == 0) return;
+  if (m >= (int64_t{1} << 31) || n_out >= (int64_t{1} << 31))
+    fail("[scatter_add_rows] more than 2^31 rows");
+  const ScatterLayout l = scatter_layout(m, n_out);
+  if (workspace_bytes < l.total) fail("[scatter_add_rows] workspace too small");
+  char* ws = static_cast<char*>(workspace);
+  auto* keys_in = reinterpret_cast<uint32_t*>(ws + l.keys_in);
+  auto* keys_out = reinterpret_cast<uint32_t*>(ws + l.keys_out);
+  auto* vals_in = reinterpret_cast<int32_t*>(ws + l.vals_in);
+  auto* vals_out = reinterpret_cast<int32_t*>(ws + l.vals_out);
+  auto* offsets = reinterpret_cast<int32_t*>(ws + l.offsets);
+
+  scatter_keys_kernel<<<grid_for(m), kBlock, 0, stream>>>(keys_in, vals_in, index, m, n_out);
+  CUDA_CHECK_LAUNCH();
+  size_t temp_bytes = l.temp_bytes;
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + l.temp, temp_bytes, keys_in, keys_out, vals_in,
+                                             vals_out, static_cast<int>(m), 0, key_bits(n_out),
+                                             stream));
+  segment_offsets_kernel<<<grid_for(n_out + 1), kBlock, 0, stream>>>(offsets, keys_out, m, n_out);
+  CUDA_CHECK_LAUNCH();
+
+  dispatch_float(out_dt, "scatter_add_rows", [&](auto otag) {
+    using O = typename decltype(otag)::type;
+    dispatch_float(src_dt, "scatter_add_rows", [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      dispatch_float(weight ? weight_dt : DType::f32, "scatter_add_rows", [&](auto wtag) {
+        using W = typename decltype(wtag)::type;
+        scatter_rows_kernel<O, S, W><<<grid_for(n_out, 1), kBlock, 0, stream>>>(
+            static_cast<O*>(out), static_cast<const S*>(src), static_cast<const W*>(weight),
+            vals_out, offsets, n_out, d);
+        CUDA_CHECK_LAUNCH();
+      });
+    });
+  });
+}
+
+}  // namespace xmoe::cuda

@@ -1,0 +1,143 @@
+#pragma once
+// CUDA launchers: plain functions on raw device pointers and a stream (llm.c style). Each one
+// launches `<op>_kernel` on `stream` and checks the launch; none synchronises with the host.
+// Float operands are f32 or bf16 (`dt`), math and accumulation are f32; statistics (rstd, lse,
+// loss rows) are f32; indices are i32. Row-major shapes are given in the comments.
+// Plain header: the C++ compiler (ops/) and nvcc (backend/cuda/*.cu) both include it; a build
+// without CUDA links backend/cuda_stub/kernels_stub.cpp, whose functions throw.
+#include <cstddef>
+#include <cstdint>
+
+#include "xmoe/backend/cuda/runtime.h"
+#include "xmoe/core/dtype.h"
+
+namespace xmoe::cuda {
+
+// ---- cuBLAS (blas.cpp) ----------------------------------------------------------------------
+
+// c (M, N) of c_dt = alpha * op(a) @ op(b) + beta * c; a, b of ab_dt; a is (M, K) or (K, M)
+// with trans_a, b is (K, N) or (N, K) with trans_b. c_dt is ab_dt, or f32 (f32 accumulation of
+// bf16 products). f32 math (CUBLAS_COMPUTE_32F, no TF32).
+void gemm(void* c, DType c_dt, const void* a, const void* b, DType ab_dt, int64_t m, int64_t n,
+          int64_t k, bool trans_a, bool trans_b, float alpha, float beta, Stream stream);
+// y[o_g : o_g + n_g] (n_g, M) = x[o_g : o_g + n_g] (n_g, K) @ w[g] ((K, M), or (M, K) when
+// trans_w); group_sizes is a host array of `groups` entries.
+void grouped_gemm(void* y, const void* x, const void* w, DType dt, const int64_t* group_sizes,
+                  int64_t groups, int64_t k, int64_t m, bool trans_w, Stream stream);
+// dw[g] (K, M) of dw_dt = x_g^T @ dy_g (+ dw[g] when accumulate); empty groups get 0 (or keep
+// dw[g] when accumulate). dw_dt is dt or f32.
+void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* dy, DType dt,
+                              const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
+                              bool accumulate, Stream stream);
+
+// ---- elementwise (elementwise.cu) -----------------------------------------------------------
+
+// dst = src converted (f32 <-> bf16, round to nearest even; same dtype copies)
+void cast(void* dst, DType dst_dt, const void* src, DType src_dt, int64_t n, Stream stream);
+void add(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stream);  // c = a + b
+// a += alpha * b (a and b may differ in dtype)
+void add_inplace(void* a, DType a_dt, const void* b, DType b_dt, float alpha, int64_t n,
+                 Stream stream);
+void mul(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stream);  // c = a * b
+void scale_inplace(void* a, DType dt, float s, int64_t n, Stream stream);              // a *= s
+void sigmoid_forward(void* y, const void* x, DType dt, int64_t n, Stream stream);
+// dx = dy * y * (1 - y)
+void sigmoid_backward(void* dx, const void* y, const void* dy, DType dt, int64_t n,
+                      Stream stream);
+// h (rows, 2f) = [gate | up] -> a (rows, f) = silu(gate) * up
+void swiglu_forward(void* a, const void* h, DType dt, int64_t rows, int64_t f, Stream stream);
+void swiglu_backward(void* dh, const void* h, const void* da, DType dt, int64_t rows, int64_t f,
+                     Stream stream);
+
+// ---- reductions (reduce.cu) -----------------------------------------------------------------
+
+enum class Reduction : uint8_t { sum, sum_squares, count_nonfinite };
+// Bytes of device workspace `reduce` needs for n elements.
+size_t reduce_workspace_bytes(int64_t n);
+// *result (one device double) = reduction of x (n); deterministic: per-block partials in double,
+// then one block sums them in a fixed order.
+void reduce(double* result, const void* x, DType dt, int64_t n, Reduction kind, void* workspace,
+            Stream stream);
+// out (rows) = sum_j a (rows, d) * b (rows, d)
+void row_dot(void* out, const void* a, const void* b, DType dt, int64_t rows, int64_t d,
+             Stream stream);
+
+// ---- softmax (softmax.cu) -------------------------------------------------------------------
+
+// over the last dimension of (rows, cols)
+void softmax_forward(void* y, const void* x, DType dt, int64_t rows, int64_t cols, Stream stream);
+// dx = y * (dy - sum(dy * y))
+void softmax_backward(void* dx, const void* y, const void* dy, DType dt, int64_t rows,
+                      int64_t cols, Stream stream);
+
+// ---- RMSNorm (norm.cu) ----------------------------------------------------------------------
+
+// y (rows, d) = x * rstd * w; rstd (rows) f32; w (d) of w_dt (x's dtype or f32)
+void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dt, const void* w, DType w_dt,
+                     int64_t rows, int64_t d, float eps, Stream stream);
+size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d);
+// dx (rows, d) of x_dt; dw (d) of w_dt += sum over rows of dy * x * rstd, deterministically
+// (fixed per-block partials, then a fixed-order reduction).
+void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void* w, DType w_dt,
+                      const float* rstd, const void* dy, int64_t rows, int64_t d,
+                      void* workspace, Stream stream);
+
+// ---- selection and indexing (topk.cu, index.cu) ---------------------------------------------
+
+// values (rows, k) of dt, descending; indices (rows, k) i32; ties go to the lower index.
+void topk(void* values, int32_t* indices, const void* x, DType dt, int64_t rows, int64_t cols,
+          int64_t k, Stream stream);
+// out (m, d) = x (n_rows, d)[index]; an index outside [0, n_rows) gives a zero row.
+void gather_rows(void* out, const void* x, DType dt, const int32_t* index, int64_t m,
+                 int64_t n_rows, int64_t d, Stream stream);
+size_t scatter_add_rows_workspace_bytes(int64_t m, int64_t n_out);
+// out[index[i]] (n_out, d) += weight[i] * src[i] (m, d); weight (m) may be null (= 1).
+// Deterministic: the entries are sorted by destination row (stable radix sort on the device),
+// then each output element adds its entries in increasing i, as the CPU does. Indices outside
+// [0, n_out) are skipped.
+void scatter_add_rows(void* out, DType out_dt, const void* src, DType src_dt, const int32_t* index,
+                      const void* weight, DType weight_dt, int64_t m, int64_t n_out, int64_t d,
+                      void* workspace, size_t workspace_bytes, Stream stream);
+// *first_bad (one device int64) = smallest i with index[i] outside [0, limit) (negative values
+// allowed when allow_negative), or -1.
+void find_bad_index(int64_t* first_bad, const int32_t* index, int64_t n, int64_t limit,
+                    bool allow_negative, Stream stream);
+
+// ---- RoPE (rope.cu) -------------------------------------------------------------------------
+
+// x (B, S, H, hd) rotated in place (rotate-half pairs); cos, sin (>= S, hd/2) f32.
+void rope_apply(void* x, DType dt, const float* cos_table, const float* sin_table, int64_t batch,
+                int64_t seq, int64_t heads, int64_t head_dim, bool inverse, Stream stream);
+
+// ---- attention (attention.cu) ---------------------------------------------------------------
+
+// Largest head_dim the attention kernels take.
+constexpr int64_t kAttentionMaxHeadDim = 256;
+// out (B, S, H, hd), lse (B, H, S) f32; q (B, S, H, hd), k, v (B, S, Hkv, hd). Flash-style: the
+// keys stream through shared memory in tiles with an online softmax; nothing of size S x S.
+void attention_forward(void* out, float* lse, const void* q, const void* k, const void* v, DType dt,
+                       int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, float scale, bool causal, Stream stream);
+size_t attention_backward_workspace_bytes(int64_t batch, int64_t seq, int64_t heads);
+// dq (B, S, H, hd), dk, dv (B, S, Hkv, hd) overwritten; probabilities recomputed from lse.
+// Deterministic: every gradient element is summed by one thread in a fixed order.
+void attention_backward(void* dq, void* dk, void* dv, const void* q, const void* k, const void* v,
+                        const void* out, const float* lse, const void* dout, DType dt,
+                        int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, float scale, bool causal, void* workspace,
+                        Stream stream);
+
+// ---- cross-entropy (cross_entropy.cu) -------------------------------------------------------
+
+// Per row of logits (n, v): lse = log sum exp; loss = lse - logits[t] (0 where t < 0).
+void cross_entropy_forward(float* loss, float* lse, const void* logits, DType dt,
+                           const int32_t* targets, int64_t n, int64_t v, Stream stream);
+// result[0] = sum of loss over rows with t >= 0 (double, fixed order), result[1] = their count.
+void cross_entropy_reduce(double* result, const float* loss, const int32_t* targets, int64_t n,
+                          Stream stream);
+// dlogits = scale * (softmax - onehot(t)), 0 rows where t < 0; dlogits may alias logits.
+void cross_entropy_backward(void* dlogits, const void* logits, DType dt, const float* lse,
+                            const int32_t* targets, int64_t n, int64_t v, float scale,
+                            Stream stream);
+
+}  // namespace xmoe::cuda

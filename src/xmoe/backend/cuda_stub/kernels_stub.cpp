@@ -1,0 +1,120 @@
+// Linked when xmoe is built without CUDA: the CUDA launchers and the device model of
+// backend/cuda/{kernels,runtime}.h exist, and each throws naming its op. (The ops never get here
+// in such a build, since no CUDA tensor can be created; the stubs keep the link complete.)
+#include "xmoe/backend/cuda/kernels.h"
+#include "xmoe/backend/cuda/runtime.h"
+#include "xmoe/core/error.h"
+
+namespace xmoe::cuda {
+
+namespace {
+[[noreturn]] void no_cuda(const char* op) {
+  XMOE_FAIL("[{}] has no CUDA implementation: this xmoe was built without CUDA (XMOE_CUDA=OFF)",
+            op);
+}
+}  // namespace
+
+// ---- device model ---------------------------------------------------------------------------
+Stream current_stream(int) { no_cuda("current_stream"); }
+void set_current_stream(int, Stream) { no_cuda("set_current_stream"); }
+Stream activate(int) { no_cuda("activate"); }
+CacheStats cache_stats(int) { no_cuda("cache_stats"); }
+void empty_cache(int) { no_cuda("empty_cache"); }
+
+// ---- cuBLAS ---------------------------------------------------------------------------------
+void gemm(void*, DType, const void*, const void*, DType, int64_t, int64_t, int64_t, bool, bool,
+          float, float, Stream) {
+  no_cuda("matmul");
+}
+void grouped_gemm(void*, const void*, const void*, DType, const int64_t*, int64_t, int64_t,
+                  int64_t, bool, Stream) {
+  no_cuda("grouped_matmul");
+}
+void grouped_gemm_weight_grad(void*, DType, const void*, const void*, DType, const int64_t*,
+                              int64_t, int64_t, int64_t, bool, Stream) {
+  no_cuda("grouped_matmul_weight_grad");
+}
+
+// ---- elementwise ----------------------------------------------------------------------------
+void cast(void*, DType, const void*, DType, int64_t, Stream) { no_cuda("cast"); }
+void add(void*, const void*, const void*, DType, int64_t, Stream) { no_cuda("add"); }
+void add_inplace(void*, DType, const void*, DType, float, int64_t, Stream) { no_cuda("add_"); }
+void mul(void*, const void*, const void*, DType, int64_t, Stream) { no_cuda("mul"); }
+void scale_inplace(void*, DType, float, int64_t, Stream) { no_cuda("scale_"); }
+void sigmoid_forward(void*, const void*, DType, int64_t, Stream) { no_cuda("sigmoid"); }
+void sigmoid_backward(void*, const void*, const void*, DType, int64_t, Stream) {
+  no_cuda("sigmoid_backward");
+}
+void swiglu_forward(void*, const void*, DType, int64_t, int64_t, Stream) { no_cuda("swiglu"); }
+void swiglu_backward(void*, const void*, const void*, DType, int64_t, int64_t, Stream) {
+  no_cuda("swiglu_backward");
+}
+
+// ---- reductions -----------------------------------------------------------------------------
+size_t reduce_workspace_bytes(int64_t) { no_cuda("reduce"); }
+void reduce(double*, const void*, DType, int64_t, Reduction, void*, Stream) { no_cuda("reduce"); }
+void row_dot(void*, const void*, const void*, DType, int64_t, int64_t, Stream) {
+  no_cuda("row_dot");
+}
+
+// ---- softmax, RMSNorm -----------------------------------------------------------------------
+void softmax_forward(void*, const void*, DType, int64_t, int64_t, Stream) { no_cuda("softmax"); }
+void softmax_backward(void*, const void*, const void*, DType, int64_t, int64_t, Stream) {
+  no_cuda("softmax_backward");
+}
+void rmsnorm_forward(void*, float*, const void*, DType, const void*, DType, int64_t, int64_t,
+                     float, Stream) {
+  no_cuda("rmsnorm");
+}
+size_t rmsnorm_backward_workspace_bytes(int64_t, int64_t) { no_cuda("rmsnorm_backward"); }
+void rmsnorm_backward(void*, void*, const void*, DType, const void*, DType, const float*,
+                      const void*, int64_t, int64_t, void*, Stream) {
+  no_cuda("rmsnorm_backward");
+}
+
+// ---- selection and indexing -----------------------------------------------------------------
+void topk(void*, int32_t*, const void*, DType, int64_t, int64_t, int64_t, Stream) {
+  no_cuda("topk");
+}
+void gather_rows(void*, const void*, DType, const int32_t*, int64_t, int64_t, int64_t, Stream) {
+  no_cuda("gather_rows");
+}
+size_t scatter_add_rows_workspace_bytes(int64_t, int64_t) { no_cuda("scatter_add_rows"); }
+void scatter_add_rows(void*, DType, const void*, DType, const int32_t*, const void*, DType,
+                      int64_t, int64_t, int64_t, void*, size_t, Stream) {
+  no_cuda("scatter_add_rows");
+}
+void find_bad_index(int64_t*, const int32_t*, int64_t, int64_t, bool, Stream) {
+  no_cuda("find_bad_index");
+}
+
+// ---- model ops ------------------------------------------------------------------------------
+void rope_apply(void*, DType, const float*, const float*, int64_t, int64_t, int64_t, int64_t, bool,
+                Stream) {
+  no_cuda("rope");
+}
+void attention_forward(void*, float*, const void*, const void*, const void*, DType, int64_t,
+                       int64_t, int64_t, int64_t, int64_t, float, bool, Stream) {
+  no_cuda("attention");
+}
+size_t attention_backward_workspace_bytes(int64_t, int64_t, int64_t) {
+  no_cuda("attention_backward");
+}
+void attention_backward(void*, void*, void*, const void*, const void*, const void*, const void*,
+                        const float*, const void*, DType, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, float, bool, void*, Stream) {
+  no_cuda("attention_backward");
+}
+void cross_entropy_forward(float*, float*, const void*, DType, const int32_t*, int64_t, int64_t,
+                           Stream) {
+  no_cuda("cross_entropy");
+}
+void cross_entropy_reduce(double*, const float*, const int32_t*, int64_t, Stream) {
+  no_cuda("cross_entropy");
+}
+void cross_entropy_backward(void*, const void*, DType, const float*, const int32_t*, int64_t,
+                            int64_t, float, Stream) {
+  no_cuda("cross_entropy_backward");
+}
+
+}  // namespace xmoe::cuda

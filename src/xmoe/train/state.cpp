@@ -1,0 +1,120 @@
+#include "xmoe/train/state.h"
+
+#include <cstring>
+
+#include "xmoe/moe/layer.h"
+
+namespace xmoe::train {
+
+namespace {
+
+const char* const kAdamSuffixes[] = {".adam_m", ".adam_v"};
+
+/// The sigmoid gate's balancing bias is state, not a parameter.
+std::string bias_name(const moe::MoELayer& layer) { return layer.prefix() + ".router.bias"; }
+
+/// Splits an expert tensor [n_local, ...] into per-expert slices named name@g.
+void add_expert_slices(TensorMap& out, const std::string& name, const Tensor& t,
+                       int64_t row_offset) {
+  for (int64_t r = 0; r < t.size(0); ++r) {
+    Shape shape(t.shape().begin() + 1, t.shape().end());
+    out.emplace(expert_slice_name(name, row_offset + r), t.rows(r, r + 1).reshape(shape));
+  }
+}
+
+/// Stacks name@g for the rows this parameter holds into a tensor of `shape`.
+Tensor gather_expert_slices(const TensorMap& in, const std::string& name, const Shape& shape,
+                            int64_t row_offset, const std::string& dir) {
+  Tensor out = Tensor::empty(shape);
+  const int64_t row_elems = shape[0] ? out.numel() / shape[0] : 0;
+  for (int64_t r = 0; r < shape[0]; ++r) {
+    const std::string slice = expert_slice_name(name, row_offset + r);
+    auto it = in.find(slice);
+    XMOE_CHECK(it != in.end(), "[checkpoint] {} has no tensor '{}' (was it saved with fewer experts?)",
+               dir, slice);
+    XMOE_CHECK(it->second.numel() == row_elems && it->second.dtype() == DType::f32,
+               "[checkpoint] {}: '{}' is {}, expected {} f32 values", dir, slice, it->second.str(),
+               row_elems);
+    std::memcpy(out.data<float>() + r * row_elems, it->second.data<float>(),
+                static_cast<size_t>(row_elems) * sizeof(float));
+  }
+  return out;
+}
+
+Tensor find_whole(const TensorMap& in, const std::string& name, const Shape& shape,
+                  const std::string& dir) {
+  auto it = in.find(name);
+  XMOE_CHECK(it != in.end(), "[checkpoint] {} has no tensor '{}'", dir, name);
+  XMOE_CHECK(it->second.shape() == shape, "[checkpoint] {}: '{}' has shape {} but the model expects {}",
+             dir, name, shape_str(it->second.shape()), shape_str(shape));
+  return it->second;
+}
+
+/// The tensor `name` of parameter p's shape, whole or stacked from expert slices.
+Tensor load_for(const TensorMap& in, const Parameter& p, const std::string& name,
+                const std::string& dir) {
+  return p.kind == ParamKind::expert
+             ? gather_expert_slices(in, name, p.value.shape(), p.row_offset, dir)
+             : find_whole(in, name, p.value.shape(), dir);
+}
+
+}  // namespace
+
+std::string expert_slice_name(const std::string& name, int64_t global_expert) {
+  return name + "@" + std::to_string(global_expert);
+}
+
+TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const optim::AdamW& opt,
+                             const std::vector<moe::MoELayer*>& moe_layers,
+                             const parallel::Layout& layout) {
+  TensorMap opt_state;
+  opt.export_state(opt_state);
+  TensorMap out;
+  const bool dense_writer = layout.world_rank == 0;
+  const bool expert_writer = layout.dp_rank == 0;
+  for (const Parameter* p : params) {
+    if (p->kind == ParamKind::expert) {
+      if (!expert_writer) continue;
+      add_expert_slices(out, p->name, p->value, p->row_offset);
+      for (const char* s : kAdamSuffixes)
+        add_expert_slices(out, p->name + s, opt_state.at(p->name + s), p->row_offset);
+    } else if (dense_writer) {
+      out.emplace(p->name, p->value);
+      for (const char* s : kAdamSuffixes) out.emplace(p->name + s, opt_state.at(p->name + s));
+    }
+  }
+  if (dense_writer) {
+    for (auto& [name, t] : opt_state)
+      if (!out.count(name) && name.find(".adam_") == std::string::npos) out.emplace(name, t);
+    for (moe::MoELayer* layer : moe_layers)
+      if (const Tensor* bias = layer->gate().routing_bias()) out.emplace(bias_name(*layer), *bias);
+  }
+  return out;
+}
+
+void restore_parameters(const TensorMap& tensors, const std::vector<Parameter*>& params,
+                        const std::string& dir) {
+  for (Parameter* p : params) p->value.copy_from(load_for(tensors, *p, p->name, dir));
+}
+
+void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Parameter*>& params,
+                                optim::AdamW& opt, const std::vector<moe::MoELayer*>& moe_layers,
+                                const std::string& dir) {
+  restore_parameters(tensors, params, dir);
+  // Rebuild the optimizer's own (local-shape) state map and let it validate and load it.
+  TensorMap local;
+  opt.export_state(local);
+  for (auto& [name, t] : local) {
+    const Parameter* owner = nullptr;
+    for (const Parameter* p : params)
+      for (const char* s : kAdamSuffixes)
+        if (name == p->name + s) owner = p;
+    t = owner ? load_for(tensors, *owner, name, dir) : find_whole(tensors, name, t.shape(), dir);
+  }
+  opt.import_state(local);
+  for (moe::MoELayer* layer : moe_layers)
+    if (Tensor* bias = layer->gate().routing_bias())
+      bias->copy_from(find_whole(tensors, bias_name(*layer), bias->shape(), dir));
+}
+
+}  // namespace xmoe::train

@@ -1,0 +1,42 @@
+#pragma once
+// What a checkpoint holds for a model + optimizer, laid out so that any parallel layout can
+// load it. Dense state (replicated on every rank) is written once, by world rank 0. Expert
+// state is written by the dp-rank-0 replica of each ep rank, one tensor per global expert:
+// "<name>@<g>" for rows g of a parameter (and of its ".adam_m" / ".adam_v"), so a checkpoint
+// saved with ep = 4 loads with ep = 2 or 1 by stacking the experts a rank now owns.
+#include <map>
+#include <string>
+#include <vector>
+
+#include "xmoe/core/parameter.h"
+#include "xmoe/optim/adamw.h"
+#include "xmoe/parallel/layout.h"
+
+namespace xmoe::moe {
+class MoELayer;
+}
+
+namespace xmoe::train {
+
+using TensorMap = std::map<std::string, Tensor>;
+
+/// Name of global expert g's slice of an expert tensor.
+std::string expert_slice_name(const std::string& name, int64_t global_expert);
+
+/// This rank's part of the checkpoint.
+TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const optim::AdamW& opt,
+                             const std::vector<moe::MoELayer*>& moe_layers,
+                             const parallel::Layout& layout);
+
+/// Loads parameters, optimizer state and routing biases from a merged checkpoint (all ranks'
+/// files), taking the expert slices this rank owns. Every missing or misshapen tensor is an
+/// error naming `dir` and the tensor.
+void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Parameter*>& params,
+                                optim::AdamW& opt, const std::vector<moe::MoELayer*>& moe_layers,
+                                const std::string& dir);
+
+/// Parameters only (for generation and inspection): the whole model, any layout it was saved in.
+void restore_parameters(const TensorMap& tensors, const std::vector<Parameter*>& params,
+                        const std::string& dir);
+
+}  // namespace xmoe::train

@@ -1,0 +1,145 @@
+// Distributed training under mpirun equals the single-process run of the same global batch:
+// every rank trains with parallel.ep experts-parallel × dp data-parallel, and each rank also
+// runs the one-process reference (batch = world × B) itself. f32 throughout.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "xmoe/comm/group.h"
+#include "xmoe/config/config.h"
+#include "xmoe/train/checkpoint.h"
+#include "xmoe/train/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace xmoe;
+
+namespace {
+
+auto world() { return comm::world(); }
+
+/// A corpus and a scratch folder shared by all ranks (created by rank 0).
+fs::path shared_root() {
+  const fs::path root = fs::temp_directory_path() /
+                        ("xmoe-mpi-train-" + std::to_string(world()->size()));
+  if (world()->rank() == 0) {
+    fs::remove_all(root);
+    fs::create_directories(root / "corpus");
+    std::ofstream text(root / "corpus" / "text.txt");
+    const char* lines[] = {"the quick brown fox jumps over the lazy dog. ",
+                           "a stitch in time saves nine. ", "all that glitters is not gold. ",
+                           "the early bird catches the worm. "};
+    for (int i = 0; i < 800; ++i) text << lines[(i * 7) % 4];
+    text.close();
+    DataConfig data;
+    data.corpus = (root / "corpus").string();
+    data.dir = (root / "data").string();
+    data.val_fraction = 0.1f;
+    train::ensure_prepared_data(data);  // before any rank's reference run needs it
+  }
+  world()->barrier();
+  return root;
+}
+
+Config micro_config(const fs::path& root, const std::string& gate) {
+  Config c = preset("tiny");
+  c.model.d_model = 32;
+  c.model.num_layers = 2;
+  c.model.num_heads = 2;
+  c.model.num_kv_heads = 1;
+  c.model.dense_hidden = 48;
+  c.model.max_seq_len = 16;
+  c.model.moe.num_experts = 12;  // divisible by ep = 1, 2, 3, 4
+  c.model.moe.top_k = 3;
+  c.model.moe.expert_hidden = 16;
+  c.model.moe.gate = gate;
+  c.model.moe.aux_loss_weight = 0.01f;
+  c.model.moe.z_loss_weight = 0.001f;
+  c.data.corpus = (root / "corpus").string();
+  c.data.dir = (root / "data").string();
+  c.data.val_fraction = 0.1f;
+  c.train.steps = 8;
+  c.train.batch_size = 2;
+  c.train.seq_len = 16;
+  c.train.warmup_steps = 2;
+  c.train.eval_every = 4;
+  c.train.eval_batches = 1;
+  c.train.save_every = 4;
+  c.train.log_every = 100;
+  validate(c);
+  return c;
+}
+
+train::TrainResult run(Config c, const std::string& out, std::shared_ptr<comm::Group> group,
+                       bool resume = false, int stop_after = -1) {
+  c.train.out_dir = out;
+  train::TrainOptions o;
+  o.progress = false;
+  o.world = std::move(group);
+  o.resume = resume;
+  o.stop_after = stop_after;
+  return train::train(c, o);
+}
+
+/// The one-process run of the same global batch, done by every rank for itself.
+train::TrainResult reference(Config c, const fs::path& root, const std::string& tag) {
+  c.train.batch_size *= world()->size();
+  c.parallel.ep = 1;
+  return run(c, (root / ("ref-" + tag + "-rank" + std::to_string(world()->rank()))).string(),
+             comm::make_single_group());
+}
+
+void expect_same_losses(const train::TrainResult& ref, const train::TrainResult& got,
+                        size_t ref_offset, const std::string& what) {
+  ASSERT_GE(ref.steps.size(), ref_offset + got.steps.size()) << what;
+  for (size_t i = 0; i < got.steps.size(); ++i) {
+    const double a = ref.steps[ref_offset + i].loss, b = got.steps[i].loss;
+    EXPECT_LE(std::fabs(a - b), 1e-5 * std::fabs(a)) << what << " step " << got.steps[i].step;
+    const double na = ref.steps[ref_offset + i].grad_norm, nb = got.steps[i].grad_norm;
+    EXPECT_LE(std::fabs(na - nb), 1e-4 * std::fabs(na)) << what << " grad norm, step " << got.steps[i].step;
+  }
+}
+
+}  // namespace
+
+TEST(DistributedTraining, MatchesOneProcessForEveryLayout) {
+  const fs::path root = shared_root();
+  const int n = world()->size();
+  for (const std::string gate : {"softmax_topk", "sigmoid"}) {
+    Config c = micro_config(root, gate);
+    const auto ref = reference(c, root, gate);
+    std::vector<int> eps = {n, 1};
+    if (n == 4) eps.push_back(2);
+    for (int ep : eps) {
+      c.parallel.ep = ep;
+      const std::string tag = gate + "-ep" + std::to_string(ep);
+      const auto got = run(c, (root / tag).string(), world());
+      ASSERT_EQ(got.steps.size(), ref.steps.size());
+      expect_same_losses(ref, got, 0, tag);
+      ASSERT_EQ(got.evals.size(), ref.evals.size());
+      for (size_t i = 0; i < got.evals.size(); ++i)
+        EXPECT_LE(std::fabs(got.evals[i].val_loss - ref.evals[i].val_loss),
+                  1e-5 * ref.evals[i].val_loss) << tag;
+    }
+  }
+}
+
+TEST(DistributedTraining, ResumesWithAnotherLayout) {
+  const fs::path root = shared_root();
+  const int n = world()->size();
+  Config c = micro_config(root, "softmax_topk");
+  const auto ref = reference(c, root, "resume");
+  // Saved with ep = world at step 4, resumed with ep = 1 (pure data parallelism).
+  c.parallel.ep = n;
+  const std::string out = (root / "resume").string();
+  run(c, out, world(), false, 4);
+  c.parallel.ep = 1;
+  const auto rest = run(c, out, world(), true);
+  ASSERT_EQ(rest.first_step, 4);
+  expect_same_losses(ref, rest, 4, "resumed with ep=1");
+  // A checkpoint saved by several ranks is complete and loads in one process too.
+  const auto latest = train::latest_checkpoint(out);
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_NO_THROW(train::load_checkpoint(*latest));
+}

@@ -1,0 +1,492 @@
+// CUDA backend tests (ggml test-backend-ops style). Every op runs on the CPU (the f32 reference)
+// and on CUDA in f32 and in bf16; outputs are compared by normalised error ||a - b|| / ||b||.
+// Adding an op is one entry in parity_cases(). Without a CUDA device every test skips, saying
+// why; CudaBuild.ClearErrors also runs there and checks the error a CUDA tensor gives.
+//
+// Tolerances (normalised error over a whole output):
+//   f32  1e-5: same math in a different order (cuBLAS tiles, warp trees, FMA contraction) gives
+//        relative differences around 1e-7 * sqrt(terms); 1e-5 leaves a wide margin and still
+//        catches any indexing bug (which gives errors of order 1).
+//   bf16 2e-2: the bf16 run gets the same bf16-rounded inputs as its reference, so what differs
+//        is the rounding of bf16 outputs (and bf16 intermediates an op stores): 2^-9 = 2e-3
+//        relative per element, a few 1e-3 after a chained forward + backward; 2e-2 is 5-10x that.
+//   Integer outputs (top-k indices) must match exactly; bf16 ties are identical on both sides
+//   because both see the same rounded values.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gradcheck.h"
+#include "xmoe/backend/cuda/runtime.h"
+#include "xmoe/backend/device_api.h"
+#include "xmoe/core/allocator.h"
+#include "xmoe/core/rng.h"
+#include "xmoe/ops/model_ops.h"
+#include "xmoe/ops/ops.h"
+
+namespace {
+
+using namespace xmoe;
+using xmoe::testing::randn;
+
+#define XMOE_REQUIRE_CUDA()                                                                \
+  do {                                                                                     \
+    if (!backend::cuda_available())                                                        \
+      GTEST_SKIP() << "no CUDA device visible (this build or machine has none): the CUDA " \
+                      "backend is tested by scripts/gpu-check.sh on the GPU machine";      \
+  } while (0)
+
+const Device kCuda = Device::cuda(0);
+
+// ---- helpers --------------------------------------------------------------------------------
+
+Tensor host_f32(const Tensor& t) {
+  Tensor h = t.to(Device::cpu());
+  return h.dtype() == DType::bf16 ? h.to(DType::f32) : h;
+}
+
+/// ||got - ref|| / ||ref|| (absolute when ref is all zero), in double.
+double normalised_error(const Tensor& got, const Tensor& ref) {
+  const std::vector<float> a = host_f32(got).to_vector<float>();
+  const std::vector<float> b = host_f32(ref).to_vector<float>();
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) != std::isnan(b[i]) || std::isinf(a[i]) != std::isinf(b[i]))
+      return std::numeric_limits<double>::infinity();
+    if (!std::isfinite(b[i])) continue;
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+Tensor scalar(double v) { return Tensor::from_vector<float>({static_cast<float>(v)}, {1}); }
+
+/// i32 [n] with values in [0, limit) (repeats likely), or -1 with probability `ignore`.
+Tensor rand_index(int64_t n, int64_t limit, uint64_t seed, float ignore = 0.f) {
+  Rng rng(seed, 7);
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (auto& x : v)
+    x = rng.uniform() < ignore ? -1 : static_cast<int32_t>(rng.below(static_cast<uint64_t>(limit)));
+  return Tensor::from_vector<int32_t>(v, {n});
+}
+
+/// Normal values rounded to quarters: many exact ties, for top-k's tie rule.
+Tensor rand_ties(Shape shape, uint64_t seed) {
+  Tensor t = randn(std::move(shape), seed, 2.f);
+  for (float& x : t.span<float>()) x = std::round(x * 4.f) / 4.f;
+  return t;
+}
+
+// ---- the case list --------------------------------------------------------------------------
+
+using Tensors = std::vector<Tensor>;
+
+struct OpCase {
+  std::string name;
+  std::function<Tensors()> inputs;        ///< CPU f32 (and i32) tensors
+  std::function<Tensors(Tensors&)> run;   ///< runs on the inputs' device; may modify them
+  std::vector<int> keep_f32 = {};         ///< inputs that stay f32 in the bf16 run
+  double tol_f32 = 1e-5;
+  double tol_bf16 = 2e-2;
+};
+
+std::ostream& operator<<(std::ostream& os, const OpCase& c) { return os << c.name; }
+
+Device device_of(const Tensors& in) { return in.at(0).device(); }
+
+std::vector<int64_t> kGroups = {5, 0, 9, 1, 0, 13};  // 28 rows, empty groups included
+
+std::vector<OpCase> parity_cases() {
+  std::vector<OpCase> c;
+  // linear algebra
+  c.push_back({"matmul",
+               [] { return Tensors{randn({37, 53}, 1), randn({53, 29}, 2), randn({53, 37}, 3),
+                                   randn({29, 53}, 4)}; },
+               [](Tensors& in) {
+                 return Tensors{ops::matmul(in[0], in[1]), ops::matmul(in[2], in[1], true, false),
+                                ops::matmul(in[0], in[3], false, true),
+                                ops::matmul(in[2], in[3], true, true)};
+               }});
+  c.push_back({"matmul_large_k",
+               [] { return Tensors{randn({64, 1024}, 5), randn({1024, 96}, 6)}; },
+               [](Tensors& in) { return Tensors{ops::matmul(in[0], in[1])}; }});
+  c.push_back({"matmul_into_f32_accumulator",
+               [] { return Tensors{randn({31, 40}, 7), randn({24, 40}, 8), randn({31, 24}, 9)}; },
+               [](Tensors& in) {
+                 ops::matmul_into(in[2], in[0], in[1], false, true, 0.5f, 1.0f);
+                 return Tensors{in[2]};
+               },
+               {2}});
+  c.push_back({"grouped_matmul",
+               [] { return Tensors{randn({28, 24}, 10), randn({6, 24, 40}, 11),
+                                   randn({6, 40, 24}, 12)}; },
+               [](Tensors& in) {
+                 return Tensors{ops::grouped_matmul(in[0], in[1], kGroups),
+                                ops::grouped_matmul(in[0], in[2], kGroups, true)};
+               }});
+  c.push_back({"grouped_matmul_weight_grad",
+               [] { return Tensors{randn({28, 24}, 13), randn({28, 40}, 14),
+                                   randn({6, 24, 40}, 15), randn({6, 24, 40}, 16)}; },
+               [](Tensors& in) {
+                 ops::grouped_matmul_weight_grad(in[2], in[0], in[1], kGroups, false);
+                 ops::grouped_matmul_weight_grad(in[3], in[0], in[1], kGroups, true);
+                 return Tensors{in[2], in[3]};
+               }});
+  c.push_back({"grouped_matmul_weight_grad_f32_dw",
+               [] { return Tensors{randn({28, 24}, 17), randn({28, 40}, 18),
+                                   randn({6, 24, 40}, 19)}; },
+               [](Tensors& in) {
+                 ops::grouped_matmul_weight_grad(in[2], in[0], in[1], kGroups, true);
+                 return Tensors{in[2]};
+               },
+               {2}});
+  // activations
+  c.push_back({"softmax",
+               [] { return Tensors{randn({13, 64}, 20, 3.f), randn({13, 64}, 21),
+                                   randn({5, 1000}, 22), randn({5, 1000}, 23)}; },
+               [](Tensors& in) {
+                 Tensor y = ops::softmax(in[0]), y2 = ops::softmax(in[2]);
+                 return Tensors{y, ops::softmax_backward(y, in[1]), y2,
+                                ops::softmax_backward(y2, in[3])};
+               }});
+  c.push_back({"sigmoid",
+               [] { return Tensors{randn({7, 33}, 24, 3.f), randn({7, 33}, 25)}; },
+               [](Tensors& in) {
+                 Tensor y = ops::sigmoid(in[0]);
+                 return Tensors{y, ops::sigmoid_backward(y, in[1])};
+               }});
+  c.push_back({"swiglu",
+               [] { return Tensors{randn({11, 2 * 48}, 26, 2.f), randn({11, 48}, 27)}; },
+               [](Tensors& in) {
+                 return Tensors{ops::swiglu(in[0]), ops::swiglu_backward(in[0], in[1])};
+               }});
+  // normalisation
+  auto rmsnorm_run = [](Tensors& in) {
+    auto r = ops::rmsnorm(in[0], in[1], 1e-5f);
+    Tensor dx = ops::rmsnorm_backward(in[0], in[1], r.rstd, in[2], in[3]);
+    return Tensors{r.y, r.rstd, dx, in[3]};
+  };
+  auto rmsnorm_inputs = [] {
+    return Tensors{randn({300, 96}, 28), randn({96}, 29), randn({300, 96}, 30), randn({96}, 31)};
+  };
+  c.push_back({"rmsnorm", rmsnorm_inputs, rmsnorm_run});
+  c.push_back({"rmsnorm_f32_weight", rmsnorm_inputs, rmsnorm_run, {1, 3}});
+  // selection and indexing
+  c.push_back({"topk",
+               [] { return Tensors{rand_ties({17, 64}, 32), randn({3, 512}, 33)}; },
+               [](Tensors& in) {
+                 auto a = ops::topk(in[0], 6);
+                 auto b = ops::topk(in[1], 16);
+                 return Tensors{a.values, a.indices, b.values, b.indices};
+               }});
+  c.push_back({"gather_rows",
+               [] { return Tensors{randn({20, 48}, 34), rand_index(33, 20, 35)}; },
+               [](Tensors& in) { return Tensors{ops::gather_rows(in[0], in[1])}; }});
+  c.push_back({"scatter_add_rows",
+               [] { return Tensors{randn({12, 40}, 36), randn({50, 40}, 37), rand_index(50, 12, 38),
+                                   randn({50}, 39), randn({12, 40}, 40)}; },
+               [](Tensors& in) {
+                 ops::scatter_add_rows(in[0], in[1], in[2], in[3]);
+                 ops::scatter_add_rows(in[4], in[1], in[2]);
+                 return Tensors{in[0], in[4]};
+               }});
+  c.push_back({"scatter_add_rows_f32_out",
+               [] { return Tensors{randn({12, 40}, 41), randn({500, 40}, 42),
+                                   rand_index(500, 12, 43), randn({500}, 44)}; },
+               [](Tensors& in) {
+                 ops::scatter_add_rows(in[0], in[1], in[2], in[3]);
+                 return Tensors{in[0]};
+               },
+               {0}});
+  c.push_back({"row_dot",
+               [] { return Tensors{randn({19, 70}, 45), randn({19, 70}, 46)}; },
+               [](Tensors& in) { return Tensors{ops::row_dot(in[0], in[1])}; }});
+  // elementwise and reductions
+  c.push_back({"elementwise",
+               [] { return Tensors{randn({9, 31}, 47), randn({9, 31}, 48)}; },
+               [](Tensors& in) {
+                 Tensor s = ops::add(in[0], in[1]), m = ops::mul(in[0], in[1]);
+                 Tensor a = in[0].clone();
+                 ops::add_(a, in[1], -0.75f);
+                 ops::scale_(in[1], 3.0f);
+                 return Tensors{s, m, a, in[1]};
+               }});
+  c.push_back({"reductions",
+               [] { return Tensors{randn({1000, 77}, 49)}; },
+               [](Tensors& in) {
+                 return Tensors{scalar(ops::sum(in[0])), scalar(ops::sum_squares(in[0])),
+                                scalar(ops::all_finite(in[0]) ? 1 : 0)};
+               }});
+  c.push_back({"all_finite_inf",
+               [] {
+                 Tensor x = randn({5, 8}, 50);
+                 x.span<float>()[17] = std::numeric_limits<float>::infinity();
+                 return Tensors{x};
+               },
+               [](Tensors& in) { return Tensors{scalar(ops::all_finite(in[0]) ? 1 : 0)}; }});
+  c.push_back({"cast",
+               [] { return Tensors{randn({6, 45}, 51)}; },
+               [](Tensors& in) {
+                 Tensor b = ops::cast(in[0], DType::bf16);
+                 return Tensors{b, ops::cast(b, DType::f32), ops::cast(in[0], DType::f32)};
+               }});
+  // model ops
+  c.push_back({"embedding",
+               [] { return Tensors{randn({30, 64}, 52), rand_index(45, 30, 53), randn({45, 64}, 54),
+                                   randn({30, 64}, 55)}; },
+               [](Tensors& in) {
+                 Tensor out = ops::embedding(in[0], in[1]);
+                 ops::embedding_backward(in[3], in[1], in[2]);
+                 return Tensors{out, in[3]};
+               }});
+  c.push_back({"rope",
+               [] { return Tensors{randn({2, 9, 3, 16}, 56)}; },
+               [](Tensors& in) {
+                 const ops::RopeTables t = ops::rope_tables(12, 16, 10000.f, device_of(in));
+                 Tensor y = ops::rope(in[0], t);
+                 Tensor back = ops::rope_backward(y, t);
+                 ops::rope_(in[0], t);
+                 return Tensors{y, back, in[0]};
+               }});
+  struct Attn {
+    const char* name;
+    int64_t b, s, h, hkv, hd;
+    bool causal;
+  };
+  for (const Attn a : {Attn{"attention_gqa_causal", 2, 37, 4, 2, 32, true},
+                       Attn{"attention_mqa_full", 1, 70, 2, 1, 64, false},
+                       Attn{"attention_hd80_causal", 1, 45, 3, 3, 80, true},
+                       Attn{"attention_hd128_causal", 1, 33, 2, 2, 128, true},
+                       Attn{"attention_hd256_causal", 1, 40, 2, 1, 256, true}}) {
+    c.push_back({a.name,
+                 [a] {
+                   return Tensors{randn({a.b, a.s, a.h, a.hd}, 60), randn({a.b, a.s, a.hkv, a.hd}, 61),
+                                  randn({a.b, a.s, a.hkv, a.hd}, 62), randn({a.b, a.s, a.h, a.hd}, 63)};
+                 },
+                 [a](Tensors& in) {
+                   auto f = ops::attention(in[0], in[1], in[2], a.causal);
+                   auto g = ops::attention_backward(in[0], in[1], in[2], f.out, f.lse, in[3],
+                                                    a.causal);
+                   return Tensors{f.out, f.lse, g.dq, g.dk, g.dv};
+                 }});
+  }
+  c.push_back({"cross_entropy",
+               [] { return Tensors{randn({23, 300}, 64, 2.f), rand_index(23, 300, 65, 0.2f)}; },
+               [](Tensors& in) {
+                 auto r = ops::cross_entropy(in[0], in[1]);
+                 Tensor d = ops::cross_entropy_backward(in[0], in[1], r, 0.5f);
+                 Tensor logits = in[0].clone();
+                 ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
+                 return Tensors{scalar(r.loss), r.lse, d, logits,
+                                scalar(static_cast<double>(r.count))};
+               }});
+  return c;
+}
+
+/// The case's inputs on `device` in `dtype` (float inputs not in keep_f32), and the matching
+/// CPU f32 reference inputs (bf16-rounded where the device run gets bf16).
+std::pair<Tensors, Tensors> prepare(const OpCase& c, Device device, DType dtype) {
+  Tensors ref, dev;
+  const Tensors base = c.inputs();
+  for (size_t i = 0; i < base.size(); ++i) {
+    const Tensor& t = base[i];
+    const bool keep = std::find(c.keep_f32.begin(), c.keep_f32.end(), static_cast<int>(i)) !=
+                      c.keep_f32.end();
+    if (t.dtype() != DType::f32 || keep || dtype == DType::f32) {
+      ref.push_back(t.clone());
+      dev.push_back(t.to(device));
+    } else {
+      Tensor rounded = t.to(dtype);
+      ref.push_back(rounded.to(DType::f32));
+      dev.push_back(rounded.to(device));
+    }
+  }
+  return {ref, dev};
+}
+
+class CudaOps : public ::testing::TestWithParam<OpCase> {};
+
+TEST_P(CudaOps, MatchesCpu) {
+  XMOE_REQUIRE_CUDA();
+  const OpCase& c = GetParam();
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    auto [ref_in, dev_in] = prepare(c, kCuda, dtype);
+    const Tensors ref = c.run(ref_in);
+    const Tensors got = c.run(dev_in);
+    ASSERT_EQ(ref.size(), got.size()) << c.name;
+    const double tol = dtype == DType::f32 ? c.tol_f32 : c.tol_bf16;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      SCOPED_TRACE(c.name + " output " + std::to_string(i) + " in " +
+                   std::string(dtype_name(dtype)));
+      ASSERT_FALSE(got[i].is_cpu() && got[i].numel() > 1) << "ran on the CPU";
+      ASSERT_EQ(got[i].shape(), ref[i].shape());
+      if (ref[i].dtype() == DType::i32) {
+        EXPECT_EQ(got[i].dtype(), DType::i32);
+        EXPECT_EQ(got[i].to_vector<int32_t>(), ref[i].to_vector<int32_t>());
+        continue;
+      }
+      const bool kept = got[i].dtype() == DType::f32;
+      EXPECT_TRUE(dtype == DType::f32 || kept || got[i].dtype() == DType::bf16);
+      const double err = normalised_error(got[i], ref[i]);
+      std::printf("[parity] %-34s out %zu %-4s error %.2e (tolerance %.0e)\n", c.name.c_str(), i,
+                  std::string(dtype_name(dtype)).c_str(), err, tol);
+      EXPECT_LE(err, tol);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Parity, CudaOps, ::testing::ValuesIn(parity_cases()),
+                         [](const ::testing::TestParamInfo<OpCase>& info) {
+                           return info.param.name;
+                         });
+
+// ---- determinism ----------------------------------------------------------------------------
+
+TEST(CudaDeterminism, ScatterAttentionNormAreBitwiseRepeatable) {
+  XMOE_REQUIRE_CUDA();
+  const Tensor src = randn({4000, 64}, 70).to(kCuda), w = randn({4000}, 71).to(kCuda);
+  const Tensor index = rand_index(4000, 37, 72).to(kCuda);
+  auto scatter = [&] {
+    Tensor out = Tensor::zeros({37, 64}, DType::f32, kCuda);
+    ops::scatter_add_rows(out, src, index, w);
+    return out.to_vector<float>();
+  };
+  EXPECT_EQ(scatter(), scatter());
+  const Tensor q = randn({2, 64, 4, 64}, 73).to(kCuda), k = randn({2, 64, 2, 64}, 74).to(kCuda);
+  const Tensor v = randn({2, 64, 2, 64}, 75).to(kCuda), dout = randn({2, 64, 4, 64}, 76).to(kCuda);
+  auto attn = [&] {
+    auto f = ops::attention(q, k, v);
+    auto g = ops::attention_backward(q, k, v, f.out, f.lse, dout);
+    return std::vector<std::vector<float>>{g.dq.to_vector<float>(), g.dk.to_vector<float>(),
+                                           g.dv.to_vector<float>()};
+  };
+  EXPECT_EQ(attn(), attn());
+  const Tensor x = randn({3000, 128}, 77).to(kCuda), weight = randn({128}, 78).to(kCuda);
+  auto dweight = [&] {
+    Tensor dw = Tensor::zeros({128}, DType::f32, kCuda);
+    auto r = ops::rmsnorm(x, weight, 1e-6f);
+    ops::rmsnorm_backward(x, weight, r.rstd, x, dw);
+    return dw.to_vector<float>();
+  };
+  EXPECT_EQ(dweight(), dweight());
+}
+
+// ---- allocator, copies, zero fill -----------------------------------------------------------
+
+TEST(CudaAllocator, ReusesFreedBlocksAndCounts) {
+  XMOE_REQUIRE_CUDA();
+  const MemoryStats before = memory_stats(kCuda);
+  void* small = nullptr;
+  {
+    Tensor t = Tensor::empty({1000}, DType::f32, kCuda);
+    small = t.raw();
+    EXPECT_EQ(memory_stats(kCuda).live_bytes, before.live_bytes + 4000);
+    EXPECT_GE(cuda::cache_stats(0).reserved_bytes, memory_stats(kCuda).live_bytes);
+  }
+  EXPECT_EQ(memory_stats(kCuda).live_bytes, before.live_bytes);
+  const cuda::CacheStats warm = cuda::cache_stats(0);
+  EXPECT_GE(warm.cached_bytes, 4096);
+  {
+    Tensor t = Tensor::empty({1000}, DType::f32, kCuda);  // same size class: the freed block
+    EXPECT_EQ(t.raw(), small);
+    Tensor big = Tensor::empty({3 << 18}, DType::f32, kCuda);  // 3 MiB -> a 4 MiB class
+    void* big_ptr = big.raw();
+    big = Tensor();
+    Tensor big2 = Tensor::empty({(3 << 18) - 1000}, DType::f32, kCuda);
+    EXPECT_EQ(big2.raw(), big_ptr);
+  }
+  {
+    PeakMemoryScope scope(kCuda);
+    Tensor a = Tensor::empty({2048}, DType::f32, kCuda);
+    { Tensor b = Tensor::empty({1024}, DType::bf16, kCuda); }
+    EXPECT_EQ(scope.extra_peak_bytes(), 2048 * 4 + 1024 * 2);
+  }
+  cuda::empty_cache(0);
+  const cuda::CacheStats emptied = cuda::cache_stats(0);
+  EXPECT_EQ(emptied.cached_bytes, 0);
+  EXPECT_GT(emptied.num_frees, warm.num_frees);
+  EXPECT_EQ(memory_stats(kCuda).live_bytes, before.live_bytes);
+}
+
+TEST(CudaAllocator, NoDeviceMallocAfterWarmup) {
+  XMOE_REQUIRE_CUDA();
+  const Tensor x = randn({256, 128}, 80).to(kCuda), w = randn({128, 256}, 81).to(kCuda);
+  const Tensor index = rand_index(256, 64, 82).to(kCuda);
+  auto step = [&] {
+    Tensor h = ops::matmul(x, w);
+    Tensor a = ops::swiglu(h);
+    Tensor s = ops::softmax(a);
+    Tensor out = Tensor::zeros({64, 128}, DType::f32, kCuda);
+    ops::scatter_add_rows(out, s, index);
+    const Tensor qkv = x.reshape({4, 32, 8, 32});  // 256 x 128 values as [B, S, H, hd]
+    auto f = ops::attention(qkv, qkv, qkv);
+    return ops::sum(out) + ops::sum(f.out);
+  };
+  step();
+  const int64_t mallocs = cuda::cache_stats(0).num_mallocs;
+  for (int i = 0; i < 3; ++i) step();
+  EXPECT_EQ(cuda::cache_stats(0).num_mallocs, mallocs) << "cudaMalloc after warm-up";
+}
+
+TEST(CudaTensor, CopiesAndZeroFill) {
+  XMOE_REQUIRE_CUDA();
+  const std::vector<float> v = {1.f, -2.f, 3.5f, 0.25f, 8.f};
+  Tensor t = Tensor::from_vector<float>(v, {5}, kCuda);
+  EXPECT_EQ(t.to_vector<float>(), v);
+  EXPECT_EQ(t.clone().to_vector<float>(), v);
+  EXPECT_DOUBLE_EQ(t.item(2), 3.5);
+  t.zero_();  // cudaMemsetAsync, ordered before the copy back
+  EXPECT_EQ(t.to_vector<float>(), std::vector<float>(5, 0.f));
+  Tensor z = Tensor::zeros({1 << 20}, DType::bf16, kCuda);
+  EXPECT_EQ(ops::sum_squares(z), 0.0);
+  Tensor f = Tensor::full({3}, 2.5f, kCuda);
+  EXPECT_DOUBLE_EQ(ops::sum(f), 7.5);
+}
+
+// ---- errors (runs in every build) -----------------------------------------------------------
+
+bool throws_containing(const std::function<void()>& f, const std::string& text) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (std::string(e.what()).find(text) != std::string::npos) return true;
+    ADD_FAILURE() << "message '" << e.what() << "' lacks '" << text << "'";
+    return false;
+  }
+  ADD_FAILURE() << "no exception (expected one containing '" << text << "')";
+  return false;
+}
+
+TEST(CudaBuild, ClearErrors) {
+  // CPU: bf16 has no CPU kernels and says so.
+  EXPECT_TRUE(throws_containing([] { ops::softmax(randn({2, 3}, 90).to(DType::bf16)); },
+                                "[softmax] x has dtype bf16, expected f32"));
+  if (!backend::cuda_available()) {
+    // A CPU-only build (or a machine without a GPU) names the device it cannot provide.
+    EXPECT_TRUE(throws_containing([] { Tensor::empty({4}, DType::f32, kCuda); }, "cuda:0"));
+    EXPECT_TRUE(throws_containing([] { randn({4}, 91).to(kCuda); }, "cuda:0"));
+    return;
+  }
+  const Tensor a = randn({4, 4}, 92);
+  EXPECT_TRUE(throws_containing([&] { ops::matmul(a, a.to(kCuda)); }, "on one device"));
+  EXPECT_TRUE(throws_containing(
+      [&] { ops::embedding(a.to(kCuda), Tensor::from_vector<int32_t>({1, 7}, {2}, kCuda)); },
+      "[embedding] ids[1] = 7 out of range [0, 4)"));
+  EXPECT_TRUE(throws_containing(
+      [&] {
+        ops::cross_entropy(a.to(kCuda), Tensor::from_vector<int32_t>({0, 1, 9, 2}, {4}, kCuda));
+      },
+      "[cross_entropy] targets[2] = 9 out of range [0, 4)"));
+  EXPECT_TRUE(throws_containing([&] { ops::cast(rand_index(3, 3, 93).to(kCuda), DType::f32); },
+                                "[cast]"));
+}
+
+}  // namespace
