@@ -145,7 +145,7 @@ void run(comm::Group& g, const Args& a, int64_t E, int64_t k) {
     moe::DispatchResult r = disp->dispatch(rows, counts);
     Tensor back = disp->combine(r.rows, r.handle);  // identity experts
   });
-  // all_to_all_counts is not in the byte counters: El int64 per peer.
+  // The count exchange: El int64 per peer (ByteCounters::counts), reported beside the rows.
   const int64_t meta_bytes = (P - 1) * El * 8;
 
   auto emit = [&](const char* mode, float cf, const Measured& m, int64_t capacity) {

@@ -23,7 +23,8 @@ enum class ReduceOp : uint8_t { sum, max, min };
 /// peer j; all_reduce = reduce_scatter + all_gather), so they do not depend on the library's
 /// internal algorithm. Messages to oneself are not counted.
 struct ByteCounters {
-  enum Kind : int { all_to_all, all_gather, reduce_scatter, all_reduce, broadcast, num_kinds };
+  /// counts: the metadata exchange (all_to_all_counts) that precedes an all_to_all_v.
+  enum Kind : int { all_to_all, counts, all_gather, reduce_scatter, all_reduce, broadcast, num_kinds };
   std::array<std::array<int64_t, 2>, num_kinds> bytes{};  // [kind][LinkClass]
   std::array<int64_t, num_kinds> calls{};
 

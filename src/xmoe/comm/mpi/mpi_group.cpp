@@ -209,6 +209,8 @@ class MpiGroup final : public Group {
     XMOE_CHECK(send.size() % static_cast<size_t>(size_) == 0,
                "[all_to_all_counts] {} values do not split over {} ranks", send.size(), size_);
     const int per = static_cast<int>(send.size() / static_cast<size_t>(size_));
+    for (int p = 0; p < size_; ++p)
+      count(ByteCounters::counts, p, per * static_cast<int64_t>(sizeof(int64_t)));
     std::vector<int64_t> out(send.size());
     MPI_CHECK(MPI_Alltoall(send.data(), per, MPI_INT64_T, out.data(), per, MPI_INT64_T, comm_));
     return out;
