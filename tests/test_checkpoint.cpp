@@ -10,43 +10,16 @@
 #include "xmoe/io/safetensors.h"
 #include "xmoe/train/checkpoint.h"
 
+#include "testing.h"
+
 using namespace xmoe;
+using xmoe::testing::error_of;
+using xmoe::testing::TempDir;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an xmoe::Error";
-  return "";
-}
-
-#define EXPECT_CONTAINS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)
-
-class TempDir {
- public:
-  TempDir() {
-    path_ = fs::temp_directory_path() /
-            fmt::format("xmoe_test_ckpt_{}_{}",
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name(),
-                        static_cast<long>(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
 
 io::TensorMap sample_tensors() {
   io::TensorMap m;

@@ -8,24 +8,12 @@
 #include "xmoe/config/config.h"
 #include "xmoe/core/error.h"
 
+#include "testing.h"
+
 using namespace xmoe;
+using xmoe::testing::error_of;
 
 namespace {
-
-// The message of the Error `f` throws (fails the test if it throws nothing).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an xmoe::Error";
-  return "";
-}
-
-#define EXPECT_CONTAINS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)
 
 }  // namespace
 

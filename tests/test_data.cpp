@@ -11,43 +11,16 @@
 #include "xmoe/data/tokenizer.h"
 #include "xmoe/io/file.h"
 
+#include "testing.h"
+
 using namespace xmoe;
+using xmoe::testing::error_of;
+using xmoe::testing::TempDir;
 using namespace xmoe::data;
 namespace fs = std::filesystem;
 
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an xmoe::Error";
-  return "";
-}
-
-#define EXPECT_CONTAINS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)
-
-class TempDir {
- public:
-  TempDir() {
-    path_ = fs::temp_directory_path() /
-            fmt::format("xmoe_test_data_{}_{}",
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name(),
-                        static_cast<long>(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 void write(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;

@@ -1,0 +1,51 @@
+#pragma once
+// Small helpers shared by the unit tests.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+
+#include "xmoe/core/error.h"
+
+namespace xmoe::testing {
+
+/// The message of the xmoe::Error that `f` throws (fails the test if it throws nothing).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an xmoe::Error";
+  return "";
+}
+
+/// A fresh folder per test (named after the test and the process), removed afterwards.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "xmoe_test") {
+    path_ = std::filesystem::temp_directory_path() /
+            fmt::format("{}_{}_{}", tag,
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name(),
+                        static_cast<long>(::getpid()));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+}  // namespace xmoe::testing
+
+#define EXPECT_CONTAINS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)
