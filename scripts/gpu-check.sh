@@ -82,6 +82,14 @@ fi
 if [[ $built == 1 ]]; then
   step cuda-tests ctest --test-dir "$BUILD_DIR" -R Cuda --output-on-failure -j 4 --timeout 600 \
     || status=1
+  # The errors of every parity comparison (ctest shows output only on failure).
+  if [[ -x "$BUILD_DIR/tests/test_cuda_ops" ]]; then
+    "$BUILD_DIR/tests/test_cuda_ops" --gtest_filter='Parity*' >"$OUT_DIR/cuda-parity.log" 2>&1
+    log "closest to tolerance (error / tolerance), all in $OUT_DIR/cuda-parity.log:"
+    grep '^\[parity\]' "$OUT_DIR/cuda-parity.log" |
+      awk '{ r = $7 / substr($9, 1, length($9) - 1); printf "  %.3f  %s\n", r, $0 }' |
+      sort -rn | head -8 | tee -a "$LOG"
+  fi
   if [[ "$RUN_ALL" != 0 ]]; then
     step all-tests ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" --timeout 900 \
       || status=1

@@ -61,7 +61,8 @@ std::string generate(const std::string& checkpoint, const GenerateOptions& optio
   for (uint16_t t : data::encode(options.prompt)) ids.push_back(t);
   if (ids.empty()) ids.push_back('\n');
   Rng rng(options.seed, stream_id("generate"));
-  const int64_t window = config.model.max_seq_len;
+  // Positions past the trained sequence length were never seen: slide a window of that size.
+  const int64_t window = std::min(config.train.seq_len, config.model.max_seq_len);
   const int64_t vocab = config.model.vocab_size;
   std::string out = options.prompt;
   for (int i = 0; i < options.max_new_tokens; ++i) {
