@@ -2,6 +2,7 @@
 
 #include <numeric>
 
+#include "xmoe/moe/dispatch_rbd.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -162,12 +163,13 @@ class AllToAllDispatcher final : public Dispatcher {
   std::shared_ptr<comm::Group> group_;
 };
 
-std::unique_ptr<Dispatcher> not_yet(const DispatchConfig& c) {
-  XMOE_FAIL("[moe] moe.dispatch = '{}' is not implemented yet; use 'local' or 'all_to_all'",
-            c.algorithm);
-}
-
 }  // namespace
+
+Tensor Dispatcher::combine_weights_grad(const DispatchHandle&) const {
+  XMOE_FAIL("[moe dispatch {}] combine_weights_grad: this dispatcher does not reduce in combine "
+            "(the I-Order stage computes the combine weights' gradient)",
+            name());
+}
 
 DispatchRegistry& dispatch_registry() {
   static DispatchRegistry registry = [] {
@@ -178,7 +180,11 @@ DispatchRegistry& dispatch_registry() {
     r.add("all_to_all", [](const DispatchConfig& c) -> std::unique_ptr<Dispatcher> {
       return std::make_unique<AllToAllDispatcher>(c);
     });
-    r.add("rbd", not_yet);
+    r.add("rbd", [](const DispatchConfig& c) -> std::unique_ptr<Dispatcher> {
+      // One node (or one rank): no inter-node link to spare, so plain all-to-all-v.
+      if (rbd_num_nodes(c) <= 1) return std::make_unique<AllToAllDispatcher>(c);
+      return make_rbd_dispatcher(c);
+    });
     return r;
   }();
   return registry;

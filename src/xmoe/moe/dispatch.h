@@ -6,7 +6,10 @@
 //   local       one process: identity
 //   all_to_all  uneven all-to-all-v of exactly the routed rows over the ep group, per-expert
 //               counts exchanged first; received rows permuted into local-expert-major order
-//   rbd         redundancy-bypassing two-stage dispatch over the node hierarchy (later)
+//   rbd         redundancy-bypassing two-stage dispatch over the node hierarchy (X-MoE): one
+//               pilot row per (token, destination node) crosses the inter-node link, replicas
+//               are made inside the node; combine sums a token's weighted outputs inside the
+//               node first (dispatch_rbd.h). Needs RowInfo; with one node it is all_to_all.
 // Backward of dispatch is a combine of the gradients with the same handle, and vice versa.
 // Every rank of the group takes part in every collective, also one that sends or receives no
 // row at all (a skipped collective would hang the others).
@@ -30,7 +33,10 @@ struct DispatchConfig {
   int ep_rank = 0, ep_size = 1;     ///< expert-parallel group (experts split in contiguous blocks)
   /// The ep group (all_to_all, rbd); rank/size must equal ep_rank/ep_size. Null = one process.
   std::shared_ptr<comm::Group> group;
-  int ranks_per_node = 0;           ///< rbd: ranks sharing a node (0 = detect)
+  /// rbd: ranks of the ep group sharing a node, rank r on node r / ranks_per_node. 0 = the
+  /// group's topology (comm::world(ranks_per_node) / parallel.ranks_per_node), which is also
+  /// what the byte counters classify links by; set it only to simulate other nodes (tests).
+  int ranks_per_node = 0;
   int64_t chunk_rows = 0;           ///< rows per message chunk for pipelining (0 = one message)
 };
 
@@ -41,6 +47,8 @@ struct DispatchConfig {
 /// arrival row that becomes expert-order row j (expert_rows = arrival[recv_layout]);
 /// arrival_layout is its inverse (arrival = expert_rows[arrival_layout]), which combine uses.
 /// Both are undefined when no permutation is needed (local, or one rank).
+struct RbdPlan;  // dispatch_rbd.h
+
 struct DispatchHandle {
   std::vector<int64_t> send_counts;  ///< [ep_size] rows sent to each rank
   std::vector<int64_t> recv_counts;  ///< [ep_size] rows received from each rank
@@ -53,6 +61,19 @@ struct DispatchHandle {
   int64_t num_send_rows = 0, num_recv_rows = 0;
   Tensor recv_layout;     ///< i32 [N_recv]: arrival row of expert-order row j
   Tensor arrival_layout;  ///< i32 [N_recv]: expert-order row of arrival row i (the inverse)
+  /// Dispatchers that reduce in combine (rbd): i32 [G], the token of each row combine returns.
+  Tensor group_tokens;
+  /// rbd: the exchange plan of all three roles (source, pilot, expert owner) and what combine
+  /// saved for backward (dispatch_rbd.h). Shared, so copies of the handle see one plan.
+  std::shared_ptr<RbdPlan> rbd;
+};
+
+/// Per-row facts the layer knows besides the rows; only dispatchers that reduce in combine
+/// (reduces_in_combine(), i.e. rbd) read them.
+struct RowInfo {
+  Tensor token_ids;        ///< i32 [N] token of each row (the order stage's token_ids)
+  Tensor combine_weights;  ///< f32 [N] combine weight of each row
+  int64_t num_tokens = 0;  ///< T (token ids are in [0, T))
 };
 
 struct DispatchResult {
@@ -67,6 +88,22 @@ class Dispatcher {
   /// rows [N, d] grouped by global expert with tokens_per_expert [E] rows each.
   virtual DispatchResult dispatch(const Tensor& rows,
                                   std::span<const int64_t> tokens_per_expert) = 0;
+  /// The same, with the rows' tokens and combine weights (required by rbd, ignored otherwise).
+  virtual DispatchResult dispatch(const Tensor& rows, std::span<const int64_t> tokens_per_expert,
+                                  const RowInfo& info) {
+    (void)info;
+    return dispatch(rows, tokens_per_expert);
+  }
+  /// False (local, all_to_all): combine returns the expert outputs [N, d] in the dispatched
+  /// order and the I-Order stage weights and sums them per token. True (rbd): combine applies
+  /// the combine weights itself and returns per-(token, node) partial sums [G, d] with tokens
+  /// handle.group_tokens (y = scatter_add(partial, group_tokens)); combine_backward then takes
+  /// d_partial [G, d] and computes d(combine_weights) [N] too (combine_weights_grad), and
+  /// dispatch_backward returns d_rows [N, d] whose pilot rows carry their group's summed
+  /// gradient (other rows zero; order backward scatter-adds them into dx all the same).
+  virtual bool reduces_in_combine() const { return false; }
+  /// reduces_in_combine(): d(combine_weights) [N] (RowInfo order) of the last combine_backward.
+  virtual Tensor combine_weights_grad(const DispatchHandle& handle) const;
   /// Expert outputs [N_recv, d] back to their source ranks, in the order dispatch took them.
   virtual Tensor combine(const Tensor& expert_out, const DispatchHandle& handle) = 0;
   /// d_received [N_recv, d] -> d_rows [N, d] (a combine of gradients).
@@ -76,7 +113,7 @@ class Dispatcher {
 };
 
 using DispatchRegistry = Registry<Dispatcher, const DispatchConfig&>;
-/// Built-in: "local", "all_to_all"; "rbd" is reserved and throws until it is implemented.
+/// Built-in: "local", "all_to_all", "rbd" (all_to_all when the ep group spans one node).
 DispatchRegistry& dispatch_registry();
 std::unique_ptr<Dispatcher> make_dispatcher(const DispatchConfig& config);
 

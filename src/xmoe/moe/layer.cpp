@@ -1,5 +1,6 @@
 #include "xmoe/moe/layer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "xmoe/ops/ops.h"
@@ -28,19 +29,15 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
              "[moe] moe.dispatch = 'local' holds every expert on one rank, but parallel.ep = {}; "
              "use 'all_to_all'",
              par_.ep);
+  XMOE_CHECK(c.dispatch != "rbd" || c.impl == "pft",
+             "[moe] moe.dispatch = 'rbd' needs moe.impl = 'pft', got '{}'", c.impl);
   const float dstd = down_std.value_or(init_std);
 
   order_ = make_order(c);  // first: an unknown moe.impl fails before any allocation
   // One process (world of size 1) makes no collective: the statistics are already global.
   auto stats = par_.world && par_.world->size() > 1 ? par_.world : nullptr;
   gate_ = make_gate({c, d_model, prefix_, seed, init_std, stats});
-  DispatchConfig dc;
-  dc.algorithm = c.dispatch;
-  dc.num_experts = c.num_experts;
-  dc.ep_rank = par_.ep_rank;
-  dc.ep_size = par_.ep;
-  dc.group = par_.ep_group;
-  dispatcher_ = make_dispatcher(dc);
+  make_dispatcher_(0);
   ExpertArgs ea;
   ea.prefix = prefix_;
   ea.num_experts = c.num_experts;
@@ -57,9 +54,26 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
         prefix_, d_model, static_cast<int64_t>(c.num_shared_experts) * c.expert_hidden, seed,
         init_std, dstd);
   pending_load_.assign(static_cast<size_t>(c.num_experts), 0);
+  coactivation_ = CoactivationMatrix(c.num_experts);
 }
 
 MoELayer::~MoELayer() = default;
+
+void MoELayer::make_dispatcher_(int ranks_per_node) {
+  DispatchConfig dc;
+  dc.algorithm = cfg_.dispatch;
+  dc.num_experts = cfg_.num_experts;
+  dc.ep_rank = par_.ep_rank;
+  dc.ep_size = par_.ep;
+  dc.group = par_.ep_group;
+  dc.ranks_per_node = ranks_per_node;
+  dispatcher_ = make_dispatcher(dc);
+}
+
+void MoELayer::set_ranks_per_node(int ranks_per_node) {
+  release();
+  make_dispatcher_(ranks_per_node);
+}
 
 template <class Body> void MoELayer::run_stage(StageContext& ctx, Stage stage, Body&& body) {
   ctx.enter(stage, When::before);
@@ -106,13 +120,19 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   });
   const TokenLayout& layout = order_->layout();
   last_topk_idx_ = ctx.get("topk_idx");
+  if (record_coactivation_) record_coactivation_pairs(last_topk_idx_);
+  // rbd applies the combine weights and sums per (token, node) inside combine (dispatch.h).
+  const bool reduces = dispatcher_->reduces_in_combine();
   tokens_per_expert_ = layout.tokens_per_expert;
   load_ = layout.load;
   dropped_ = layout.dropped;
   for (size_t e = 0; e < load_.size(); ++e) pending_load_[e] += load_[e];
 
   run_stage(ctx, Stage::dispatch, [&] {
-    DispatchResult r = dispatcher_->dispatch(ctx.get("rows"), layout.group_sizes);
+    DispatchResult r =
+        reduces ? dispatcher_->dispatch(ctx.get("rows"), layout.group_sizes,
+                                        RowInfo{layout.token_ids, ctx.get("combine_weights"), T})
+                : dispatcher_->dispatch(ctx.get("rows"), layout.group_sizes);
     handle_ = std::move(r.handle);
     ctx.set("expert_in", r.rows);
   });
@@ -123,7 +143,13 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
     ctx.set("rows_out", dispatcher_->combine(ctx.get("expert_out"), handle_));
   });
   run_stage(ctx, Stage::iorder, [&] {
-    Tensor y = iorder_.forward(ctx.get("rows_out"), ctx.get("combine_weights"), layout);
+    Tensor y;
+    if (reduces) {  // rows_out: weighted partial sums [G, d] of tokens handle_.group_tokens
+      y = Tensor::zeros({T, d_model_}, DType::f32, x_in.device());
+      xmoe::ops::scatter_add_rows(y, ctx.get("rows_out"), handle_.group_tokens);
+    } else {
+      y = iorder_.forward(ctx.get("rows_out"), ctx.get("combine_weights"), layout);
+    }
     ctx.set("y_routed", y);
     ctx.set("y", y);
   });
@@ -146,7 +172,12 @@ Tensor MoELayer::backward(const Tensor& dy) {
   if (shared_) {
     run_stage(ctx, Stage::shared, [&] { ctx.set("d_x_shared", shared_->backward(ctx.get("d_y"))); });
   }
+  const bool reduces = dispatcher_->reduces_in_combine();
   run_stage(ctx, Stage::iorder, [&] {
+    if (reduces) {  // d(partial sums) [G, d]; d_combine_weights come from combine_backward
+      ctx.set("d_rows_out", xmoe::ops::gather_rows(ctx.get("d_y"), handle_.group_tokens));
+      return;
+    }
     IOrder::Grads g = iorder_.backward(ctx.get("d_y"));
     ctx.set("d_rows_out", g.d_rows);
     ctx.set("d_combine_weights", g.d_combine_weights);
@@ -154,6 +185,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
   iorder_.release();
   run_stage(ctx, Stage::combine, [&] {
     ctx.set("d_expert_out", dispatcher_->combine_backward(ctx.get("d_rows_out"), handle_));
+    if (reduces) ctx.set("d_combine_weights", dispatcher_->combine_weights_grad(handle_));
   });
   run_stage(ctx, Stage::expert, [&] {
     ctx.set("d_expert_in", experts_->backward(ctx.get("d_expert_out")));
@@ -209,6 +241,153 @@ void MoELayer::collect_parameters(std::vector<Parameter*>& out) {
   gate_->collect_parameters(out);
   experts_->collect_parameters(out);
   if (shared_) shared_->collect_parameters(out);
+}
+
+}  // namespace xmoe::moe
+
+// ---- Expert placement ---------------------------------------------------------------------------
+
+namespace xmoe::moe {
+
+void MoELayer::record_coactivation_pairs(const Tensor& topk_idx) {
+  const std::vector<int32_t> idx = topk_idx.to_vector<int32_t>();
+  const int64_t k = topk_idx.size(1);
+  for (size_t t = 0; t + k <= idx.size(); t += static_cast<size_t>(k))
+    coactivation_.add_token(std::span<const int32_t>(idx.data() + t, static_cast<size_t>(k)));
+}
+
+CoactivationMatrix MoELayer::global_coactivation() const {
+  CoactivationMatrix out = coactivation_;
+  if (par_.world && par_.world->size() > 1) {
+    Tensor t = Tensor::from_vector(out.counts, {static_cast<int64_t>(out.counts.size())});
+    par_.world->all_reduce(t);  // i64: exact
+    out.counts = t.to_vector<int64_t>();
+  }
+  return out;
+}
+
+void MoELayer::reset_coactivation() { coactivation_ = CoactivationMatrix(cfg_.num_experts); }
+
+namespace {
+
+/// Throws unless perm is a permutation of [0, E).
+void check_permutation(const std::vector<int>& perm, int64_t E) {
+  XMOE_CHECK(static_cast<int64_t>(perm.size()) == E,
+             "[moe permute_experts] permutation of {} entries for {} experts", perm.size(), E);
+  std::vector<char> seen(static_cast<size_t>(E), 0);
+  for (int p : perm) {
+    XMOE_CHECK(p >= 0 && p < E && !seen[p],
+               "[moe permute_experts] not a permutation of [0, {}): {} repeated or out of range",
+               E, p);
+    seen[p] = 1;
+  }
+}
+
+template <class T> std::vector<T> permuted(const std::vector<T>& v, const std::vector<int>& perm) {
+  std::vector<T> out(v.size());
+  for (size_t s = 0; s < perm.size(); ++s) out[s] = v[static_cast<size_t>(perm[s])];
+  return out;
+}
+
+}  // namespace
+
+void MoELayer::permute_tensor(Tensor& t, const std::vector<int>& perm, bool sharded, int axis) {
+  const int64_t E = cfg_.num_experts;
+  if (axis == 1) {  // [r, E] (or [E]): columns
+    XMOE_CHECK(t.is_cpu() && t.dtype() == DType::f32 && t.size(-1) == E,
+               "[moe permute_experts] expected f32 [..., {}] on the CPU, got {}", E, t.str());
+    const int64_t rows = t.numel() / E;
+    std::vector<float> v = t.to_vector<float>(), out(v.size());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t s = 0; s < E; ++s) out[r * E + s] = v[r * E + perm[s]];
+    t.copy_from(Tensor::from_vector(out, t.shape()));
+    return;
+  }
+  // Expert rows [E_local, ...]: the full [E, ...] tensor, permuted, then this rank's slice.
+  const int64_t El = t.size(0), inner = t.numel() / std::max<int64_t>(El, 1);
+  Tensor flat = t.reshape({El, inner});
+  Tensor full = sharded && par_.ep > 1 ? par_.ep_group->all_gather(flat) : flat.clone();
+  XMOE_CHECK(full.size(0) == E, "[moe permute_experts] gathered {} expert rows, expected {}",
+             full.size(0), E);
+  const int64_t first = sharded ? par_.first_expert(E) : 0;
+  std::vector<int32_t> rows(static_cast<size_t>(El));
+  for (int64_t i = 0; i < El; ++i) rows[i] = perm[first + i];
+  flat.copy_from(xmoe::ops::gather_rows(full, Tensor::from_vector(rows, {El}, t.device())));
+}
+
+namespace {
+
+struct Permutable {
+  Parameter* param;
+  int axis;  // 0: expert rows (sharded over ep), 1: expert columns of a router tensor
+};
+
+std::vector<Permutable> permutable_parameters(Gate& gate, Experts& experts) {
+  std::vector<Permutable> out;
+  std::vector<Parameter*> ps;
+  gate.collect_parameters(ps);
+  auto ends_with = [](const std::string& s, const std::string& suffix) {
+    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  for (Parameter* p : ps) {
+    const bool cols = ends_with(p->name, ".router.expert_embeddings") ||
+                      (ends_with(p->name, ".router.weight") && gate.name() != "xmoe");
+    if (cols) out.push_back({p, 1});
+  }
+  ps.clear();
+  experts.collect_parameters(ps);
+  for (Parameter* p : ps) out.push_back({p, 0});
+  return out;
+}
+
+}  // namespace
+
+void MoELayer::permute_experts(const std::vector<int>& perm) {
+  const int64_t E = cfg_.num_experts;
+  check_permutation(perm, E);
+  if (gate_->name() == "sigmoid" && cfg_.num_groups > 1) {
+    const int64_t gs = E / cfg_.num_groups;
+    for (int64_t s = 0; s < E; ++s)
+      XMOE_CHECK(perm[s] / gs == perm[s - s % gs] / gs,
+                 "[moe permute_experts] the sigmoid gate routes within {} groups of {} experts; "
+                 "the permutation splits a group (slot {} takes expert {})",
+                 cfg_.num_groups, gs, s, perm[s]);
+  }
+  release();
+  for (const Permutable& p : permutable_parameters(*gate_, *experts_)) {
+    permute_tensor(p.param->value, perm, p.axis == 0, p.axis);
+    if (p.param->grad.defined()) permute_tensor(p.param->grad, perm, p.axis == 0, p.axis);
+  }
+  if (Tensor* b = gate_->routing_bias()) permute_tensor(*b, perm, false, 1);
+  pending_load_ = permuted(pending_load_, perm);
+  if (!load_.empty()) load_ = permuted(load_, perm);
+  if (!tokens_per_expert_.empty()) tokens_per_expert_ = permuted(tokens_per_expert_, perm);
+  CoactivationMatrix c(E);
+  for (int64_t a = 0; a < E; ++a)
+    for (int64_t b = 0; b < E; ++b) c.at(a, b) = coactivation_.at(perm[a], perm[b]);
+  coactivation_ = std::move(c);
+  if (last_topk_idx_.defined()) {  // frozen routing keeps choosing the same (moved) experts
+    std::vector<int32_t> inv(static_cast<size_t>(E));
+    for (int64_t s = 0; s < E; ++s) inv[perm[s]] = static_cast<int32_t>(s);
+    std::vector<int32_t> idx = last_topk_idx_.to_vector<int32_t>();
+    for (int32_t& e : idx) e = inv[e];
+    last_topk_idx_ = Tensor::from_vector(idx, last_topk_idx_.shape());
+  }
+}
+
+void MoELayer::permute_parameter_state(std::map<std::string, Tensor>& state,
+                                       const std::vector<int>& perm,
+                                       const std::vector<std::string>& suffixes) {
+  check_permutation(perm, cfg_.num_experts);
+  for (const Permutable& p : permutable_parameters(*gate_, *experts_))
+    for (const std::string& suffix : suffixes) {
+      auto it = state.find(p.param->name + suffix);
+      if (it == state.end()) continue;
+      XMOE_CHECK(it->second.shape() == p.param->value.shape(),
+                 "[moe permute_parameter_state] {} is {}, the parameter is {}", it->first,
+                 it->second.str(), p.param->value.str());
+      permute_tensor(it->second, perm, p.axis == 0, p.axis);
+    }
 }
 
 }  // namespace xmoe::moe

@@ -16,6 +16,7 @@
 //   expert params:                         sum over layout.dp_group, then / W (not / dp).
 // Every forward/backward/update_routing_bias makes collectives: all ranks call them together.
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +31,7 @@
 #include "xmoe/moe/hooks.h"
 #include "xmoe/moe/iorder.h"
 #include "xmoe/moe/order.h"
+#include "xmoe/moe/placement.h"
 #include "xmoe/moe/shared.h"
 
 namespace xmoe::moe {
@@ -86,6 +88,36 @@ class MoELayer : public Module {
   /// Recompute the experts' gate_up output in backward instead of saving it.
   void set_recompute(bool on) { experts_->set_recompute(on); }
 
+  /// Rebuilds the dispatcher with simulated nodes of `ranks_per_node` ep ranks (rbd; 0 = the
+  /// group's topology). For tests and benchmarks on one machine; collective over the ep group.
+  void set_ranks_per_node(int ranks_per_node);
+
+  // ---- Expert placement (moe/placement.h) ----
+  /// While on, every forward adds this rank's tokens' expert pairs to coactivation():
+  /// C[a][b] += 1 for each token that chose both a and b (a != b, both orders), and C[e][e] += 1
+  /// for each token that chose e. Costs O(T k^2) integer adds per forward.
+  void set_record_coactivation(bool on) { record_coactivation_ = on; }
+  /// This rank's counts since the last reset (local: see global_coactivation()).
+  const CoactivationMatrix& coactivation() const { return coactivation_; }
+  /// The counts summed over layout.world (an i64 all_reduce: collective, every rank calls it).
+  CoactivationMatrix global_coactivation() const;
+  void reset_coactivation();
+  /// Moves the experts: new expert s is old expert perm[s] (perm a permutation of [0, E), the
+  /// same on every rank). Permutes the expert weights and their gradients (with ep > 1 the
+  /// experts are all-gathered over the ep group, permuted, and this rank keeps its slice), the
+  /// router's expert columns (router.weight [d, E]; xmoe: router.expert_embeddings [r, E]), the
+  /// sigmoid gate's bias [E] and the pending load, so the layer computes the same function (up
+  /// to float summation order). The sigmoid gate with num_groups > 1 accepts only permutations
+  /// that map whole groups onto groups. Collective over the ep group. Saved activations are
+  /// dropped (call between steps). Optimizer state: permute_parameter_state.
+  void permute_experts(const std::vector<int>& perm);
+  /// Applies the same permutation to per-parameter state keyed "<param name><suffix>" (AdamW's
+  /// export_state: suffixes ".adam_m", ".adam_v"), IN PLACE (export_state's tensors share the
+  /// optimizer's storage, so this permutes the optimizer). Entries of other parameters are left
+  /// alone; a missing entry is skipped. Collective over the ep group.
+  void permute_parameter_state(std::map<std::string, Tensor>& state, const std::vector<int>& perm,
+                               const std::vector<std::string>& suffixes = {".adam_m", ".adam_v"});
+
   /// Callbacks before/after each stage (see hooks.h).
   Hooks& hooks() { return hooks_; }
 
@@ -104,6 +136,11 @@ class MoELayer : public Module {
 
  private:
   template <class Body> void run_stage(StageContext& ctx, Stage stage, Body&& body);
+  void make_dispatcher_(int ranks_per_node);
+  void record_coactivation_pairs(const Tensor& topk_idx);
+  /// Permutes one tensor by perm along `axis` (0 = experts rows, sharded when `sharded`; 1 =
+  /// columns of a [r, E] router tensor), in place.
+  void permute_tensor(Tensor& t, const std::vector<int>& perm, bool sharded, int axis);
 
   MoeConfig cfg_;
   parallel::Layout par_;
@@ -127,6 +164,8 @@ class MoELayer : public Module {
   int64_t dropped_ = 0;
   bool frozen_routing_ = false;
   float aux_grad_scale_ = 1.0f;
+  bool record_coactivation_ = false;
+  CoactivationMatrix coactivation_;
 };
 
 }  // namespace xmoe::moe
