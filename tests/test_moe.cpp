@@ -504,8 +504,10 @@ TEST(MoeLayer, BadArgumentsRaiseClearErrors) {
   c = small_config("switch");
   EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }), "routes top-1"));
   c = small_config();
-  c.dispatch = "rbd";
-  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }), "not implemented yet"));
+  c.dispatch = "rbd";  // one process: one node, so rbd is all_to_all
+  EXPECT_NO_THROW(MoELayer(c, 8, "m", 1, 0.1f));
+  c.impl = "padded";
+  EXPECT_THROW(MoELayer(c, 8, "m", 1, 0.1f), Error);
   c = small_config("sigmoid");
   c.num_groups = 4;
   EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f); }),

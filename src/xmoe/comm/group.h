@@ -50,6 +50,8 @@ class Group {
   virtual std::shared_ptr<Group> split(int color, int key) = 0;
   /// Which node each rank of this group is on.
   const Topology& topology() const { return topology_; }
+  /// Where the tensors this group moves live: the CPU (single, MPI) or cuda:i (NCCL).
+  virtual Device device() const { return Device::cpu(); }
 
   /// In-place reduction over all ranks (f32, i32, i64).
   virtual void all_reduce(Tensor& t, ReduceOp op = ReduceOp::sum) = 0;

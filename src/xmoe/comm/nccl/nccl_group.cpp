@@ -1,0 +1,465 @@
+// comm::Group over NCCL for CUDA tensors.
+//
+// Streams: every communicator owns a communication stream (non-blocking, highest priority). A
+// collective first makes that stream wait for the device's current (compute) stream through an
+// event, so it reads inputs that queued kernels are still producing; it then queues the NCCL
+// call and records a "done" event on the communication stream. Work::wait() makes the compute
+// stream — the current stream at the time of the wait — wait for that event. Neither side
+// blocks the host: compute queued between the call and wait() overlaps the communication.
+// The synchronous collectives are the async ones followed by wait(): their results are valid
+// in stream order, as for any op; the host sees them through Tensor::to / to_vector.
+//
+// Memory: outputs are allocated on the compute stream before the first event is recorded, so a
+// reused cache block is not written by NCCL before its previous users on the compute stream are
+// done. A Work keeps its tensors alive until it is waited for (or destroyed, which waits), so
+// their blocks return to the compute stream's free list only after the compute stream is
+// ordered behind the communication.
+#include "xmoe/comm/nccl/nccl_group.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+#include "xmoe/backend/cuda/check.h"
+#include "xmoe/backend/cuda/runtime.h"
+#include "xmoe/backend/device_api.h"
+#include "xmoe/comm/nccl/check.h"
+
+namespace xmoe::comm::nccl {
+
+namespace {
+
+/// NCCL element type of a reduction (movement collectives send bytes and take any dtype).
+ncclDataType_t reduce_type(DType t, const char* op) {
+  switch (t) {
+    case DType::f32: return ncclFloat32;
+    case DType::bf16: return ncclBfloat16;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::f64: return ncclFloat64;
+    case DType::u8: break;
+  }
+  XMOE_FAIL("[{}] no NCCL reduction for dtype {} (f32, bf16, i32, i64, f64)", op, dtype_name(t));
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+/// Bytes of one dim-0 row (defined by the trailing dims, also when there are no rows).
+int64_t row_bytes(const Tensor& t) {
+  int64_t n = static_cast<int64_t>(dtype_size(t.dtype()));
+  for (int64_t i = 1; i < t.dim(); ++i) n *= t.size(i);
+  return n;
+}
+
+/// Setup traffic (the id broadcast, host discovery) is not payload: keep it off the counters.
+class CountersGuard {
+ public:
+  explicit CountersGuard(Group& g) : group_(g), saved_(g.counters()) {}
+  ~CountersGuard() { group_.counters() = saved_; }
+  CountersGuard(const CountersGuard&) = delete;
+  CountersGuard& operator=(const CountersGuard&) = delete;
+
+ private:
+  Group& group_;
+  ByteCounters saved_;
+};
+
+/// Events without timing, reused: a collective needs two, and creating one is a driver call.
+/// Shared by the group and its pending Works, so a Work may outlive its group.
+class EventPool {
+ public:
+  explicit EventPool(int device) : device_(device) {}
+  ~EventPool() {
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  }
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+
+  cudaEvent_t take() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    cuda::activate(device_);
+    CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  /// A stream that waits on `e` captured its state at cudaStreamWaitEvent: it may be reused.
+  void give(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(e);
+  }
+
+ private:
+  int device_;
+  std::mutex mutex_;
+  std::vector<cudaEvent_t> free_;
+};
+
+/// A collective queued on the communication stream; wait() orders the compute stream after it.
+class NcclWork final : public Work {
+ public:
+  NcclWork(int device, std::shared_ptr<EventPool> pool, cudaEvent_t done, std::vector<Tensor> keep)
+      : device_(device), pool_(std::move(pool)), done_(done), keep_(std::move(keep)) {}
+  ~NcclWork() override {
+    if (!done_) return;
+    // Not waited for: still order the compute stream after it before the tensors are freed.
+    // Never throw from a destructor; a failure here means the device is already broken.
+    try {
+      if (cudaStreamWaitEvent(cuda::current_stream(device_), done_, 0) != cudaSuccess)
+        cudaGetLastError();
+    } catch (const Error&) {
+    }
+    pool_->give(done_);
+  }
+  NcclWork(const NcclWork&) = delete;
+  NcclWork& operator=(const NcclWork&) = delete;
+
+  void wait() override {
+    if (!done_) return;
+    CUDA_CHECK(cudaStreamWaitEvent(cuda::current_stream(device_), done_, 0));
+    pool_->give(done_);
+    done_ = nullptr;
+    keep_.clear();  // freed blocks are now reused only after the communication
+  }
+
+ private:
+  int device_;
+  std::shared_ptr<EventPool> pool_;
+  cudaEvent_t done_;
+  std::vector<Tensor> keep_;
+};
+
+std::shared_ptr<Group> adopt(std::shared_ptr<Group> cpu, int device, ncclComm_t comm);
+
+class NcclGroup final : public Group {
+ public:
+  NcclGroup(std::shared_ptr<Group> cpu, int device, ncclComm_t comm)
+      : Group("nccl", cpu->topology()), cpu_(std::move(cpu)), device_(device), comm_(comm),
+        events_(std::make_shared<EventPool>(device)) {
+    rank_ = cpu_->rank();
+    size_ = cpu_->size();
+    int nccl_rank = -1, nccl_size = -1;
+    NCCL_CHECK(ncclCommUserRank(comm_, &nccl_rank));
+    NCCL_CHECK(ncclCommCount(comm_, &nccl_size));
+    XMOE_CHECK(nccl_rank == rank_ && nccl_size == size_,
+               "[nccl] communicator is rank {} of {} but its CPU group says rank {} of {}",
+               nccl_rank, nccl_size, rank_, size_);
+    cuda::activate(device_);
+    int least = 0, greatest = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    // Highest priority: communication kernels get SMs ahead of queued compute blocks.
+    CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+  }
+
+  ~NcclGroup() override {
+    // ncclCommDestroy waits for queued operations; every rank destroys its groups in the same
+    // order (it synchronises the ranks of a node in recent NCCL versions).
+    if (cudaSetDevice(device_) != cudaSuccess) cudaGetLastError();
+    if (stream_ && cudaStreamSynchronize(stream_) != cudaSuccess) cudaGetLastError();
+    if (comm_) ncclCommDestroy(comm_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Device device() const override { return Device::cuda(device_); }
+
+  std::shared_ptr<Group> split(int color, int key) override {
+    XMOE_CHECK(color >= 0, "[split] color {} must be >= 0", color);
+    // Both splits order the new ranks by key, then by old rank, so their rank numbers agree
+    // (the constructor checks it).
+    std::shared_ptr<Group> sub_cpu = cpu_->split(color, key);
+    cuda::activate(device_);
+    ncclComm_t sub = nullptr;
+    NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
+    return adopt(std::move(sub_cpu), device_, sub);
+  }
+
+  void all_reduce(Tensor& t, ReduceOp op) override { all_reduce_async(t, op)->wait(); }
+
+  std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op) override {
+    require_device(t, "all_reduce");
+    const ncclDataType_t type = reduce_type(t.dtype(), "all_reduce");
+    ++counters_.calls[ByteCounters::all_reduce];
+    const int64_t block = static_cast<int64_t>(t.nbytes()) / size_;
+    for (int p = 0; p < size_; ++p) count(ByteCounters::all_reduce, p, 2 * block);
+    cudaStream_t s = begin();
+    if (t.numel() > 0)
+      NCCL_CHECK(ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()), type,
+                               nccl_op(op), comm_, s));
+    return finish({t});
+  }
+
+  Tensor all_gather(const Tensor& t) override {
+    require_device(t, "all_gather");
+    XMOE_CHECK(t.dim() >= 1, "[all_gather] needs at least 1-d tensors, got {}", t.str());
+    ++counters_.calls[ByteCounters::all_gather];
+    Shape shape = t.shape();
+    shape[0] *= size_;
+    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+    for (int p = 0; p < size_; ++p)
+      count(ByteCounters::all_gather, p, static_cast<int64_t>(t.nbytes()));
+    cudaStream_t s = begin();
+    if (t.nbytes() > 0)
+      NCCL_CHECK(ncclAllGather(t.raw(), out.raw(), t.nbytes(), ncclUint8, comm_, s));
+    finish({t, out})->wait();
+    return out;
+  }
+
+  Tensor reduce_scatter(const Tensor& t) override {
+    require_device(t, "reduce_scatter");
+    XMOE_CHECK(t.dim() >= 1 && t.size(0) % size_ == 0,
+               "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(), size_);
+    const ncclDataType_t type = reduce_type(t.dtype(), "reduce_scatter");
+    ++counters_.calls[ByteCounters::reduce_scatter];
+    Shape shape = t.shape();
+    shape[0] /= size_;
+    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+    for (int p = 0; p < size_; ++p)
+      count(ByteCounters::reduce_scatter, p, static_cast<int64_t>(out.nbytes()));
+    cudaStream_t s = begin();
+    if (out.numel() > 0)
+      NCCL_CHECK(ncclReduceScatter(t.raw(), out.raw(), static_cast<size_t>(out.numel()), type,
+                                   ncclSum, comm_, s));
+    finish({t, out})->wait();
+    return out;
+  }
+
+  Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
+                      std::span<const int64_t> recv_rows) override {
+    Tensor recv;
+    all_to_all_v_async(send, send_rows, recv_rows, recv)->wait();
+    return recv;
+  }
+
+  std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,
+                                           std::span<const int64_t> recv_rows,
+                                           Tensor& recv) override {
+    require_device(send, "all_to_all_v");
+    XMOE_CHECK(static_cast<int>(send_rows.size()) == size_ &&
+                   static_cast<int>(recv_rows.size()) == size_,
+               "[all_to_all_v] need {} send and recv counts, got {} and {}", size_,
+               send_rows.size(), recv_rows.size());
+    for (int p = 0; p < size_; ++p)
+      XMOE_CHECK(send_rows[p] >= 0 && recv_rows[p] >= 0,
+                 "[all_to_all_v] negative count for rank {}: send {} recv {}", p, send_rows[p],
+                 recv_rows[p]);
+    const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
+    XMOE_CHECK(send.dim() >= 1 && sent == send.size(0),
+               "[all_to_all_v] send counts sum to {} but send has {} rows", sent,
+               send.dim() ? send.size(0) : 0);
+    ++counters_.calls[ByteCounters::all_to_all];
+    const int64_t rb = row_bytes(send);
+    Shape shape = send.shape();
+    shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+    recv = Tensor::empty(shape, send.dtype(), send.device());
+    for (int p = 0; p < size_; ++p) count(ByteCounters::all_to_all, p, send_rows[p] * rb);
+
+    cudaStream_t s = begin();
+    // One group of point-to-point calls (the self pair included); a peer with zero rows each
+    // way gets no call, but every rank opens and closes the group. The first failure is kept
+    // so that the group is always closed.
+    auto* src = static_cast<const char*>(send.raw());
+    auto* dst = static_cast<char*>(recv.raw());
+    ncclResult_t first = ncclSuccess;
+    const char* failed = "";
+    auto keep_first = [&](ncclResult_t r, const char* call) {
+      if (r == ncclSuccess || first != ncclSuccess) return;
+      first = r;
+      failed = call;
+    };
+    NCCL_CHECK(ncclGroupStart());
+    int64_t send_off = 0, recv_off = 0;
+    for (int p = 0; p < size_; ++p) {
+      const auto sb = static_cast<size_t>(send_rows[p] * rb);
+      const auto rbytes = static_cast<size_t>(recv_rows[p] * rb);
+      if (sb > 0) keep_first(ncclSend(src + send_off, sb, ncclUint8, p, comm_, s), "ncclSend");
+      if (rbytes > 0)
+        keep_first(ncclRecv(dst + recv_off, rbytes, ncclUint8, p, comm_, s), "ncclRecv");
+      send_off += static_cast<int64_t>(sb);
+      recv_off += static_cast<int64_t>(rbytes);
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    XMOE_CHECK(first == ncclSuccess, "[nccl] {} in all_to_all_v failed: {}{}", failed,
+               ncclGetErrorString(first), last_error_detail());
+    NCCL_CHECK(end);
+    return finish({send, recv});
+  }
+
+  std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send) override {
+    // Counts are small and needed on the host: they travel over the CPU group.
+    XMOE_CHECK(send.size() % static_cast<size_t>(size_) == 0,
+               "[all_to_all_counts] {} values do not split over {} ranks", send.size(), size_);
+    const auto per = static_cast<int64_t>(send.size() / static_cast<size_t>(size_));
+    for (int p = 0; p < size_; ++p)
+      count(ByteCounters::counts, p, per * static_cast<int64_t>(sizeof(int64_t)));
+    return cpu_->all_to_all_counts(send);
+  }
+
+  void broadcast(Tensor& t, int root) override {
+    require_device(t, "broadcast");
+    XMOE_CHECK(root >= 0 && root < size_, "[broadcast] root {} outside a group of {}", root, size_);
+    ++counters_.calls[ByteCounters::broadcast];
+    if (rank_ == root)
+      for (int p = 0; p < size_; ++p)
+        count(ByteCounters::broadcast, p, static_cast<int64_t>(t.nbytes()));
+    cudaStream_t s = begin();
+    if (t.nbytes() > 0)
+      NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), t.nbytes(), ncclUint8, root, comm_, s));
+    finish({t})->wait();
+  }
+
+  void barrier() override {
+    // Everything queued on this device (compute and communication) is done, then the ranks meet.
+    CUDA_CHECK(cudaStreamSynchronize(cuda::activate(device_)));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cpu_->barrier();
+  }
+
+  [[noreturn]] void abort(int code) override {
+    // Unblocks NCCL kernels that wait for peers, then stops the job through the CPU group.
+    if (comm_) ncclCommAbort(comm_);
+    comm_ = nullptr;
+    cpu_->abort(code);
+    std::_Exit(code);
+  }
+
+ private:
+  void require_device(const Tensor& t, const char* op) const {
+    XMOE_CHECK(t.device().is_cuda(),
+               "[{}] the NCCL backend moves CUDA tensors; got {} (copy it to cuda:{}, or use the "
+               "MPI group for CPU tensors)",
+               op, t.str(), device_);
+    XMOE_CHECK(t.device().index == device_, "[{}] {} is not on this group's device cuda:{}", op,
+               t.str(), device_);
+  }
+
+  /// Makes the communication stream wait for the work queued so far on the compute stream.
+  cudaStream_t begin() {
+    const cuda::Stream compute = cuda::activate(device_);
+    cudaEvent_t ready = events_->take();
+    CUDA_CHECK(cudaEventRecord(ready, compute));
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, ready, 0));
+    events_->give(ready);
+    return stream_;
+  }
+
+  /// Records the end of the queued collective; the Work orders the compute stream after it.
+  std::unique_ptr<Work> finish(std::vector<Tensor> keep) {
+    cudaEvent_t done = events_->take();
+    CUDA_CHECK(cudaEventRecord(done, stream_));
+    return std::make_unique<NcclWork>(device_, events_, done, std::move(keep));
+  }
+
+  std::shared_ptr<Group> cpu_;
+  int device_;
+  ncclComm_t comm_;
+  std::shared_ptr<EventPool> events_;
+  cudaStream_t stream_ = nullptr;
+  int rank_ = 0, size_ = 1;
+};
+
+/// The group owning `comm` (destroyed here if the group cannot be built).
+std::shared_ptr<Group> adopt(std::shared_ptr<Group> cpu, int device, ncclComm_t comm) {
+  try {
+    return std::make_shared<NcclGroup>(std::move(cpu), device, comm);
+  } catch (...) {
+    ncclCommDestroy(comm);
+    throw;
+  }
+}
+
+}  // namespace
+
+bool available() { return true; }
+
+std::shared_ptr<Group> make_group(std::shared_ptr<Group> cpu_group, int device) {
+  XMOE_CHECK(cpu_group != nullptr, "[nccl] make_group: no CPU group");
+  XMOE_CHECK(cpu_group->device().is_cpu(),
+             "[nccl] make_group bootstraps over a CPU group (MPI or single); got a {} group on {}",
+             cpu_group->backend_name(), cpu_group->device().str());
+  // Checked before any communication, so a bad device fails every rank alike instead of
+  // leaving the others waiting for the id.
+  const int devices = backend::cuda_device_count();
+  XMOE_CHECK(device >= 0 && device < devices,
+             "[nccl] make_group: cuda:{} requested but {} CUDA device(s) are visible", device,
+             devices);
+  cuda::activate(device);
+
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (cpu_group->rank() == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+  {
+    CountersGuard guard(*cpu_group);
+    Tensor buf = Tensor::empty({static_cast<int64_t>(sizeof(id))}, DType::u8);
+    std::memcpy(buf.raw(), &id, sizeof(id));
+    cpu_group->broadcast(buf, 0);
+    std::memcpy(&id, buf.raw(), sizeof(id));
+  }
+  ncclComm_t comm = nullptr;
+  NCCL_CHECK(ncclCommInitRank(&comm, cpu_group->size(), id, cpu_group->rank()));
+  return adopt(std::move(cpu_group), device, comm);
+}
+
+HostRanks host_ranks(Group& cpu_group) {
+  XMOE_CHECK(cpu_group.device().is_cpu(), "[nccl] host_ranks needs a CPU group, got {}",
+             cpu_group.backend_name());
+  constexpr int64_t kName = 256;
+  Tensor mine = Tensor::zeros({1, kName}, DType::u8);
+  gethostname(static_cast<char*>(mine.raw()), kName - 1);
+  CountersGuard guard(cpu_group);
+  const Tensor all = cpu_group.all_gather(mine);
+  const auto* names = static_cast<const char*>(all.raw());
+  const char* me = names + cpu_group.rank() * kName;
+  HostRanks out{0, 0};
+  for (int p = 0; p < cpu_group.size(); ++p) {
+    if (std::strncmp(names + p * kName, me, kName) != 0) continue;
+    if (p < cpu_group.rank()) ++out.local_rank;
+    ++out.local_size;
+  }
+  return out;
+}
+
+std::shared_ptr<Group> make_world(int ranks_per_node) {
+  std::shared_ptr<Group> world = comm::world(ranks_per_node);
+  const HostRanks host = host_ranks(*world);
+  const int devices = backend::cuda_device_count();
+  // Agree before creating the communicator: a rank that throws alone would leave the others
+  // waiting in ncclCommInitRank.
+  int worst = 0;
+  {
+    CountersGuard guard(*world);
+    Tensor short_by = Tensor::from_vector<int32_t>({host.local_size - devices}, {1});
+    world->all_reduce(short_by, ReduceOp::max);
+    worst = short_by.data<int32_t>()[0];
+  }
+  XMOE_CHECK(worst <= 0,
+             "[nccl] a host runs more ranks than it has CUDA devices (here: {} ranks, {} devices; "
+             "worst host short by {}): NCCL needs one device per rank",
+             host.local_size, devices, worst);
+  return make_group(std::move(world), host.local_rank);
+}
+
+}  // namespace xmoe::comm::nccl
