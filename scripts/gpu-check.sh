@@ -90,6 +90,14 @@ if [[ $built == 1 ]]; then
       awk '{ r = $7 / substr($9, 1, length($9) - 1); printf "  %.3f  %s\n", r, $0 }' |
       sort -rn | head -8 | tee -a "$LOG"
   fi
+  # The NCCL backend on this machine's GPUs: one rank per GPU. A skipped NCCL test exits 0, so
+  # look for GoogleTest's SKIPPED lines too.
+  if [[ -x "$BUILD_DIR/tests/mpi_test_nccl" ]]; then
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    step nccl mpirun --oversubscribe -np "$(( gpus > 0 ? gpus : 1 ))" "$BUILD_DIR/tests/mpi_test_nccl" \
+      || status=1
+    grep -Eq 'SKIPPED \].*Nccl\.' "$LOG" && { log "  WARNING: NCCL tests skipped"; status=1; }
+  fi
   if [[ "$RUN_ALL" != 0 ]]; then
     step all-tests ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" --timeout 900 \
       || status=1

@@ -185,9 +185,9 @@ TEST_F(Nccl, AllToAllVMovesExactlyTheRowsWithZeroRowPeers) {
     int64_t off_rank = 0;
     for (int p = 0; p < n; ++p)
       if (p != r) off_rank += send_rows[p] * d * 4;
-    EXPECT_EQ(g->counters().total(LinkClass::intra_node) +
-                  g->counters().total(LinkClass::inter_node),
-              off_rank);
+    EXPECT_EQ(
+        g->counters().total(LinkClass::intra_node) + g->counters().total(LinkClass::inter_node),
+        off_rank);
     EXPECT_EQ(g->counters().calls[ByteCounters::all_to_all], 1);
   }
   // A rank that sends and receives nothing at all still takes part in the group.
@@ -227,15 +227,20 @@ TEST_F(Nccl, AsyncCollectivesAreOrderedWithTheComputeStream) {
   EXPECT_EQ(wrong, 0) << "first value " << xv[0] << ", expected " << expect;
   EXPECT_EQ(other.to_vector<float>()[big - 1], 3.f);
 
-  // all_to_all_v_async: the send rows come out of a queued kernel (×2), the received rows go
-  // into one (×0.5) after wait().
-  const int64_t rows = 4096, d = 64;  // 1 MiB to each rank
+  // all_to_all_v_async: the send rows come out of queued kernels (×4, ×¼ ten times, then ×2:
+  // exact in f32), the received rows go into one (×½) after wait(). At np 1 the in-place
+  // all-reduce above moves nothing, but this exchange copies through NCCL (self send/recv).
+  const int64_t rows = 8192, d = 128;  // 4 MiB to each rank
   std::vector<int64_t> counts(n, rows);
   std::vector<float> sv(static_cast<size_t>(n * rows * d));
   for (int p = 0; p < n; ++p)
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t c = 0; c < d; ++c) sv[(p * rows + i) * d + c] = code(r, p, i % 100, c % 10) / 2;
   Tensor send = Tensor::from_vector<float>(sv, {n * rows, d}, dev_);
+  for (int i = 0; i < 10; ++i) {
+    ops::scale_(send, 4.f);
+    ops::scale_(send, 0.25f);
+  }
   ops::scale_(send, 2.f);
   Tensor recv;
   auto a2a = g->all_to_all_v_async(send, counts, counts, recv);

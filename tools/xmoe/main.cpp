@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
     if (*train_cmd) {
       const Config config = train_cfg.resolve();
       // Under mpirun/srun only rank 0 talks; the others log warnings and errors.
-      if (comm::world(config.parallel.ranks_per_node)->rank() != 0)
+      if (comm::world()->rank() != 0)
         spdlog::set_level(spdlog::level::warn);
       const ParamCount n = count_parameters(config.model);
       spdlog::info("model: {:.2f}M parameters ({:.2f}M active), {} layers, {} experts top-{}, run folder {}",

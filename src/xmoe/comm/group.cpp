@@ -15,6 +15,13 @@ int64_t ByteCounters::total(LinkClass link) const {
   return s;
 }
 
+std::shared_ptr<Group> Group::with_declared_nodes(int ranks_per_node) {
+  Topology declared = Topology::uniform(size(), ranks_per_node);
+  std::shared_ptr<Group> g = split(0, rank());
+  g->topology_ = std::move(declared);
+  return g;
+}
+
 void Group::count(ByteCounters::Kind kind, int peer, int64_t bytes) {
   if (peer == rank() || bytes == 0) return;
   counters_.bytes[kind][static_cast<int>(topology_.link(rank(), peer))] += bytes;

@@ -50,6 +50,9 @@ class Group {
   virtual std::shared_ptr<Group> split(int color, int key) = 0;
   /// Which node each rank of this group is on.
   const Topology& topology() const { return topology_; }
+  /// The same ranks (a new communicator) with declared nodes of `ranks_per_node` consecutive
+  /// ranks, to simulate several nodes on one machine. Collective.
+  std::shared_ptr<Group> with_declared_nodes(int ranks_per_node);
   /// Where the tensors this group moves live: the CPU (single, MPI) or cuda:i (NCCL).
   virtual Device device() const { return Device::cpu(); }
 

@@ -149,6 +149,11 @@ const std::vector<Key>& table() {
                "tensor-parallel degree of attention and dense layers (turns on SSMB)"),
       XMOE_KEY(parallel.ranks_per_node, at_least(0), {},
                "ranks per node: 0 = detect, >0 declares simulated nodes"),
+      XMOE_KEY(parallel.expert_placement, any(), {"none", "affinity"},
+               "expert placement at start/resume: none, or affinity (permute experts over "
+               "nodes so that experts chosen together share a node)"),
+      XMOE_KEY(parallel.placement_batches, at_least(1), {},
+               "batches whose routing is recorded to choose the affinity placement"),
   };
   return keys;
 }

@@ -13,6 +13,7 @@
 #include "xmoe/data/prepare.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/moe/layer.h"
+#include "xmoe/moe/placement.h"
 #include "xmoe/optim/adamw.h"
 #include "xmoe/optim/clip.h"
 #include "xmoe/optim/schedule.h"
@@ -65,6 +66,46 @@ double evaluate(model::Transformer& model, const data::DataLoader& loader, int b
   return world_mean(world, total / static_cast<double>(n));
 }
 
+/// parallel.expert_placement = affinity: records which experts the next training batches pick
+/// together (forward only), then permutes each MoE layer's experts over the nodes so that
+/// co-chosen experts share a node (fewer pilots cross nodes under rbd). Weights, router columns,
+/// balancing bias and AdamW moments move together: the model's function is unchanged.
+void place_experts(model::Transformer& model, optim::AdamW& opt, const data::DataLoader& loader,
+                   const parallel::Layout& layout, int batches, bool leader) {
+  const int nodes = layout.ep_group->topology().num_nodes();
+  if (nodes < 2) {
+    if (leader) spdlog::info("expert placement: the experts are on one node; nothing to place");
+    return;
+  }
+  const MoeConfig& moe_cfg = model.config().moe;
+  if (moe_cfg.gate == "sigmoid" && moe_cfg.num_groups > 1) {
+    if (leader)
+      spdlog::warn("expert placement skipped: group-limited routing (moe.num_groups = {}) ties "
+                   "experts to their groups", moe_cfg.num_groups);
+    return;
+  }
+  const auto layers = model.moe_layers();
+  for (moe::MoELayer* l : layers) l->set_record_coactivation(true);
+  for (int i = 0; i < batches; ++i) {
+    const data::Batch b = loader.batch_at(loader.position() + static_cast<uint64_t>(i));
+    model.evaluate_loss(b.inputs, b.targets);
+  }
+  for (moe::MoELayer* l : layers) {
+    const moe::CoactivationMatrix c = l->global_coactivation();
+    const int per_node = static_cast<int>(c.num_experts / nodes);
+    std::vector<int> identity(static_cast<size_t>(c.num_experts));
+    for (int e = 0; e < c.num_experts; ++e) identity[static_cast<size_t>(e)] = e;
+    const std::vector<int> perm = moe::optimize_placement(c, nodes, per_node);
+    if (leader)
+      spdlog::info("expert placement {}: intra-node co-activation {} -> {}", l->prefix(),
+                   moe::intra_node_coactivation(c, identity, per_node),
+                   moe::intra_node_coactivation(c, perm, per_node));
+    moe::apply_placement(*l, perm, &opt);
+    l->set_record_coactivation(false);
+    l->reset_coactivation();
+  }
+}
+
 /// XMOE_INJECT_FAULT=<rank>:<step> makes that rank throw at that step: the test of how a job
 /// stops when one process fails (docs/training.md).
 void maybe_inject_fault(int rank, int step) {
@@ -84,7 +125,13 @@ TrainResult train(const Config& config, const TrainOptions& options) {
   XMOE_CHECK(tc.device == "cpu",
              "[train] train.device = {} is not available yet: this build trains on the CPU",
              tc.device);
-  auto world_group = options.world ? options.world : comm::world(config.parallel.ranks_per_node);
+  XMOE_CHECK(config.parallel.tp == 1,
+             "[train] parallel.tp = {}: tensor parallelism (sequence-sharded MoE blocks) is not "
+             "implemented yet; use parallel.tp = 1",
+             config.parallel.tp);
+  auto world_group = options.world ? options.world : comm::world();
+  if (config.parallel.ranks_per_node > 0)
+    world_group = world_group->with_declared_nodes(config.parallel.ranks_per_node);
   const parallel::Layout layout = parallel::Layout::create(world_group, config.parallel.ep);
   comm::Group& world = *layout.world;
   const bool leader = layout.world_rank == 0;
@@ -131,6 +178,8 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     train_loader.set_position(ckpt.state.at("data_position").get<uint64_t>());
     if (leader) spdlog::info("resumed from {} at step {}", *latest, step);
   }
+  if (config.parallel.expert_placement == "affinity")
+    place_experts(model, opt, train_loader, layout, config.parallel.placement_batches, leader);
   result.first_step = step;
   const int last = options.stop_after >= 0 ? std::min(options.stop_after, tc.steps) : tc.steps;
 

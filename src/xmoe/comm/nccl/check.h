@@ -17,10 +17,10 @@ inline std::string last_error_detail() {
 }  // namespace xmoe::comm::nccl
 
 /// NCCL_CHECK(ncclAllReduce(...)): throws xmoe::Error naming the call and NCCL's error.
-#define NCCL_CHECK(call)                                                                     \
-  do {                                                                                       \
-    const ncclResult_t status_ = (call);                                                     \
-    XMOE_CHECK(status_ == ncclSuccess, "[nccl] {} failed: {} ({}){}", #call,                 \
-               ncclGetErrorString(status_), static_cast<int>(status_),                       \
-               ::xmoe::comm::nccl::last_error_detail());                                     \
+#define NCCL_CHECK(call)                                                     \
+  do {                                                                       \
+    const ncclResult_t status_ = (call);                                     \
+    XMOE_CHECK(status_ == ncclSuccess, "[nccl] {} failed: {} ({}){}", #call, \
+               ncclGetErrorString(status_), static_cast<int>(status_),       \
+               ::xmoe::comm::nccl::last_error_detail());                     \
   } while (0)

@@ -39,21 +39,30 @@ namespace {
 /// NCCL element type of a reduction (movement collectives send bytes and take any dtype).
 ncclDataType_t reduce_type(DType t, const char* op) {
   switch (t) {
-    case DType::f32: return ncclFloat32;
-    case DType::bf16: return ncclBfloat16;
-    case DType::i32: return ncclInt32;
-    case DType::i64: return ncclInt64;
-    case DType::f64: return ncclFloat64;
-    case DType::u8: break;
+    case DType::f32:
+      return ncclFloat32;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::i32:
+      return ncclInt32;
+    case DType::i64:
+      return ncclInt64;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::u8:
+      break;
   }
   XMOE_FAIL("[{}] no NCCL reduction for dtype {} (f32, bf16, i32, i64, f64)", op, dtype_name(t));
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return ncclSum;
-    case ReduceOp::max: return ncclMax;
-    case ReduceOp::min: return ncclMin;
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::max:
+      return ncclMax;
+    case ReduceOp::min:
+      return ncclMin;
   }
   return ncclSum;
 }
@@ -154,7 +163,10 @@ std::shared_ptr<Group> adopt(std::shared_ptr<Group> cpu, int device, ncclComm_t 
 class NcclGroup final : public Group {
  public:
   NcclGroup(std::shared_ptr<Group> cpu, int device, ncclComm_t comm)
-      : Group("nccl", cpu->topology()), cpu_(std::move(cpu)), device_(device), comm_(comm),
+      : Group("nccl", cpu->topology()),
+        cpu_(std::move(cpu)),
+        device_(device),
+        comm_(comm),
         events_(std::make_shared<EventPool>(device)) {
     rank_ = cpu_->rank();
     size_ = cpu_->size();
@@ -207,8 +219,8 @@ class NcclGroup final : public Group {
     for (int p = 0; p < size_; ++p) count(ByteCounters::all_reduce, p, 2 * block);
     cudaStream_t s = begin();
     if (t.numel() > 0)
-      NCCL_CHECK(ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()), type,
-                               nccl_op(op), comm_, s));
+      NCCL_CHECK(ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()), type, nccl_op(op),
+                               comm_, s));
     return finish({t});
   }
 
@@ -231,7 +243,8 @@ class NcclGroup final : public Group {
   Tensor reduce_scatter(const Tensor& t) override {
     require_device(t, "reduce_scatter");
     XMOE_CHECK(t.dim() >= 1 && t.size(0) % size_ == 0,
-               "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(), size_);
+               "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(),
+               size_);
     const ncclDataType_t type = reduce_type(t.dtype(), "reduce_scatter");
     ++counters_.calls[ByteCounters::reduce_scatter];
     Shape shape = t.shape();
@@ -258,10 +271,10 @@ class NcclGroup final : public Group {
                                            std::span<const int64_t> recv_rows,
                                            Tensor& recv) override {
     require_device(send, "all_to_all_v");
-    XMOE_CHECK(static_cast<int>(send_rows.size()) == size_ &&
-                   static_cast<int>(recv_rows.size()) == size_,
-               "[all_to_all_v] need {} send and recv counts, got {} and {}", size_,
-               send_rows.size(), recv_rows.size());
+    XMOE_CHECK(
+        static_cast<int>(send_rows.size()) == size_ && static_cast<int>(recv_rows.size()) == size_,
+        "[all_to_all_v] need {} send and recv counts, got {} and {}", size_, send_rows.size(),
+        recv_rows.size());
     for (int p = 0; p < size_; ++p)
       XMOE_CHECK(send_rows[p] >= 0 && recv_rows[p] >= 0,
                  "[all_to_all_v] negative count for rank {}: send {} recv {}", p, send_rows[p],
@@ -393,7 +406,9 @@ std::shared_ptr<Group> adopt(std::shared_ptr<Group> cpu, int device, ncclComm_t 
 
 }  // namespace
 
-bool available() { return true; }
+bool available() {
+  return true;
+}
 
 std::shared_ptr<Group> make_group(std::shared_ptr<Group> cpu_group, int device) {
   XMOE_CHECK(cpu_group != nullptr, "[nccl] make_group: no CPU group");

@@ -12,9 +12,17 @@ namespace {
 }
 }  // namespace
 
-bool available() { return false; }
-std::shared_ptr<Group> make_group(std::shared_ptr<Group>, int) { missing("make_group"); }
-HostRanks host_ranks(Group&) { missing("host_ranks"); }
-std::shared_ptr<Group> make_world(int) { missing("make_world"); }
+bool available() {
+  return false;
+}
+std::shared_ptr<Group> make_group(std::shared_ptr<Group>, int) {
+  missing("make_group");
+}
+HostRanks host_ranks(Group&) {
+  missing("host_ranks");
+}
+std::shared_ptr<Group> make_world(int) {
+  missing("make_world");
+}
 
 }  // namespace xmoe::comm::nccl
