@@ -104,7 +104,7 @@ class AllToAllDispatcher final : public Dispatcher {
       }
     h.num_recv_rows = std::accumulate(h.recv_counts.begin(), h.recv_counts.end(), int64_t{0});
     Tensor arrival = group_->all_to_all_v(rows, h.send_counts, h.recv_counts);  // [N_recv, d]
-    make_layouts(h);
+    make_layouts(h, rows.device());
     r.rows = xmoe::ops::gather_rows(arrival, h.recv_layout);  // expert-major
     return r;
   }
@@ -136,17 +136,14 @@ class AllToAllDispatcher final : public Dispatcher {
   }
 
   /// recv_layout (expert order <- arrival) and its inverse from the per-(source, expert) counts.
-  void make_layouts(DispatchHandle& h) const {
+  void make_layouts(DispatchHandle& h, Device device) const {
     const int P = ep_size_;
     const int64_t El = num_local_, n = h.num_recv_rows;
     // Arrival offset of block (p, i): sources in rank order, each with its experts in order.
     std::vector<int64_t> arrival_start(static_cast<size_t>(P * El), 0);
     for (int64_t b = 1; b < P * El; ++b)
       arrival_start[b] = arrival_start[b - 1] + h.recv_counts_per_expert[b - 1];
-    h.recv_layout = Tensor::empty({n}, DType::i32);
-    h.arrival_layout = Tensor::empty({n}, DType::i32);
-    int32_t* fwd = h.recv_layout.data<int32_t>();
-    int32_t* inv = h.arrival_layout.data<int32_t>();
+    std::vector<int32_t> fwd(static_cast<size_t>(n)), inv(static_cast<size_t>(n));
     int64_t j = 0;  // expert-order row: experts in order, each with its sources in rank order
     for (int64_t i = 0; i < El; ++i)
       for (int p = 0; p < P; ++p) {
@@ -156,6 +153,9 @@ class AllToAllDispatcher final : public Dispatcher {
           inv[start + q] = static_cast<int32_t>(j);
         }
       }
+    // Built on the host from host counts; uploaded to the rows' device (CUDA: one small copy).
+    h.recv_layout = Tensor::from_vector(fwd, {n}, device);
+    h.arrival_layout = Tensor::from_vector(inv, {n}, device);
   }
 
   int64_t num_experts_, num_local_ = 0;

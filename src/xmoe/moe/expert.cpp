@@ -1,5 +1,6 @@
 #include "xmoe/moe/expert.h"
 
+#include "xmoe/moe/moe_ops.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -31,8 +32,12 @@ class SwigluExperts final : public Experts {
   Tensor forward(const Tensor& rows, std::span<const int64_t> group_sizes) override {
     groups_.assign(group_sizes.begin(), group_sizes.end());
     rows_ = rows;                                                                   // [N, d]
-    Tensor h = xmoe::ops::grouped_matmul(rows, gate_up_.value, groups_);             // [N, 2f]
-    Tensor out = xmoe::ops::grouped_matmul(xmoe::ops::swiglu(h), down_.value, groups_);  // [N, d]
+    // bf16 rows (CUDA): one bf16 copy of each f32 master weight per forward, kept for backward;
+    // the weight gradients still accumulate in f32 (grouped_matmul_weight_grad's f32 dw).
+    wgu_ = as_dtype(gate_up_.value, rows.dtype());
+    wd_ = as_dtype(down_.value, rows.dtype());
+    Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);                       // [N, 2f]
+    Tensor out = xmoe::ops::grouped_matmul(xmoe::ops::swiglu(h), wd_, groups_);      // [N, d]
     h_ = recompute_ ? Tensor() : h;
     return out;
   }
@@ -40,20 +45,21 @@ class SwigluExperts final : public Experts {
   Tensor backward(const Tensor& d_out) override {
     XMOE_CHECK(rows_.defined(), "[moe experts] backward without a forward");
     check_shape(d_out, {rows_.size(0), down_.value.size(2)}, "moe experts backward", "d_out");
-    Tensor h = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, gate_up_.value, groups_);
+    const Tensor dout = as_dtype(d_out, rows_.dtype());
+    Tensor h = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);
     Tensor a = xmoe::ops::swiglu(h);                                                 // [N, f]
-    xmoe::ops::grouped_matmul_weight_grad(down_.grad, a, d_out, groups_, true);
-    Tensor da = xmoe::ops::grouped_matmul(d_out, down_.value, groups_, true);         // [N, f]
+    xmoe::ops::grouped_matmul_weight_grad(down_.grad, a, dout, groups_, true);
+    Tensor da = xmoe::ops::grouped_matmul(dout, wd_, groups_, true);                  // [N, f]
     a = Tensor();
     Tensor dh = xmoe::ops::swiglu_backward(h, da);                                   // [N, 2f]
     da = Tensor();
     h = Tensor();
     h_ = Tensor();
     xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_, true);
-    return xmoe::ops::grouped_matmul(dh, gate_up_.value, groups_, true);             // [N, d]
+    return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                        // [N, d]
   }
 
-  void release() override { rows_ = h_ = Tensor(); }
+  void release() override { rows_ = h_ = wgu_ = wd_ = Tensor(); }
   void set_recompute(bool on) override { recompute_ = on; }
   void collect_parameters(std::vector<Parameter*>& out) override {
     out.push_back(&gate_up_);
@@ -65,6 +71,7 @@ class SwigluExperts final : public Experts {
   Parameter gate_up_, down_;
   std::vector<int64_t> groups_;
   Tensor rows_, h_;
+  Tensor wgu_, wd_;  // the weights in the rows' dtype (the parameters themselves when f32)
 };
 
 }  // namespace

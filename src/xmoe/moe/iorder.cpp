@@ -15,7 +15,9 @@ Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
   combine_weights_ = combine_weights;
   token_ids_ = layout.token_ids;
   padded_ = layout.padded;
-  Tensor y = Tensor::zeros({layout.num_tokens, rows_out.size(1)});
+  // y has the rows' dtype (bf16 rows: each token's sum is taken in f32 and rounded once).
+  Tensor y = Tensor::zeros({layout.num_tokens, rows_out.size(1)}, rows_out.dtype(),
+                           rows_out.device());
   if (padded_) {
     scatter_add_rows_masked(y, rows_out, token_ids_, combine_weights);
   } else {
@@ -29,8 +31,10 @@ IOrder::Grads IOrder::backward(const Tensor& dy) {
   check_shape(dy, {-1, rows_out_.size(1)}, "moe iorder backward", "dy");
   Grads g;
   // dy gathered to rows [N, d]; it becomes d_rows in place once d_combine_weights is taken.
-  g.d_rows = padded_ ? gather_rows_masked(dy, token_ids_) : xmoe::ops::gather_rows(dy, token_ids_);
-  g.d_combine_weights = xmoe::ops::row_dot(rows_out_, g.d_rows);
+  const Tensor dy_rows = as_dtype(dy, rows_out_.dtype());
+  g.d_rows = padded_ ? gather_rows_masked(dy_rows, token_ids_)
+                     : xmoe::ops::gather_rows(dy_rows, token_ids_);
+  g.d_combine_weights = row_dot_f32(rows_out_, g.d_rows);  // f32 [N], also for bf16 rows
   scale_rows_(g.d_rows, combine_weights_);
   return g;
 }

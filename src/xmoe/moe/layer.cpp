@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/dispatch.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -84,7 +86,8 @@ template <class Body> void MoELayer::run_stage(StageContext& ctx, Stage stage, B
 }
 
 Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
-  check_dtype(x_in, DType::f32, "moe", "x");
+  // Activations: f32, or bf16 on CUDA (parameters stay f32; see docs/moe.md, "On CUDA").
+  xmoe::ops::detail::require_float("moe", "x", x_in);
   check_shape(x_in, {-1, d_model_}, "moe", "x");
   const int64_t T = x_in.size(0);
   XMOE_CHECK(seq_len >= 1 && T % seq_len == 0,
@@ -99,7 +102,8 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   StageContext ctx(prefix_, Phase::forward);
   ctx.set("x", x_in);
   run_stage(ctx, Stage::gate, [&] {
-    GateOutput g = gate_->forward(ctx.get("x"), seq_len, fixed_idx);
+    // The router runs in f32 whatever the activations' dtype (routing is precision-sensitive).
+    GateOutput g = gate_->forward(as_dtype(ctx.get("x"), DType::f32), seq_len, fixed_idx);
     aux_ = g.aux;
     ctx.set("topk_idx", g.topk_idx);
     ctx.set("topk_weight", g.topk_weight);
@@ -145,7 +149,7 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   run_stage(ctx, Stage::iorder, [&] {
     Tensor y;
     if (reduces) {  // rows_out: weighted partial sums [G, d] of tokens handle_.group_tokens
-      y = Tensor::zeros({T, d_model_}, DType::f32, x_in.device());
+      y = Tensor::zeros({T, d_model_}, x_in.dtype(), x_in.device());
       xmoe::ops::scatter_add_rows(y, ctx.get("rows_out"), handle_.group_tokens);
     } else {
       y = iorder_.forward(ctx.get("rows_out"), ctx.get("combine_weights"), layout);
@@ -202,7 +206,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
   run_stage(ctx, Stage::gate, [&] {
     // Weights a hook replaced are constants: only the aux losses reach the router then.
     Tensor dw = ctx.get("d_topk_weight");
-    if (gate_output_replaced_) dw = Tensor::zeros(dw.shape());
+    if (gate_output_replaced_) dw = Tensor::zeros(dw.shape(), dw.dtype(), dw.device());
     gate_->set_aux_grad_scale(aux_grad_scale_);
     ctx.set("d_x_gate", gate_->backward(dw));
   });
@@ -294,13 +298,13 @@ template <class T> std::vector<T> permuted(const std::vector<T>& v, const std::v
 void MoELayer::permute_tensor(Tensor& t, const std::vector<int>& perm, bool sharded, int axis) {
   const int64_t E = cfg_.num_experts;
   if (axis == 1) {  // [r, E] (or [E]): columns
-    XMOE_CHECK(t.is_cpu() && t.dtype() == DType::f32 && t.size(-1) == E,
-               "[moe permute_experts] expected f32 [..., {}] on the CPU, got {}", E, t.str());
+    XMOE_CHECK(t.dtype() == DType::f32 && t.size(-1) == E,
+               "[moe permute_experts] expected f32 [..., {}], got {}", E, t.str());
     const int64_t rows = t.numel() / E;
     std::vector<float> v = t.to_vector<float>(), out(v.size());
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t s = 0; s < E; ++s) out[r * E + s] = v[r * E + perm[s]];
-    t.copy_from(Tensor::from_vector(out, t.shape()));
+    t.copy_from(Tensor::from_vector(out, t.shape(), t.device()));
     return;
   }
   // Expert rows [E_local, ...]: the full [E, ...] tensor, permuted, then this rank's slice.
@@ -371,7 +375,7 @@ void MoELayer::permute_experts(const std::vector<int>& perm) {
     for (int64_t s = 0; s < E; ++s) inv[perm[s]] = static_cast<int32_t>(s);
     std::vector<int32_t> idx = last_topk_idx_.to_vector<int32_t>();
     for (int32_t& e : idx) e = inv[e];
-    last_topk_idx_ = Tensor::from_vector(idx, last_topk_idx_.shape());
+    last_topk_idx_ = Tensor::from_vector(idx, last_topk_idx_.shape(), last_topk_idx_.device());
   }
 }
 

@@ -4,6 +4,9 @@
 #include <cmath>
 #include <cstring>
 
+#include "xmoe/backend/cuda/moe_kernels.h"
+#include "xmoe/ops/dispatch.h"
+
 namespace xmoe::moe {
 
 namespace {
@@ -31,6 +34,64 @@ void all_sum_f64(comm::Group* group, std::span<double> values) {
   }
 }
 
+namespace {
+
+AuxLossTerms aux_losses_device(const Tensor& probs, const Tensor& topk_idx,
+                               const Tensor& z_logits, int64_t seq_len, const AuxLossWeights& w,
+                               AuxLossState& st, comm::Group* world) {
+  const char* op = "moe aux losses";
+  using xmoe::ops::detail::require_on;
+  require_on(op, "probs", probs, DType::f32, "probs", probs);
+  require_on(op, "topk_idx", topk_idx, DType::i32, "probs", probs);
+  require_on(op, "z_logits", z_logits, DType::f32, "probs", probs);
+  const int64_t T = probs.size(0), E = probs.size(1), k = topk_idx.size(1), S = T / seq_len;
+  const Device dev = probs.device();
+  st = AuxLossState{};
+  st.tokens = T;
+  st.experts = E;
+  st.top_k = k;
+  st.seq_len = seq_len;
+  st.frac.assign(static_cast<size_t>(E), 0.0);
+  Tensor stats = Tensor::empty({2 * E + 2}, DType::f64, dev);
+  st.seq_count_device = Tensor::empty({S, E}, DType::f32, dev);
+  Tensor seq_psum = Tensor::empty({S, E}, DType::f64, dev);
+  cuda::moe_aux_stats(stats.data<double>(), st.seq_count_device.data<float>(),
+                      seq_psum.data<double>(), probs.data<float>(), topk_idx.data<int32_t>(),
+                      z_logits.data<float>(), T, E, k, seq_len, xmoe::ops::detail::stream_of(probs));
+  // The gate's one host synchronisation: [count_e (E), psum_e (E), seq term, sum lse^2].
+  const std::vector<double> h = stats.to_vector<double>();
+  // The same global vector as the CPU path: [count (E), psum (E), T, S, seq term, sum lse^2].
+  std::vector<double> g(static_cast<size_t>(2 * E + 4), 0.0);
+  std::copy(h.begin(), h.begin() + 2 * E, g.begin());
+  g[2 * E] = static_cast<double>(T);
+  g[2 * E + 1] = static_cast<double>(S);
+  g[2 * E + 2] = h[2 * E];
+  g[2 * E + 3] = h[2 * E + 1];
+  all_sum_f64(world, g);
+  const double W = world ? static_cast<double>(world->size()) : 1.0;
+  const double Tg = g[2 * E], Sg = g[2 * E + 1];
+  AuxLossTerms out;
+  if (Tg > 0) {
+    for (int64_t e = 0; e < E; ++e) {
+      st.frac[e] = g[e] / (Tg * static_cast<double>(k));
+      out.load_balance += E * st.frac[e] * (g[E + e] / Tg);
+    }
+    out.seq_balance = g[2 * E + 2] / Sg;
+    out.z_loss = g[2 * E + 3] / Tg;
+  }
+  st.lb_denom = st.z_denom = Tg / W;
+  st.seq_denom = static_cast<double>(seq_len) * Sg / W;
+  if (w.load_balance != 0.f) {  // f_e for backward, on the device (the stream is idle here)
+    std::vector<float> f(st.frac.begin(), st.frac.end());
+    st.frac_device = Tensor::from_vector(f, {E}, dev);
+  }
+  out.weighted = w.load_balance * out.load_balance + w.seq_balance * out.seq_balance +
+                 w.z_loss * out.z_loss;
+  return out;
+}
+
+}  // namespace
+
 AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tensor& z_logits,
                         int64_t seq_len, const AuxLossWeights& w, AuxLossState& st,
                         comm::Group* world) {
@@ -42,7 +103,14 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
   XMOE_CHECK(seq_len > 0 && T % seq_len == 0, "[{}] {} tokens are not a multiple of seq_len {}",
              op, T, seq_len);
   const int64_t k = topk_idx.size(1), S = T / seq_len;
-  st = {T, E, k, seq_len, std::vector<double>(E, 0.0), std::vector<double>(S * E, 0.0)};
+  if (!probs.is_cpu()) return aux_losses_device(probs, topk_idx, z_logits, seq_len, w, st, world);
+  st = AuxLossState{};
+  st.tokens = T;
+  st.experts = E;
+  st.top_k = k;
+  st.seq_len = seq_len;
+  st.frac.assign(static_cast<size_t>(E), 0.0);
+  st.seq_frac.assign(static_cast<size_t>(S * E), 0.0);
   const int32_t* idx = topk_idx.data<int32_t>();
   const float* P = probs.data<float>();
   // This rank's sums, then the global ones: [count_e (E), sum_t P[t,e] (E), T, S,
@@ -97,6 +165,26 @@ void aux_losses_backward(const Tensor& z_logits, const AuxLossState& st, const A
   const int64_t T = st.tokens, E = st.experts, L = st.seq_len;
   check_shape(dprobs, {T, E}, "moe aux losses backward", "dprobs");
   check_shape(dlogits, {T, E}, "moe aux losses backward", "dlogits");
+  if (!dprobs.is_cpu()) {
+    const char* op = "moe aux losses backward";
+    using xmoe::ops::detail::require_on;
+    require_on(op, "dprobs", dprobs, DType::f32, "dprobs", dprobs);
+    require_on(op, "dlogits", dlogits, DType::f32, "dprobs", dprobs);
+    require_on(op, "z_logits", z_logits, DType::f32, "dprobs", dprobs);
+    XMOE_CHECK(st.seq_count_device.defined(), "[{}] the forward ran on the CPU", op);
+    XMOE_CHECK(w.load_balance == 0.f || st.frac_device.defined(),
+               "[{}] the forward had no load-balance weight", op);
+    const int64_t k = st.top_k;
+    const double lb = w.load_balance != 0.f ? w.load_balance * E / st.lb_denom : 0.0;
+    const double seq =
+        w.seq_balance != 0.f ? w.seq_balance * E / (static_cast<double>(L * k) * st.seq_denom) : 0.0;
+    const double z = w.z_loss != 0.f ? w.z_loss * 2.0 / st.z_denom : 0.0;
+    cuda::moe_aux_backward(dprobs.data<float>(), dlogits.data<float>(), z_logits.data<float>(),
+                           lb != 0.0 ? st.frac_device.data<float>() : nullptr,
+                           st.seq_count_device.data<float>(), T, E, L, lb, seq, z,
+                           xmoe::ops::detail::stream_of(dprobs));
+    return;
+  }
   float* dP = dprobs.data<float>();
   // d/dP[t,e] of E * sum_e f_e * mean_t P[t,e] is E * f_e / T (f_e held fixed); over ranks
   // T is T_g / W (see the header: W times this rank's share of the global gradient).

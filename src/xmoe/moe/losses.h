@@ -60,6 +60,9 @@ struct AuxLossState {
   std::vector<double> seq_frac;  ///< [S, E] f_{s,e} (this rank's sequences)
   /// Gradient denominators: T_g / W, seq_len * S_g / W, T_g / W (T, seq_len * S, T alone).
   double lb_denom = 1, seq_denom = 1, z_denom = 1;
+  /// CUDA inputs: frac and the per-sequence counts stay on the device for backward (f32 [E],
+  /// f32 [S, E]); seq_frac is then empty.
+  Tensor frac_device, seq_count_device;
 };
 
 /// Sums `values` over the ranks of `group` in double, identically on every rank (the partial
@@ -71,6 +74,9 @@ void all_sum_f64(comm::Group* group, std::span<double> values);
 /// [T, k], z_logits [T, E] (the logits of the z-loss), seq_len dividing T. `world` (null = one
 /// process) is the group whose tokens form the global batch: one collective per call, which
 /// every rank of it must make.
+/// CUDA tensors (f32): the statistics are reduced on the device (backend/cuda/moe_losses.cu) and
+/// their 2E + 2 doubles copied to the host (one wait: the reported loss and the all-reduce over
+/// `world`, a CPU group, need them there); f_e goes back to the device for backward.
 AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tensor& z_logits,
                         int64_t seq_len, const AuxLossWeights& w, AuxLossState& state,
                         comm::Group* world = nullptr);

@@ -4,28 +4,52 @@
 #include <cmath>
 #include <cstring>
 
+#include "xmoe/backend/cuda/moe_kernels.h"
+#include "xmoe/ops/dispatch.h"
+#include "xmoe/ops/ops.h"
+
 namespace xmoe::moe {
 
+using xmoe::ops::detail::stream_of;
+
 namespace {
+/// A float operand: f32 on the CPU, f32 or bf16 on CUDA.
 void require_cpu_f32(const char* op, const char* name, const Tensor& t) {
-  XMOE_CHECK(t.defined(), "[{}] {} is undefined", op, name);
-  XMOE_CHECK(t.is_cpu(), "[{}] {} is on {}; only the CPU is implemented", op, name,
-             t.device().str());
-  check_dtype(t, DType::f32, op, name);
+  xmoe::ops::detail::require_float(op, name, t);
 }
-void require_index(const char* op, const char* name, const Tensor& t) {
-  XMOE_CHECK(t.defined() && t.is_cpu(), "[{}] {} must be a CPU tensor", op, name);
-  check_dtype(t, DType::i32, op, name);
+/// An operand of exactly `dtype` on ref's device (f32 weights and statistics beside bf16 rows).
+void require_exact(const char* op, const char* name, const Tensor& t, DType dtype,
+                   const char* ref_name, const Tensor& ref) {
+  xmoe::ops::detail::require_on(op, name, t, dtype, ref_name, ref);
+}
+/// A float operand on ref's device with ref's dtype.
+void require_like(const char* op, const char* name, const Tensor& t, const char* ref_name,
+                  const Tensor& ref) {
+  xmoe::ops::detail::require_like(op, name, t, ref_name, ref);
+}
+void require_index(const char* op, const char* name, const Tensor& t, const char* ref_name,
+                   const Tensor& ref) {
+  XMOE_CHECK(t.defined(), "[{}] {} is undefined", op, name);
+  xmoe::ops::detail::require_on(op, name, t, DType::i32, ref_name, ref);
 }
 }  // namespace
 
 Tensor gather_rows_masked(const Tensor& x, const Tensor& index) {
   const char* op = "gather_rows_masked";
   require_cpu_f32(op, "x", x);
-  require_index(op, "index", index);
+  require_index(op, "index", index, "x", x);
   check_shape(x, {-1, -1}, op, "x");
   const int64_t n = x.size(0), d = x.size(1), m = index.numel();
-  Tensor out = Tensor::empty({m, d});
+  Tensor out = Tensor::empty({m, d}, x.dtype(), x.device());
+  if (!x.is_cpu()) {
+    // The launcher gives a zero row for any index outside [0, n), -1 included; the values are
+    // checked on the host only when XMOE_CUDA_CHECK_INDICES asks (it waits for the stream).
+    if (xmoe::ops::detail::cuda_check_indices())
+      xmoe::ops::detail::check_index_values(op, "index", index, n, true);
+    cuda::gather_rows(out.raw(), x.raw(), x.dtype(), index.data<int32_t>(), m, n, d,
+                      stream_of(x));
+    return out;
+  }
   const float* xs = x.data<float>();
   const int32_t* idx = index.data<int32_t>();
   for (int64_t i = 0; i < m; ++i)
@@ -49,14 +73,30 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
   const char* op = "scatter_add_rows_masked";
   require_cpu_f32(op, "out", out);
   require_cpu_f32(op, "src", src);
-  require_index(op, "index", index);
+  xmoe::ops::detail::require_same_device(op, "src", src, "out", out);
+  require_index(op, "index", index, "out", out);
   check_shape(out, {-1, -1}, op, "out");
   const int64_t m = index.numel(), d = out.size(1), n = out.size(0);
   check_shape(src, {m, d}, op, "src");
   if (weight.defined()) {
     require_cpu_f32(op, "weight", weight);
+    xmoe::ops::detail::require_same_device(op, "weight", weight, "out", out);
     XMOE_CHECK(weight.numel() == m, "[{}] weight has {} elements, index {}", op, weight.numel(),
                m);
+  }
+  if (!out.is_cpu()) {
+    // Deterministic sorted scatter of the backend (index.cu); entries outside [0, n) — the -1
+    // padding rows — are skipped.
+    if (xmoe::ops::detail::cuda_check_indices())
+      xmoe::ops::detail::check_index_values(op, "index", index, n, true);
+    const cuda::Stream s = stream_of(out);
+    const size_t bytes = cuda::scatter_add_rows_workspace_bytes(m, n);
+    Tensor ws = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, out.device());
+    cuda::scatter_add_rows(out.raw(), out.dtype(), src.raw(), src.dtype(), index.data<int32_t>(),
+                           weight.defined() ? weight.raw() : nullptr,
+                           weight.defined() ? weight.dtype() : DType::f32, m, n, d, ws.raw(),
+                           bytes, s);
+    return;
   }
   const int32_t* idx = index.data<int32_t>();
   for (int64_t i = 0; i < m; ++i)
@@ -79,10 +119,14 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
 void scale_rows_(Tensor& x, const Tensor& w) {
   const char* op = "scale_rows_";
   require_cpu_f32(op, "x", x);
-  require_cpu_f32(op, "w", w);
+  require_exact(op, "w", w, DType::f32, "x", x);
   check_shape(x, {-1, -1}, op, "x");
   const int64_t n = x.size(0), d = x.size(1);
   XMOE_CHECK(w.numel() == n, "[{}] w has {} elements for {} rows", op, w.numel(), n);
+  if (!x.is_cpu()) {
+    cuda::moe_scale_rows(x.raw(), x.dtype(), w.data<float>(), n, d, stream_of(x));
+    return;
+  }
   float* xs = x.data<float>();
   const float* ws = w.data<float>();
 #pragma omp parallel for schedule(static) if (n * d > (1 << 15))
@@ -90,15 +134,33 @@ void scale_rows_(Tensor& x, const Tensor& w) {
     for (int64_t j = 0; j < d; ++j) xs[i * d + j] *= ws[i];
 }
 
+Tensor row_dot_f32(const Tensor& a, const Tensor& b) {
+  const char* op = "row_dot_f32";
+  require_cpu_f32(op, "a", a);
+  require_like(op, "b", b, "a", a);
+  check_shape(a, {-1, -1}, op, "a");
+  check_shape(b, a.shape(), op, "b");
+  if (a.is_cpu()) return xmoe::ops::row_dot(a, b);
+  Tensor out = Tensor::empty({a.size(0)}, DType::f32, a.device());
+  cuda::moe_row_dot_f32(out.data<float>(), a.raw(), b.raw(), a.dtype(), a.size(0), a.size(1),
+                        stream_of(a));
+  return out;
+}
+
 Tensor take_along_rows(const Tensor& x, const Tensor& idx) {
   const char* op = "take_along_rows";
   require_cpu_f32(op, "x", x);
-  require_index(op, "idx", idx);
+  require_index(op, "idx", idx, "x", x);
   check_shape(x, {-1, -1}, op, "x");
   const int64_t n = x.size(0), e = x.size(1);
   check_shape(idx, {n, -1}, op, "idx");
   const int64_t k = idx.size(1);
-  Tensor out = Tensor::empty({n, k});
+  Tensor out = Tensor::empty({n, k}, x.dtype(), x.device());
+  if (!x.is_cpu()) {  // ids come from top-k or a checked selection: no host check here
+    cuda::moe_take_along_rows(out.raw(), x.raw(), x.dtype(), idx.data<int32_t>(), n, e, k,
+                              stream_of(x));
+    return out;
+  }
   const float* xs = x.data<float>();
   const int32_t* is = idx.data<int32_t>();
   float* o = out.data<float>();
@@ -113,12 +175,18 @@ void put_along_rows_add(Tensor& out, const Tensor& idx, const Tensor& src) {
   const char* op = "put_along_rows_add";
   require_cpu_f32(op, "out", out);
   require_cpu_f32(op, "src", src);
-  require_index(op, "idx", idx);
+  xmoe::ops::detail::require_same_device(op, "src", src, "out", out);
+  require_index(op, "idx", idx, "out", out);
   check_shape(out, {-1, -1}, op, "out");
   const int64_t n = out.size(0), e = out.size(1);
   check_shape(idx, {n, -1}, op, "idx");
   check_shape(src, idx.shape(), op, "src");
   const int64_t k = idx.size(1);
+  if (!out.is_cpu()) {
+    cuda::moe_put_along_rows_add(out.raw(), out.dtype(), idx.data<int32_t>(), src.raw(),
+                                 src.dtype(), n, e, k, stream_of(out));
+    return;
+  }
   const int32_t* is = idx.data<int32_t>();
   const float* s = src.data<float>();
   float* o = out.data<float>();
@@ -132,7 +200,11 @@ Tensor transpose(const Tensor& x) {
   require_cpu_f32("transpose", "x", x);
   check_shape(x, {-1, -1}, "transpose", "x");
   const int64_t m = x.size(0), n = x.size(1);
-  Tensor y = Tensor::empty({n, m});
+  Tensor y = Tensor::empty({n, m}, x.dtype(), x.device());
+  if (!x.is_cpu()) {
+    cuda::moe_transpose(y.raw(), x.raw(), x.dtype(), m, n, stream_of(x));
+    return y;
+  }
   const float* xs = x.data<float>();
   float* ys = y.data<float>();
   for (int64_t i = 0; i < m; ++i)
@@ -144,7 +216,13 @@ L2NormResult l2_normalize_rows(const Tensor& x, float eps) {
   require_cpu_f32("l2_normalize_rows", "x", x);
   check_shape(x, {-1, -1}, "l2_normalize_rows", "x");
   const int64_t n = x.size(0), d = x.size(1);
-  L2NormResult r{Tensor::empty({n, d}), Tensor::empty({n})};
+  L2NormResult r{Tensor::empty({n, d}, x.dtype(), x.device()),
+                 Tensor::empty({n}, DType::f32, x.device())};
+  if (!x.is_cpu()) {
+    cuda::moe_l2_normalize_rows(r.y.raw(), r.norm.data<float>(), x.raw(), x.dtype(), n, d, eps,
+                                stream_of(x));
+    return r;
+  }
   const float* xs = x.data<float>();
   float* ys = r.y.data<float>();
   float* ns = r.norm.data<float>();
@@ -161,12 +239,17 @@ L2NormResult l2_normalize_rows(const Tensor& x, float eps) {
 Tensor l2_normalize_rows_backward(const Tensor& y, const Tensor& norm, const Tensor& dy) {
   const char* op = "l2_normalize_rows_backward";
   require_cpu_f32(op, "y", y);
-  require_cpu_f32(op, "norm", norm);
-  require_cpu_f32(op, "dy", dy);
+  require_exact(op, "norm", norm, DType::f32, "y", y);
+  require_like(op, "dy", dy, "y", y);
   check_shape(dy, y.shape(), op, "dy");
   const int64_t n = y.size(0), d = y.size(1);
   XMOE_CHECK(norm.numel() == n, "[{}] norm has {} elements for {} rows", op, norm.numel(), n);
-  Tensor dx = Tensor::empty({n, d});
+  Tensor dx = Tensor::empty({n, d}, y.dtype(), y.device());
+  if (!y.is_cpu()) {
+    cuda::moe_l2_normalize_rows_backward(dx.raw(), y.raw(), norm.data<float>(), dy.raw(),
+                                         y.dtype(), n, d, stream_of(y));
+    return dx;
+  }
   const float* ys = y.data<float>();
   const float* ns = norm.data<float>();
   const float* g = dy.data<float>();
@@ -183,8 +266,13 @@ Tensor renormalize_rows(const Tensor& v, float scale, Tensor& sums) {
   require_cpu_f32("renormalize_rows", "v", v);
   check_shape(v, {-1, -1}, "renormalize_rows", "v");
   const int64_t n = v.size(0), k = v.size(1);
-  Tensor w = Tensor::empty({n, k});
-  sums = Tensor::empty({n});
+  Tensor w = Tensor::empty({n, k}, v.dtype(), v.device());
+  sums = Tensor::empty({n}, DType::f32, v.device());
+  if (!v.is_cpu()) {
+    cuda::moe_renormalize_rows(w.raw(), sums.data<float>(), v.raw(), v.dtype(), n, k, scale,
+                               stream_of(v));
+    return w;
+  }
   const float* vs = v.data<float>();
   float* ws = w.data<float>();
   float* ss = sums.data<float>();
@@ -202,10 +290,17 @@ Tensor renormalize_rows_backward(const Tensor& w, const Tensor& sums, const Tens
                                  float scale) {
   const char* op = "renormalize_rows_backward";
   require_cpu_f32(op, "w", w);
-  require_cpu_f32(op, "dw", dw);
+  require_like(op, "dw", dw, "w", w);
+  require_exact(op, "sums", sums, DType::f32, "w", w);
   check_shape(dw, w.shape(), op, "dw");
   const int64_t n = w.size(0), k = w.size(1);
-  Tensor dv = Tensor::empty({n, k});
+  XMOE_CHECK(sums.numel() == n, "[{}] sums has {} elements for {} rows", op, sums.numel(), n);
+  Tensor dv = Tensor::empty({n, k}, w.dtype(), w.device());
+  if (!w.is_cpu()) {
+    cuda::moe_renormalize_rows_backward(dv.raw(), w.raw(), sums.data<float>(), dw.raw(),
+                                        w.dtype(), n, k, scale, stream_of(w));
+    return dv;
+  }
   const float* ws = w.data<float>();
   const float* g = dw.data<float>();
   const float* ss = sums.data<float>();
@@ -216,6 +311,10 @@ Tensor renormalize_rows_backward(const Tensor& w, const Tensor& sums, const Tens
     for (int64_t j = 0; j < k; ++j) o[i * k + j] = (scale * g[i * k + j] - dot) / ss[i];
   }
   return dv;
+}
+
+Tensor as_dtype(const Tensor& x, DType dtype) {
+  return x.dtype() == dtype ? x : xmoe::ops::cast(x, dtype);
 }
 
 }  // namespace xmoe::moe

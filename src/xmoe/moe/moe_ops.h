@@ -1,7 +1,9 @@
 #pragma once
-// Small ops the MoE stages need that xmoe/ops/ops.h does not (yet) provide. Same conventions as
-// ops.h: argument checks name the op, CPU f32/i32 tensors; a CUDA backend would move these into
-// ops.h + backend/{cpu,cuda}. Index tensors are i32; an index < 0 marks an empty (padding) slot.
+// Small ops the MoE stages need that xmoe/ops/ops.h does not provide. Same conventions as ops.h:
+// argument checks name the op, device dispatch on the first operand — CPU tensors run the host
+// loops here (f32), CUDA tensors the launchers of backend/cuda/moe_kernels.h (f32 or bf16 rows,
+// f32 math; weights, norms and sums f32). Index tensors are i32 on the same device; an index < 0
+// marks an empty (padding) slot. No op here waits for the device.
 #include <cstdint>
 
 #include "xmoe/core/tensor.h"
@@ -15,11 +17,15 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
                              const Tensor& weight = Tensor());
 /// x[i, :] *= w[i] in place; x [N, d], w f32 [N].
 void scale_rows_(Tensor& x, const Tensor& w);
+/// out[i] = a[i] . b[i] as f32 [N] (also for bf16 rows a, b [N, d]).
+Tensor row_dot_f32(const Tensor& a, const Tensor& b);
+/// x itself when it has `dtype`, else ops::cast(x, dtype).
+Tensor as_dtype(const Tensor& x, DType dtype);
 /// out[i, j] = x[i, idx[i, j]]: x [N, E], idx i32 [N, k] -> [N, k].
 Tensor take_along_rows(const Tensor& x, const Tensor& idx);
 /// out[i, idx[i, j]] += src[i, j]: out [N, E], idx i32 [N, k], src [N, k].
 void put_along_rows_add(Tensor& out, const Tensor& idx, const Tensor& src);
-/// Transpose of a 2-d f32 tensor: [M, N] -> [N, M].
+/// Transpose of a 2-d float tensor: [M, N] -> [N, M].
 Tensor transpose(const Tensor& x);
 
 struct L2NormResult {

@@ -1,7 +1,12 @@
 #include "xmoe/moe/order.h"
 
+#include <algorithm>
+
+#include "xmoe/backend/cuda/moe_kernels.h"
+
 #include "xmoe/moe/moe_ops.h"
 #include "xmoe/moe/padded.h"
+#include "xmoe/ops/dispatch.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -57,19 +62,65 @@ class PftOrder final : public Order {
 
 }  // namespace
 
+TokenLayout Order::make_device_layout(const Tensor& topk_idx, const Tensor& topk_weight) const {
+  const int64_t T = topk_idx.size(0), k = topk_idx.size(1), E = num_experts_;
+  const int64_t C = capacity_for(T, k);  // 0: PFT
+  const int64_t N = C > 0 ? E * C : T * k;
+  const Device dev = topk_idx.device();
+  TokenLayout l;
+  l.num_tokens = T;
+  l.top_k = k;
+  l.num_experts = E;
+  l.capacity = C;
+  l.padded = C > 0;
+  l.token_ids = Tensor::empty({N}, DType::i32, dev);
+  l.expert_ids = Tensor::empty({N}, DType::i32, dev);
+  l.combine_weights = Tensor::empty({N}, DType::f32, dev);
+  l.slot_to_row = Tensor::empty({T * k}, DType::i32, dev);
+  Tensor counts = Tensor::empty({E + 1}, DType::i64, dev);  // [load (E), first bad pair]
+  const size_t bytes = cuda::moe_layout_workspace_bytes(T * k, E);
+  Tensor ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::u8, dev);
+  cuda::moe_layout(topk_idx.data<int32_t>(), topk_weight.data<float>(), T * k, k, E, C,
+                   l.token_ids.data<int32_t>(), l.expert_ids.data<int32_t>(),
+                   l.combine_weights.data<float>(), l.slot_to_row.data<int32_t>(),
+                   counts.data<int64_t>(), ws.raw(), bytes, xmoe::ops::detail::stream_of(topk_idx));
+  // The order stage's one host synchronisation: grouped GEMM group sizes and all-to-all-v counts
+  // are host values. The id check rides on the same copy.
+  const std::vector<int64_t> c = counts.to_vector<int64_t>();
+  XMOE_CHECK(c[E] < 0, "[moe order] topk_idx holds expert {} outside [0, {})",
+             static_cast<int64_t>(topk_idx.item(c[E])), E);
+  l.load.assign(c.begin(), c.begin() + E);
+  l.tokens_per_expert = l.load;
+  if (C > 0) {
+    for (int64_t e = 0; e < E; ++e) {
+      l.tokens_per_expert[e] = std::min(l.load[e], C);
+      l.dropped += l.load[e] - l.tokens_per_expert[e];
+    }
+    l.group_sizes.assign(static_cast<size_t>(E), C);
+  } else {
+    l.group_sizes = l.load;
+  }
+  return l;
+}
+
 Tensor Order::forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight) {
   const char* op = "moe order";
   check_dtype(topk_idx, DType::i32, op, "topk_idx");
   check_dtype(topk_weight, DType::f32, op, "topk_weight");
   check_shape(topk_idx, {x.size(0), -1}, op, "topk_idx");
   check_shape(topk_weight, topk_idx.shape(), op, "topk_weight");
-  XMOE_CHECK(topk_idx.is_cpu(), "[{}] only the CPU layout is implemented", op);
+  xmoe::ops::detail::require_same_device(op, "topk_idx", topk_idx, "x", x);
+  xmoe::ops::detail::require_same_device(op, "topk_weight", topk_weight, "x", x);
   layout_ = {};  // free the previous step's layout before building the next
   d_model_ = x.size(1);
-  for (int32_t e : topk_idx.span<int32_t>())
-    XMOE_CHECK(e >= 0 && e < num_experts_, "[{}] topk_idx holds expert {} outside [0, {})", op, e,
-               num_experts_);
-  layout_ = make_layout(topk_idx, topk_weight);
+  if (topk_idx.is_cpu()) {
+    for (int32_t e : topk_idx.span<int32_t>())
+      XMOE_CHECK(e >= 0 && e < num_experts_, "[{}] topk_idx holds expert {} outside [0, {})", op,
+                 e, num_experts_);
+    layout_ = make_layout(topk_idx, topk_weight);
+  } else {
+    layout_ = make_device_layout(topk_idx, topk_weight);
+  }
   return layout_.padded ? gather_rows_masked(x, layout_.token_ids)
                         : xmoe::ops::gather_rows(x, layout_.token_ids);
 }
@@ -81,8 +132,8 @@ Order::Grads Order::backward(const Tensor& d_rows, const Tensor& d_combine_weigh
   check_shape(d_rows, {N, d_model_}, "moe order backward", "d_rows");
   check_shape(d_combine_weights, {N}, "moe order backward", "d_combine_weights");
   Grads g;
-  g.dx = Tensor::zeros({l.num_tokens, d_model_});
-  Tensor dcw = d_combine_weights.reshape({N, 1});
+  g.dx = Tensor::zeros({l.num_tokens, d_model_}, d_rows.dtype(), d_rows.device());
+  Tensor dcw = as_dtype(d_combine_weights, DType::f32).reshape({N, 1});
   if (l.padded) {
     scatter_add_rows_masked(g.dx, d_rows, l.token_ids);
     g.d_topk_weight = gather_rows_masked(dcw, l.slot_to_row);

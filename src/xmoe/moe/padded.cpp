@@ -50,6 +50,10 @@ class PaddedOrder final : public Order {
   std::string_view name() const override { return "padded"; }
 
  protected:
+  int64_t capacity_for(int64_t tokens, int64_t top_k) const override {
+    return padded_capacity(capacity_factor_, tokens, top_k, num_experts_);
+  }
+
   TokenLayout make_layout(const Tensor& topk_idx, const Tensor& topk_weight) const override {
     const int64_t T = topk_idx.size(0), k = topk_idx.size(1), E = num_experts_;
     const int64_t C = padded_capacity(capacity_factor_, T, k, E);

@@ -1,5 +1,6 @@
 #include "xmoe/moe/shared.h"
 
+#include "xmoe/moe/moe_ops.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -14,17 +15,21 @@ SharedExperts::SharedExperts(const std::string& prefix, int64_t d_model, int64_t
 
 Tensor SharedExperts::forward(const Tensor& x) {
   x_ = x;
-  h_ = xmoe::ops::matmul(x, gate_up_.value);                      // [T, 2Sf]
-  return xmoe::ops::matmul(xmoe::ops::swiglu(h_), down_.value);   // [T, d]
+  // bf16 activations (CUDA): bf16 copies of the f32 weights, made once and kept for backward.
+  wgu_ = as_dtype(gate_up_.value, x.dtype());
+  wd_ = as_dtype(down_.value, x.dtype());
+  h_ = xmoe::ops::matmul(x, wgu_);                      // [T, 2Sf]
+  return xmoe::ops::matmul(xmoe::ops::swiglu(h_), wd_);  // [T, d]
 }
 
 Tensor SharedExperts::backward(const Tensor& dy) {
   XMOE_CHECK(h_.defined(), "[moe shared] backward without a forward");
+  const Tensor g = as_dtype(dy, x_.dtype());
   Tensor a = xmoe::ops::swiglu(h_);                                          // [T, Sf]
-  xmoe::ops::matmul_into(down_.grad, a, dy, true, false, 1.f, 1.f);          // dWd += a^T dy
-  Tensor dh = xmoe::ops::swiglu_backward(h_, xmoe::ops::matmul(dy, down_.value, false, true));
+  xmoe::ops::matmul_into(down_.grad, a, g, true, false, 1.f, 1.f);           // dWd += a^T dy (f32)
+  Tensor dh = xmoe::ops::swiglu_backward(h_, xmoe::ops::matmul(g, wd_, false, true));
   xmoe::ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, 1.f);      // dWgu += x^T dh
-  return xmoe::ops::matmul(dh, gate_up_.value, false, true);                 // [T, d]
+  return xmoe::ops::matmul(dh, wgu_, false, true);                           // [T, d]
 }
 
 }  // namespace xmoe::moe

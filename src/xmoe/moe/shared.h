@@ -14,7 +14,7 @@ class SharedExperts : public Module {
                 float init_std, float down_std);
   Tensor forward(const Tensor& x);        ///< x [T, d] -> [T, d]
   Tensor backward(const Tensor& dy);      ///< dy [T, d] -> dx [T, d]
-  void release() { x_ = h_ = Tensor(); }
+  void release() { x_ = h_ = wgu_ = wd_ = Tensor(); }
   void collect_parameters(std::vector<Parameter*>& out) override {
     out.push_back(&gate_up_);
     out.push_back(&down_);
@@ -23,6 +23,7 @@ class SharedExperts : public Module {
  private:
   Parameter gate_up_, down_;
   Tensor x_, h_;
+  Tensor wgu_, wd_;  // the weights in x's dtype (the parameters themselves when f32)
 };
 
 }  // namespace xmoe::moe

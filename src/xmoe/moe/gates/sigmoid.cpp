@@ -7,8 +7,10 @@
 #include <cmath>
 #include <limits>
 
+#include "xmoe/backend/cuda/moe_kernels.h"
 #include "xmoe/moe/gates/gates.h"
 #include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/dispatch.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -49,12 +51,13 @@ class SigmoidGate final : public Gate {
     XMOE_CHECK(scores_.defined(), "[moe gate sigmoid] backward without a forward");
     check_shape(d_topk_weight, weights_.shape(), "moe gate sigmoid", "d_topk_weight");
     const int64_t T = scores_.size(0);
-    Tensor dscores = Tensor::zeros({T, num_experts_});
+    const Device dev = scores_.device();
+    Tensor dscores = Tensor::zeros({T, num_experts_}, DType::f32, dev);
     put_along_rows_add(dscores, idx_,
                        renormalize_rows_backward(weights_, wsums_, d_topk_weight,
                                                  cfg_.routed_scaling));
-    Tensor dprobs = Tensor::zeros({T, num_experts_});
-    Tensor dlogits = Tensor::zeros({T, num_experts_});
+    Tensor dprobs = Tensor::zeros({T, num_experts_}, DType::f32, dev);
+    Tensor dlogits = Tensor::zeros({T, num_experts_}, DType::f32, dev);
     aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits);
     xmoe::ops::add_(dscores, renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
     xmoe::ops::add_(dlogits, xmoe::ops::sigmoid_backward(scores_, dscores));
@@ -69,10 +72,16 @@ class SigmoidGate final : public Gate {
     double total = 0;
     for (int64_t l : load) total += static_cast<double>(l);
     const double mean = total / static_cast<double>(num_experts_);
-    float* b = bias_.data<float>();
+    std::vector<float> step(static_cast<size_t>(num_experts_));
     for (int64_t e = 0; e < num_experts_; ++e) {
       const double diff = mean - static_cast<double>(load[e]);
-      b[e] += cfg_.bias_update_rate * static_cast<float>((diff > 0) - (diff < 0));
+      step[e] = cfg_.bias_update_rate * static_cast<float>((diff > 0) - (diff < 0));
+    }
+    if (bias_.is_cpu()) {
+      float* b = bias_.data<float>();
+      for (int64_t e = 0; e < num_experts_; ++e) b[e] += step[e];
+    } else {  // the load is a host value anyway: one small upload, then an add on the device
+      xmoe::ops::add_(bias_, Tensor::from_vector(step, {num_experts_}, bias_.device()));
     }
   }
 
@@ -83,9 +92,18 @@ class SigmoidGate final : public Gate {
 
  private:
   /// Top-k of scores + bias, within the topk_groups best groups. Returns i32 [T, k].
-  Tensor select(const Tensor& scores) const {
+  Tensor select(const Tensor& scores) {
     const int64_t T = scores.size(0), E = num_experts_, G = cfg_.num_groups;
     const int64_t per = E / G;
+    // The bias is a buffer, not a parameter: it follows the scores to their device on first use.
+    if (bias_.device() != scores.device()) bias_ = bias_.to(scores.device());
+    if (!scores.is_cpu()) {
+      Tensor biased = Tensor::empty({T, E}, DType::f32, scores.device());
+      cuda::moe_group_limited_scores(biased.data<float>(), scores.data<float>(),
+                                     bias_.data<float>(), T, E, G, cfg_.topk_groups,
+                                     xmoe::ops::detail::stream_of(scores));
+      return xmoe::ops::topk(biased, top_k_).indices;
+    }
     Tensor biased = scores.clone();
     float* b = biased.data<float>();
     const float* bias = bias_.data<float>();

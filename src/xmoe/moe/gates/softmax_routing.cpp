@@ -27,8 +27,9 @@ Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale) {
   XMOE_CHECK(probs_.defined(), "[moe gate] backward without a forward");
   check_shape(d_topk_weight, weights_.shape(), "moe gate backward", "d_topk_weight");
   const int64_t T = probs_.size(0), E = probs_.size(1);
-  Tensor dprobs = Tensor::zeros({T, E});
-  Tensor dlogits = Tensor::zeros({T, E});  // direct contributions (Mixtral weights, z-loss)
+  Tensor dprobs = Tensor::zeros({T, E}, DType::f32, probs_.device());
+  // direct contributions (Mixtral weights, z-loss)
+  Tensor dlogits = Tensor::zeros({T, E}, DType::f32, probs_.device());
   if (o_.softmax_before_topk) {
     Tensor dv = o_.renormalize ? renormalize_rows_backward(weights_, sums_, d_topk_weight, 1.0f)
                                : d_topk_weight;

@@ -4,8 +4,10 @@
 //                                    tau "<prefix>.router.temperature" [1], learned, >= 0.01
 // then softmax over E and top-k (renormalised per moe.renormalize). Both z and the expert
 // embeddings are L2-normalised, so routing depends on directions in a small space.
+#include "xmoe/backend/cuda/moe_kernels.h"
 #include "xmoe/moe/gates/gates.h"
 #include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/dispatch.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -38,24 +40,42 @@ class XmoeGate final : public Gate {
     zn_ = l2_normalize_rows(xmoe::ops::matmul(x, proj_.value));  // [T, r]
     en_ = l2_normalize_rows(transpose(emb_.value));               // [E, r]
     cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);          // [T, E]
-    tau_ = std::max(temp_.value.data<float>()[0], kMinTemperature);
-    Tensor logits = cos_.clone();
-    xmoe::ops::scale_(logits, 1.0f / tau_);
+    Tensor logits;
+    if (cos_.is_cpu()) {
+      tau_ = std::max(temp_.value.data<float>()[0], kMinTemperature);
+      logits = cos_.clone();
+      xmoe::ops::scale_(logits, 1.0f / tau_);
+    } else {  // the temperature is read on the device: no wait for its value
+      logits = Tensor::empty(cos_.shape(), DType::f32, cos_.device());
+      cuda::moe_div_temperature(logits.data<float>(), cos_.data<float>(),
+                                temp_.value.data<float>(), kMinTemperature, cos_.numel(),
+                                xmoe::ops::detail::stream_of(cos_));
+    }
     return routing_.forward(logits, seq_len, fixed_idx, world_.get());
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
     Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);  // [T, E]
     // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
-    if (temp_.value.data<float>()[0] >= kMinTemperature) {
-      double dot = 0;
-      const float* g = dlogits.data<float>();
-      const float* c = cos_.data<float>();
-      for (int64_t i = 0; i < dlogits.numel(); ++i) dot += static_cast<double>(g[i]) * c[i];
-      temp_.grad.data<float>()[0] += static_cast<float>(-dot / (tau_ * tau_));
-    }
     Tensor dcos = dlogits;
-    xmoe::ops::scale_(dcos, 1.0f / tau_);
+    if (dlogits.is_cpu()) {
+      if (temp_.value.data<float>()[0] >= kMinTemperature) {
+        double dot = 0;
+        const float* g = dlogits.data<float>();
+        const float* c = cos_.data<float>();
+        for (int64_t i = 0; i < dlogits.numel(); ++i) dot += static_cast<double>(g[i]) * c[i];
+        temp_.grad.data<float>()[0] += static_cast<float>(-dot / (tau_ * tau_));
+      }
+      xmoe::ops::scale_(dcos, 1.0f / tau_);
+    } else {
+      const cuda::Stream s = xmoe::ops::detail::stream_of(dlogits);
+      cuda::moe_temperature_grad(temp_.grad.data<float>(), dlogits.data<float>(),
+                                 cos_.data<float>(), temp_.value.data<float>(), kMinTemperature,
+                                 dlogits.numel(), s);
+      dcos = Tensor::empty(dlogits.shape(), DType::f32, dlogits.device());
+      cuda::moe_div_temperature(dcos.data<float>(), dlogits.data<float>(),
+                                temp_.value.data<float>(), kMinTemperature, dlogits.numel(), s);
+    }
     Tensor dzn = xmoe::ops::matmul(dcos, en_.y);              // [T, r]
     Tensor den = xmoe::ops::matmul(dcos, zn_.y, true, false); // [E, r]
     Tensor demb = transpose(l2_normalize_rows_backward(en_.y, en_.norm, den));  // [r, E]

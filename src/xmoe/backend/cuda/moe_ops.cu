@@ -1,0 +1,222 @@
+// Row helpers of the MoE stages (moe/moe_ops.h on CUDA): row scaling, take/put along rows,
+// transpose, row L2-normalisation and row renormalisation with their backwards. Each row is
+// summed by one warp (or one thread for the short routing rows), so results do not depend on
+// timing; f32 math on f32 or bf16 storage.
+#include "xmoe/backend/cuda/common.cuh"
+#include "xmoe/backend/cuda/moe_kernels.h"
+
+namespace xmoe::cuda {
+
+namespace {
+
+constexpr int kWarpsPerBlock = kBlock / 32;
+
+template <class T>
+__global__ void scale_rows_kernel(T* x, const float* w, int64_t n, int64_t d) {
+  XMOE_GRID_STRIDE(i, n * d) { x[i] = from_float<T>(to_float(x[i]) * w[i / d]); }
+}
+
+// One warp per row.
+template <class T>
+__global__ void row_dot_f32_kernel(float* out, const T* a, const T* b, int64_t n, int64_t d) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < n;
+       r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    float s = 0.f;
+    for (int64_t c = lane; c < d; c += 32) s += to_float(a[r * d + c]) * to_float(b[r * d + c]);
+    s = warp_sum(s);
+    if (lane == 0) out[r] = s;
+  }
+}
+
+template <class T>
+__global__ void take_along_rows_kernel(T* out, const T* x, const int32_t* idx, int64_t n,
+                                       int64_t e, int64_t k) {
+  XMOE_GRID_STRIDE(i, n * k) {
+    const int32_t j = idx[i];
+    out[i] = (j >= 0 && j < e) ? x[(i / k) * e + j] : from_float<T>(0.f);
+  }
+}
+
+// One thread per row: the k entries of a row are added in order (they may repeat an index).
+template <class T, class S>
+__global__ void put_along_rows_add_kernel(T* out, const int32_t* idx, const S* src, int64_t n,
+                                          int64_t e, int64_t k) {
+  XMOE_GRID_STRIDE(r, n) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t c = idx[r * k + j];
+      if (c < 0 || c >= e) continue;
+      out[r * e + c] = from_float<T>(to_float(out[r * e + c]) + to_float(src[r * k + j]));
+    }
+  }
+}
+
+template <class T> __global__ void transpose_kernel(T* y, const T* x, int64_t m, int64_t n) {
+  XMOE_GRID_STRIDE(i, m * n) {  // i indexes y (n, m)
+    const int64_t r = i / m, c = i % m;
+    y[i] = x[c * n + r];
+  }
+}
+
+template <class T>
+__global__ void l2_normalize_kernel(T* y, float* norm, const T* x, int64_t n, int64_t d,
+                                    float eps) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < n;
+       r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    float ss = 0.f;
+    for (int64_t c = lane; c < d; c += 32) {
+      const float v = to_float(x[r * d + c]);
+      ss += v * v;
+    }
+    const float nrm = fmaxf(sqrtf(warp_sum(ss)), eps);
+    if (lane == 0) norm[r] = nrm;
+    for (int64_t c = lane; c < d; c += 32) y[r * d + c] = from_float<T>(to_float(x[r * d + c]) / nrm);
+  }
+}
+
+template <class T>
+__global__ void l2_normalize_backward_kernel(T* dx, const T* y, const float* norm, const T* dy,
+                                             int64_t n, int64_t d) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < n;
+       r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    float dot = 0.f;
+    for (int64_t c = lane; c < d; c += 32) dot += to_float(y[r * d + c]) * to_float(dy[r * d + c]);
+    dot = warp_sum(dot);
+    const float inv = 1.f / norm[r];
+    for (int64_t c = lane; c < d; c += 32)
+      dx[r * d + c] = from_float<T>((to_float(dy[r * d + c]) - to_float(y[r * d + c]) * dot) * inv);
+  }
+}
+
+// One thread per row (k or E entries: routing rows are short), summed in column order as on
+// the CPU.
+template <class T>
+__global__ void renormalize_kernel(T* w, float* sums, const T* v, int64_t n, int64_t k,
+                                   float scale) {
+  XMOE_GRID_STRIDE(r, n) {
+    float s = 0.f;
+    for (int64_t j = 0; j < k; ++j) s += to_float(v[r * k + j]);
+    s = fmaxf(s, 1e-20f);
+    sums[r] = s;
+    for (int64_t j = 0; j < k; ++j) w[r * k + j] = from_float<T>(scale * to_float(v[r * k + j]) / s);
+  }
+}
+
+template <class T>
+__global__ void renormalize_backward_kernel(T* dv, const T* w, const float* sums, const T* dw,
+                                            int64_t n, int64_t k, float scale) {
+  XMOE_GRID_STRIDE(r, n) {
+    float dot = 0.f;
+    for (int64_t j = 0; j < k; ++j) dot += to_float(dw[r * k + j]) * to_float(w[r * k + j]);
+    for (int64_t j = 0; j < k; ++j)
+      dv[r * k + j] = from_float<T>((scale * to_float(dw[r * k + j]) - dot) / sums[r]);
+  }
+}
+
+unsigned warp_rows_grid(int64_t n) { return grid_for(n, kWarpsPerBlock); }
+
+}  // namespace
+
+void moe_scale_rows(void* x, DType dt, const float* w, int64_t n, int64_t d, Stream stream) {
+  if (n * d == 0) return;
+  dispatch_float(dt, "scale_rows_", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    scale_rows_kernel<T><<<grid_for(n * d), kBlock, 0, stream>>>(static_cast<T*>(x), w, n, d);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_row_dot_f32(float* out, const void* a, const void* b, DType dt, int64_t n, int64_t d,
+                     Stream stream) {
+  if (n == 0) return;
+  dispatch_float(dt, "row_dot", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    row_dot_f32_kernel<T><<<warp_rows_grid(n), kBlock, 0, stream>>>(
+        out, static_cast<const T*>(a), static_cast<const T*>(b), n, d);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_take_along_rows(void* out, const void* x, DType dt, const int32_t* idx, int64_t n,
+                         int64_t e, int64_t k, Stream stream) {
+  if (n * k == 0) return;
+  dispatch_float(dt, "take_along_rows", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    take_along_rows_kernel<T><<<grid_for(n * k), kBlock, 0, stream>>>(
+        static_cast<T*>(out), static_cast<const T*>(x), idx, n, e, k);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_put_along_rows_add(void* out, DType dt, const int32_t* idx, const void* src,
+                            DType src_dt, int64_t n, int64_t e, int64_t k, Stream stream) {
+  if (n * k == 0) return;
+  dispatch_float(dt, "put_along_rows_add", [&](auto otag) {
+    using T = typename decltype(otag)::type;
+    dispatch_float(src_dt, "put_along_rows_add", [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      put_along_rows_add_kernel<T, S><<<grid_for(n), kBlock, 0, stream>>>(
+          static_cast<T*>(out), idx, static_cast<const S*>(src), n, e, k);
+      CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void moe_transpose(void* y, const void* x, DType dt, int64_t m, int64_t n, Stream stream) {
+  if (m * n == 0) return;
+  dispatch_float(dt, "transpose", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    transpose_kernel<T><<<grid_for(m * n), kBlock, 0, stream>>>(static_cast<T*>(y),
+                                                                static_cast<const T*>(x), m, n);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_l2_normalize_rows(void* y, float* norm, const void* x, DType dt, int64_t n, int64_t d,
+                           float eps, Stream stream) {
+  if (n == 0) return;
+  dispatch_float(dt, "l2_normalize_rows", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    l2_normalize_kernel<T><<<warp_rows_grid(n), kBlock, 0, stream>>>(
+        static_cast<T*>(y), norm, static_cast<const T*>(x), n, d, eps);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_l2_normalize_rows_backward(void* dx, const void* y, const float* norm, const void* dy,
+                                    DType dt, int64_t n, int64_t d, Stream stream) {
+  if (n == 0) return;
+  dispatch_float(dt, "l2_normalize_rows_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    l2_normalize_backward_kernel<T><<<warp_rows_grid(n), kBlock, 0, stream>>>(
+        static_cast<T*>(dx), static_cast<const T*>(y), norm, static_cast<const T*>(dy), n, d);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_renormalize_rows(void* w, float* sums, const void* v, DType dt, int64_t n, int64_t k,
+                          float scale, Stream stream) {
+  if (n == 0) return;
+  dispatch_float(dt, "renormalize_rows", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    renormalize_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(
+        static_cast<T*>(w), sums, static_cast<const T*>(v), n, k, scale);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_renormalize_rows_backward(void* dv, const void* w, const float* sums, const void* dw,
+                                   DType dt, int64_t n, int64_t k, float scale, Stream stream) {
+  if (n == 0) return;
+  dispatch_float(dt, "renormalize_rows_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    renormalize_backward_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(
+        static_cast<T*>(dv), static_cast<const T*>(w), sums, static_cast<const T*>(dw), n, k,
+        scale);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace xmoe::cuda

@@ -1,0 +1,432 @@
+// The MoE layer on CUDA against the CPU reference (names contain Cuda, so gpu-check runs them).
+//
+//   CudaMoeOps:    every op of moe/moe_ops.h, CPU vs CUDA (f32), padding indices included.
+//   CudaMoeOrder:  the device layout (stable counting sort, PFT and padded) equals the CPU's
+//                  exactly: token_ids, expert_ids, combine_weights, slot_to_row, counts, drops.
+//   CudaMoeLayer:  the same MoELayer (same seed, same input) on the CPU and on CUDA, two training
+//                  steps (the sigmoid gate's bias is updated between them): output, dx, every
+//                  parameter gradient, aux terms, tokens_per_expert, load and drops.
+//
+// Tolerances (normalised error ||a - b|| / ||b|| over a whole tensor):
+//   f32  1e-5: the same math in another order (cuBLAS tiles, warp trees) gives ~1e-7 per element;
+//        an indexing or routing bug gives errors of order 1.
+//   bf16 2e-2: activations are bf16 (the CPU reference gets the same bf16-rounded x and dy, in
+//        f32); bf16 rounding of stored intermediates is 2^-9 relative, a few 1e-3 after forward
+//        and backward through two GEMMs; 2e-2 is 5-10x that.
+// Routing must agree exactly (it is discrete): the router runs in f32 on both sides (also with
+// bf16 activations) and its weights are large (init_std 0.5) so the top-k gaps are far above
+// rounding; the tests check the expert choice exactly before comparing values.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "gradcheck.h"
+#include "xmoe/backend/device_api.h"
+#include "xmoe/core/rng.h"
+#include "xmoe/moe/layer.h"
+#include "xmoe/moe/moe_ops.h"
+#include "xmoe/moe/order.h"
+#include "xmoe/ops/ops.h"
+
+namespace {
+
+using namespace xmoe;
+using namespace xmoe::moe;
+using xmoe::testing::randn;
+
+#define XMOE_REQUIRE_CUDA()                                                                \
+  do {                                                                                     \
+    if (!backend::cuda_available())                                                        \
+      GTEST_SKIP() << "no CUDA device visible (this build or machine has none): the CUDA " \
+                      "backend is tested by scripts/gpu-check.sh on the GPU machine";      \
+  } while (0)
+
+const Device kCuda = Device::cuda(0);
+
+Tensor host_f32(const Tensor& t) {
+  Tensor h = t.to(Device::cpu());
+  return h.dtype() == DType::bf16 ? h.to(DType::f32) : h;
+}
+
+double normalised_error(const Tensor& got, const Tensor& ref) {
+  const std::vector<float> a = host_f32(got).to_vector<float>();
+  const std::vector<float> b = host_f32(ref).to_vector<float>();
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) {
+      if (a[i] == b[i]) continue;  // the same infinity (masked scores)
+      return std::numeric_limits<double>::infinity();
+    }
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+#define EXPECT_CLOSE(got, ref, tol, what)                                               \
+  do {                                                                                  \
+    const double err_ = normalised_error(got, ref);                                     \
+    std::printf("[parity] %-48s %.3e\n", std::string(what).c_str(), err_);              \
+    EXPECT_LE(err_, tol) << what;                                                       \
+  } while (0)
+
+/// Random distinct top-k expert ids per token; `skew` sends most pairs to the first experts.
+Tensor random_topk(int64_t T, int64_t k, int64_t E, uint64_t seed, bool skew = false) {
+  Rng rng(seed);
+  std::vector<int32_t> idx;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> perm(static_cast<size_t>(E));
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int64_t i = E - 1; i > 0; --i)
+      std::swap(perm[i], perm[rng.below(static_cast<uint64_t>(i + 1))]);
+    if (skew && rng.uniform() < 0.7f) std::sort(perm.begin(), perm.begin() + std::min(E, k + 2));
+    idx.insert(idx.end(), perm.begin(), perm.begin() + k);
+  }
+  return Tensor::from_vector(idx, {T, k});
+}
+
+Tensor bf16_rounded(const Tensor& x) { return x.to(DType::bf16).to(DType::f32); }
+
+// ---- ops ---------------------------------------------------------------------------------------
+
+TEST(CudaMoeOps, MatchCpu) {
+  XMOE_REQUIRE_CUDA();
+  const int64_t N = 37, d = 19, E = 11, k = 3;
+  Tensor x = randn({N, d}, 1);
+  std::vector<int32_t> iv = {3, -1, 0, 36, 5, 5, -1, 12, 20, 0, 1, 2, 35, -1, 7, 8, 9, 10, 11, 30,
+                             31, 32, 33, 34, 36, 4, 6, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23,
+                             24, 25, 26};
+  Tensor index = Tensor::from_vector(iv, {static_cast<int64_t>(iv.size())});
+  const int64_t M = index.numel();
+  {
+    Tensor ref = gather_rows_masked(x, index);
+    EXPECT_CLOSE(gather_rows_masked(x.to(kCuda), index.to(kCuda)), ref, 1e-6, "gather_rows_masked");
+  }
+  {
+    Tensor src = randn({M, d}, 2), w = randn({M}, 3);
+    Tensor ref = randn({N, d}, 4), got = ref.to(kCuda);
+    scatter_add_rows_masked(ref, src, index, w);
+    scatter_add_rows_masked(got, src.to(kCuda), index.to(kCuda), w.to(kCuda));
+    EXPECT_CLOSE(got, ref, 1e-6, "scatter_add_rows_masked");
+  }
+  {
+    Tensor w = randn({N}, 5), ref = x.clone(), got = x.to(kCuda);
+    scale_rows_(ref, w);
+    scale_rows_(got, w.to(kCuda));
+    EXPECT_CLOSE(got, ref, 1e-6, "scale_rows_");
+    Tensor gb = ops::cast(x.to(kCuda), DType::bf16);
+    scale_rows_(gb, w.to(kCuda));
+    Tensor rb = bf16_rounded(x);
+    scale_rows_(rb, w);
+    EXPECT_CLOSE(gb, rb, 2e-2, "scale_rows_ bf16");
+  }
+  {
+    Tensor a = randn({N, d}, 6), b = randn({N, d}, 7);
+    EXPECT_CLOSE(row_dot_f32(a.to(kCuda), b.to(kCuda)), ops::row_dot(a, b), 1e-5, "row_dot_f32");
+  }
+  Tensor scores = randn({N, E}, 8);
+  Tensor idx = random_topk(N, k, E, 9);
+  {
+    EXPECT_CLOSE(take_along_rows(scores.to(kCuda), idx.to(kCuda)), take_along_rows(scores, idx),
+                 0.0, "take_along_rows");
+    Tensor src = randn({N, k}, 10), ref = randn({N, E}, 11), got = ref.to(kCuda);
+    put_along_rows_add(ref, idx, src);
+    put_along_rows_add(got, idx.to(kCuda), src.to(kCuda));
+    EXPECT_CLOSE(got, ref, 1e-6, "put_along_rows_add");
+  }
+  EXPECT_CLOSE(transpose(x.to(kCuda)), transpose(x), 0.0, "transpose");
+  {
+    L2NormResult ref = l2_normalize_rows(x), got = l2_normalize_rows(x.to(kCuda));
+    EXPECT_CLOSE(got.y, ref.y, 1e-6, "l2_normalize_rows y");
+    EXPECT_CLOSE(got.norm, ref.norm, 1e-6, "l2_normalize_rows norm");
+    Tensor dy = randn({N, d}, 12);
+    EXPECT_CLOSE(l2_normalize_rows_backward(got.y, got.norm, dy.to(kCuda)),
+                 l2_normalize_rows_backward(ref.y, ref.norm, dy), 1e-5,
+                 "l2_normalize_rows_backward");
+  }
+  {
+    Tensor v = ops::sigmoid(scores), sr, sg;
+    Tensor ref = renormalize_rows(v, 2.5f, sr), got = renormalize_rows(v.to(kCuda), 2.5f, sg);
+    EXPECT_CLOSE(got, ref, 1e-6, "renormalize_rows");
+    EXPECT_CLOSE(sg, sr, 1e-6, "renormalize_rows sums");
+    Tensor dw = randn({N, E}, 13);
+    EXPECT_CLOSE(renormalize_rows_backward(got, sg, dw.to(kCuda), 2.5f),
+                 renormalize_rows_backward(ref, sr, dw, 2.5f), 1e-5, "renormalize_rows_backward");
+  }
+}
+
+// ---- order -------------------------------------------------------------------------------------
+
+void expect_same_layout(const TokenLayout& got, const TokenLayout& ref, const std::string& what) {
+  EXPECT_EQ(got.token_ids.to_vector<int32_t>(), ref.token_ids.to_vector<int32_t>()) << what;
+  EXPECT_EQ(got.expert_ids.to_vector<int32_t>(), ref.expert_ids.to_vector<int32_t>()) << what;
+  EXPECT_EQ(got.combine_weights.to_vector<float>(), ref.combine_weights.to_vector<float>())
+      << what;
+  EXPECT_EQ(got.slot_to_row.to_vector<int32_t>(), ref.slot_to_row.to_vector<int32_t>()) << what;
+  EXPECT_EQ(got.tokens_per_expert, ref.tokens_per_expert) << what;
+  EXPECT_EQ(got.group_sizes, ref.group_sizes) << what;
+  EXPECT_EQ(got.load, ref.load) << what;
+  EXPECT_EQ(got.dropped, ref.dropped) << what;
+  EXPECT_EQ(got.capacity, ref.capacity) << what;
+  EXPECT_EQ(got.padded, ref.padded) << what;
+}
+
+TEST(CudaMoeOrder, DeviceLayoutEqualsTheCpuCountingSort) {
+  XMOE_REQUIRE_CUDA();
+  struct Case {
+    int64_t T, k, E;
+    bool skew;
+    std::string impl;
+    float cf;
+  };
+  // Several 512-pair chunks with a ragged end, many experts, skewed loads, empty experts.
+  const std::vector<Case> cases = {{3001, 4, 37, false, "pft", 1.f},
+                                   {2048, 8, 256, true, "pft", 1.f},
+                                   {5, 2, 64, false, "pft", 1.f},
+                                   {1500, 2, 16, true, "padded", 0.8f},
+                                   {1500, 2, 16, false, "padded", 2.0f}};
+  for (const Case& c : cases) {
+    const std::string what = c.impl + " T=" + std::to_string(c.T) + " k=" + std::to_string(c.k) +
+                             " E=" + std::to_string(c.E);
+    MoeConfig cfg;
+    cfg.num_experts = static_cast<int>(c.E);
+    cfg.top_k = static_cast<int>(c.k);
+    cfg.impl = c.impl;
+    cfg.capacity_factor = c.cf;
+    Tensor idx = random_topk(c.T, c.k, c.E, 21, c.skew);
+    Tensor w = randn({c.T, c.k}, 22);
+    Tensor x = randn({c.T, 6}, 23);
+    auto ref_order = make_order(cfg), dev_order = make_order(cfg);
+    Tensor ref_rows = ref_order->forward(x, idx, w);
+    Tensor rows = dev_order->forward(x.to(kCuda), idx.to(kCuda), w.to(kCuda));
+    const TokenLayout& l = dev_order->layout();
+    EXPECT_TRUE(!l.token_ids.is_cpu() && !l.slot_to_row.is_cpu()) << what;
+    expect_same_layout(l, ref_order->layout(), what);
+    EXPECT_CLOSE(rows, ref_rows, 0.0, what + " rows");
+    // PFT invariants, checked directly: expert ids non-decreasing; rows of an expert in
+    // (token, slot) order; slot_to_row inverts the layout.
+    const auto tok = l.token_ids.to_vector<int32_t>(), ex = l.expert_ids.to_vector<int32_t>();
+    const auto s2r = l.slot_to_row.to_vector<int32_t>();
+    const auto ids = idx.to_vector<int32_t>();
+    EXPECT_TRUE(std::is_sorted(ex.begin(), ex.end())) << what;
+    for (int64_t i = 0; i < c.T * c.k; ++i) {
+      if (s2r[i] < 0) continue;
+      EXPECT_EQ(tok[s2r[i]], i / c.k) << what;
+      EXPECT_EQ(ex[s2r[i]], ids[i]) << what;
+    }
+    // Backward: dx and d_topk_weight match too.
+    Tensor d_rows = randn(ref_rows.shape(), 24), dcw = randn({l.num_rows()}, 25);
+    Order::Grads gr = ref_order->backward(d_rows, dcw);
+    Order::Grads gg = dev_order->backward(d_rows.to(kCuda), dcw.to(kCuda));
+    EXPECT_CLOSE(gg.dx, gr.dx, 1e-6, what + " dx");
+    EXPECT_CLOSE(gg.d_topk_weight, gr.d_topk_weight, 0.0, what + " d_topk_weight");
+  }
+}
+
+TEST(CudaMoeOrder, BadExpertIdThrowsTheCpuMessage) {
+  XMOE_REQUIRE_CUDA();
+  MoeConfig cfg;
+  cfg.num_experts = 4;
+  cfg.top_k = 2;
+  auto order = make_order(cfg);
+  Tensor idx = Tensor::from_vector<int32_t>({0, 1, 2, 9, 3, 0}, {3, 2});
+  Tensor w = randn({3, 2}, 1), x = randn({3, 5}, 2);
+  try {
+    order->forward(x.to(kCuda), idx.to(kCuda), w.to(kCuda));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("topk_idx holds expert 9 outside [0, 4)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// ---- the layer ---------------------------------------------------------------------------------
+
+struct LayerRun {
+  std::vector<Tensor> y, dx;   // per step
+  std::vector<std::string> names;
+  std::vector<Tensor> grads;   // after both steps
+  std::vector<AuxLossTerms> aux;
+  std::vector<std::vector<int64_t>> tpe, load;
+  std::vector<int64_t> dropped;
+  std::vector<Tensor> topk_idx, token_ids;
+};
+
+constexpr int64_t kD = 16, kT = 64, kSeq = 16;
+
+/// Two steps of one MoELayer on `dev` with activations of `act`: forward, backward (dy), then
+/// update_routing_bias (sigmoid gate). Parameters are built on the CPU and moved, as the model
+/// does.
+LayerRun run_layer(const MoeConfig& c, Device dev, DType act, const std::vector<Tensor>& xs,
+                   const std::vector<Tensor>& dys) {
+  MoELayer layer(c, kD, "moe", 7, 0.5f, 0.2f);
+  for (Parameter* p : layer.parameters()) {
+    p->value = p->value.to(dev);
+    p->grad = p->grad.to(dev);
+  }
+  LayerRun r;
+  for (size_t s = 0; s < xs.size(); ++s) {
+    Tensor x = xs[s].to(dev), dy = dys[s].to(dev);
+    if (act == DType::bf16) {
+      x = ops::cast(x, DType::bf16);
+      dy = ops::cast(dy, DType::bf16);
+    }
+    Tensor y = layer.forward(x, kSeq);
+    EXPECT_EQ(y.device(), dev);
+    EXPECT_EQ(y.dtype(), act);
+    r.token_ids.push_back(layer.layout().token_ids.to(Device::cpu()));
+    r.topk_idx.push_back(layer.layout().slot_to_row.to(Device::cpu()));
+    r.aux.push_back(layer.aux_terms());
+    r.tpe.push_back(layer.tokens_per_expert());
+    r.load.push_back(layer.expert_load());
+    r.dropped.push_back(layer.dropped_tokens());
+    Tensor dx = layer.backward(dy);
+    EXPECT_EQ(dx.dtype(), act);
+    r.y.push_back(host_f32(y));
+    r.dx.push_back(host_f32(dx));
+    layer.update_routing_bias();
+  }
+  for (Parameter* p : layer.parameters()) {
+    r.names.push_back(p->name);
+    r.grads.push_back(host_f32(p->grad));
+  }
+  return r;
+}
+
+void compare_runs(const LayerRun& got, const LayerRun& ref, double tol, const std::string& what) {
+  for (size_t s = 0; s < ref.y.size(); ++s) {
+    const std::string step = what + " step " + std::to_string(s);
+    // Routing first: the comparisons below mean nothing if the expert choice differs.
+    ASSERT_EQ(got.tpe[s], ref.tpe[s]) << step << ": tokens_per_expert";
+    ASSERT_EQ(got.load[s], ref.load[s]) << step << ": load";
+    ASSERT_EQ(got.dropped[s], ref.dropped[s]) << step << ": dropped";
+    ASSERT_EQ(got.token_ids[s].to_vector<int32_t>(), ref.token_ids[s].to_vector<int32_t>())
+        << step << ": token_ids";
+    ASSERT_EQ(got.topk_idx[s].to_vector<int32_t>(), ref.topk_idx[s].to_vector<int32_t>())
+        << step << ": slot_to_row";
+    EXPECT_CLOSE(got.y[s], ref.y[s], tol, step + " y");
+    EXPECT_CLOSE(got.dx[s], ref.dx[s], tol, step + " dx");
+    const auto rel = [](double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); };
+    // The aux terms come from the f32 router on both sides (also with bf16 activations).
+    EXPECT_LE(rel(got.aux[s].load_balance, ref.aux[s].load_balance), 1e-5) << step;
+    EXPECT_LE(rel(got.aux[s].seq_balance, ref.aux[s].seq_balance), 1e-5) << step;
+    EXPECT_LE(rel(got.aux[s].z_loss, ref.aux[s].z_loss), 1e-5) << step;
+    EXPECT_LE(rel(got.aux[s].weighted, ref.aux[s].weighted), 1e-5) << step;
+  }
+  ASSERT_EQ(got.names, ref.names);
+  for (size_t i = 0; i < ref.grads.size(); ++i)
+    EXPECT_CLOSE(got.grads[i], ref.grads[i], tol, what + " grad " + ref.names[i]);
+}
+
+struct LayerCase {
+  std::string name;
+  MoeConfig config;
+};
+void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<LayerCase> layer_cases() {
+  MoeConfig base;
+  base.num_experts = 8;
+  base.top_k = 2;
+  base.expert_hidden = 12;
+  base.num_shared_experts = 1;
+  base.aux_loss_weight = 0.05f;
+  base.seq_aux_loss_weight = 0.03f;
+  base.z_loss_weight = 0.01f;
+  std::vector<LayerCase> v;
+  MoeConfig c = base;
+  v.push_back({"softmax_topk_gshard", c});
+  c = base;
+  c.softmax_before_topk = false;
+  c.num_shared_experts = 0;
+  v.push_back({"softmax_topk_mixtral", c});
+  c = base;
+  c.gate = "sigmoid";
+  c.num_groups = 4;
+  c.topk_groups = 2;
+  c.routed_scaling = 2.5f;
+  c.bias_update_rate = 0.05f;
+  v.push_back({"sigmoid_groups", c});
+  c = base;
+  c.gate = "switch";
+  c.top_k = 1;
+  v.push_back({"switch", c});
+  c = base;
+  c.gate = "xmoe";
+  c.router_dim = 8;
+  v.push_back({"xmoe", c});
+  c = base;
+  c.impl = "padded";
+  c.capacity_factor = 0.75f;  // drops pairs
+  v.push_back({"padded", c});
+  return v;
+}
+
+class CudaMoeLayer : public ::testing::TestWithParam<LayerCase> {};
+
+TEST_P(CudaMoeLayer, F32MatchesCpu) {
+  XMOE_REQUIRE_CUDA();
+  const LayerCase& lc = GetParam();
+  const std::vector<Tensor> xs = {randn({kT, kD}, 101), randn({kT, kD}, 102)};
+  const std::vector<Tensor> dys = {randn({kT, kD}, 103), randn({kT, kD}, 104)};
+  const LayerRun ref = run_layer(lc.config, Device::cpu(), DType::f32, xs, dys);
+  const LayerRun got = run_layer(lc.config, kCuda, DType::f32, xs, dys);
+  if (lc.config.impl == "padded") EXPECT_GT(ref.dropped[0], 0);  // the case exercises drops
+  compare_runs(got, ref, 1e-5, lc.name + " f32");
+}
+
+TEST_P(CudaMoeLayer, Bf16ActivationsMatchCpuF32) {
+  XMOE_REQUIRE_CUDA();
+  const LayerCase& lc = GetParam();
+  // The reference gets the same bf16-rounded inputs, in f32.
+  const std::vector<Tensor> xs = {bf16_rounded(randn({kT, kD}, 101)),
+                                  bf16_rounded(randn({kT, kD}, 102))};
+  const std::vector<Tensor> dys = {bf16_rounded(randn({kT, kD}, 103)),
+                                   bf16_rounded(randn({kT, kD}, 104))};
+  const LayerRun ref = run_layer(lc.config, Device::cpu(), DType::f32, xs, dys);
+  const LayerRun got = run_layer(lc.config, kCuda, DType::bf16, xs, dys);
+  compare_runs(got, ref, 2e-2, lc.name + " bf16");
+}
+
+TEST_P(CudaMoeLayer, DeterministicRunToRun) {
+  XMOE_REQUIRE_CUDA();
+  const LayerCase& lc = GetParam();
+  const std::vector<Tensor> xs = {randn({kT, kD}, 101)}, dys = {randn({kT, kD}, 103)};
+  const LayerRun a = run_layer(lc.config, kCuda, DType::f32, xs, dys);
+  const LayerRun b = run_layer(lc.config, kCuda, DType::f32, xs, dys);
+  EXPECT_EQ(a.y[0].to_vector<float>(), b.y[0].to_vector<float>());
+  EXPECT_EQ(a.dx[0].to_vector<float>(), b.dx[0].to_vector<float>());
+  for (size_t i = 0; i < a.grads.size(); ++i)
+    EXPECT_EQ(a.grads[i].to_vector<float>(), b.grads[i].to_vector<float>()) << a.names[i];
+}
+
+INSTANTIATE_TEST_SUITE_P(Gates, CudaMoeLayer, ::testing::ValuesIn(layer_cases()),
+                         [](const ::testing::TestParamInfo<LayerCase>& i) { return i.param.name; });
+
+TEST(CudaMoeLayerFrozen, FrozenRoutingOnTheDevice) {
+  XMOE_REQUIRE_CUDA();
+  MoeConfig c = layer_cases()[0].config;
+  MoELayer layer(c, kD, "moe", 7, 0.5f);
+  for (Parameter* p : layer.parameters()) {
+    p->value = p->value.to(kCuda);
+    p->grad = p->grad.to(kCuda);
+  }
+  Tensor x = randn({kT, kD}, 1).to(kCuda);
+  layer.forward(x, kSeq);
+  const auto first = layer.layout().slot_to_row.to_vector<int32_t>();
+  layer.release();
+  layer.set_frozen_routing(true);
+  Tensor x2 = randn({kT, kD}, 2).to(kCuda);  // other tokens: the frozen choice is kept
+  layer.forward(x2, kSeq);
+  EXPECT_EQ(layer.layout().slot_to_row.to_vector<int32_t>(), first);
+  layer.release();
+}
+
+}  // namespace
