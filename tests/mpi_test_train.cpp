@@ -123,6 +123,7 @@ TEST(DistributedTraining, MatchesOneProcessForEveryLayout) {
                   1e-5 * ref.evals[i].val_loss) << tag;
     }
   }
+  world()->barrier();
 }
 
 TEST(DistributedTraining, ResumesWithAnotherLayout) {
@@ -142,6 +143,7 @@ TEST(DistributedTraining, ResumesWithAnotherLayout) {
   const auto latest = train::latest_checkpoint(out);
   ASSERT_TRUE(latest.has_value());
   EXPECT_NO_THROW(train::load_checkpoint(*latest));
+  world()->barrier();  // the next test's set-up removes the shared folder
 }
 
 TEST(DistributedTraining, RbdWithAffinityPlacementMatchesOneProcess) {
@@ -159,4 +161,5 @@ TEST(DistributedTraining, RbdWithAffinityPlacementMatchesOneProcess) {
   c.model.moe.dispatch = "rbd";
   const auto got = run(c, (root / "rbd").string(), world());
   expect_same_losses(ref, got, 0, "rbd + affinity placement");
+  world()->barrier();
 }

@@ -143,6 +143,9 @@ const std::vector<Key>& table() {
       XMOE_KEY(train.seed, any(), {}, "seed of parameter init, data order and sampling"),
       XMOE_KEY(train.out_dir, any(), {}, "run folder: checkpoints and logs"),
       XMOE_KEY(train.device, any(), {}, "device of this process", "cpu | cuda | cuda:N"),
+      XMOE_KEY(train.dtype, any(), {"auto", "f32", "bf16"},
+               "compute dtype of activations and matmuls: auto = bf16 on cuda, f32 on cpu; "
+               "master weights, gradients and AdamW state stay f32"),
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},
@@ -583,6 +586,8 @@ void validate(const Config& c) {
   } catch (const Error&) {
     fail("train.device = \"{}\" is not cpu, cuda or cuda:N", c.train.device);
   }
+  if (c.train.dtype == "bf16" && c.train.device == "cpu")
+    fail("train.dtype = bf16 needs train.device = cuda (the CPU path computes in f32)");
 
   if (errors.size() == 1) XMOE_FAIL("[config] {}", errors[0]);
   if (!errors.empty()) {

@@ -84,6 +84,9 @@ struct TrainConfig {
   uint64_t seed = 1234;
   std::string out_dir = "runs/default";
   std::string device = "cpu";
+  /// Compute dtype of activations and matmuls: auto (bf16 on cuda, f32 on cpu), f32, bf16.
+  /// Master weights, gradients and optimizer state are f32 whatever it is (docs/cuda.md).
+  std::string dtype = "auto";
 
   bool operator==(const TrainConfig&) const = default;
 };

@@ -13,6 +13,13 @@ Parameter Parameter::make(std::string name, Shape shape, ParamKind kind, bool we
   return p;
 }
 
+void Parameter::to(Device device) {
+  if (value.device() == device) return;
+  value = value.to(device);
+  grad = grad.to(device);
+  if (compute_copy.defined()) compute_copy = compute_copy.to(device);
+}
+
 void Parameter::init_normal(uint64_t seed, float std) {
   const int64_t rows = value.dim() ? value.size(0) : 1;
   const int64_t row_elems = rows ? value.numel() / rows : 0;

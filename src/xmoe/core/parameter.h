@@ -17,7 +17,12 @@ enum class ParamKind : uint8_t {
 struct Parameter {
   std::string name;  ///< stable, hierarchical: "layers.3.moe.experts.gate_up"
   Tensor value;      ///< f32 master weights
-  Tensor grad;       ///< same shape; backward accumulates into it
+  Tensor grad;       ///< f32, same shape and device; backward accumulates into it
+  /// bf16 copy of value for the matmuls of a bf16-compute model (docs/cuda.md), on value's
+  /// device; undefined in f32 compute. AdamW rewrites it with every update; whoever else writes
+  /// value (checkpoint load, expert permutation) refreshes it (model::Transformer::
+  /// refresh_compute_weights).
+  Tensor compute_copy;
   ParamKind kind = ParamKind::dense;
   bool weight_decay = true;  ///< false for norms, biases, temperatures
   int64_t global_rows = 0;   ///< expert params: dim 0 of the unsharded tensor
@@ -27,6 +32,11 @@ struct Parameter {
   static Parameter make(std::string name, Shape shape, ParamKind kind = ParamKind::dense,
                         bool weight_decay = true);
   void zero_grad() { grad.zero_(); }
+  /// The weight as forward and backward use it: the bf16 copy when there is one, else value.
+  const Tensor& compute() const { return compute_copy.defined() ? compute_copy : value; }
+  Device device() const { return value.device(); }
+  /// Moves value, grad and the compute copy to `device` (copies; a no-op if already there).
+  void to(Device device);
   /// value ~ N(0, std^2) from (seed, name, global element index): the same numbers however the
   /// parameter is sharded.
   void init_normal(uint64_t seed, float std);

@@ -26,9 +26,9 @@ Attention::Attention(std::string prefix, AttentionShape shape,
 
 void Attention::compute_inner() {
   const int64_t h = shape_.num_heads, hkv = shape_.num_kv_heads, hd = shape_.head_dim;
-  q_ = ops::matmul(x_, wq_.value).reshape({batch_, seq_, h, hd});
-  k_ = ops::matmul(x_, wk_.value).reshape({batch_, seq_, hkv, hd});
-  v_ = ops::matmul(x_, wv_.value).reshape({batch_, seq_, hkv, hd});
+  q_ = ops::matmul(x_, wq_.compute()).reshape({batch_, seq_, h, hd});
+  k_ = ops::matmul(x_, wk_.compute()).reshape({batch_, seq_, hkv, hd});
+  v_ = ops::matmul(x_, wv_.compute()).reshape({batch_, seq_, hkv, hd});
   ops::rope_(q_, *rope_);
   ops::rope_(k_, *rope_);
   auto r = ops::attention(q_, k_, v_, /*causal=*/true);
@@ -42,7 +42,8 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
   seq_ = seq_len;
   x_ = x;
   compute_inner();
-  Tensor y = ops::matmul(a_.reshape({batch * seq_len, -1}), wo_.value);
+  // f32 out: the output joins the residual stream (docs/cuda.md).
+  Tensor y = matmul_f32(a_.reshape({batch * seq_len, -1}), wo_.compute());
   if (recompute_) q_ = k_ = v_ = a_ = lse_ = Tensor();
   return y;
 }
@@ -54,7 +55,7 @@ Tensor Attention::backward(const Tensor& dy) {
   check_shape(dy, {t, shape_.d_model}, "attention_backward", "dy");
   const Tensor a2 = a_.reshape({t, -1});
   ops::matmul_into(wo_.grad, a2, dy, /*trans_a=*/true, false, 1.f, 1.f);
-  Tensor da = ops::matmul(dy, wo_.value, false, /*trans_b=*/true).reshape(a_.shape());
+  Tensor da = ops::matmul(dy, wo_.compute(), false, /*trans_b=*/true).reshape(a_.shape());
   auto g = ops::attention_backward(q_, k_, v_, a_, lse_, da, /*causal=*/true);
   ops::rope_backward_(g.dq, *rope_);
   ops::rope_backward_(g.dk, *rope_);
@@ -62,9 +63,9 @@ Tensor Attention::backward(const Tensor& dy) {
   ops::matmul_into(wq_.grad, x_, dq, true, false, 1.f, 1.f);
   ops::matmul_into(wk_.grad, x_, dk, true, false, 1.f, 1.f);
   ops::matmul_into(wv_.grad, x_, dv, true, false, 1.f, 1.f);
-  Tensor dx = ops::matmul(dq, wq_.value, false, true);
-  ops::matmul_into(dx, dk, wk_.value, false, true, 1.f, 1.f);
-  ops::matmul_into(dx, dv, wv_.value, false, true, 1.f, 1.f);
+  Tensor dx = matmul_f32(dq, wq_.compute(), false, true);  // f32: the residual's gradient
+  ops::matmul_into(dx, dk, wk_.compute(), false, true, 1.f, 1.f);
+  ops::matmul_into(dx, dv, wv_.compute(), false, true, 1.f, 1.f);
   release();
   return dx;
 }

@@ -28,12 +28,13 @@ class Attention : public Module {
   Attention(std::string prefix, AttentionShape shape, std::shared_ptr<const ops::RopeTables> rope,
             uint64_t seed, float init_std, float out_std);
 
-  /// x [B·S, d] -> [B·S, d].
+  /// x [B·S, d] -> [B·S, d] (f32 when x is bf16: the output joins the f32 residual stream).
   /// Saves x (shared with the caller) and, unless recompute is on, q, k, v (after RoPE), the
   /// attention output a and the softmax log-sum-exp: T·(2·H + 2·Hkv)·hd + B·H·S floats.
   /// With recompute only x is kept and the rest is recomputed in backward.
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);
-  /// dy [B·S, d] -> dx; accumulates the four weight gradients; releases what forward saved.
+  /// dy [B·S, d] -> dx (f32); accumulates the four weight gradients (f32, also from bf16
+  /// activations); releases what forward saved.
   Tensor backward(const Tensor& dy);
 
   /// Frees what forward saved (forward-only use).

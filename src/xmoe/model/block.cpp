@@ -50,16 +50,23 @@ void TransformerBlock::set_recompute(const RecomputeOptions& r) {
 }
 
 Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
-  Tensor h = attn_->forward(attn_norm_->forward(x), batch, seq_len);
+  // In f32 compute as_dtype returns its argument: the ops are those of the CPU path.
+  const Tensor a = attn_->forward(as_dtype(attn_norm_->forward(x), compute_), batch, seq_len);
+  Tensor h = as_dtype(a, x.dtype());
   ops::add_(h, x);  // h is a fresh tensor nobody else holds
-  Tensor y = ffn_->forward(ffn_norm_->forward(h), seq_len);
-  return ops::add(y, h);  // out of place: the FFN may keep its output
+  Tensor y = ffn_->forward(as_dtype(ffn_norm_->forward(h), compute_), seq_len);
+  if (y.dtype() == h.dtype()) return ops::add(y, h);  // out of place: the FFN may keep its output
+  Tensor out = ops::cast(y, h.dtype());
+  ops::add_(out, h);
+  return out;
 }
 
 Tensor TransformerBlock::backward(const Tensor& dy) {
-  Tensor dh = ffn_norm_->backward(ffn_->backward(dy));
+  const Tensor dyn = ffn_->backward(as_dtype(dy, compute_));
+  Tensor dh = ffn_norm_->backward(as_dtype(dyn, dy.dtype()));
   ops::add_(dh, dy);
-  Tensor dx = attn_norm_->backward(attn_->backward(dh));
+  const Tensor dhn = attn_->backward(as_dtype(dh, compute_));
+  Tensor dx = attn_norm_->backward(as_dtype(dhn, dh.dtype()));
   ops::add_(dx, dh);
   return dx;
 }

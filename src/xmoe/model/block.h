@@ -24,6 +24,7 @@ struct RecomputeOptions {
 /// Parses ModelConfig::recompute; throws on an unknown entry.
 RecomputeOptions parse_recompute(const std::vector<std::string>& names);
 
+
 class TransformerBlock : public Module {
  public:
   /// Layer `index` of a model: parameters "layers.{index}.attn_norm.weight",
@@ -33,7 +34,7 @@ class TransformerBlock : public Module {
   TransformerBlock(const ModelConfig& cfg, int index, std::shared_ptr<const ops::RopeTables> rope,
                    uint64_t seed, const parallel::Layout* layout = nullptr);
 
-  /// x [B·S, d] -> [B·S, d].
+  /// x [B·S, d] (the f32 residual stream) -> [B·S, d] f32.
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);
   /// dy [B·S, d] -> dx.
   Tensor backward(const Tensor& dy);
@@ -41,6 +42,9 @@ class TransformerBlock : public Module {
   /// Frees what forward saved (forward-only use).
   void release();
   void set_recompute(const RecomputeOptions& r);
+  /// dtype of the attention and FFN inputs (f32, or bf16: the norms' outputs are cast, the
+  /// residual stream and the norms stay f32; see docs/cuda.md).
+  void set_compute_dtype(DType dtype) { compute_ = dtype; }
   bool is_moe() { return ffn_->moe_layer() != nullptr; }
   /// Bytes held for backward by the block's modules.
   int64_t saved_bytes() const;
@@ -56,6 +60,7 @@ class TransformerBlock : public Module {
   std::unique_ptr<Attention> attn_;
   std::unique_ptr<RMSNorm> ffn_norm_;
   std::unique_ptr<FeedForward> ffn_;
+  DType compute_ = DType::f32;
 };
 
 }  // namespace xmoe::model

@@ -15,21 +15,21 @@ DenseFFN::DenseFFN(std::string prefix, int64_t d_model, int64_t hidden, uint64_t
 Tensor DenseFFN::forward(const Tensor& x, int64_t /*seq_len*/) {
   check_shape(x, {-1, gate_up_.value.size(0)}, "dense_ffn", "x");
   x_ = x;
-  Tensor h = ops::matmul(x, gate_up_.value);  // [T, 2h]
-  Tensor y = ops::matmul(ops::swiglu(h), down_.value);
+  Tensor h = ops::matmul(x, gate_up_.compute());  // [T, 2h]
+  Tensor y = matmul_f32(ops::swiglu(h), down_.compute());  // f32: joins the residual stream
   if (!recompute_) h_ = h;
   return y;
 }
 
 Tensor DenseFFN::backward(const Tensor& dy) {
   XMOE_CHECK(x_.defined(), "[dense_ffn] {}: backward without a forward", gate_up_.name);
-  if (!h_.defined()) h_ = ops::matmul(x_, gate_up_.value);
+  if (!h_.defined()) h_ = ops::matmul(x_, gate_up_.compute());
   const Tensor a = ops::swiglu(h_);  // [T, h]
   ops::matmul_into(down_.grad, a, dy, /*trans_a=*/true, false, 1.f, 1.f);
-  const Tensor da = ops::matmul(dy, down_.value, false, /*trans_b=*/true);
+  const Tensor da = ops::matmul(dy, down_.compute(), false, /*trans_b=*/true);
   const Tensor dh = ops::swiglu_backward(h_, da);
   ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, 1.f);
-  Tensor dx = ops::matmul(dh, gate_up_.value, false, true);
+  Tensor dx = matmul_f32(dh, gate_up_.compute(), false, true);
   x_ = h_ = Tensor();
   return dx;
 }

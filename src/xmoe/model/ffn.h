@@ -14,7 +14,8 @@ namespace xmoe::model {
 
 class FeedForward : public Module {
  public:
-  /// x [T, d] -> [T, d]; T = batch · seq_len tokens, sequence-major.
+  /// x [T, d] -> [T, d]; T = batch · seq_len tokens, sequence-major. x is in the model's
+  /// compute dtype (f32, or bf16 on CUDA); the output may be x's dtype or f32 (the block casts).
   virtual Tensor forward(const Tensor& x, int64_t seq_len) = 0;
   /// dy [T, d] -> dx; accumulates parameter gradients; releases what forward saved.
   virtual Tensor backward(const Tensor& dy) = 0;

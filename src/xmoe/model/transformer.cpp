@@ -31,7 +31,7 @@ Transformer::Transformer(const ModelConfig& cfg, uint64_t seed, const parallel::
     : cfg_(cfg) {
   validate(cfg);
   const int64_t d = cfg.d_model, v = cfg.vocab_size;
-  rope_ = std::make_shared<const ops::RopeTables>(
+  rope_ = std::make_shared<ops::RopeTables>(
       ops::rope_tables(cfg.max_seq_len, d / cfg.num_heads, cfg.rope_theta));
   embed_ = std::make_unique<Embedding>("embed.weight", v, d, seed, cfg.init_std);
   for (int i = 0; i < cfg.num_layers; ++i)
@@ -48,6 +48,8 @@ Transformer::~Transformer() = default;
 Tensor Transformer::forward(const Tensor& ids) {
   XMOE_CHECK(ids.dim() == 2, "[transformer] ids must be [B, S], got {}", shape_str(ids.shape()));
   check_dtype(ids, DType::i32, "transformer", "ids");
+  XMOE_CHECK(ids.device() == device_, "[transformer] ids are on {} but the model is on {}",
+             ids.device().str(), device_.str());
   batch_ = ids.size(0);
   seq_ = ids.size(1);
   XMOE_CHECK(seq_ >= 1 && seq_ <= cfg_.max_seq_len,
@@ -56,10 +58,11 @@ Tensor Transformer::forward(const Tensor& ids) {
   logits_ = targets_ = Tensor();
   Tensor x = embed_->forward(ids);  // [T, d]
   for (auto& b : blocks_) x = b->forward(x, batch_, seq_);
-  xf_ = final_norm_->forward(x);
+  // The residual stream x and the final norm are f32; the LM head's input is in compute dtype.
+  xf_ = as_dtype(final_norm_->forward(x), compute_);
   // logits [T, V] = xf [T, d] @ lm_head [d, V]   (tied: @ embed^T, embed [V, d])
-  return lm_head_ ? ops::matmul(xf_, lm_head_->value)
-                  : ops::matmul(xf_, embed_->weight().value, false, true);
+  return lm_head_ ? ops::matmul(xf_, lm_head_->compute())
+                  : ops::matmul(xf_, embed_->weight().compute(), false, true);
 }
 
 float Transformer::forward_loss(const Tensor& ids, const Tensor& targets) {
@@ -110,14 +113,14 @@ void Transformer::backward_logits(const Tensor& dlogits) {
   Tensor dx;
   if (lm_head_) {
     ops::matmul_into(lm_head_->grad, xf_, dlogits, /*trans_a=*/true, false, 1.f, 1.f);
-    dx = ops::matmul(dlogits, lm_head_->value, false, /*trans_b=*/true);
+    dx = matmul_f32(dlogits, lm_head_->compute(), false, /*trans_b=*/true);
   } else {
     Parameter& e = embed_->weight();
     ops::matmul_into(e.grad, dlogits, xf_, /*trans_a=*/true, false, 1.f, 1.f);
-    dx = ops::matmul(dlogits, e.value);
+    dx = matmul_f32(dlogits, e.compute());
   }
   xf_ = Tensor();
-  dx = final_norm_->backward(dx);
+  dx = final_norm_->backward(as_dtype(dx, DType::f32));
   for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) dx = (*it)->backward(dx);
   embed_->backward(dx);
 }
@@ -151,6 +154,50 @@ void Transformer::collect_parameters(std::vector<Parameter*>& out) {
   for (auto& b : blocks_) b->collect_parameters(out);
   final_norm_->collect_parameters(out);
   if (lm_head_) out.push_back(lm_head_.get());
+}
+
+void Transformer::to(Device device) {
+  XMOE_CHECK(compute_ == DType::f32 || device.is_cuda(),
+             "[transformer] cannot move a bf16-compute model to {}: the CPU computes in f32",
+             device.str());
+  if (device == device_) return;
+  release();
+  for (Parameter* p : parameters()) p->to(device);
+  *rope_ = ops::rope_tables(rope_->max_seq_len, rope_->head_dim, rope_->theta, device);
+  device_ = device;
+}
+
+namespace {
+/// Parameters that feed a matmul: every matrix, but not the embedding table, which is only
+/// looked up (into the f32 residual stream) unless it is tied to the LM head.
+bool needs_compute_copy(const Parameter& p, const Parameter& embed, bool tied) {
+  return p.value.dim() >= 2 && (&p != &embed || tied);
+}
+}  // namespace
+
+void Transformer::set_compute_dtype(DType dtype) {
+  XMOE_CHECK(dtype == DType::f32 || dtype == DType::bf16,
+             "[transformer] compute dtype {} is not f32 or bf16", dtype_name(dtype));
+  XMOE_CHECK(dtype == DType::f32 || device_.is_cuda(),
+             "[transformer] compute dtype bf16 needs the model on a CUDA device (it is on {}); "
+             "call to(cuda) first",
+             device_.str());
+  release();
+  compute_ = dtype;
+  for (auto& b : blocks_) b->set_compute_dtype(dtype);
+  const Parameter& embed = embed_->weight();
+  for (Parameter* p : parameters()) {
+    if (dtype == DType::bf16 && needs_compute_copy(*p, embed, !lm_head_)) {
+      p->compute_copy = ops::cast(p->value, DType::bf16);
+    } else {
+      p->compute_copy = Tensor();
+    }
+  }
+}
+
+void Transformer::refresh_compute_weights() {
+  for (Parameter* p : parameters())
+    if (p->compute_copy.defined()) p->compute_copy = ops::cast(p->value, p->compute_copy.dtype());
 }
 
 int64_t Transformer::num_parameters() {

@@ -63,6 +63,24 @@ class Transformer : public Module {
   void collect_parameters(std::vector<Parameter*>& out) override;
   int64_t num_parameters();
 
+  // ---- device and precision (docs/cuda.md) ----
+  /// Moves every parameter (value, grad, bf16 copy) and the RoPE tables to `device`. Build the
+  /// model on the CPU (initialisation is counter-based on the host) and move it: the weights are
+  /// the same on every device. Inputs (ids, targets) must then be on `device`. MoE layers'
+  /// parameters move too; their non-parameter state (the sigmoid gate's bias) is the layer's.
+  void to(Device device);
+  Device device() const { return device_; }
+  /// The compute dtype: f32 (the default, the CPU's only), or bf16 (CUDA): every matrix
+  /// parameter gets a bf16 copy (Parameter::compute_copy, rewritten by AdamW with each update);
+  /// attention and FFN inputs, their matmuls (f32 accumulation), the logits and the LM head run
+  /// in bf16; the residual stream, the RMSNorms, the weight gradients, the cross-entropy
+  /// statistics and the loss stay f32.
+  void set_compute_dtype(DType dtype);
+  DType compute_dtype() const { return compute_; }
+  /// Re-casts the bf16 copies from the f32 master weights: after anything other than AdamW
+  /// wrote parameter values (checkpoint load, expert permutation). A no-op in f32.
+  void refresh_compute_weights();
+
   const ModelConfig& config() const { return cfg_; }
   int num_layers() const { return static_cast<int>(blocks_.size()); }
   TransformerBlock& block(int i) { return *blocks_.at(static_cast<size_t>(i)); }
@@ -73,11 +91,13 @@ class Transformer : public Module {
 
  private:
   ModelConfig cfg_;
-  std::shared_ptr<const ops::RopeTables> rope_;
+  std::shared_ptr<ops::RopeTables> rope_;  // shared with the blocks; replaced in place by to()
   std::unique_ptr<Embedding> embed_;
   std::vector<std::unique_ptr<TransformerBlock>> blocks_;
   std::unique_ptr<RMSNorm> final_norm_;
   std::unique_ptr<Parameter> lm_head_;
+  Device device_ = Device::cpu();
+  DType compute_ = DType::f32;
 
   // Saved by forward / forward_loss.
   int64_t batch_ = 0, seq_ = 0;

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <set>
 
+#include "xmoe/backend/cuda/optim_kernels.h"
+
 namespace xmoe::optim {
 
 AdamWConfig AdamWConfig::from(const TrainConfig& t) {
@@ -16,12 +18,20 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
   XMOE_CHECK(cfg.eps > 0, "[adamw] eps = {} must be positive", cfg.eps);
   XMOE_CHECK(cfg.weight_decay >= 0, "[adamw] weight_decay = {} must be >= 0", cfg.weight_decay);
   std::set<std::string> names;
+  if (!params_.empty() && params_[0]) device_ = params_[0]->value.device();
   for (Parameter* p : params_) {
     XMOE_CHECK(p && p->value.defined(), "[adamw] undefined parameter");
     XMOE_CHECK(names.insert(p->name).second, "[adamw] parameter name '{}' appears twice", p->name);
     check_shape(p->grad, p->value.shape(), "adamw", p->name.c_str());
-    m_.push_back(Tensor::zeros(p->value.shape()));
-    v_.push_back(Tensor::zeros(p->value.shape()));
+    XMOE_CHECK(p->value.dtype() == DType::f32 && p->grad.dtype() == DType::f32,
+               "[adamw] {}: value and grad must be f32 (master weights), got {} and {}", p->name,
+               p->value.str(), p->grad.str());
+    XMOE_CHECK(p->value.device() == device_ && p->grad.device() == device_,
+               "[adamw] {} is on {} (grad on {}) but the first parameter is on {}: all parameters "
+               "of an optimizer must be on one device",
+               p->name, p->value.device().str(), p->grad.device().str(), device_.str());
+    m_.push_back(Tensor::zeros(p->value.shape(), DType::f32, device_));
+    v_.push_back(Tensor::zeros(p->value.shape(), DType::f32, device_));
   }
 }
 
@@ -31,8 +41,15 @@ void AdamW::step(float lr) {
   const double t = static_cast<double>(step_);
   const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(b1), t));
   const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(b2), t));
+  if (device_.is_cuda()) {
+    step_cuda(lr, bc1, bc2);
+    return;
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i];
+    XMOE_CHECK(p.value.is_cpu() && p.grad.is_cpu(),
+               "[adamw] {} moved to {} after the optimizer was built on the CPU", p.name,
+               p.value.device().str());
     const float decay = p.weight_decay ? 1.0f - lr * cfg_.weight_decay : 1.0f;
     float* w = p.value.data<float>();
     const float* g = p.grad.data<float>();
@@ -47,6 +64,46 @@ void AdamW::step(float lr) {
       w[j] = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
     }
   }
+}
+
+void AdamW::step_cuda(float lr, float bc1, float bc2) {
+  // One fused update of every parameter (a launch per kMultiTensorMax tensors), the same
+  // formula and operation order as the CPU loop above; bf16 copies are rewritten in passing.
+  cuda::AdamWScalars s;
+  s.lr = lr;
+  s.beta1 = cfg_.beta1;
+  s.beta2 = cfg_.beta2;
+  s.eps = cfg_.eps;
+  s.one_minus_beta1 = 1.f - cfg_.beta1;
+  s.one_minus_beta2 = 1.f - cfg_.beta2;
+  s.bc1 = bc1;
+  s.bc2 = bc2;
+  s.decay = 1.0f - lr * cfg_.weight_decay;
+  std::vector<cuda::AdamWTensor> list;
+  list.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i];
+    XMOE_CHECK(p.value.device() == device_ && p.grad.device() == device_,
+               "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
+               p.value.device().str(), device_.str());
+    cuda::AdamWTensor t;
+    t.param = p.value.data<float>();
+    t.grad = p.grad.data<float>();
+    t.m = m_[i].data<float>();
+    t.v = v_[i].data<float>();
+    if (p.compute_copy.defined()) {
+      XMOE_CHECK(p.compute_copy.dtype() == DType::bf16 && p.compute_copy.device() == device_ &&
+                     p.compute_copy.numel() == p.value.numel(),
+                 "[adamw] {}: compute copy {} does not match value {}", p.name,
+                 p.compute_copy.str(), p.value.str());
+      t.param_bf16 = p.compute_copy.raw();
+    }
+    t.n = p.value.numel();
+    t.decay = p.weight_decay;
+    list.push_back(t);
+  }
+  cuda::adamw_step(list.data(), static_cast<int64_t>(list.size()), s,
+                   cuda::activate(device_.index));
 }
 
 void AdamW::zero_grad() {

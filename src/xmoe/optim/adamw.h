@@ -30,7 +30,9 @@ class AdamW {
   AdamW(std::vector<Parameter*> params, AdamWConfig cfg);
 
   /// One update of every parameter from its grad with learning rate `lr`; step() += 1.
-  /// Does not clear the grads.
+  /// Does not clear the grads. On CUDA: one fused multi-tensor kernel (backend/cuda/optim.cu),
+  /// the CPU's formula in the CPU's operation order, which also rewrites each parameter's bf16
+  /// compute copy; nothing waits for the device.
   void step(float lr);
   /// Zeroes every parameter's grad.
   void zero_grad();
@@ -39,6 +41,8 @@ class AdamW {
   int64_t step_count() const { return step_; }
   const AdamWConfig& config() const { return cfg_; }
   const std::vector<Parameter*>& parameters() const { return params_; }
+  /// Device of the parameters and of m, v (all on one device).
+  Device device() const { return device_; }
   /// First / second moment of parameter i.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
@@ -54,8 +58,11 @@ class AdamW {
   void import_state(const std::map<std::string, Tensor>& in);
 
  private:
+  void step_cuda(float lr, float bc1, float bc2);
+
   std::vector<Parameter*> params_;
   AdamWConfig cfg_;
+  Device device_ = Device::cpu();
   std::vector<Tensor> m_, v_;
   int64_t step_ = 0;
 };

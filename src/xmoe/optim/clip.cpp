@@ -2,11 +2,48 @@
 
 #include <cmath>
 
+#include "xmoe/backend/cuda/optim_kernels.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::optim {
 
+namespace {
+
+/// The device of the gradients (all on one device), or cpu for an empty list.
+Device grads_device(const std::vector<Parameter*>& params) {
+  if (params.empty()) return Device::cpu();
+  const Device d = params[0]->grad.device();
+  for (const Parameter* p : params)
+    XMOE_CHECK(p->grad.device() == d && p->grad.dtype() == DType::f32,
+               "[grad_norm] {} has grad {} but {} has {}: gradients must be f32 on one device",
+               p->name, p->grad.str(), params[0]->name, params[0]->grad.str());
+  return d;
+}
+
+}  // namespace
+
+Tensor grad_sum_squares_device(const std::vector<Parameter*>& params) {
+  const Device d = grads_device(params);
+  XMOE_CHECK(d.is_cuda(), "[grad_norm] grad_sum_squares_device needs CUDA gradients, got {}",
+             d.str());
+  std::vector<const float*> xs;
+  std::vector<int64_t> sizes;
+  for (const Parameter* p : params) {
+    xs.push_back(p->grad.data<float>());
+    sizes.push_back(p->grad.numel());
+  }
+  const int64_t n = static_cast<int64_t>(xs.size());
+  Tensor result = Tensor::empty({1}, DType::f64, d);
+  Tensor workspace = Tensor::empty(
+      {static_cast<int64_t>(cuda::multi_sum_squares_workspace_bytes(sizes.data(), n))}, DType::u8,
+      d);
+  cuda::multi_sum_squares(result.data<double>(), xs.data(), sizes.data(), n, workspace.raw(),
+                          cuda::activate(d.index));
+  return result;
+}
+
 double grad_sum_squares(const std::vector<Parameter*>& params) {
+  if (grads_device(params).is_cuda()) return grad_sum_squares_device(params).item();
   double s = 0.0;
   for (const Parameter* p : params) s += ops::sum_squares(p->grad);
   return s;
@@ -23,6 +60,18 @@ float clip_factor(double norm, float max_norm) {
 
 void scale_grads(const std::vector<Parameter*>& params, float s) {
   if (s == 1.0f) return;
+  const Device d = grads_device(params);
+  if (d.is_cuda()) {
+    std::vector<float*> xs;
+    std::vector<int64_t> sizes;
+    for (Parameter* p : params) {
+      xs.push_back(p->grad.data<float>());
+      sizes.push_back(p->grad.numel());
+    }
+    cuda::multi_scale(xs.data(), sizes.data(), static_cast<int64_t>(xs.size()), s,
+                      cuda::activate(d.index));
+    return;
+  }
   for (Parameter* p : params) ops::scale_(p->grad, s);
 }
 

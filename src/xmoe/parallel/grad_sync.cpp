@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "xmoe/backend/cuda/optim_kernels.h"
 #include "xmoe/optim/clip.h"
 
 namespace xmoe::parallel {
@@ -27,8 +28,50 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
   }
 }
 
+void GradientSync::reduce_device(Bucket& b, comm::Group& group) {
+  // Pack the bucket's gradients into one device buffer (one multi-tensor copy), all-reduce it
+  // where the group's tensors live (NCCL: on this device; MPI/single: staged through the
+  // host), and unpack with the 1/world scale. Nothing waits for the device except the
+  // staging copies.
+  const Device d = b.params[0]->grad.device();
+  const float scale = 1.0f / static_cast<float>(layout_.world_size);
+  Tensor flat = Tensor::empty({b.numel}, DType::f32, d);
+  std::vector<float*> grads, views;
+  std::vector<int64_t> sizes;
+  int64_t offset = 0;
+  for (Parameter* p : b.params) {
+    XMOE_CHECK(p->grad.device() == d, "[grad_sync] {} has its grad on {} but {} on {}", p->name,
+               p->grad.device().str(), b.params[0]->name, d.str());
+    grads.push_back(p->grad.data<float>());
+    views.push_back(flat.data<float>() + offset);
+    sizes.push_back(p->grad.numel());
+    offset += p->grad.numel();
+  }
+  const int64_t n = static_cast<int64_t>(grads.size());
+  cuda::Stream stream = cuda::activate(d.index);
+  cuda::multi_copy_scaled(views.data(), grads.data(), sizes.data(), n, 1.0f, stream);
+  if (group.size() > 1) {
+    if (group.device() == d) {
+      group.all_reduce(flat);
+    } else {
+      XMOE_CHECK(group.device().is_cpu(),
+                 "[grad_sync] gradients on {} but the group's tensors live on {}", d.str(),
+                 group.device().str());
+      Tensor host = flat.to(Device::cpu());
+      group.all_reduce(host);
+      flat.copy_from(host);
+    }
+  }
+  cuda::multi_copy_scaled(grads.data(), const_cast<const float* const*>(views.data()),
+                          sizes.data(), n, scale, stream);
+}
+
 void GradientSync::reduce(Bucket& b) {
   comm::Group& group = b.expert ? *layout_.dp_group : *layout_.world;
+  if (b.params[0]->grad.device().is_cuda()) {
+    reduce_device(b, group);
+    return;
+  }
   Tensor flat = Tensor::empty({b.numel});
   float* dst = flat.data<float>();
   for (Parameter* p : b.params) {
@@ -54,14 +97,20 @@ double GradientSync::global_grad_sum_squares() const {
   std::vector<Parameter*> dense, expert;
   for (Parameter* p : params_) (p->kind == ParamKind::expert ? expert : dense).push_back(p);
   double total = optim::grad_sum_squares(dense);
-  double e = optim::grad_sum_squares(expert);
   if (layout_.ep > 1) {
     // Each ep rank holds different experts: their squares add up over the ep group.
-    Tensor t = Tensor::from_vector<double>({e}, {1});
-    layout_.ep_group->all_reduce(t);
-    e = t.data<double>()[0];
+    comm::Group& ep = *layout_.ep_group;
+    const bool device_grads = !expert.empty() && expert[0]->grad.device().is_cuda();
+    Tensor t;
+    if (device_grads && ep.device() == expert[0]->grad.device()) {
+      t = optim::grad_sum_squares_device(expert);  // reduced on the device, read once below
+    } else {
+      t = Tensor::from_vector<double>({optim::grad_sum_squares(expert)}, {1}, ep.device());
+    }
+    ep.all_reduce(t);
+    return total + t.item();
   }
-  return total + e;
+  return total + optim::grad_sum_squares(expert);
 }
 
 }  // namespace xmoe::parallel

@@ -6,6 +6,8 @@
 //                      each replica already holds the contributions of its whole ep group's
 //                      tokens, which dispatch routed to it)
 // Gradients are packed into buckets of about `bucket_bytes` so that few, large all-reduces run.
+// CUDA gradients are packed on the device (multi-tensor copies) and all-reduced there when the
+// group lives on that device (NCCL), else staged through the host (MPI).
 #include <cstdint>
 #include <vector>
 
@@ -33,6 +35,7 @@ class GradientSync {
     bool expert = false;
   };
   void reduce(Bucket& b);
+  void reduce_device(Bucket& b, comm::Group& group);
 
   std::vector<Parameter*> params_;
   const Layout& layout_;

@@ -31,9 +31,13 @@ void Progress::on_step(const StepMetrics& m, bool print) {
                              ? static_cast<double>(m.max_expert_load) / m.min_expert_load
                              : 0.0;
   const std::string line = fmt::format(
-      "step {:>5}/{} | loss {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:>7.0f} tok/s | "
+      "step {:>5}/{} | loss {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:>7.0f} tok/s{} | "
       "load max/min {}/{} ({:.2f}x) | ETA {}{}",
-      m.step, last_step_, m.loss, m.aux_loss, m.lr, m.grad_norm, smoothed_tps_, m.max_expert_load,
+      m.step, last_step_, m.loss, m.aux_loss, m.lr, m.grad_norm, smoothed_tps_,
+      // MFU at the smoothed rate, like tok/s
+      m.mfu > 0 && m.tokens_per_s > 0
+          ? fmt::format(" | MFU {:.1f}%", 100.0 * m.mfu * smoothed_tps_ / m.tokens_per_s)
+          : std::string(), m.max_expert_load,
       m.min_expert_load, balance, format_duration(eta), m.skipped ? " | SKIPPED" : "");
   if (tty_) {
     std::printf("\r\033[K%s%s", line.c_str(), print ? "\n" : "");

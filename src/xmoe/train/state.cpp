@@ -13,6 +13,9 @@ const char* const kAdamSuffixes[] = {".adam_m", ".adam_v"};
 /// The sigmoid gate's balancing bias is state, not a parameter.
 std::string bias_name(const moe::MoELayer& layer) { return layer.prefix() + ".router.bias"; }
 
+/// t itself on the CPU, else a host copy: checkpoints are written from host memory (f32).
+Tensor on_host(const Tensor& t) { return t.is_cpu() ? t : t.to(Device::cpu()); }
+
 /// Splits an expert tensor [n_local, ...] into per-expert slices named name@g.
 void add_expert_slices(TensorMap& out, const std::string& name, const Tensor& t,
                        int64_t row_offset) {
@@ -75,19 +78,22 @@ TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const optim:
   for (const Parameter* p : params) {
     if (p->kind == ParamKind::expert) {
       if (!expert_writer) continue;
-      add_expert_slices(out, p->name, p->value, p->row_offset);
+      add_expert_slices(out, p->name, on_host(p->value), p->row_offset);
       for (const char* s : kAdamSuffixes)
-        add_expert_slices(out, p->name + s, opt_state.at(p->name + s), p->row_offset);
+        add_expert_slices(out, p->name + s, on_host(opt_state.at(p->name + s)), p->row_offset);
     } else if (dense_writer) {
-      out.emplace(p->name, p->value);
-      for (const char* s : kAdamSuffixes) out.emplace(p->name + s, opt_state.at(p->name + s));
+      out.emplace(p->name, on_host(p->value));
+      for (const char* s : kAdamSuffixes)
+        out.emplace(p->name + s, on_host(opt_state.at(p->name + s)));
     }
   }
   if (dense_writer) {
     for (auto& [name, t] : opt_state)
-      if (!out.count(name) && name.find(".adam_") == std::string::npos) out.emplace(name, t);
+      if (!out.count(name) && name.find(".adam_") == std::string::npos)
+        out.emplace(name, on_host(t));
     for (moe::MoELayer* layer : moe_layers)
-      if (const Tensor* bias = layer->gate().routing_bias()) out.emplace(bias_name(*layer), *bias);
+      if (const Tensor* bias = layer->gate().routing_bias())
+        out.emplace(bias_name(*layer), on_host(*bias));
   }
   return out;
 }

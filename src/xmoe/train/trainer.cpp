@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "xmoe/backend/device_api.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/data/data_loader.h"
 #include "xmoe/data/prepare.h"
@@ -20,6 +21,7 @@
 #include "xmoe/parallel/grad_sync.h"
 #include "xmoe/parallel/layout.h"
 #include "xmoe/train/checkpoint.h"
+#include "xmoe/train/flops.h"
 #include "xmoe/train/progress.h"
 #include "xmoe/train/state.h"
 
@@ -50,9 +52,17 @@ bool same_model(const Config& a, Config b) {
 /// Mean of a per-rank value over the world (every rank gets the same double).
 double world_mean(comm::Group& world, double v) {
   if (world.size() == 1) return v;
-  Tensor t = Tensor::from_vector<double>({v}, {1});
+  Tensor t = Tensor::from_vector<double>({v}, {1}, world.device());  // NCCL groups: on the GPU
   world.all_reduce(t);
-  return t.data<double>()[0] / world.size();
+  return t.item() / world.size();
+}
+
+/// A batch's ids and targets on `device` (the loader produces them on the host).
+data::Batch on_device(data::Batch b, Device device) {
+  if (device.is_cpu()) return b;
+  b.inputs = b.inputs.to(device);
+  b.targets = b.targets.to(device);
+  return b;
 }
 
 double evaluate(model::Transformer& model, const data::DataLoader& loader, int batches,
@@ -60,7 +70,7 @@ double evaluate(model::Transformer& model, const data::DataLoader& loader, int b
   const int64_t n = std::min<int64_t>(batches, loader.num_eval_batches());
   double total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const data::Batch b = loader.eval_batch(i);
+    const data::Batch b = on_device(loader.eval_batch(i), model.device());
     total += model.evaluate_loss(b.inputs, b.targets);
   }
   return world_mean(world, total / static_cast<double>(n));
@@ -87,7 +97,8 @@ void place_experts(model::Transformer& model, optim::AdamW& opt, const data::Dat
   const auto layers = model.moe_layers();
   for (moe::MoELayer* l : layers) l->set_record_coactivation(true);
   for (int i = 0; i < batches; ++i) {
-    const data::Batch b = loader.batch_at(loader.position() + static_cast<uint64_t>(i));
+    const data::Batch b =
+        on_device(loader.batch_at(loader.position() + static_cast<uint64_t>(i)), model.device());
     model.evaluate_loss(b.inputs, b.targets);
   }
   for (moe::MoELayer* l : layers) {
@@ -104,6 +115,7 @@ void place_experts(model::Transformer& model, optim::AdamW& opt, const data::Dat
     l->set_record_coactivation(false);
     l->reset_coactivation();
   }
+  model.refresh_compute_weights();  // the experts' master weights moved
 }
 
 /// XMOE_INJECT_FAULT=<rank>:<step> makes that rank throw at that step: the test of how a job
@@ -118,18 +130,46 @@ void maybe_inject_fault(int rank, int step) {
               spec);
 }
 
+/// train.device: "cpu", "cuda:N", or "cuda" = cuda:0 for one process and, with several, the
+/// rank's position among the ranks of its host (one rank per GPU), taken from `hosts` (the
+/// group as detected, before any declared simulated nodes).
+Device training_device(const TrainConfig& tc, comm::Group& hosts) {
+  const Device d = parse_device(tc.device);
+  if (d.is_cpu()) return d;
+  XMOE_CHECK(backend::cuda_available(),
+             "[train] train.device = {}: no CUDA device is available (this xmoe was built without "
+             "CUDA, or no GPU is visible)",
+             tc.device);
+  const int count = backend::cuda_device_count();
+  if (tc.device == "cuda" && hosts.size() > 1)
+    return Device::cuda(hosts.topology().local_rank(hosts.rank()) % count);
+  XMOE_CHECK(d.index < count, "[train] train.device = {}: only {} CUDA device(s) visible",
+             tc.device, count);
+  return d;
+}
+
+/// train.dtype: auto = bf16 on CUDA, f32 on the CPU.
+DType compute_dtype(const TrainConfig& tc, Device device) {
+  if (tc.dtype == "f32") return DType::f32;
+  if (tc.dtype == "bf16") {
+    XMOE_CHECK(device.is_cuda(), "[train] train.dtype = bf16 needs a CUDA device, got {}",
+               device.str());
+    return DType::bf16;
+  }
+  XMOE_CHECK(tc.dtype == "auto", "[config] train.dtype = {} is not auto, f32 or bf16", tc.dtype);
+  return device.is_cuda() ? DType::bf16 : DType::f32;
+}
+
 }  // namespace
 
 TrainResult train(const Config& config, const TrainOptions& options) {
   const TrainConfig& tc = config.train;
-  XMOE_CHECK(tc.device == "cpu",
-             "[train] train.device = {} is not available yet: this build trains on the CPU",
-             tc.device);
   XMOE_CHECK(config.parallel.tp == 1,
              "[train] parallel.tp = {}: tensor parallelism (sequence-sharded MoE blocks) is not "
              "implemented yet; use parallel.tp = 1",
              config.parallel.tp);
   auto world_group = options.world ? options.world : comm::world();
+  const Device device = training_device(tc, *world_group);
   if (config.parallel.ranks_per_node > 0)
     world_group = world_group->with_declared_nodes(config.parallel.ranks_per_node);
   const parallel::Layout layout = parallel::Layout::create(world_group, config.parallel.ep);
@@ -150,7 +190,10 @@ TrainResult train(const Config& config, const TrainOptions& options) {
                               tc.batch_size, tc.seq_len, tc.seed, layout.world_rank,
                               layout.world_size);
 
+  // Built and initialised on the host (the same weights on any device), then moved.
   model::Transformer model(config.model, tc.seed, &layout);
+  model.to(device);
+  model.set_compute_dtype(compute_dtype(tc, device));
   const std::vector<Parameter*> params = model.parameters();
   const std::vector<moe::MoELayer*> moe_layers = model.moe_layers();
   optim::AdamW opt(params, optim::AdamWConfig::from(tc));
@@ -174,6 +217,7 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     XMOE_CHECK(same_model(saved, config),
                "[train] --resume: the model in {} differs from the configured model", *latest);
     restore_checkpoint_tensors(ckpt.tensors, params, opt, moe_layers, *latest);
+    model.refresh_compute_weights();
     step = ckpt.state.at("step").get<int>();
     train_loader.set_position(ckpt.state.at("data_position").get<uint64_t>());
     if (leader) spdlog::info("resumed from {} at step {}", *latest, step);
@@ -210,7 +254,7 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     double loss = 0, aux = 0;
     std::vector<int64_t> load;
     for (int micro = 0; micro < tc.grad_accum; ++micro) {
-      const data::Batch b = train_loader.next();
+      const data::Batch b = on_device(train_loader.next(), device);
       loss += model.forward_loss(b.inputs, b.targets) / tc.grad_accum;
       aux += model.aux_loss() / tc.grad_accum;
       model.backward(1.0f / static_cast<float>(tc.grad_accum));
@@ -253,16 +297,19 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     }
     m.seconds = step_timer.seconds();
     m.tokens_per_s = static_cast<double>(tokens_per_step) / m.seconds;
+    if (device.is_cuda())
+      m.mfu = mfu(config.model, tc.seq_len, m.tokens_per_s, layout.world_size);
     result.steps.push_back(m);
-    if (leader)
-      metrics << nlohmann::json{{"step", m.step},           {"loss", m.loss},
-                                {"aux_loss", m.aux_loss},   {"lr", m.lr},
-                                {"grad_norm", m.grad_norm}, {"tokens_per_s", m.tokens_per_s},
-                                {"max_expert_load", m.max_expert_load},
-                                {"min_expert_load", m.min_expert_load},
-                                {"skipped", m.skipped}}
-                     .dump()
-              << "\n";
+    if (leader) {
+      nlohmann::json line{{"step", m.step},           {"loss", m.loss},
+                          {"aux_loss", m.aux_loss},   {"lr", m.lr},
+                          {"grad_norm", m.grad_norm}, {"tokens_per_s", m.tokens_per_s},
+                          {"max_expert_load", m.max_expert_load},
+                          {"min_expert_load", m.min_expert_load},
+                          {"skipped", m.skipped}};
+      if (device.is_cuda()) line["mfu"] = m.mfu;
+      metrics << line.dump() << "\n";
+    }
     progress.on_step(m, step % tc.log_every == 0 || step == last);
 
     if (tc.eval_every > 0 && (step % tc.eval_every == 0 || step == last)) {

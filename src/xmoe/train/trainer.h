@@ -19,6 +19,7 @@ struct StepMetrics {
   double grad_norm = 0;       ///< global norm before clipping
   double tokens_per_s = 0;
   double seconds = 0;         ///< wall time of this step
+  double mfu = 0;             ///< model FLOPs utilisation on CUDA (train/flops.h); 0 on the CPU
   int64_t max_expert_load = 0;  ///< over all MoE layers, tokens routed to the busiest expert
   int64_t min_expert_load = 0;
   bool skipped = false;       ///< non-finite loss or gradient: no update was made

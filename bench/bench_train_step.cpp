@@ -1,0 +1,158 @@
+// One training step of a preset's model end to end (forward, cross-entropy, backward, gradient
+// norm and clipping, AdamW) on synthetic uniform-random tokens, on the CPU or a CUDA device.
+// Prints one JSON line per measured step and a summary line (median): step ms, tokens/s, MFU
+// (PaLM count against train/flops.h's peak; CUDA only), peak device bytes from the allocator
+// counters (live tensors; on CUDA also the bytes reserved by the caching allocator).
+// The first --warmup steps (default 2) are not measured: allocator and cuBLAS warm-up.
+//   bench_train_step [--preset tiny|moe-1b|...] [--device cpu|cuda|cuda:N] [--steps N]
+//                    [--warmup N] [--dtype auto|f32|bf16] [--dense] [--set key=value ...]
+// --set takes config keys (e.g. train.batch_size=4, model.num_layers=2); --dense makes every
+// block a dense FFN (model.first_dense_layers = model.num_layers).
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xmoe/backend/cuda/runtime.h"
+#include "xmoe/backend/device_api.h"
+#include "xmoe/config/config.h"
+#include "xmoe/core/allocator.h"
+#include "xmoe/core/rng.h"
+#include "xmoe/core/timer.h"
+#include "xmoe/model/transformer.h"
+#include "xmoe/moe/layer.h"
+#include "xmoe/optim/adamw.h"
+#include "xmoe/optim/clip.h"
+#include "xmoe/train/flops.h"
+
+using namespace xmoe;
+
+namespace {
+
+Tensor random_tokens(int64_t b, int64_t s, int64_t vocab, Rng& rng, Device device) {
+  std::vector<int32_t> v(static_cast<size_t>(b * s));
+  for (auto& x : v) x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
+  return Tensor::from_vector<int32_t>(v, {b, s}, device);
+}
+
+[[noreturn]] void usage() {
+  std::fprintf(stderr,
+               "usage: bench_train_step [--preset NAME] [--device cpu|cuda|cuda:N] [--steps N] "
+               "[--warmup N] [--dtype auto|f32|bf16] [--dense] [--set key=value ...]\n");
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string preset_name = "tiny", device_name, dtype_name_arg = "auto";
+  int steps = 10, warmup = 2;
+  bool dense = false;
+  std::vector<std::string> sets;
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) usage();
+      return argv[++i];
+    };
+    if (!std::strcmp(argv[i], "--preset")) preset_name = next();
+    else if (!std::strcmp(argv[i], "--device")) device_name = next();
+    else if (!std::strcmp(argv[i], "--steps")) steps = std::max(1, std::atoi(next().c_str()));
+    else if (!std::strcmp(argv[i], "--warmup")) warmup = std::max(0, std::atoi(next().c_str()));
+    else if (!std::strcmp(argv[i], "--dtype")) dtype_name_arg = next();
+    else if (!std::strcmp(argv[i], "--dense")) dense = true;
+    else if (!std::strcmp(argv[i], "--set")) sets.push_back(next());
+    else usage();
+  }
+  try {
+    Config config = preset(preset_name);
+    for (const std::string& s : sets) apply_override(config, s);
+    if (dense) config.model.first_dense_layers = config.model.num_layers;
+    if (device_name.empty()) device_name = backend::cuda_available() ? "cuda" : "cpu";
+    config.train.device = device_name;
+    config.train.dtype = dtype_name_arg;
+    validate(config);
+    const Device device = parse_device(device_name);
+    const DType dtype = dtype_name_arg == "f32" || (dtype_name_arg == "auto" && device.is_cpu())
+                            ? DType::f32
+                            : DType::bf16;
+    const TrainConfig& tc = config.train;
+    const int64_t batch = tc.batch_size, seq = tc.seq_len, vocab = config.model.vocab_size;
+    const int64_t tokens = batch * seq;
+
+    model::Transformer model(config.model, tc.seed);
+    model.to(device);
+    model.set_compute_dtype(dtype);
+    const auto params = model.parameters();
+    optim::AdamW opt(params, optim::AdamWConfig::from(tc));
+    const auto moe_layers = model.moe_layers();
+    Rng rng(tc.seed, stream_id("bench_train_step"));
+
+    std::vector<double> ms;
+    for (int step = 0; step < warmup + steps; ++step) {
+      const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
+      const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
+      if (step == warmup) reset_peak_memory(device);
+      Timer t;
+      model.zero_grad();
+      const float loss = model.forward_loss(ids, targets);
+      model.backward(1.0f);
+      const double norm = optim::grad_norm(params);
+      optim::scale_grads(params, optim::clip_factor(norm, tc.grad_clip));
+      opt.step(tc.lr);
+      for (moe::MoELayer* l : moe_layers) l->update_routing_bias();
+      backend::synchronize(device);  // the step is done when the optimizer's kernels are
+      const double step_ms = t.millis();
+      if (step < warmup) continue;
+      ms.push_back(step_ms);
+      const double tps = static_cast<double>(tokens) / (step_ms / 1e3);
+      nlohmann::ordered_json j;
+      j["bench"] = "train_step";
+      j["preset"] = preset_name;
+      j["device"] = device.str();
+      j["dtype"] = std::string(dtype_name(dtype));
+      j["step"] = step - warmup + 1;
+      j["loss"] = loss;
+      j["grad_norm"] = norm;
+      j["step_ms"] = step_ms;
+      j["tokens_per_s"] = tps;
+      if (device.is_cuda()) j["mfu"] = train::mfu(config.model, seq, tps, 1);
+      std::printf("%s\n", j.dump().c_str());
+      std::fflush(stdout);
+    }
+    std::vector<double> sorted = ms;
+    std::sort(sorted.begin(), sorted.end());
+    const double median = sorted[sorted.size() / 2];
+    const double tps = static_cast<double>(tokens) / (median / 1e3);
+    const ParamCount pc = count_parameters(config.model);
+    nlohmann::ordered_json j;
+    j["bench"] = "train_step_summary";
+    j["preset"] = preset_name;
+    j["device"] = device.str();
+    j["dtype"] = std::string(dtype_name(dtype));
+    j["batch_size"] = batch;
+    j["seq_len"] = seq;
+    j["tokens_per_step"] = tokens;
+    j["params_total"] = pc.total;
+    j["params_active"] = pc.active;
+    j["flops_per_token"] = train::training_flops_per_token(config.model, seq);
+    j["steps"] = steps;
+    j["median_step_ms"] = median;
+    j["tokens_per_s"] = tps;
+    j["tflops_per_s"] = train::training_flops_per_token(config.model, seq) * tps / 1e12;
+    if (device.is_cuda()) {
+      j["mfu"] = train::mfu(config.model, seq, tps, 1);
+      j["peak_flops"] = train::kPeakFlopsPerDevice;
+    }
+    j["peak_live_bytes"] = memory_stats(device).peak_bytes;
+    if (device.is_cuda()) j["reserved_bytes"] = cuda::cache_stats(device.index).reserved_bytes;
+    std::printf("%s\n", j.dump().c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_train_step: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

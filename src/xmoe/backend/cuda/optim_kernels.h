@@ -1,0 +1,53 @@
+#pragma once
+// CUDA launchers of the optimizer step (optim.cu): multi-tensor AdamW, sum of squares, scaling
+// and scaled copies over lists of f32 device arrays. A list of any length is cut into launches
+// of up to kMultiTensorMax tensors (the pointers travel as kernel arguments, so nothing is
+// copied to the device and nothing waits). Plain header: the C++ compiler (optim/, parallel/)
+// and nvcc both include it; a build without CUDA links backend/cuda_stub/optim_kernels_stub.cpp.
+#include <cstddef>
+#include <cstdint>
+
+#include "xmoe/backend/cuda/runtime.h"
+
+namespace xmoe::cuda {
+
+/// Tensors per launch of a multi-tensor kernel.
+constexpr int kMultiTensorMax = 48;
+
+/// One parameter of a multi-tensor AdamW step: f32 device arrays of n elements.
+struct AdamWTensor {
+  float* param = nullptr;
+  const float* grad = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  void* param_bf16 = nullptr;  ///< bf16 copy of param, rewritten from the update; or null
+  int64_t n = 0;
+  bool decay = false;  ///< apply the decoupled weight decay
+};
+
+/// The step's scalars, computed on the host exactly as the CPU AdamW computes them.
+struct AdamWScalars {
+  float lr = 0, beta1 = 0, beta2 = 0, eps = 0;
+  float one_minus_beta1 = 0, one_minus_beta2 = 0;  ///< 1.f - beta (f32, as the CPU)
+  float bc1 = 1, bc2 = 1;                          ///< 1 - beta^t (double, rounded to f32)
+  float decay = 1;                                 ///< 1 - lr * weight_decay
+};
+
+// Per element, in the CPU's operation order with IEEE round-to-nearest (no FMA contraction):
+//   m = b1 m + (1 - b1) g;  v = b2 v + ((1 - b2) g) g
+//   p = p * decay - (lr * (m / bc1)) / (sqrt(v / bc2) + eps);  param_bf16 = bf16(p)
+void adamw_step(const AdamWTensor* tensors, int64_t count, const AdamWScalars& s, Stream stream);
+
+/// Bytes of device workspace multi_sum_squares needs for these sizes.
+size_t multi_sum_squares_workspace_bytes(const int64_t* sizes, int64_t count);
+/// *result (one device double) = sum over the tensors of sum x^2. Deterministic: per-block
+/// partials in double over fixed chunks, then one block adds them in a fixed tree.
+void multi_sum_squares(double* result, const float* const* xs, const int64_t* sizes,
+                       int64_t count, void* workspace, Stream stream);
+/// x *= s for each tensor.
+void multi_scale(float* const* xs, const int64_t* sizes, int64_t count, float s, Stream stream);
+/// dst = src * s for each pair (gradient bucket pack / unpack).
+void multi_copy_scaled(float* const* dst, const float* const* src, const int64_t* sizes,
+                       int64_t count, float s, Stream stream);
+
+}  // namespace xmoe::cuda

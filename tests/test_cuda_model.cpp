@@ -1,0 +1,438 @@
+// The model, the optimizer and the trainer on CUDA against the CPU (llm.c test_gpt2 style): a
+// micro transformer is built once on the host (the same weights everywhere), one copy moves to
+// the GPU, and logits, loss and every parameter gradient are compared by normalised error
+// ||a - b|| / ||b||; AdamW, the gradient norm and the trainer's losses likewise. Without a CUDA
+// device every test skips, saying why, except CudaModelBuild.ClearErrors.
+//
+// Tolerances:
+//   f32 compute, 1e-4 (gradients) / 1e-5 (logits, loss): the same math in another order (cuBLAS
+//     tiles, warp trees, FMA contraction) gives ~1e-7 * sqrt(terms) per op; a forward and a
+//     backward through two blocks chain a few dozen ops. An indexing bug gives errors of order 1.
+//   bf16 compute, 3e-2 (logits, loss) / 1e-1 (gradients): every matmul input is rounded to bf16
+//     (2^-9 = 2e-3 relative per element), the attention and FFN activations are stored in bf16,
+//     and a backward chains the rounding of its forward and of its own bf16 outputs; measured on
+//     the op harness a forward + backward stays at a few 1e-3 per op, so 3e-2 over the whole
+//     model is 5-10x that. Weight gradients sum bf16 products in f32 but their inputs (dy, x) are
+//     bf16, and small gradients of nearly cancelling sums (norm weights) have the largest
+//     relative error; 1e-1 still fails on any wrong index or missing term (error ~1).
+//   AdamW 1e-6: the kernel evaluates the CPU's formula in the CPU's order with IEEE-rounded
+//     operations; the only differences come from the host compiler contracting a*b+c into an
+//     FMA (one rounding less), i.e. a few ulps.
+//   Trainer, bf16: |loss_cuda - loss_cpu| <= 3% of the CPU loss over the first 10 steps. The
+//     bf16 gradients differ from the f32 ones by ~1e-2 relative; Adam's first steps move every
+//     weight by about lr * sign(m), so elements with small gradients may step the other way and
+//     the runs drift apart slowly. A broken update (no step, wrong sign, lost gradient) leaves
+//     the loss near ln(256) = 5.5 while the CPU run falls well below it, far outside 3%.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "testing.h"
+#include "xmoe/backend/device_api.h"
+#include "xmoe/config/config.h"
+#include "xmoe/core/rng.h"
+#include "xmoe/model/transformer.h"
+#include "xmoe/optim/adamw.h"
+#include "xmoe/optim/clip.h"
+#include "xmoe/ops/ops.h"
+#include "xmoe/train/trainer.h"
+
+namespace {
+
+using namespace xmoe;
+namespace fs = std::filesystem;
+
+#define XMOE_REQUIRE_CUDA()                                                                \
+  do {                                                                                     \
+    if (!backend::cuda_available())                                                        \
+      GTEST_SKIP() << "no CUDA device visible (this build or machine has none): the CUDA " \
+                      "model is tested by scripts/gpu-check.sh on the GPU machine";        \
+  } while (0)
+
+const Device kCuda = Device::cuda(0);
+
+Tensor host_f32(const Tensor& t) {
+  Tensor h = t.to(Device::cpu());
+  return h.dtype() == DType::bf16 ? h.to(DType::f32) : h;
+}
+
+/// ||got - ref|| / ||ref|| (absolute when ref is all zero), in double.
+double normalised_error(const Tensor& got, const Tensor& ref) {
+  const std::vector<float> a = host_f32(got).to_vector<float>();
+  const std::vector<float> b = host_f32(ref).to_vector<float>();
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return std::numeric_limits<double>::infinity();
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+/// A dense-only micro model (first_dense_layers = num_layers): independent of the MoE layer.
+ModelConfig dense_micro(bool tied = false) {
+  ModelConfig m;
+  m.vocab_size = 256;
+  m.d_model = 64;
+  m.num_layers = 2;
+  m.num_heads = 4;
+  m.num_kv_heads = 2;
+  m.max_seq_len = 32;
+  m.dense_hidden = 128;
+  m.first_dense_layers = m.num_layers;
+  m.tie_embeddings = tied;
+  return m;
+}
+
+/// Two blocks: a dense one, then an MoE one (4 experts, top-2, one shared expert).
+ModelConfig moe_micro() {
+  ModelConfig m = dense_micro();
+  m.first_dense_layers = 1;
+  m.moe.num_experts = 4;
+  m.moe.top_k = 2;
+  m.moe.expert_hidden = 32;
+  m.moe.num_shared_experts = 1;
+  return m;
+}
+
+Tensor random_ids(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
+  Rng rng(seed, 3);
+  std::vector<int32_t> v(static_cast<size_t>(b * s));
+  for (auto& x : v) x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
+  return Tensor::from_vector<int32_t>(v, {b, s});
+}
+
+struct ModelCase {
+  const char* name;
+  ModelConfig cfg;
+  DType dtype;
+  double logits_tol, loss_tol, grad_tol;
+};
+
+/// Runs forward (logits), forward_loss and backward on a CPU model and on a CUDA copy built
+/// from the same seed; compares logits, loss and every gradient.
+void compare_model(const ModelCase& c) {
+  const uint64_t seed = 42;
+  model::Transformer cpu(c.cfg, seed);
+  model::Transformer gpu(c.cfg, seed);
+  gpu.to(kCuda);
+  gpu.set_compute_dtype(c.dtype);
+  const Tensor ids = random_ids(2, 16, c.cfg.vocab_size, 1);
+  const Tensor targets = random_ids(2, 16, c.cfg.vocab_size, 2);
+
+  const Tensor ref_logits = cpu.forward(ids);
+  cpu.release();
+  const Tensor logits = gpu.forward(ids.to(kCuda));
+  gpu.release();
+  EXPECT_EQ(logits.device(), kCuda);
+  const double le = normalised_error(logits, ref_logits);
+  std::printf("[model] %s logits %.3g\n", c.name, le);
+  EXPECT_LE(le, c.logits_tol) << c.name << " logits";
+
+  const float ref_loss = cpu.forward_loss(ids, targets);
+  cpu.backward(0.5f);
+  const float loss = gpu.forward_loss(ids.to(kCuda), targets.to(kCuda));
+  gpu.backward(0.5f);
+  std::printf("[model] %s loss cpu %.6f cuda %.6f\n", c.name, ref_loss, loss);
+  EXPECT_LE(std::fabs(loss - ref_loss), c.loss_tol * std::fabs(ref_loss)) << c.name << " loss";
+
+  const auto ref_params = cpu.parameters();
+  const auto params = gpu.parameters();
+  ASSERT_EQ(ref_params.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_EQ(params[i]->name, ref_params[i]->name);
+    EXPECT_EQ(params[i]->grad.device(), kCuda) << params[i]->name;
+    EXPECT_EQ(params[i]->grad.dtype(), DType::f32) << params[i]->name;
+    const double ge = normalised_error(params[i]->grad, ref_params[i]->grad);
+    std::printf("[model] %s grad %-28s %.3g\n", c.name, params[i]->name.c_str(), ge);
+    EXPECT_LE(ge, c.grad_tol) << c.name << " grad of " << params[i]->name;
+  }
+}
+
+// ---- the model ------------------------------------------------------------------------------
+
+TEST(CudaModel, DenseF32MatchesCpu) {
+  XMOE_REQUIRE_CUDA();
+  compare_model({"dense-f32", dense_micro(), DType::f32, 1e-5, 1e-5, 1e-4});
+  ModelConfig tied = dense_micro(/*tied=*/true);
+  tied.recompute = {"attention", "ffn"};
+  compare_model({"dense-f32-tied-recompute", tied, DType::f32, 1e-5, 1e-5, 1e-4});
+}
+
+TEST(CudaModel, DenseBf16WithinBf16Tolerance) {
+  XMOE_REQUIRE_CUDA();
+  compare_model({"dense-bf16", dense_micro(), DType::bf16, 3e-2, 3e-2, 1e-1});
+  compare_model({"dense-bf16-tied", dense_micro(true), DType::bf16, 3e-2, 3e-2, 1e-1});
+}
+
+TEST(CudaModel, Bf16CopiesFeedTheMatmulsNotTheNorms) {
+  XMOE_REQUIRE_CUDA();
+  model::Transformer m(dense_micro(), 7);
+  m.to(kCuda);
+  m.set_compute_dtype(DType::bf16);
+  for (Parameter* p : m.parameters()) {
+    EXPECT_EQ(p->value.dtype(), DType::f32) << p->name;
+    EXPECT_EQ(p->value.device(), kCuda) << p->name;
+    const bool matrix = p->value.dim() >= 2 && p->name != "embed.weight";
+    EXPECT_EQ(p->compute_copy.defined(), matrix) << p->name;
+    if (matrix) {
+      EXPECT_EQ(p->compute_copy.dtype(), DType::bf16);
+      EXPECT_EQ(normalised_error(p->compute_copy, p->value.to(Device::cpu()).to(DType::bf16)), 0.0)
+          << p->name;
+    }
+  }
+  m.set_compute_dtype(DType::f32);
+  for (Parameter* p : m.parameters()) EXPECT_FALSE(p->compute_copy.defined()) << p->name;
+}
+
+// The MoE layer on CUDA is the MoE engineer's work: this test passes once MoELayer accepts
+// CUDA tensors (and, for bf16, uses Parameter::compute() in its matmuls).
+TEST(CudaModel, MoEMatchesCpu) {
+  XMOE_REQUIRE_CUDA();
+  // f32: routing sees the same logits up to ~1e-7, so the same experts win (no near-ties at
+  // this seed); the tolerances of the dense model apply, a little looser for the router.
+  compare_model({"moe-f32", moe_micro(), DType::f32, 1e-5, 1e-5, 1e-3});
+}
+
+// ---- the optimizer --------------------------------------------------------------------------
+
+std::vector<Parameter> optimizer_params(uint64_t seed) {
+  std::vector<Parameter> ps;
+  ps.push_back(Parameter::make("w", {37, 129}));
+  ps.push_back(Parameter::make("big", {3, 70000}));  // several chunks per tensor
+  ps.push_back(Parameter::make("norm", {129}, ParamKind::dense, /*weight_decay=*/false));
+  ps.push_back(Parameter::make("empty", {0, 4}));
+  for (size_t i = 0; i < ps.size(); ++i) ps[i].init_normal(seed + i, 0.5f);
+  return ps;
+}
+
+void random_grads(std::vector<Parameter>& ps, uint64_t seed) {
+  for (size_t i = 0; i < ps.size(); ++i) {
+    Tensor g = Tensor::empty(ps[i].value.shape());
+    fill_normal(g, seed, 100 + i, 1e-2f);
+    ps[i].grad.copy_from(g);
+  }
+}
+
+TEST(CudaModel, AdamWMatchesCpu) {
+  XMOE_REQUIRE_CUDA();
+  std::vector<Parameter> cpu = optimizer_params(5), gpu = optimizer_params(5);
+  for (Parameter& p : gpu) p.to(kCuda);
+  gpu[0].compute_copy = ops::cast(gpu[0].value, DType::bf16);  // rewritten by the step
+  std::vector<Parameter*> pc, pg;
+  for (auto& p : cpu) pc.push_back(&p);
+  for (auto& p : gpu) pg.push_back(&p);
+  optim::AdamWConfig cfg{0.9f, 0.95f, 1e-8f, 0.1f};
+  optim::AdamW oc(pc, cfg), og(pg, cfg);
+  EXPECT_EQ(og.device(), kCuda);
+  for (int step = 0; step < 5; ++step) {
+    random_grads(cpu, 50 + step);
+    random_grads(gpu, 50 + step);
+    const float lr = 1e-2f * static_cast<float>(step + 1);
+    oc.step(lr);
+    og.step(lr);
+  }
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const double ve = normalised_error(gpu[i].value, cpu[i].value);
+    const double me = normalised_error(og.m(i), oc.m(i));
+    const double vv = normalised_error(og.v(i), oc.v(i));
+    std::printf("[adamw] %s value %.3g m %.3g v %.3g\n", cpu[i].name.c_str(), ve, me, vv);
+    EXPECT_LE(ve, 1e-6) << cpu[i].name;
+    EXPECT_LE(me, 1e-6) << cpu[i].name;
+    EXPECT_LE(vv, 1e-6) << cpu[i].name;
+  }
+  // The bf16 copy is bf16(value) after the last step, exactly.
+  EXPECT_EQ(normalised_error(gpu[0].compute_copy, gpu[0].value.to(Device::cpu()).to(DType::bf16)),
+            0.0);
+  // Checkpoint round trip: the exported state comes back onto the device.
+  std::map<std::string, Tensor> state;
+  og.export_state(state);
+  optim::AdamW og2(pg, cfg);
+  og2.import_state(state);
+  EXPECT_EQ(og2.step_count(), 5);
+  EXPECT_EQ(og2.m(1).device(), kCuda);
+  EXPECT_EQ(normalised_error(og2.v(1), og.v(1)), 0.0);
+}
+
+TEST(CudaModel, GradNormScaleAndNonFinite) {
+  XMOE_REQUIRE_CUDA();
+  std::vector<Parameter> cpu = optimizer_params(9), gpu = optimizer_params(9);
+  for (Parameter& p : gpu) p.to(kCuda);
+  random_grads(cpu, 3);
+  random_grads(gpu, 3);
+  std::vector<Parameter*> pc, pg;
+  for (auto& p : cpu) pc.push_back(&p);
+  for (auto& p : gpu) pg.push_back(&p);
+  const double ref = optim::grad_sum_squares(pc), got = optim::grad_sum_squares(pg);
+  EXPECT_NEAR(got, ref, 1e-12 * ref);
+  // Deterministic: the same bits every time.
+  EXPECT_EQ(optim::grad_sum_squares(pg), got);
+  optim::scale_grads(pc, 0.25f);
+  optim::scale_grads(pg, 0.25f);
+  for (size_t i = 0; i < cpu.size(); ++i)
+    EXPECT_EQ(normalised_error(gpu[i].grad, cpu[i].grad), 0.0) << cpu[i].name;
+  // A non-finite element makes the norm non-finite (the trainer's check).
+  Tensor g = gpu[1].grad.to(Device::cpu());
+  g.data<float>()[12345] = std::numeric_limits<float>::infinity();
+  gpu[1].grad.copy_from(g);
+  EXPECT_FALSE(std::isfinite(optim::grad_norm(pg)));
+}
+
+// ---- the trainer ----------------------------------------------------------------------------
+
+class CudaTrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() /
+            ("xmoe-cuda-train-" +
+             std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(root_);
+    fs::create_directories(root_ / "corpus");
+    std::ofstream text(root_ / "corpus" / "text.txt");
+    const char* lines[] = {"the quick brown fox jumps over the lazy dog. ",
+                           "a stitch in time saves nine. ", "all that glitters is not gold. ",
+                           "the early bird catches the worm. "};
+    for (int i = 0; i < 600; ++i) text << lines[i % 4];
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  /// The `tiny` preset at micro size (test_train.cpp's), dense only unless `moe`.
+  Config micro_config(const std::string& run, bool moe = false) const {
+    Config c = preset("tiny");
+    c.model.d_model = 32;
+    c.model.num_layers = 2;
+    c.model.num_heads = 2;
+    c.model.num_kv_heads = 1;
+    c.model.dense_hidden = 64;
+    c.model.max_seq_len = 32;
+    c.model.first_dense_layers = moe ? 1 : 2;
+    c.model.moe.num_experts = 4;
+    c.model.moe.top_k = 2;
+    c.model.moe.expert_hidden = 16;
+    c.data.corpus = (root_ / "corpus").string();
+    c.data.dir = (root_ / "data").string();
+    c.data.val_fraction = 0.1f;
+    c.train.steps = 10;
+    c.train.batch_size = 4;
+    c.train.seq_len = 32;
+    c.train.warmup_steps = 5;
+    c.train.eval_every = 5;
+    c.train.eval_batches = 2;
+    c.train.save_every = 5;
+    c.train.log_every = 5;
+    c.train.out_dir = (root_ / run).string();
+    validate(c);
+    return c;
+  }
+
+  static train::TrainOptions quiet() {
+    train::TrainOptions o;
+    o.progress = false;
+    return o;
+  }
+
+  fs::path root_;
+};
+
+TEST_F(CudaTrainTest, LossesFollowTheCpu) {
+  XMOE_REQUIRE_CUDA();
+  const auto ref = train::train(micro_config("cpu"), quiet());
+  for (const char* dtype : {"f32", "bf16"}) {
+    Config c = micro_config(std::string("cuda-") + dtype);
+    c.train.device = "cuda";
+    c.train.dtype = dtype;
+    const auto r = train::train(c, quiet());
+    ASSERT_EQ(r.steps.size(), 10u);
+    const double tol = std::string(dtype) == "f32" ? 1e-4 : 3e-2;
+    for (int i = 0; i < 10; ++i) {
+      std::printf("[train] %s step %d loss cpu %.5f cuda %.5f mfu %.2g\n", dtype, i + 1,
+                  ref.steps[i].loss, r.steps[i].loss, r.steps[i].mfu);
+      EXPECT_LE(std::fabs(r.steps[i].loss - ref.steps[i].loss), tol * ref.steps[i].loss)
+          << dtype << " step " << i + 1;
+      EXPECT_GT(r.steps[i].mfu, 0.0);
+    }
+    ASSERT_EQ(r.evals.size(), ref.evals.size());
+    EXPECT_LE(std::fabs(r.evals.back().val_loss - ref.evals.back().val_loss),
+              tol * ref.evals.back().val_loss);
+    // Checkpoints are host f32 safetensors.
+    EXPECT_TRUE(fs::exists(fs::path(c.train.out_dir) / "step-10" / "manifest.json"));
+  }
+  EXPECT_LT(ref.steps.back().loss, ref.steps.front().loss);
+}
+
+TEST_F(CudaTrainTest, ResumeOnTheDeviceReproducesTheRun) {
+  XMOE_REQUIRE_CUDA();
+  // Every CUDA op is deterministic, so a resumed bf16 run repeats the straight one bit for bit.
+  Config c = micro_config("straight");
+  c.train.device = "cuda";
+  const auto straight = train::train(c, quiet());
+  c.train.out_dir = (root_ / "resumed").string();
+  auto first = quiet();
+  first.stop_after = 5;
+  train::train(c, first);
+  auto second = quiet();
+  second.resume = true;
+  const auto b = train::train(c, second);
+  ASSERT_EQ(b.steps.size(), 5u);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(straight.steps[5 + i].loss, b.steps[i].loss) << "step " << 6 + i;
+    EXPECT_EQ(straight.steps[5 + i].grad_norm, b.steps[i].grad_norm) << "step " << 6 + i;
+  }
+}
+
+// Pass once the MoE layer runs on CUDA (f32), and takes bf16 inputs with its matmuls on
+// Parameter::compute() (bf16). The f32 run follows the CPU run like the dense model.
+TEST_F(CudaTrainTest, MoETrainsOnTheDeviceF32) {
+  XMOE_REQUIRE_CUDA();
+  const auto ref = train::train(micro_config("moe-cpu", /*moe=*/true), quiet());
+  Config c = micro_config("moe-f32", /*moe=*/true);
+  c.train.device = "cuda";
+  c.train.dtype = "f32";
+  const auto r = train::train(c, quiet());
+  ASSERT_EQ(r.steps.size(), 10u);
+  for (int i = 0; i < 10; ++i) {
+    std::printf("[train] moe f32 step %d loss cpu %.5f cuda %.5f\n", i + 1, ref.steps[i].loss,
+                r.steps[i].loss);
+    EXPECT_LE(std::fabs(r.steps[i].loss - ref.steps[i].loss), 1e-3 * ref.steps[i].loss)
+        << "step " << i + 1;
+  }
+}
+
+TEST_F(CudaTrainTest, MoETrainsOnTheDeviceBf16) {
+  XMOE_REQUIRE_CUDA();
+  Config c = micro_config("moe-bf16", /*moe=*/true);
+  c.train.device = "cuda";
+  const auto r = train::train(c, quiet());
+  ASSERT_EQ(r.steps.size(), 10u);
+  for (const auto& s : r.steps) EXPECT_TRUE(std::isfinite(s.loss) && !s.skipped);
+  EXPECT_LT(r.steps.back().loss, r.steps.front().loss);
+}
+
+// ---- every build ----------------------------------------------------------------------------
+
+TEST(CudaModelBuild, ClearErrors) {
+  model::Transformer m(dense_micro(), 1);
+  EXPECT_CONTAINS(xmoe::testing::error_of([&] { m.set_compute_dtype(DType::bf16); }),
+                  "[transformer] compute dtype bf16 needs the model on a CUDA device");
+  m.to(Device::cpu());  // a no-op
+  EXPECT_EQ(m.device(), Device::cpu());
+  if (!backend::cuda_available()) {
+    Config c = preset("tiny");
+    c.train.device = "cuda";
+    EXPECT_CONTAINS(xmoe::testing::error_of([&] { train::train(c); }),
+                    "[train] train.device = cuda: no CUDA device is available");
+    return;
+  }
+  m.to(kCuda);
+  EXPECT_CONTAINS(xmoe::testing::error_of([&] { m.forward(random_ids(1, 4, 256, 1)); }),
+                  "[transformer] ids are on cpu but the model is on cuda:0");
+}
+
+}  // namespace
