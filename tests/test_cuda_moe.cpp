@@ -33,41 +33,21 @@
 #include "xmoe/moe/order.h"
 #include "xmoe/ops/ops.h"
 
+#include "cuda_testing.h"
+
 namespace {
+
+using xmoe::testing::host_f32;
+using xmoe::testing::kCuda;
+using xmoe::testing::normalised_error;
 
 using namespace xmoe;
 using namespace xmoe::moe;
 using xmoe::testing::randn;
 
-#define XMOE_REQUIRE_CUDA()                                                                \
-  do {                                                                                     \
-    if (!backend::cuda_available())                                                        \
-      GTEST_SKIP() << "no CUDA device visible (this build or machine has none): the CUDA " \
-                      "backend is tested by scripts/gpu-check.sh on the GPU machine";      \
-  } while (0)
 
-const Device kCuda = Device::cuda(0);
 
-Tensor host_f32(const Tensor& t) {
-  Tensor h = t.to(Device::cpu());
-  return h.dtype() == DType::bf16 ? h.to(DType::f32) : h;
-}
 
-double normalised_error(const Tensor& got, const Tensor& ref) {
-  const std::vector<float> a = host_f32(got).to_vector<float>();
-  const std::vector<float> b = host_f32(ref).to_vector<float>();
-  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) {
-      if (a[i] == b[i]) continue;  // the same infinity (masked scores)
-      return std::numeric_limits<double>::infinity();
-    }
-    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    norm += static_cast<double>(b[i]) * b[i];
-  }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-}
 
 #define EXPECT_CLOSE(got, ref, tol, what)                                               \
   do {                                                                                  \

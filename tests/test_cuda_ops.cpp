@@ -31,43 +31,21 @@
 #include "xmoe/ops/model_ops.h"
 #include "xmoe/ops/ops.h"
 
+#include "cuda_testing.h"
+
 namespace {
+
+using xmoe::testing::host_f32;
+using xmoe::testing::kCuda;
+using xmoe::testing::normalised_error;
 
 using namespace xmoe;
 using xmoe::testing::randn;
 using ops::AttentionResult;
 
-#define XMOE_REQUIRE_CUDA()                                                                \
-  do {                                                                                     \
-    if (!backend::cuda_available())                                                        \
-      GTEST_SKIP() << "no CUDA device visible (this build or machine has none): the CUDA " \
-                      "backend is tested by scripts/gpu-check.sh on the GPU machine";      \
-  } while (0)
 
-const Device kCuda = Device::cuda(0);
 
-// ---- helpers --------------------------------------------------------------------------------
 
-Tensor host_f32(const Tensor& t) {
-  Tensor h = t.to(Device::cpu());
-  return h.dtype() == DType::bf16 ? h.to(DType::f32) : h;
-}
-
-/// ||got - ref|| / ||ref|| (absolute when ref is all zero), in double.
-double normalised_error(const Tensor& got, const Tensor& ref) {
-  const std::vector<float> a = host_f32(got).to_vector<float>();
-  const std::vector<float> b = host_f32(ref).to_vector<float>();
-  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::isnan(a[i]) != std::isnan(b[i]) || std::isinf(a[i]) != std::isinf(b[i]))
-      return std::numeric_limits<double>::infinity();
-    if (!std::isfinite(b[i])) continue;
-    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    norm += static_cast<double>(b[i]) * b[i];
-  }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-}
 
 Tensor scalar(double v) { return Tensor::from_vector<float>({static_cast<float>(v)}, {1}); }
 

@@ -1,0 +1,48 @@
+#pragma once
+// Shared by the CPU-vs-CUDA parity tests: the skip rule and the error measure.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "xmoe/backend/device_api.h"
+#include "xmoe/core/tensor.h"
+
+/// The only acceptable skip of a CUDA test: no device visible (CI, the development machine).
+#define XMOE_REQUIRE_CUDA()                                                                \
+  do {                                                                                     \
+    if (!::xmoe::backend::cuda_available())                                                \
+      GTEST_SKIP() << "no CUDA device visible (this build or machine has none): the CUDA " \
+                      "backend is tested by scripts/gpu-check.sh on the GPU machine";      \
+  } while (0)
+
+namespace xmoe::testing {
+
+inline const Device kCuda = Device::cuda(0);
+
+/// A host f32 copy of any f32/bf16 tensor.
+inline Tensor host_f32(const Tensor& t) {
+  Tensor h = t.to(Device::cpu());
+  return h.dtype() == DType::bf16 ? h.to(DType::f32) : h;
+}
+
+/// ||got - ref|| / ||ref|| (absolute when ref is all zero), in double. Non-finite entries
+/// must match exactly (the same infinity, or NaN in both); any other mismatch is infinite.
+inline double normalised_error(const Tensor& got, const Tensor& ref) {
+  const std::vector<float> a = host_f32(got).to_vector<float>();
+  const std::vector<float> b = host_f32(ref).to_vector<float>();
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) {
+      if (a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) continue;
+      return std::numeric_limits<double>::infinity();
+    }
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+}  // namespace xmoe::testing
