@@ -17,6 +17,7 @@
 //   mpirun -np 4 bench_dispatch [--tokens 4096] [--d 1024] [--iters 5] [--skew 0.25]
 //                               [--cf 1.0,1.25] [--quick]
 #include <algorithm>
+#include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -224,35 +225,19 @@ void run(comm::Group& g, const Args& a, int64_t E, int64_t k) {
 int main(int argc, char** argv) {
   Args a;
   std::vector<std::pair<int64_t, int64_t>> shapes = {{64, 6}, {256, 8}};
-  for (int i = 1; i < argc; ++i) {
-    const std::string s = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
-    if (s == "--tokens")
-      a.tokens = std::stoll(next());
-    else if (s == "--d")
-      a.d = std::stoll(next());
-    else if (s == "--iters")
-      a.iters = std::stoi(next());
-    else if (s == "--skew")
-      a.skew = std::stof(next());
-    else if (s == "--cf") {
-      a.cfs.clear();
-      const std::string list = next();
-      for (size_t p = 0; p < list.size();) {
-        const size_t q = std::min(list.find(',', p), list.size());
-        a.cfs.push_back(std::stof(list.substr(p, q - p)));
-        p = q + 1;
-      }
-    } else if (s == "--quick") {
-      a.tokens = 512;
-      a.d = 128;
-      a.iters = 2;
-    } else {
-      std::fprintf(stderr,
-                   "usage: bench_dispatch [--tokens T] [--d D] [--iters N] [--skew S] "
-                   "[--cf 1.0,1.25] [--quick]\n");
-      return 2;
-    }
+  bool quick = false;
+  CLI::App app{"Dispatch + combine: padding-free all-to-all-v vs padded all-to-all (run under mpirun)"};
+  app.add_option("--tokens", a.tokens, "tokens per rank");
+  app.add_option("--d", a.d, "row width");
+  app.add_option("--iters", a.iters, "timed iterations after one warm-up");
+  app.add_option("--skew", a.skew, "std of the shared per-expert logit bias");
+  app.add_option("--cf", a.cfs, "padded capacity factors")->delimiter(',');
+  app.add_flag("--quick", quick, "small shapes (T=512, d=128, 2 iterations)");
+  CLI11_PARSE(app, argc, argv);
+  if (quick) {
+    a.tokens = 512;
+    a.d = 128;
+    a.iters = 2;
   }
   auto g = comm::world();
   try {

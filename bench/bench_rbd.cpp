@@ -14,6 +14,7 @@
 //
 //   for rpn in 4 2 1; do mpirun -np 8 bench_rbd --rpn $rpn [--tokens 2048] [--d 512]
 //                        [--experts 64] [--k 2,4,6,8,16] [--iters 3]; done
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -184,34 +185,14 @@ void run(comm::Group& g, const Args& a, int64_t k, bool skewed) {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string s = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
-    if (s == "--rpn")
-      a.rpn = std::stoi(next());
-    else if (s == "--tokens")
-      a.tokens = std::stoll(next());
-    else if (s == "--d")
-      a.d = std::stoll(next());
-    else if (s == "--experts")
-      a.experts = std::stoll(next());
-    else if (s == "--iters")
-      a.iters = std::stoi(next());
-    else if (s == "--k") {
-      a.ks.clear();
-      const std::string list = next();
-      for (size_t p = 0; p < list.size();) {
-        const size_t q = std::min(list.find(',', p), list.size());
-        a.ks.push_back(std::stoll(list.substr(p, q - p)));
-        p = q + 1;
-      }
-    } else {
-      std::fprintf(stderr,
-                   "usage: bench_rbd --rpn R [--tokens T] [--d D] [--experts E] [--k 2,4,...] "
-                   "[--iters N]\n");
-      return 2;
-    }
-  }
+  CLI::App app{"Redundancy-bypassing dispatch vs all-to-all-v over simulated nodes (run under mpirun)"};
+  app.add_option("--rpn", a.rpn, "ranks per simulated node")->required();
+  app.add_option("--tokens", a.tokens, "tokens per rank");
+  app.add_option("--d", a.d, "row width");
+  app.add_option("--experts", a.experts, "experts E");
+  app.add_option("--k", a.ks, "top-k values")->delimiter(',');
+  app.add_option("--iters", a.iters, "timed iterations after one warm-up");
+  CLI11_PARSE(app, argc, argv);
   auto g = comm::world(a.rpn);
   try {
     for (int64_t k : a.ks)
