@@ -57,7 +57,8 @@ class Group {
   virtual Device device() const { return Device::cpu(); }
 
   /// In-place reduction over all ranks (f32, i32, i64).
-  virtual void all_reduce(Tensor& t, ReduceOp op = ReduceOp::sum) = 0;
+  /// In-place reduction; by default the async variant, waited for.
+  virtual void all_reduce(Tensor& t, ReduceOp op = ReduceOp::sum) { all_reduce_async(t, op)->wait(); }
   virtual std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op = ReduceOp::sum) = 0;
   /// Concatenation of every rank's `t` along dim 0 (all ranks give the same shape).
   virtual Tensor all_gather(const Tensor& t) = 0;
@@ -66,7 +67,11 @@ class Group {
   /// Uneven all-to-all over dim 0: rows [o_p, o_p + send_rows[p]) of `send` go to rank p; the
   /// result holds, in rank order, recv_rows[p] rows from each rank p. Zero rows are fine.
   virtual Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                              std::span<const int64_t> recv_rows) = 0;
+                              std::span<const int64_t> recv_rows) {
+    Tensor recv;
+    all_to_all_v_async(send, send_rows, recv_rows, recv)->wait();
+    return recv;
+  }
   virtual std::unique_ptr<Work> all_to_all_v_async(const Tensor& send,
                                                    std::span<const int64_t> send_rows,
                                                    std::span<const int64_t> recv_rows,

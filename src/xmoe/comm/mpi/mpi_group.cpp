@@ -128,8 +128,6 @@ class MpiGroup final : public Group {
     return std::make_shared<MpiGroup>(sub, topology_.subset(parent_ranks), true);
   }
 
-  void all_reduce(Tensor& t, ReduceOp op) override { all_reduce_async(t, op)->wait(); }
-
   std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op) override {
     require_cpu(t, "all_reduce");
     ++counters_.calls[ByteCounters::all_reduce];
@@ -168,13 +166,6 @@ class MpiGroup final : public Group {
     MPI_CHECK(MPI_Reduce_scatter_block(t.raw(), out.raw(), static_cast<int>(out.numel()),
                                        mpi_type(t.dtype()), MPI_SUM, comm_));
     return out;
-  }
-
-  Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                      std::span<const int64_t> recv_rows) override {
-    Tensor recv;
-    all_to_all_v_async(send, send_rows, recv_rows, recv)->wait();
-    return recv;
   }
 
   std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,

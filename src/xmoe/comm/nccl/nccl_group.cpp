@@ -209,8 +209,6 @@ class NcclGroup final : public Group {
     return adopt(std::move(sub_cpu), device_, sub);
   }
 
-  void all_reduce(Tensor& t, ReduceOp op) override { all_reduce_async(t, op)->wait(); }
-
   std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op) override {
     require_device(t, "all_reduce");
     const ncclDataType_t type = reduce_type(t.dtype(), "all_reduce");
@@ -258,13 +256,6 @@ class NcclGroup final : public Group {
                                    ncclSum, comm_, s));
     finish({t, out})->wait();
     return out;
-  }
-
-  Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                      std::span<const int64_t> recv_rows) override {
-    Tensor recv;
-    all_to_all_v_async(send, send_rows, recv_rows, recv)->wait();
-    return recv;
   }
 
   std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,
