@@ -245,7 +245,13 @@ std::vector<OpCase> parity_cases() {
                        Attn{"attention_mqa_full", 1, 70, 2, 1, 64, false},
                        Attn{"attention_hd80_causal", 1, 45, 3, 3, 80, true},
                        Attn{"attention_hd128_causal", 1, 33, 2, 2, 128, true},
-                       Attn{"attention_hd256_causal", 1, 40, 2, 1, 256, true}}) {
+                       Attn{"attention_hd256_causal", 1, 40, 2, 1, 256, true},
+                       // bf16 of these runs on the tensor-core kernels: several 64-row tiles,
+                       // a ragged last tile, GQA groups of 2 and 4, causal and not.
+                       Attn{"attention_tc_hd64_gqa_causal", 2, 200, 4, 2, 64, true},
+                       Attn{"attention_tc_hd64_full", 1, 129, 2, 2, 64, false},
+                       Attn{"attention_tc_hd128_gqa_causal", 1, 150, 8, 2, 128, true},
+                       Attn{"attention_tc_hd128_full", 2, 64, 2, 1, 128, false}}) {
     c.push_back({a.name,
                  [a] {
                    return Tensors{randn({a.b, a.s, a.h, a.hd}, 60), randn({a.b, a.s, a.hkv, a.hd}, 61),

@@ -12,8 +12,10 @@
 //      ds_ij = p_ij (dout_i.v_j - D_i) scale, dq_i = sum_j ds_ij k_j.
 //   3. dk, dv: a warp per key row j of a kv head; query rows of every head of its group stream
 //      through shared memory in tiles of 32: dv_j = sum p_ij dout_i, dk_j = sum ds_ij q_i.
-// Math is f32 (storage f32 or bf16). This is the straightforward kernel; a tensor-core
-// FlashAttention (or cuDNN SDPA) is a later step.
+// Math is f32 (storage f32 or bf16). bf16 with head_dim 64 or 128 goes to the tensor-core
+// kernels of flash_attention.cu instead; these take f32 (the CPU-parity path) and other shapes.
+#include <initializer_list>
+
 #include "xmoe/backend/cuda/common.cuh"
 
 namespace xmoe::cuda {
@@ -292,12 +294,22 @@ template <class Kernel> void allow_smem(Kernel kernel, size_t bytes) {
                                     static_cast<int>(bytes)));
 }
 
+// The tensor-core kernels copy rows in 16-byte pieces.
+bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
 }  // namespace
 
 void attention_forward(void* out, float* lse, const void* q, const void* k, const void* v, DType dt,
                        int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, float scale, bool causal, Stream stream) {
   if (batch * seq * heads == 0) return;
+  if (flash_attention_supported(dt, head_dim) && aligned16({out, q, k, v}))
+    return flash_attention_forward(out, lse, q, k, v, batch, seq, heads, kv_heads, head_dim,
+                                   scale, causal, stream);
   const Dims p = make_dims(seq, heads, kv_heads, head_dim, scale, causal);
   const size_t smem = sizeof(float) * (kTile * (p.hd + 1) + kTile * p.hd + kWarps * p.hd);
   dispatch_float(dt, "attention", [&](auto tag) {
@@ -320,6 +332,9 @@ void attention_backward(void* dq, void* dk, void* dv, const void* q, const void*
                         int64_t head_dim, float scale, bool causal, void* workspace,
                         Stream stream) {
   if (batch * seq * heads == 0) return;
+  if (flash_attention_supported(dt, head_dim) && aligned16({dq, dk, dv, q, k, v, out, dout}))
+    return flash_attention_backward(dq, dk, dv, q, k, v, out, lse, dout, batch, seq, heads,
+                                    kv_heads, head_dim, scale, causal, workspace, stream);
   const Dims p = make_dims(seq, heads, kv_heads, head_dim, scale, causal);
   auto* dsum = static_cast<float*>(workspace);  // D (B, H, S)
   const int64_t rows = batch * seq * heads;

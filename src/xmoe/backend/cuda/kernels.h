@@ -126,6 +126,17 @@ void attention_backward(void* dq, void* dk, void* dv, const void* q, const void*
                         int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
                         int64_t head_dim, float scale, bool causal, void* workspace,
                         Stream stream);
+// The tensor-core kernels (flash_attention.cu) behind the two above: bf16 with head_dim 64 or
+// 128 and 16-byte aligned rows go there, everything else to the CUDA-core kernels.
+bool flash_attention_supported(DType dt, int64_t head_dim);
+void flash_attention_forward(void* out, float* lse, const void* q, const void* k, const void* v,
+                             int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, float scale, bool causal, Stream stream);
+void flash_attention_backward(void* dq, void* dk, void* dv, const void* q, const void* k,
+                              const void* v, const void* out, const float* lse, const void* dout,
+                              int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, float scale, bool causal, void* workspace,
+                              Stream stream);
 
 // ---- cross-entropy (cross_entropy.cu) -------------------------------------------------------
 
