@@ -14,7 +14,7 @@ namespace xmoe::profiling {
 
 namespace {
 
-/// XMOE_PROFILE: the default of profiling::enabled() (docs/config.md, "Environment variables").
+/// XMOE_PROFILE: the default of profiling::enabled() (docs/training.md, "Environment variables").
 bool env_enabled() {
   const char* v = std::getenv("XMOE_PROFILE");
   return v && *v && std::string(v) != "0";
@@ -79,7 +79,9 @@ namespace detail {
 std::atomic<bool> enabled{env_enabled()};
 }  // namespace detail
 
-void enable(bool on) { detail::enabled.store(on, std::memory_order_relaxed); }
+void enable(bool on) {
+  detail::enabled.store(on, std::memory_order_relaxed);
+}
 
 void reset() {
   Table& t = table();
@@ -114,8 +116,8 @@ std::string report_table() {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mutex);
   const double top = children_ms(t.nodes, 0);
-  std::string s = fmt::format("{:<56} {:>8} {:>12} {:>12} {:>7}\n", "region", "calls",
-                              "total ms", "self ms", "share");
+  std::string s = fmt::format("{:<56} {:>8} {:>12} {:>12} {:>7}\n", "region", "calls", "total ms",
+                              "self ms", "share");
   // Depth first; siblings by total, largest first.
   auto visit = [&](auto&& self, int id) -> void {
     std::vector<int> kids = t.nodes[id].children;

@@ -36,7 +36,9 @@ extern std::atomic<bool> enabled;  // initialised from XMOE_PROFILE
 
 /// Whether scopes record. Initially true iff the environment variable XMOE_PROFILE is set to
 /// anything but "" or "0" (read once, at program start).
-inline bool enabled() { return detail::enabled.load(std::memory_order_relaxed); }
+inline bool enabled() {
+  return detail::enabled.load(std::memory_order_relaxed);
+}
 /// Turns recording on or off; scopes already open when it is turned off still record their end.
 void enable(bool on);
 /// Forgets every region. Scopes open across a reset record nothing when they end.
