@@ -5,9 +5,16 @@
 // counters (live tensors; on CUDA also the bytes reserved by the caching allocator).
 // The first --warmup steps (default 2) are not measured: allocator and cuBLAS warm-up.
 //   bench_train_step [--preset tiny|moe-1b|...] [--device cpu|cuda|cuda:N] [--steps N]
-//                    [--warmup N] [--dtype auto|f32|bf16] [--dense] [--set key=value ...]
+//                    [--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown]
+//                    [--set key=value ...]
 // --set takes config keys (e.g. train.batch_size=4, model.num_layers=2); --dense makes every
 // block a dense FFN (model.first_dense_layers = model.num_layers).
+// --breakdown: after the timed steps, 2 more steps with the region profiler on
+// (core/profile.h): one "train_step_breakdown" line per region (path, calls and ms per step,
+// share of the profiled step) and a "train_step_breakdown_summary" line; the table also goes
+// to stderr. The profiler synchronises the device at every region boundary, so the profiled
+// step ("profiled_step_ms") is slower than the timed one ("step_ms", the median above).
+// The timed steps always run with profiling off (also under XMOE_PROFILE=1).
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -21,6 +28,7 @@
 #include "xmoe/backend/device_api.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/allocator.h"
+#include "xmoe/core/profile.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/model/transformer.h"
@@ -42,7 +50,8 @@ Tensor random_tokens(int64_t b, int64_t s, int64_t vocab, Rng& rng, Device devic
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: bench_train_step [--preset NAME] [--device cpu|cuda|cuda:N] [--steps N] "
-               "[--warmup N] [--dtype auto|f32|bf16] [--dense] [--set key=value ...]\n");
+               "[--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown] "
+               "[--set key=value ...]\n");
   std::exit(2);
 }
 
@@ -51,7 +60,7 @@ Tensor random_tokens(int64_t b, int64_t s, int64_t vocab, Rng& rng, Device devic
 int main(int argc, char** argv) {
   std::string preset_name = "tiny", device_name, dtype_name_arg = "auto";
   int steps = 10, warmup = 2;
-  bool dense = false;
+  bool dense = false, breakdown = false;
   std::vector<std::string> sets;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> std::string {
@@ -64,6 +73,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--warmup")) warmup = std::max(0, std::atoi(next().c_str()));
     else if (!std::strcmp(argv[i], "--dtype")) dtype_name_arg = next();
     else if (!std::strcmp(argv[i], "--dense")) dense = true;
+    else if (!std::strcmp(argv[i], "--breakdown")) breakdown = true;
     else if (!std::strcmp(argv[i], "--set")) sets.push_back(next());
     else usage();
   }
@@ -91,13 +101,15 @@ int main(int argc, char** argv) {
     const auto moe_layers = model.moe_layers();
     Rng rng(tc.seed, stream_id("bench_train_step"));
 
-    std::vector<double> ms;
-    for (int step = 0; step < warmup + steps; ++step) {
-      const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
-      const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
-      if (step == warmup) reset_peak_memory(device);
-      Timer t;
-      model.zero_grad();
+    struct StepResult {
+      float loss;
+      double norm;
+    };
+    auto train_step = [&](const Tensor& ids, const Tensor& targets) {
+      {
+        ProfileScope scope("zero_grad", device);
+        model.zero_grad();
+      }
       const float loss = model.forward_loss(ids, targets);
       model.backward(1.0f);
       const double norm = optim::grad_norm(params);
@@ -105,6 +117,17 @@ int main(int argc, char** argv) {
       opt.step(tc.lr);
       for (moe::MoELayer* l : moe_layers) l->update_routing_bias();
       backend::synchronize(device);  // the step is done when the optimizer's kernels are
+      return StepResult{loss, norm};
+    };
+
+    profiling::enable(false);  // timed steps: no synchronisation at region boundaries
+    std::vector<double> ms;
+    for (int step = 0; step < warmup + steps; ++step) {
+      const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
+      const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
+      if (step == warmup) reset_peak_memory(device);
+      Timer t;
+      const auto [loss, norm] = train_step(ids, targets);
       const double step_ms = t.millis();
       if (step < warmup) continue;
       ms.push_back(step_ms);
@@ -150,6 +173,55 @@ int main(int argc, char** argv) {
     j["peak_live_bytes"] = memory_stats(device).peak_bytes;
     if (device.is_cuda()) j["reserved_bytes"] = cuda::cache_stats(device.index).reserved_bytes;
     std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+
+    if (breakdown) {
+      constexpr int kProfiledSteps = 2;
+      profiling::reset();
+      profiling::enable(true);
+      for (int step = 0; step < kProfiledSteps; ++step) {
+        const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
+        const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
+        ProfileScope scope("step", device);
+        train_step(ids, targets);
+      }
+      profiling::enable(false);
+      const std::vector<profiling::Region> regions = profiling::report();
+      double step_total = 0, step_self = 0;
+      for (const profiling::Region& r : regions)
+        if (r.path == "step") step_total = r.total_ms, step_self = r.self_ms;
+      const double profiled_step_ms = step_total / kProfiledSteps;
+      for (const profiling::Region& r : regions) {
+        nlohmann::ordered_json b;
+        b["bench"] = "train_step_breakdown";
+        b["preset"] = preset_name;
+        b["device"] = device.str();
+        b["region"] = r.path;
+        b["name"] = r.name;
+        b["parent"] = r.parent;
+        b["calls_per_step"] = static_cast<double>(r.calls) / kProfiledSteps;
+        b["ms_per_step"] = r.total_ms / kProfiledSteps;
+        b["self_ms_per_step"] = r.self_ms / kProfiledSteps;
+        b["share"] = step_total > 0 ? r.total_ms / step_total : 0.0;
+        std::printf("%s\n", b.dump().c_str());
+      }
+      nlohmann::ordered_json s;
+      s["bench"] = "train_step_breakdown_summary";
+      s["preset"] = preset_name;
+      s["device"] = device.str();
+      s["dtype"] = std::string(dtype_name(dtype));
+      s["profiled_steps"] = kProfiledSteps;
+      // Every region boundary synchronises the device: the profiled step is slower.
+      s["profiled_step_ms"] = profiled_step_ms;
+      s["step_ms"] = median;
+      s["sync_overhead"] = median > 0 ? profiled_step_ms / median - 1.0 : 0.0;
+      s["unattributed_ms_per_step"] = step_self / kProfiledSteps;  // in "step", in no region
+      s["regions"] = regions.size();
+      std::printf("%s\n", s.dump().c_str());
+      std::fflush(stdout);
+      std::fprintf(stderr, "bench_train_step: profile of %d steps (totals, not per step)\n%s",
+                   kProfiledSteps, profiling::report_table().c_str());
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train_step: %s\n", e.what());
     return 1;

@@ -15,6 +15,7 @@
 #include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/error.h"
+#include "xmoe/core/profile.h"
 #include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
@@ -140,6 +141,9 @@ int main(int argc, char** argv) {
       if (!r.evals.empty())
         spdlog::info("final validation loss {:.4f} nats/token after {} steps ({:.1f} s); checkpoint {}",
                      r.evals.back().val_loss, r.last_step, r.seconds, r.last_checkpoint);
+      // XMOE_PROFILE=1: the regions of the whole run (evaluation passes included), rank 0's.
+      if (profiling::enabled() && comm::world()->rank() == 0)
+        std::fprintf(stderr, "xmoe: profile (XMOE_PROFILE)\n%s", profiling::report_table().c_str());
     } else if (*gen_cmd) {
       std::printf("%s\n", train::generate(gen_checkpoint, gen).c_str());
     } else if (*prep_cmd) {

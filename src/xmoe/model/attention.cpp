@@ -1,5 +1,6 @@
 #include "xmoe/model/attention.h"
 
+#include "xmoe/core/profile.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::model {
@@ -38,6 +39,7 @@ void Attention::compute_inner() {
 
 Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
   check_shape(x, {batch * seq_len, shape_.d_model}, "attention", "x");
+  ProfileScope scope("block.attention.fwd", x.device());
   batch_ = batch;
   seq_ = seq_len;
   x_ = x;
@@ -50,6 +52,7 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
 
 Tensor Attention::backward(const Tensor& dy) {
   XMOE_CHECK(x_.defined(), "[attention] {}: backward without a forward", wq_.name);
+  ProfileScope scope("block.attention.bwd", dy.device());
   if (!a_.defined()) compute_inner();  // recompute: the same ops on the same x give the same bits
   const int64_t t = batch_ * seq_;
   check_shape(dy, {t, shape_.d_model}, "attention_backward", "dy");

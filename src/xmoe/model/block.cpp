@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "xmoe/core/profile.h"
 #include "xmoe/model/moe_ffn.h"
 #include "xmoe/ops/ops.h"
 
@@ -50,6 +51,7 @@ void TransformerBlock::set_recompute(const RecomputeOptions& r) {
 }
 
 Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
+  ProfileScope scope("block.fwd", x.device());
   // In f32 compute as_dtype returns its argument: the ops are those of the CPU path.
   const Tensor a = attn_->forward(as_dtype(attn_norm_->forward(x), compute_), batch, seq_len);
   Tensor h = as_dtype(a, x.dtype());
@@ -62,6 +64,7 @@ Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len
 }
 
 Tensor TransformerBlock::backward(const Tensor& dy) {
+  ProfileScope scope("block.bwd", dy.device());
   const Tensor dyn = ffn_->backward(as_dtype(dy, compute_));
   Tensor dh = ffn_norm_->backward(as_dtype(dyn, dy.dtype()));
   ops::add_(dh, dy);

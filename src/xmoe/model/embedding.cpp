@@ -1,5 +1,6 @@
 #include "xmoe/model/embedding.h"
 
+#include "xmoe/core/profile.h"
 #include "xmoe/ops/model_ops.h"
 #include "xmoe/ops/ops.h"
 
@@ -23,12 +24,14 @@ Embedding::Embedding(std::string name, int64_t vocab, int64_t d, uint64_t seed, 
 }
 
 Tensor Embedding::forward(const Tensor& ids) {
+  ProfileScope scope("embedding.fwd", ids.device());
   ids_ = ids.reshape({ids.numel()});
   return ops::embedding(weight_.value, ids_);
 }
 
 void Embedding::backward(const Tensor& dy) {
   XMOE_CHECK(ids_.defined(), "[embedding] backward without a forward");
+  ProfileScope scope("embedding.bwd", dy.device());
   ops::embedding_backward(weight_.grad, ids_, dy);
   ids_ = Tensor();
 }

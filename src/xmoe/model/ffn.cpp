@@ -1,5 +1,6 @@
 #include "xmoe/model/ffn.h"
 
+#include "xmoe/core/profile.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::model {
@@ -14,6 +15,7 @@ DenseFFN::DenseFFN(std::string prefix, int64_t d_model, int64_t hidden, uint64_t
 
 Tensor DenseFFN::forward(const Tensor& x, int64_t /*seq_len*/) {
   check_shape(x, {-1, gate_up_.value.size(0)}, "dense_ffn", "x");
+  ProfileScope scope("block.ffn.fwd", x.device());
   x_ = x;
   Tensor h = ops::matmul(x, gate_up_.compute());  // [T, 2h]
   Tensor y = matmul_f32(ops::swiglu(h), down_.compute());  // f32: joins the residual stream
@@ -23,6 +25,7 @@ Tensor DenseFFN::forward(const Tensor& x, int64_t /*seq_len*/) {
 
 Tensor DenseFFN::backward(const Tensor& dy) {
   XMOE_CHECK(x_.defined(), "[dense_ffn] {}: backward without a forward", gate_up_.name);
+  ProfileScope scope("block.ffn.bwd", dy.device());
   if (!h_.defined()) h_ = ops::matmul(x_, gate_up_.compute());
   const Tensor a = ops::swiglu(h_);  // [T, h]
   ops::matmul_into(down_.grad, a, dy, /*trans_a=*/true, false, 1.f, 1.f);

@@ -1,5 +1,6 @@
 #include "xmoe/model/rmsnorm.h"
 
+#include "xmoe/core/profile.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::model {
@@ -11,6 +12,7 @@ RMSNorm::RMSNorm(std::string name, int64_t d, float eps)
 }
 
 Tensor RMSNorm::forward(const Tensor& x) {
+  ProfileScope scope("norm.fwd", x.device());
   auto r = ops::rmsnorm(x, weight_.value, eps_);
   x_ = x;
   rstd_ = r.rstd;
@@ -19,6 +21,7 @@ Tensor RMSNorm::forward(const Tensor& x) {
 
 Tensor RMSNorm::backward(const Tensor& dy) {
   XMOE_CHECK(x_.defined(), "[rmsnorm] {}: backward without a forward", weight_.name);
+  ProfileScope scope("norm.bwd", dy.device());
   Tensor dx = ops::rmsnorm_backward(x_, weight_.value, rstd_, dy, weight_.grad);
   x_ = Tensor();
   rstd_ = Tensor();

@@ -1,5 +1,6 @@
 #include "xmoe/model/transformer.h"
 
+#include "xmoe/core/profile.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/ops/ops.h"
 
@@ -56,10 +57,12 @@ Tensor Transformer::forward(const Tensor& ids) {
              "[transformer] sequence length {} outside [1, model.max_seq_len = {}]", seq_,
              cfg_.max_seq_len);
   logits_ = targets_ = Tensor();
+  ProfileScope scope("model.fwd", device_);
   Tensor x = embed_->forward(ids);  // [T, d]
   for (auto& b : blocks_) x = b->forward(x, batch_, seq_);
   // The residual stream x and the final norm are f32; the LM head's input is in compute dtype.
   xf_ = as_dtype(final_norm_->forward(x), compute_);
+  ProfileScope head("lm_head.fwd", device_);
   // logits [T, V] = xf [T, d] @ lm_head [d, V]   (tied: @ embed^T, embed [V, d])
   return lm_head_ ? ops::matmul(xf_, lm_head_->compute())
                   : ops::matmul(xf_, embed_->weight().compute(), false, true);
@@ -70,6 +73,7 @@ float Transformer::forward_loss(const Tensor& ids, const Tensor& targets) {
   XMOE_CHECK(targets.numel() == logits.size(0), "[transformer] targets {} do not match ids {}",
              shape_str(targets.shape()), shape_str(ids.shape()));
   targets_ = targets.reshape({targets.numel()});
+  ProfileScope scope("cross_entropy.fwd", device_);
   ce_ = ops::cross_entropy(logits, targets_);
   logits_ = logits;
   return ce_.loss;
@@ -98,7 +102,10 @@ void Transformer::backward(float dloss) {
   // The logits are not needed again: their buffer becomes dlogits.
   Tensor dlogits = logits_;
   logits_ = Tensor();
-  ops::cross_entropy_backward_(dlogits, targets_, ce_, dloss);
+  {
+    ProfileScope scope("cross_entropy.bwd", device_);
+    ops::cross_entropy_backward_(dlogits, targets_, ce_, dloss);
+  }
   targets_ = Tensor();
   ce_ = {};
   // The aux losses are part of the objective with the same scale as the cross-entropy.
@@ -110,11 +117,14 @@ void Transformer::backward(float dloss) {
 void Transformer::backward_logits(const Tensor& dlogits) {
   XMOE_CHECK(xf_.defined(), "[transformer] backward without a forward");
   check_shape(dlogits, {batch_ * seq_, cfg_.vocab_size}, "transformer_backward", "dlogits");
+  ProfileScope scope("model.bwd", device_);
   Tensor dx;
   if (lm_head_) {
+    ProfileScope head("lm_head.bwd", device_);
     ops::matmul_into(lm_head_->grad, xf_, dlogits, /*trans_a=*/true, false, 1.f, 1.f);
     dx = matmul_f32(dlogits, lm_head_->compute(), false, /*trans_b=*/true);
   } else {
+    ProfileScope head("lm_head.bwd", device_);
     Parameter& e = embed_->weight();
     ops::matmul_into(e.grad, dlogits, xf_, /*trans_a=*/true, false, 1.f, 1.f);
     dx = matmul_f32(dlogits, e.compute());

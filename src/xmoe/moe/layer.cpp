@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "xmoe/core/profile.h"
 #include "xmoe/moe/moe_ops.h"
 #include "xmoe/ops/dispatch.h"
 #include "xmoe/ops/ops.h"
@@ -77,10 +78,25 @@ void MoELayer::set_ranks_per_node(int ranks_per_node) {
   make_dispatcher_(ranks_per_node);
 }
 
+namespace {
+/// Profiler region of a stage: "moe.<stage>.fwd|bwd" (string literals: ProfileScope keeps them).
+const char* stage_region(Stage stage, Phase phase) {
+  static constexpr const char* names[2][kNumStages] = {
+      {"moe.gate.fwd", "moe.order.fwd", "moe.dispatch.fwd", "moe.expert.fwd", "moe.combine.fwd",
+       "moe.iorder.fwd", "moe.shared.fwd"},
+      {"moe.gate.bwd", "moe.order.bwd", "moe.dispatch.bwd", "moe.expert.bwd", "moe.combine.bwd",
+       "moe.iorder.bwd", "moe.shared.bwd"}};
+  return names[phase == Phase::forward ? 0 : 1][static_cast<int>(stage)];
+}
+}  // namespace
+
 template <class Body> void MoELayer::run_stage(StageContext& ctx, Stage stage, Body&& body) {
   ctx.enter(stage, When::before);
   hooks_.run(ctx);
-  body();
+  {
+    ProfileScope scope(stage_region(stage, ctx.phase()), device_);  // the stage, not its hooks
+    body();
+  }
   ctx.enter(stage, When::after);
   hooks_.run(ctx);
 }
@@ -99,6 +115,8 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
     fixed_idx = last_topk_idx_;
   }
 
+  device_ = x_in.device();
+  ProfileScope scope("moe.fwd", device_);
   StageContext ctx(prefix_, Phase::forward);
   ctx.set("x", x_in);
   run_stage(ctx, Stage::gate, [&] {
@@ -171,6 +189,8 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
 Tensor MoELayer::backward(const Tensor& dy) {
   XMOE_CHECK(have_forward_, "[moe] backward without a forward (or called twice)");
   check_shape(dy, {order_->layout().num_tokens, d_model_}, "moe backward", "dy");
+  device_ = dy.device();
+  ProfileScope scope("moe.bwd", device_);
   StageContext ctx(prefix_, Phase::backward);
   ctx.set("d_y", dy);
   if (shared_) {
@@ -231,6 +251,7 @@ void MoELayer::release() {
 }
 
 void MoELayer::update_routing_bias() {
+  ProfileScope scope("moe.update_bias", device_);
   // Only the sigmoid gate has a bias; every rank has the same gate, so all skip or all reduce.
   if (gate_->routing_bias() != nullptr && par_.world && par_.world->size() > 1) {
     Tensor load = Tensor::from_vector(pending_load_, {static_cast<int64_t>(pending_load_.size())});

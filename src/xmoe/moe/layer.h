@@ -155,6 +155,7 @@ class MoELayer : public Module {
   Hooks hooks_;
 
   // State of the last forward.
+  Device device_;  // the activations' device in the current pass (for ProfileScope)
   DispatchHandle handle_;
   AuxLossTerms aux_;
   Tensor last_topk_idx_;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "xmoe/backend/cuda/moe_kernels.h"
+#include "xmoe/core/profile.h"
 #include "xmoe/ops/dispatch.h"
 
 namespace xmoe::moe {
@@ -95,6 +96,7 @@ AuxLossTerms aux_losses_device(const Tensor& probs, const Tensor& topk_idx,
 AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tensor& z_logits,
                         int64_t seq_len, const AuxLossWeights& w, AuxLossState& st,
                         comm::Group* world) {
+  ProfileScope scope("moe.aux_loss.fwd", probs.device());
   const char* op = "moe aux losses";
   check_shape(probs, {-1, -1}, op, "probs");
   const int64_t T = probs.size(0), E = probs.size(1);
@@ -162,6 +164,7 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
 
 void aux_losses_backward(const Tensor& z_logits, const AuxLossState& st, const AuxLossWeights& w,
                          Tensor& dprobs, Tensor& dlogits) {
+  ProfileScope scope("moe.aux_loss.bwd", dprobs.device());
   const int64_t T = st.tokens, E = st.experts, L = st.seq_len;
   check_shape(dprobs, {T, E}, "moe aux losses backward", "dprobs");
   check_shape(dlogits, {T, E}, "moe aux losses backward", "dlogits");

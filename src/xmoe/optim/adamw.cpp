@@ -4,6 +4,7 @@
 #include <set>
 
 #include "xmoe/backend/cuda/optim_kernels.h"
+#include "xmoe/core/profile.h"
 
 namespace xmoe::optim {
 
@@ -36,6 +37,7 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
 }
 
 void AdamW::step(float lr) {
+  ProfileScope scope("optim.adamw", device_);
   ++step_;
   const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
   const double t = static_cast<double>(step_);

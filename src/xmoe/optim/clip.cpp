@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "xmoe/backend/cuda/optim_kernels.h"
+#include "xmoe/core/profile.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::optim {
@@ -43,7 +44,9 @@ Tensor grad_sum_squares_device(const std::vector<Parameter*>& params) {
 }
 
 double grad_sum_squares(const std::vector<Parameter*>& params) {
-  if (grads_device(params).is_cuda()) return grad_sum_squares_device(params).item();
+  const Device d = grads_device(params);
+  ProfileScope scope("optim.grad_norm", d);
+  if (d.is_cuda()) return grad_sum_squares_device(params).item();
   double s = 0.0;
   for (const Parameter* p : params) s += ops::sum_squares(p->grad);
   return s;
@@ -61,6 +64,7 @@ float clip_factor(double norm, float max_norm) {
 void scale_grads(const std::vector<Parameter*>& params, float s) {
   if (s == 1.0f) return;
   const Device d = grads_device(params);
+  ProfileScope scope("optim.clip", d);
   if (d.is_cuda()) {
     std::vector<float*> xs;
     std::vector<int64_t> sizes;

@@ -1,0 +1,232 @@
+// The region profiler (core/profile.h): nesting, aggregation by name under a parent, reset,
+// off records nothing; and the regions a training step of a micro MoE model reports.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "xmoe/core/profile.h"
+#include "xmoe/model/transformer.h"
+#include "xmoe/moe/layer.h"
+#include "xmoe/optim/adamw.h"
+#include "xmoe/optim/clip.h"
+
+using namespace xmoe;
+
+namespace {
+
+class Profile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    profiling::enable(false);
+    profiling::reset();
+  }
+  // Other tests of the binary run with the profiler as they found it: off.
+  void TearDown() override {
+    profiling::enable(false);
+    profiling::reset();
+  }
+};
+
+std::map<std::string, profiling::Region> by_path() {
+  std::map<std::string, profiling::Region> m;
+  for (const profiling::Region& r : profiling::report()) m[r.path] = r;
+  return m;
+}
+
+// Two layers: layer 0 dense, layer 1 MoE with a shared expert and aux losses (so that every
+// stage of the MoE layer runs).
+ModelConfig micro_config() {
+  ModelConfig c;
+  c.vocab_size = 11;
+  c.d_model = 8;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.max_seq_len = 8;
+  c.dense_hidden = 12;
+  c.first_dense_layers = 1;
+  c.moe.num_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 6;
+  c.moe.num_shared_experts = 1;
+  c.moe.gate = "softmax_topk";
+  c.moe.aux_loss_weight = 0.05f;
+  c.moe.z_loss_weight = 0.01f;
+  return c;
+}
+
+Tensor make_ids(int64_t b, int64_t s, int64_t vocab, int32_t offset) {
+  std::vector<int32_t> v(static_cast<size_t>(b * s));
+  for (size_t i = 0; i < v.size(); ++i)
+    v[i] = static_cast<int32_t>((i * 7 + static_cast<size_t>(offset)) % vocab);
+  return Tensor::from_vector<int32_t>(v, {b, s});
+}
+
+// One training step as bench_train_step runs it, inside a "step" region.
+void train_step(model::Transformer& m, optim::AdamW& opt, const std::vector<Parameter*>& params) {
+  const Tensor ids = make_ids(2, 8, 11, 0), targets = make_ids(2, 8, 11, 3);
+  ProfileScope scope("step", Device::cpu());
+  m.zero_grad();
+  m.forward_loss(ids, targets);
+  m.backward(1.0f);
+  const double norm = optim::grad_norm(params);
+  optim::scale_grads(params, optim::clip_factor(norm, 1e-3f));  // tiny max norm: clips
+  opt.step(1e-3f);
+  for (moe::MoELayer* l : m.moe_layers()) l->update_routing_bias();
+}
+
+}  // namespace
+
+// First in the file: no test has called enable() yet. ctest runs it once more under
+// XMOE_PROFILE=1 (tests/CMakeLists.txt).
+TEST(ProfileEnv, DefaultFollowsXmoeProfile) {
+  const char* v = std::getenv("XMOE_PROFILE");
+  const bool on = v && *v && std::string(v) != "0";
+  EXPECT_EQ(profiling::enabled(), on);
+  profiling::reset();
+  { ProfileScope scope("region", Device::cpu()); }
+  EXPECT_EQ(profiling::report().size(), on ? 1u : 0u);
+  profiling::enable(false);
+  profiling::reset();
+}
+
+TEST_F(Profile, NestedScopesAggregateByNameUnderTheirParent) {
+  profiling::enable(true);
+  for (int i = 0; i < 3; ++i) {
+    ProfileScope outer("outer", Device::cpu());
+    for (int j = 0; j < 2; ++j) {
+      ProfileScope inner("inner", Device::cpu());
+      ProfileScope leaf("leaf", Device::cpu());
+    }
+  }
+  {
+    ProfileScope inner("inner", Device::cpu());  // the same name at the top: another region
+  }
+  const auto r = by_path();
+  ASSERT_EQ(r.size(), 4u);
+  EXPECT_EQ(r.at("outer").calls, 3);
+  EXPECT_EQ(r.at("outer").depth, 0);
+  EXPECT_EQ(r.at("outer").parent, "");
+  EXPECT_EQ(r.at("outer/inner").calls, 6);
+  EXPECT_EQ(r.at("outer/inner").name, "inner");
+  EXPECT_EQ(r.at("outer/inner").parent, "outer");
+  EXPECT_EQ(r.at("outer/inner/leaf").calls, 6);
+  EXPECT_EQ(r.at("outer/inner/leaf").depth, 2);
+  EXPECT_EQ(r.at("inner").calls, 1);
+  // Inclusive: a child interval lies inside its parent's, measured on the same clock.
+  EXPECT_LE(r.at("outer/inner").total_ms, r.at("outer").total_ms);
+  EXPECT_LE(r.at("outer/inner/leaf").total_ms, r.at("outer/inner").total_ms);
+  EXPECT_DOUBLE_EQ(r.at("outer").self_ms, r.at("outer").total_ms - r.at("outer/inner").total_ms);
+  // Sorted by total, largest first.
+  const auto rep = profiling::report();
+  for (size_t i = 1; i < rep.size(); ++i) EXPECT_GE(rep[i - 1].total_ms, rep[i].total_ms);
+  const std::string table = profiling::report_table();
+  EXPECT_NE(table.find("outer"), std::string::npos);
+  EXPECT_NE(table.find("    leaf"), std::string::npos) << table;  // indented by depth
+}
+
+TEST_F(Profile, ResetForgetsRegionsAndScopesOpenAcrossIt) {
+  profiling::enable(true);
+  {
+    ProfileScope a("a", Device::cpu());
+    profiling::reset();
+    ProfileScope b("b", Device::cpu());  // opened after the reset: top level, not under "a"
+  }
+  const auto r = by_path();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r.count("b"), 1u);
+  profiling::reset();
+  EXPECT_TRUE(profiling::report().empty());
+}
+
+TEST_F(Profile, ScopeOpenWhenTurnedOffStillRecordsItsEnd) {
+  profiling::enable(true);
+  {
+    ProfileScope a("a", Device::cpu());
+    profiling::enable(false);
+    ProfileScope b("b", Device::cpu());  // off: not recorded
+  }
+  const auto r = by_path();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r.at("a").calls, 1);
+}
+
+TEST_F(Profile, OffRecordsNothing) {
+  model::Transformer m(micro_config(), 7);
+  const auto params = m.parameters();
+  optim::AdamW opt(params, {});
+  train_step(m, opt, params);
+  EXPECT_TRUE(profiling::report().empty());
+}
+
+TEST_F(Profile, TrainingStepReportsEveryModuleAndStage) {
+  model::Transformer m(micro_config(), 7);
+  const auto params = m.parameters();
+  optim::AdamW opt(params, {});
+  profiling::enable(true);
+  const int steps = 2;
+  for (int s = 0; s < steps; ++s) train_step(m, opt, params);
+  profiling::enable(false);
+  const auto r = by_path();
+
+  // Expected regions and their calls per step (2 blocks: one dense, one MoE).
+  const std::string f = "step/model.fwd", b = "step/model.bwd";
+  const std::string mf = f + "/block.fwd/moe.fwd", mb = b + "/block.bwd/moe.bwd";
+  std::map<std::string, int> expected = {
+      {"step", 1},  // zero_grad is not a region of the library (the bench adds one)
+      {f, 1},
+      {f + "/embedding.fwd", 1},
+      {f + "/block.fwd", 2},
+      {f + "/block.fwd/norm.fwd", 4},
+      {f + "/block.fwd/block.attention.fwd", 2},
+      {f + "/block.fwd/block.ffn.fwd", 1},
+      {mf, 1},
+      {f + "/norm.fwd", 1},  // the final norm
+      {f + "/lm_head.fwd", 1},
+      {"step/cross_entropy.fwd", 1},
+      {"step/cross_entropy.bwd", 1},
+      {b, 1},
+      {b + "/lm_head.bwd", 1},
+      {b + "/norm.bwd", 1},
+      {b + "/block.bwd", 2},
+      {b + "/block.bwd/norm.bwd", 4},
+      {b + "/block.bwd/block.attention.bwd", 2},
+      {b + "/block.bwd/block.ffn.bwd", 1},
+      {mb, 1},
+      {b + "/embedding.bwd", 1},
+      {"step/optim.grad_norm", 1},
+      {"step/optim.clip", 1},
+      {"step/optim.adamw", 1},
+      {"step/moe.update_bias", 1},
+      {mf + "/moe.gate.fwd/moe.aux_loss.fwd", 1},
+      {mb + "/moe.gate.bwd/moe.aux_loss.bwd", 1},
+  };
+  for (const char* stage : {"gate", "order", "dispatch", "expert", "combine", "iorder", "shared"}) {
+    expected[mf + "/moe." + stage + ".fwd"] = 1;
+    expected[mb + "/moe." + stage + ".bwd"] = 1;
+  }
+  for (const auto& [path, per_step] : expected) {
+    ASSERT_EQ(r.count(path), 1u) << "missing region " << path;
+    EXPECT_EQ(r.at(path).calls, per_step * steps) << path;
+  }
+  EXPECT_EQ(r.size(), expected.size()) << "unexpected regions";
+
+  // Consistency: children sum to at most their parent (exactly on one clock; a tolerance for
+  // the rounding of the sums), nothing is negative, and the top level is covered by "step".
+  std::map<std::string, double> children;
+  for (const auto& [path, reg] : r) {
+    EXPECT_GE(reg.total_ms, 0.0) << path;
+    if (!reg.parent.empty()) children[reg.parent] += reg.total_ms;
+  }
+  for (const auto& [parent, sum] : children) {
+    ASSERT_EQ(r.count(parent), 1u) << parent;
+    const double total = r.at(parent).total_ms;
+    EXPECT_LE(sum, total * (1 + 1e-9) + 1e-6) << parent;
+    EXPECT_NEAR(r.at(parent).self_ms, total - sum, 1e-6 + 1e-9 * total) << parent;
+  }
+  // The forward and backward passes are most of a step.
+  EXPECT_GT(r.at(f).total_ms + r.at(b).total_ms, 0.0);
+}
