@@ -56,9 +56,11 @@ AuxLossTerms aux_losses_device(const Tensor& probs, const Tensor& topk_idx,
   Tensor stats = Tensor::empty({2 * E + 2}, DType::f64, dev);
   st.seq_count_device = Tensor::empty({S, E}, DType::f32, dev);
   Tensor seq_psum = Tensor::empty({S, E}, DType::f64, dev);
+  Tensor scratch = Tensor::empty({cuda::moe_aux_stats_scratch(T, E, seq_len)}, DType::f64, dev);
   cuda::moe_aux_stats(stats.data<double>(), st.seq_count_device.data<float>(),
                       seq_psum.data<double>(), probs.data<float>(), topk_idx.data<int32_t>(),
-                      z_logits.data<float>(), T, E, k, seq_len, xmoe::ops::detail::stream_of(probs));
+                      z_logits.data<float>(), T, E, k, seq_len, scratch.data<double>(),
+                      xmoe::ops::detail::stream_of(probs));
   // The gate's one host synchronisation: [count_e (E), psum_e (E), seq term, sum lse^2].
   const std::vector<double> h = stats.to_vector<double>();
   // The same global vector as the CPU path: [count (E), psum (E), T, S, seq term, sum lse^2].

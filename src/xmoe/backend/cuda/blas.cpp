@@ -153,9 +153,10 @@ struct GroupedProblems {
 
 /// Runs the problems in one cublasGemmGroupedBatchedEx launch when cuBLAS takes the dtypes, else
 /// (or once it has declined) as a loop of cublasGemmEx.
-void run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stream stream,
-                 const char* op) {
-  if (p.size() == 0) return;
+/// Returns false, running nothing, when `loop` is false and the grouped launch is unavailable.
+bool run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stream stream,
+                 const char* op, bool loop = true) {
+  if (p.size() == 0) return true;
   BlasContext& ctx = blas_context(stream);
   std::lock_guard<std::mutex> lock(ctx.mutex);
   bool& grouped = ctx.grouped_supported[abt == CUDA_R_16BF][ct == CUDA_R_16BF];
@@ -182,18 +183,21 @@ void run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stre
         ptrs + 2 * count, ct, p.ldc.data(),
         static_cast<int>(count), p.batch.data(), CUBLAS_COMPUTE_32F);
     alloc.deallocate(dev, bytes);
-    if (status == CUBLAS_STATUS_SUCCESS) return;
+    if (status == CUBLAS_STATUS_SUCCESS) return true;
     XMOE_CHECK(status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE,
                "[{}] cublasGemmGroupedBatchedEx failed: {} ({})", op,
                cublasGetStatusString(status), static_cast<int>(status));
     grouped = false;  // this cuBLAS declines these dtypes: loop from now on
-    spdlog::warn("[{}] cublasGemmGroupedBatchedEx declined ({}); using one cublasGemmEx per group",
-                 op, cublasGetStatusString(status));
+    if (loop)
+      spdlog::warn("[{}] cublasGemmGroupedBatchedEx declined ({}); using one cublasGemmEx per group",
+                   op, cublasGetStatusString(status));
   }
+  if (!loop && p.size() > 1) return false;
   for (size_t i = 0; i < p.size(); ++i)
     CUBLAS_CHECK(cublasGemmEx(ctx.handle, p.ta[i], p.tb[i], p.m[i], p.n[i], p.k[i], &p.alpha[i],
                               p.a[i], abt, p.lda[i], p.b[i], abt, p.ldb[i], &p.beta[i], p.c[i], ct,
                               p.ldc[i], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return true;
 }
 
 const char* byte_ptr(const void* p) { return static_cast<const char*>(p); }
@@ -232,22 +236,43 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
   check_types(dw_dt, dt, op);
   const size_t es = dtype_size(dt), ws = dtype_size(dw_dt);
   const int ik = to_int(k, op), im = to_int(m, op);
-  GroupedProblems p;
-  int64_t row = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t rows = group_sizes[g];
-    void* dwg = static_cast<char*>(dw) + static_cast<size_t>(g * k * m) * ws;
-    if (rows > 0 && k > 0 && m > 0) {
-      // dw_g (K, M) = x_g^T (K, rows) @ dy_g (rows, M): column-major dw_g^T (M, K) = dy_g^T x_g
-      p.add(CUBLAS_OP_N, CUBLAS_OP_T, im, ik, to_int(rows, op),
-            byte_ptr(dy) + static_cast<size_t>(row * m) * es, im,
-            byte_ptr(x) + static_cast<size_t>(row * k) * es, ik, dwg, im, accumulate ? 1.f : 0.f);
-    } else if (!accumulate && k * m > 0) {
-      CUDA_CHECK(cudaMemsetAsync(dwg, 0, static_cast<size_t>(k * m) * ws, stream));
+  // dw_g (K, M) = x_g^T (K, rows) @ dy_g (rows, M): column-major dw_g^T (M, K) = dy_g^T x_g
+  auto problems = [&](void* out, size_t out_es, float beta, bool zero_empty) {
+    GroupedProblems p;
+    int64_t row = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t rows = group_sizes[g];
+      void* dwg = static_cast<char*>(out) + static_cast<size_t>(g * k * m) * out_es;
+      if (rows > 0 && k > 0 && m > 0) {
+        p.add(CUBLAS_OP_N, CUBLAS_OP_T, im, ik, to_int(rows, op),
+              byte_ptr(dy) + static_cast<size_t>(row * m) * es, im,
+              byte_ptr(x) + static_cast<size_t>(row * k) * es, ik, dwg, im, beta);
+      } else if (zero_empty && k * m > 0) {
+        CUDA_CHECK(cudaMemsetAsync(dwg, 0, static_cast<size_t>(k * m) * out_es, stream));
+      }
+      row += rows;
     }
-    row += rows;
-  }
-  run_grouped(p, cuda_type(dt, op), cuda_type(dw_dt, op), stream, op);
+    return p;
+  };
+  GroupedProblems p = problems(dw, ws, accumulate ? 1.f : 0.f, !accumulate);
+  if (run_grouped(p, cuda_type(dt, op), cuda_type(dw_dt, op), stream, op, /*loop=*/dw_dt == dt))
+    return;
+  // cuBLAS has no grouped launch for bf16 products into f32 (13.0): one grouped launch into a
+  // bf16 staging buffer, then one pass adds it into dw. The per-step gradient is then rounded
+  // to bf16 once (as autocast does) and accumulated in f32; a loop of 2 x E GEMMs per layer
+  // would cost several times the whole expert forward.
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  Allocator& alloc = backend::cuda_allocator(device);
+  const int64_t n = groups * k * m;
+  const size_t bytes = static_cast<size_t>(n) * es;
+  void* staged = alloc.allocate(bytes);
+  CUDA_CHECK(cudaMemsetAsync(staged, 0, bytes, stream));  // empty groups add zeros
+  GroupedProblems ps = problems(staged, es, 0.f, false);
+  run_grouped(ps, cuda_type(dt, op), cuda_type(dt, op), stream, op);
+  if (accumulate) add_inplace(dw, dw_dt, staged, dt, 1.f, n, stream);
+  else cast(dw, dw_dt, staged, dt, n, stream);
+  alloc.deallocate(staged, bytes);  // stream-ordered reuse: later work on `stream` follows
 }
 
 }  // namespace xmoe::cuda

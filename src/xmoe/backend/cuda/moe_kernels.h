@@ -63,9 +63,12 @@ void moe_layout(const int32_t* topk_idx, const float* topk_weight, int64_t pairs
 //   seq_psum  (S, E) f64: sum over the sequence's tokens of probs[t, e]
 //   stats (2E + 2) f64: [count_e (E), psum_e (E), sum_s E sum_e f_se P_se, sum_t lse_t^2]
 // probs, z_logits (T, E) f32; topk_idx (T, k); seq_len divides T; S = T / seq_len.
+// scratch: moe_aux_stats_scratch(tokens, experts, seq_len) doubles of partial sums.
 void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const float* probs,
                    const int32_t* topk_idx, const float* z_logits, int64_t tokens,
-                   int64_t experts, int64_t top_k, int64_t seq_len, Stream stream);
+                   int64_t experts, int64_t top_k, int64_t seq_len, double* scratch,
+                   Stream stream);
+int64_t moe_aux_stats_scratch(int64_t tokens, int64_t experts, int64_t seq_len);
 // dprobs (T, E) += lb_coef * frac[e] + seq_coef * seq_count[t / seq_len, e]
 // dlogits (T, E) += z_coef * lse_t * softmax(z_logits_t)   (skipped when z_coef == 0)
 // frac (E) f32 (may be null when lb_coef == 0).

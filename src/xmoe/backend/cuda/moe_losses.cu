@@ -1,6 +1,6 @@
 // Router aux-loss statistics and gradients on the device (moe/losses.h). Every sum runs in a
 // fixed order in double: a per-sequence integer histogram (shared-memory atomics on integers),
-// one thread per (sequence, expert) column sum, and single-block fixed trees for the totals.
+// per-chunk column sums combined in chunk order, per-block partials with one fixed final tree.
 #include "xmoe/backend/cuda/common.cuh"
 #include "xmoe/backend/cuda/moe_kernels.h"
 
@@ -23,15 +23,6 @@ __device__ double block_sum_fixed(double v, double* scratch) {
   return r;
 }
 
-// log sum exp of a row, as the CPU computes it: float max, double sum of exp(x - max).
-__device__ double row_lse(const float* x, int64_t n) {
-  float m = x[0];
-  for (int64_t j = 1; j < n; ++j) m = fmaxf(m, x[j]);
-  double s = 0;
-  for (int64_t j = 0; j < n; ++j) s += exp(static_cast<double>(x[j] - m));
-  return m + log(s);
-}
-
 __global__ void seq_count_kernel(float* seq_count, const int32_t* topk_idx, int64_t seq_len,
                                  int64_t top_k, int64_t experts) {
   extern __shared__ int32_t hist[];
@@ -47,26 +38,65 @@ __global__ void seq_count_kernel(float* seq_count, const int32_t* topk_idx, int6
     seq_count[s * experts + e] = static_cast<float>(hist[e]);
 }
 
-__global__ void seq_psum_kernel(double* seq_psum, const float* probs, int64_t seqs,
-                                int64_t seq_len, int64_t experts) {
+// Sequences are summed in chunks of kChunk tokens, all in parallel (one thread per (sequence,
+// chunk, expert)), then the chunks in order: a fixed order, and no thread walks a whole
+// sequence alone (8 sequences x 64 experts would leave the GPU idle for 2048 dependent adds).
+constexpr int64_t kChunk = 64;
+constexpr int kLseBlocks = 264;  // 2 per SM of an H200; fixed, so the sum order is too
+
+int64_t chunks_of(int64_t seq_len) { return (seq_len + kChunk - 1) / kChunk; }
+
+__global__ void chunk_psum_kernel(double* partial, const float* probs, int64_t seqs,
+                                  int64_t seq_len, int64_t experts) {
+  const int64_t chunks = (seq_len + kChunk - 1) / kChunk;
+  XMOE_GRID_STRIDE(i, seqs * chunks * experts) {
+    const int64_t e = i % experts, sc = i / experts, s = sc / chunks, c = sc % chunks;
+    const int64_t t0 = s * seq_len + c * kChunk;
+    const int64_t t1 = s * seq_len + min(seq_len, (c + 1) * kChunk);
+    double acc = 0;
+    for (int64_t t = t0; t < t1; ++t) acc += probs[t * experts + e];
+    partial[i] = acc;
+  }
+}
+
+__global__ void seq_psum_kernel(double* seq_psum, const double* partial, int64_t seqs,
+                                int64_t chunks, int64_t experts) {
   XMOE_GRID_STRIDE(i, seqs * experts) {
     const int64_t s = i / experts, e = i % experts;
     double acc = 0;
-    for (int64_t t = s * seq_len; t < (s + 1) * seq_len; ++t) acc += probs[t * experts + e];
+    for (int64_t c = 0; c < chunks; ++c) acc += partial[(s * chunks + c) * experts + e];
     seq_psum[i] = acc;
   }
 }
 
-// One block: stats[2E + 1] = sum_t lse_t^2.
-__global__ void lse_squares_kernel(double* stats, const float* z_logits, int64_t tokens,
-                                   int64_t experts) {
-  __shared__ double scratch[kStatsThreads];
+// Per-block partial sums of lse_t^2 (one warp per token row, kLseBlocks blocks; float max and
+// double sum of exp, as the CPU), then one block adds the partials into stats[2E + 1].
+__global__ void lse_squares_partial_kernel(double* partial, const float* z, int64_t tokens,
+                                           int64_t experts) {
+  __shared__ double scratch[kBlock];
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   double acc = 0;
-  for (int64_t t = threadIdx.x; t < tokens; t += blockDim.x) {
-    const double lse = row_lse(z_logits + t * experts, experts);
-    acc += lse * lse;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); t < tokens;
+       t += static_cast<int64_t>(gridDim.x) * warps) {
+    const float* row = z + t * experts;
+    float m = -INFINITY;
+    for (int64_t e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
+    m = warp_max(m);
+    double s = 0;
+    for (int64_t e = lane; e < experts; e += 32) s += exp(static_cast<double>(row[e] - m));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFullMask, s, o);
+    const double lse = m + log(s);
+    if (lane == 0) acc += lse * lse;
   }
   const double total = block_sum_fixed(acc, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+__global__ void lse_squares_total_kernel(double* stats, const double* partial, int64_t experts) {
+  __shared__ double scratch[512];
+  const double v = threadIdx.x < kLseBlocks ? partial[threadIdx.x] : 0.0;
+  const double total = block_sum_fixed(v, scratch);
   if (threadIdx.x == 0) stats[2 * experts + 1] = total;
 }
 
@@ -126,24 +156,38 @@ __global__ void aux_z_grad_kernel(float* dlogits, const float* z, int64_t tokens
 
 }  // namespace
 
+int64_t moe_aux_stats_scratch(int64_t tokens, int64_t experts, int64_t seq_len) {
+  const int64_t seqs = seq_len > 0 ? tokens / seq_len : 0;
+  return kLseBlocks + seqs * chunks_of(seq_len) * experts;
+}
+
 void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const float* probs,
                    const int32_t* topk_idx, const float* z_logits, int64_t tokens,
-                   int64_t experts, int64_t top_k, int64_t seq_len, Stream stream) {
+                   int64_t experts, int64_t top_k, int64_t seq_len, double* scratch,
+                   Stream stream) {
   if (tokens == 0 || experts == 0) {
     CUDA_CHECK(cudaMemsetAsync(stats, 0, static_cast<size_t>(2 * experts + 2) * sizeof(double),
                                stream));
     return;
   }
-  const int64_t seqs = tokens / seq_len;
+  const int64_t seqs = tokens / seq_len, chunks = chunks_of(seq_len);
   const size_t smem = static_cast<size_t>(experts) * sizeof(int32_t);
   if (smem > 48 * 1024) fail("[moe aux losses] more than 12288 experts");
   seq_count_kernel<<<static_cast<unsigned>(seqs), kBlock, smem, stream>>>(seq_count, topk_idx,
                                                                          seq_len, top_k, experts);
   CUDA_CHECK_LAUNCH();
-  seq_psum_kernel<<<grid_for(seqs * experts), kBlock, 0, stream>>>(seq_psum, probs, seqs, seq_len,
-                                                                   experts);
+  double* lse_partial = scratch;                // [kLseBlocks]
+  double* chunk_partial = scratch + kLseBlocks;  // [S, chunks, E]
+  chunk_psum_kernel<<<grid_for(seqs * chunks * experts), kBlock, 0, stream>>>(
+      chunk_partial, probs, seqs, seq_len, experts);
   CUDA_CHECK_LAUNCH();
-  lse_squares_kernel<<<1, kStatsThreads, 0, stream>>>(stats, z_logits, tokens, experts);
+  seq_psum_kernel<<<grid_for(seqs * experts), kBlock, 0, stream>>>(seq_psum, chunk_partial, seqs,
+                                                                   chunks, experts);
+  CUDA_CHECK_LAUNCH();
+  lse_squares_partial_kernel<<<kLseBlocks, kBlock, 0, stream>>>(lse_partial, z_logits, tokens,
+                                                               experts);
+  CUDA_CHECK_LAUNCH();
+  lse_squares_total_kernel<<<1, 512, 0, stream>>>(stats, lse_partial, experts);
   CUDA_CHECK_LAUNCH();
   totals_kernel<<<1, kStatsThreads, 0, stream>>>(stats, seq_count, seq_psum, seqs, seq_len, top_k,
                                                  experts);

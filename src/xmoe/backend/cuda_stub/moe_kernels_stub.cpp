@@ -46,9 +46,10 @@ void moe_layout(const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t
   no_cuda("moe order");
 }
 void moe_aux_stats(double*, float*, double*, const float*, const int32_t*, const float*, int64_t,
-                   int64_t, int64_t, int64_t, Stream) {
+                   int64_t, int64_t, int64_t, double*, Stream) {
   no_cuda("moe aux losses");
 }
+int64_t moe_aux_stats_scratch(int64_t, int64_t, int64_t) { no_cuda("moe aux losses"); }
 void moe_aux_backward(float*, float*, const float*, const float*, const float*, int64_t, int64_t,
                       int64_t, double, double, double, Stream) {
   no_cuda("moe aux losses backward");
