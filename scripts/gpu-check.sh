@@ -98,6 +98,14 @@ if [[ $built == 1 ]]; then
       || status=1
     grep -Eq 'SKIPPED \].*Nccl\.' "$LOG" && { log "  WARNING: NCCL tests skipped"; status=1; }
   fi
+  # Training over the NCCL world (train.device = cuda under mpirun), one rank per GPU.
+  if [[ -x "$BUILD_DIR/tests/mpi_test_cuda_train" ]]; then
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    step cuda-train mpirun --oversubscribe -np "$(( gpus > 0 ? gpus : 1 ))" \
+      "$BUILD_DIR/tests/mpi_test_cuda_train" || status=1
+    grep -Eq 'SKIPPED \].*CudaNcclTrain\.' "$LOG" &&
+      { log "  WARNING: NCCL training tests skipped"; status=1; }
+  fi
   if [[ "$RUN_ALL" != 0 ]]; then
     step all-tests ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" --timeout 900 \
       || status=1

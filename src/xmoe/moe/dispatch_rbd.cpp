@@ -46,6 +46,12 @@ class RbdDispatcher final : public Dispatcher {
                "[{}] moe.num_experts = {} is not divisible by ep = {}", kOp, c.num_experts,
                c.ep_size);
     XMOE_CHECK(group_, "[{}] ep = {} needs a communication group", kOp, c.ep_size);
+    // Before the collective split below: every rank of a GPU run refuses at the same point.
+    XMOE_CHECK(group_->device().is_cpu(),
+               "[{}] moe.dispatch = rbd runs on CPU tensors only (its plan and metadata are built "
+               "and exchanged on the host), but the ep group moves tensors on {} (train.device = "
+               "cuda); use moe.dispatch = all_to_all (or auto) on the GPU",
+               kOp, group_->device().str());
     XMOE_CHECK(group_->size() == c.ep_size && group_->rank() == c.ep_rank,
                "[{}] group is rank {} of {}, config says {} of {}", kOp, group_->rank(),
                group_->size(), c.ep_rank, c.ep_size);
@@ -105,6 +111,10 @@ DispatchResult RbdDispatcher::dispatch(const Tensor& rows, std::span<const int64
   check_dtype(info.token_ids, DType::i32, kOp, "token_ids");
   check_shape(info.combine_weights, {N}, kOp, "combine_weights");
   check_dtype(info.combine_weights, DType::f32, kOp, "combine_weights");
+  XMOE_CHECK(rows.is_cpu(),
+             "[{}] moe.dispatch = rbd runs on CPU tensors only, got rows {} (train.device = cuda); "
+             "use moe.dispatch = all_to_all (or auto) on the GPU",
+             kOp, rows.str());
   const Device dev = rows.device();
   const int M = topo_.num_nodes();
   const std::vector<int32_t> tok = info.token_ids.to_vector<int32_t>();

@@ -2,6 +2,10 @@
 // Redundancy-bypassing dispatch (X-MoE, moe.dispatch = rbd). Experts live on ranks, ranks on
 // nodes; a token routed to several experts on one node crosses the slow inter-node link once.
 //
+// CPU tensors only: the plan and the per-row metadata are built and exchanged on the host, so
+// an ep group on the GPU (NCCL) or CUDA rows are refused with an error naming moe.dispatch;
+// on one node rbd is all_to_all, which runs on the GPU.
+//
 // Roles (every rank plays all three in every call):
 //   source  owns the token rows [N, d] (grouped by global expert, RowInfo: token, weight);
 //   pilot   the rank that owns the *first* of a token's experts on a node: it receives the

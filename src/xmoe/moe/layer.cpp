@@ -254,8 +254,10 @@ void MoELayer::update_routing_bias() {
   ProfileScope scope("moe.update_bias", device_);
   // Only the sigmoid gate has a bias; every rank has the same gate, so all skip or all reduce.
   if (gate_->routing_bias() != nullptr && par_.world && par_.world->size() > 1) {
-    Tensor load = Tensor::from_vector(pending_load_, {static_cast<int64_t>(pending_load_.size())});
-    par_.world->all_reduce(load);  // i64, exact: the global load of the step
+    // On the world's device (an NCCL world moves CUDA tensors); i64, exact: the step's load.
+    Tensor load = Tensor::from_vector(pending_load_, {static_cast<int64_t>(pending_load_.size())},
+                                      par_.world->device());
+    par_.world->all_reduce(load);
     pending_load_ = load.to_vector<int64_t>();
   }
   gate_->update_bias(pending_load_);
@@ -284,7 +286,8 @@ void MoELayer::record_coactivation_pairs(const Tensor& topk_idx) {
 CoactivationMatrix MoELayer::global_coactivation() const {
   CoactivationMatrix out = coactivation_;
   if (par_.world && par_.world->size() > 1) {
-    Tensor t = Tensor::from_vector(out.counts, {static_cast<int64_t>(out.counts.size())});
+    Tensor t = Tensor::from_vector(out.counts, {static_cast<int64_t>(out.counts.size())},
+                                   par_.world->device());
     par_.world->all_reduce(t);  // i64: exact
     out.counts = t.to_vector<int64_t>();
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "xmoe/backend/cuda/moe_kernels.h"
 #include "xmoe/core/profile.h"
@@ -24,13 +25,16 @@ void all_sum_f64(comm::Group* group, std::span<double> values) {
   if (group == nullptr || group->size() == 1 || values.empty()) return;
   const int64_t n = static_cast<int64_t>(values.size());
   static_assert(sizeof(double) == sizeof(int64_t));
-  Tensor mine = Tensor::empty({1, n}, DType::i64);  // the doubles' bits (all_gather moves bytes)
-  std::memcpy(mine.raw(), values.data(), values.size_bytes());
-  Tensor all = group->all_gather(mine);  // [W, n]
-  const auto* bits = static_cast<const double*>(all.raw());
+  // The doubles' bits (all_gather moves bytes), where the group's tensors live (NCCL: the GPU).
+  std::vector<int64_t> mine(static_cast<size_t>(n));
+  std::memcpy(mine.data(), values.data(), values.size_bytes());
+  const std::vector<int64_t> all =
+      group->all_gather(Tensor::from_vector(mine, {1, n}, group->device())).to_vector<int64_t>();
+  std::vector<double> bits(all.size());  // [W, n]
+  std::memcpy(bits.data(), all.data(), all.size() * sizeof(int64_t));
   for (int64_t i = 0; i < n; ++i) {
     double s = 0;
-    for (int p = 0; p < group->size(); ++p) s += bits[p * n + i];
+    for (int p = 0; p < group->size(); ++p) s += bits[static_cast<size_t>(p * n + i)];
     values[i] = s;
   }
 }

@@ -67,7 +67,8 @@ struct AuxLossState {
 
 /// Sums `values` over the ranks of `group` in double, identically on every rank (the partial
 /// sums are all-gathered bit for bit and added in rank order). No-op for null or one rank.
-/// comm::Group::all_reduce has no f64; this costs one all_gather of the values.
+/// The values travel where the group's tensors live (an NCCL group: uploaded, gathered on the
+/// device, read back once). One all_gather, not an all_reduce: the sum is in a fixed order.
 void all_sum_f64(comm::Group* group, std::span<double> values);
 
 /// probs [T, E] (the differentiable router probabilities the balance losses use), topk_idx i32
@@ -75,8 +76,9 @@ void all_sum_f64(comm::Group* group, std::span<double> values);
 /// process) is the group whose tokens form the global batch: one collective per call, which
 /// every rank of it must make.
 /// CUDA tensors (f32): the statistics are reduced on the device (backend/cuda/moe_losses.cu) and
-/// their 2E + 2 doubles copied to the host (one wait: the reported loss and the all-reduce over
-/// `world`, a CPU group, need them there); f_e goes back to the device for backward.
+/// their 2E + 2 doubles copied to the host (one wait: the reported loss needs them there), then
+/// summed over `world` with all_sum_f64 (on the GPU for an NCCL world); f_e goes back to the
+/// device for backward.
 AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tensor& z_logits,
                         int64_t seq_len, const AuxLossWeights& w, AuxLossState& state,
                         comm::Group* world = nullptr);

@@ -4,11 +4,13 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "xmoe/backend/device_api.h"
+#include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/data/data_loader.h"
 #include "xmoe/data/prepare.h"
@@ -148,6 +150,74 @@ Device training_device(const TrainConfig& tc, comm::Group& hosts) {
   return d;
 }
 
+/// The group the layout splits. On the CPU: `world` itself. On CUDA: an NCCL group over
+/// `world`'s ranks (and topology) on `device`, so that every collective of a step (dispatch,
+/// gradient all-reduce, routing statistics, norms, evaluation, checkpoint barrier) moves device
+/// tensors; also for one process, where it costs nothing per step. Without NCCL one process
+/// keeps `world` (a size-1 group copies or does nothing); several are refused, since the MoE
+/// dispatch cannot stage device rows through MPI.
+std::shared_ptr<comm::Group> device_world(std::shared_ptr<comm::Group> world, Device device,
+                                          const TrainConfig& tc) {
+  if (device.is_cpu() || world->device() == device) return world;
+  XMOE_CHECK(world->device().is_cpu(),
+             "[train] train.device = {} selects {}, but the given world group ({}) moves tensors "
+             "on {}",
+             tc.device, device.str(), world->backend_name(), world->device().str());
+  if (!comm::nccl::available()) {
+    XMOE_CHECK(world->size() == 1,
+               "[train] train.device = {} with {} processes needs NCCL (the collectives of a "
+               "step move GPU tensors), but this xmoe was built without NCCL (XMOE_NCCL=OFF; see "
+               "docs/cuda.md, \"NCCL backend\"); build with NCCL, run one process, or set "
+               "train.device = cpu",
+               tc.device, world->size());
+    return world;
+  }
+  if (world->size() > 1) {
+    // NCCL takes one device per rank. Every rank learns the verdict before any communicator
+    // exists, so none waits alone in ncclCommInitRank.
+    const comm::nccl::HostRanks host = comm::nccl::host_ranks(*world);
+    const int devices = backend::cuda_device_count();
+    std::string mine;
+    if (host.local_size > devices)
+      mine = fmt::format(
+          "this host runs {} ranks but has {} CUDA device(s); NCCL needs one device "
+          "per rank (run at most one rank per GPU)",
+          host.local_size, devices);
+    else if (host.local_size > 1 && tc.device != "cuda")
+      mine = fmt::format(
+          "{} ranks on this host would all use {}; use train.device = cuda (each "
+          "rank takes the device of its position on its host)",
+          host.local_size, device.str());
+    Tensor bad = Tensor::from_vector<int32_t>({mine.empty() ? 0 : 1}, {1});
+    world->all_reduce(bad, comm::ReduceOp::max);
+    XMOE_CHECK(
+        bad.data<int32_t>()[0] == 0, "[train] train.device = {}: {}", tc.device,
+        mine.empty() ? std::string("another rank cannot have a CUDA device of its own") : mine);
+  }
+  return comm::nccl::make_group(std::move(world), device.index);
+}
+
+/// When train() leaves by an exception, abandons the layout's NCCL communicators (ncclCommAbort)
+/// before they are destroyed: one rank may fail alone while its peers wait for it in a
+/// collective, and ncclCommDestroy or a stream sync in the groups' destructors would then wait
+/// forever instead of reaching the MPI_Abort that stops the job (tools/xmoe/main.cpp).
+class AbandonOnError {
+ public:
+  explicit AbandonOnError(const parallel::Layout& layout)
+      : layout_(layout), exceptions_(std::uncaught_exceptions()) {}
+  ~AbandonOnError() {
+    if (std::uncaught_exceptions() <= exceptions_) return;
+    for (const auto& g : {layout_.dp_group, layout_.ep_group, layout_.world})
+      if (g) comm::nccl::abandon(*g);
+  }
+  AbandonOnError(const AbandonOnError&) = delete;
+  AbandonOnError& operator=(const AbandonOnError&) = delete;
+
+ private:
+  const parallel::Layout& layout_;
+  int exceptions_;
+};
+
 /// train.dtype: auto = bf16 on CUDA, f32 on the CPU.
 DType compute_dtype(const TrainConfig& tc, Device device) {
   if (tc.dtype == "f32") return DType::f32;
@@ -172,7 +242,11 @@ TrainResult train(const Config& config, const TrainOptions& options) {
   const Device device = training_device(tc, *world_group);
   if (config.parallel.ranks_per_node > 0)
     world_group = world_group->with_declared_nodes(config.parallel.ranks_per_node);
+  world_group = device_world(std::move(world_group), device, tc);
+  // Every group of the run lives in `layout` (and in the model's copies of it) and goes when
+  // train() returns: before comm::finalize(), in the same order on every rank.
   const parallel::Layout layout = parallel::Layout::create(world_group, config.parallel.ep);
+  const AbandonOnError abandon_on_error(layout);
   comm::Group& world = *layout.world;
   const bool leader = layout.world_rank == 0;
 

@@ -186,10 +186,19 @@ class NcclGroup final : public Group {
   ~NcclGroup() override {
     // ncclCommDestroy waits for queued operations; every rank destroys its groups in the same
     // order (it synchronises the ranks of a node in recent NCCL versions).
+    // An abandoned group (comm_ already aborted) neither waits nor destroys.
     if (cudaSetDevice(device_) != cudaSuccess) cudaGetLastError();
-    if (stream_ && cudaStreamSynchronize(stream_) != cudaSuccess) cudaGetLastError();
+    if (comm_ && stream_ && cudaStreamSynchronize(stream_) != cudaSuccess) cudaGetLastError();
     if (comm_) ncclCommDestroy(comm_);
     if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  /// ncclCommAbort, once: frees the communicator without waiting for anything (nccl::abandon).
+  void abandon() {
+    if (!comm_) return;
+    if (cudaSetDevice(device_) != cudaSuccess) cudaGetLastError();
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
   }
   NcclGroup(const NcclGroup&) = delete;
   NcclGroup& operator=(const NcclGroup&) = delete;
@@ -202,6 +211,7 @@ class NcclGroup final : public Group {
     XMOE_CHECK(color >= 0, "[split] color {} must be >= 0", color);
     // Both splits order the new ranks by key, then by old rank, so their rank numbers agree
     // (the constructor checks it).
+    require_live("split");
     std::shared_ptr<Group> sub_cpu = cpu_->split(color, key);
     cuda::activate(device_);
     ncclComm_t sub = nullptr;
@@ -351,7 +361,14 @@ class NcclGroup final : public Group {
   }
 
  private:
+  void require_live(const char* op) const {
+    XMOE_CHECK(comm_ != nullptr,
+               "[{}] this NCCL group was abandoned after an error (nccl::abandon); make a new one",
+               op);
+  }
+
   void require_device(const Tensor& t, const char* op) const {
+    require_live(op);
     XMOE_CHECK(t.device().is_cuda(),
                "[{}] the NCCL backend moves CUDA tensors; got {} (copy it to cuda:{}, or use the "
                "MPI group for CPU tensors)",
@@ -446,6 +463,10 @@ HostRanks host_ranks(Group& cpu_group) {
     ++out.local_size;
   }
   return out;
+}
+
+void abandon(Group& group) {
+  if (auto* g = dynamic_cast<NcclGroup*>(&group)) g->abandon();
 }
 
 std::shared_ptr<Group> make_world(int ranks_per_node) {

@@ -29,6 +29,13 @@ struct HostRanks {
 };
 HostRanks host_ranks(Group& cpu_group);
 
+/// Frees `group`'s communicator at once (ncclCommAbort: no wait for queued work or for the
+/// peers) when it is an NCCL group; it refuses every collective afterwards and its destructor
+/// no longer synchronises. For error paths: a rank that leaves with an exception must not block
+/// in ncclCommDestroy or a stream sync while its peers wait for it in a collective. Not
+/// collective; a no-op for other groups.
+void abandon(Group& group);
+
 /// The NCCL group over comm::world(ranks_per_node)'s ranks; each rank takes the device of its
 /// position on its host (cuda:local_rank). Throws on every rank when a host has more ranks
 /// than visible CUDA devices. Release it before comm::finalize().

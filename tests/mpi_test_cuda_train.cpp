@@ -1,0 +1,325 @@
+// Multi-process training on the GPU (train.device = cuda under mpirun): the trainer builds an
+// NCCL group over the MPI world and the layout splits it, so dispatch, the gradient all-reduces,
+// the routing statistics, the expert norm, evaluation and the checkpoint barriers all move
+// device tensors. Each rank also runs the one-process references of the same global batch
+// (batch = world × B) itself: on its own GPU and on the CPU. Meaningful at np 1 too: the trainer
+// then trains over a one-rank NCCL world.
+//
+// Tolerances (relative, every step):
+//   f32, NCCL world vs one-process CUDA: 1e-4 on the loss, 1e-3 on the gradient norm. The same
+//     math with the sums over ranks in another order (NCCL's all-reduce, the aux statistics)
+//     and GEMMs of other shapes (B instead of world × B sequences: cuBLAS may pick other tiles),
+//     i.e. ~1e-6 per step, grown by 8 AdamW steps. mpi_test_train.cpp asks 1e-5 / 1e-4 on the
+//     CPU. A lost or doubled gradient, a row sent to the wrong expert or a rank's statistics
+//     left out of a reduction gives 1e-2 and more.
+//   f32 vs the CPU: 1e-3, test_cuda_model.cpp's MoE f32 tolerance (the router is
+//     precision-sensitive; the dense model alone stays within 1e-4).
+//   bf16 vs the CPU (f32) and vs one-process CUDA bf16: 3e-2, test_cuda_model.cpp's trainer
+//     tolerance (every matmul input rounded to bf16; the runs drift apart slowly under Adam).
+//   Resume over the same layout: 1e-6. Every CUDA op is deterministic and NCCL repeats its
+//     reductions for one communicator size and message size, so it should be bit for bit; the
+//     margin only allows NCCL to pick another algorithm on the fresh communicator.
+//
+// Every test skips, with the reason, when xmoe was built without NCCL, when no CUDA device is
+// visible, or when a host runs more ranks than it has devices (NCCL takes one device per rank).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include "xmoe/backend/device_api.h"
+#include "xmoe/comm/group.h"
+#include "xmoe/comm/nccl/nccl_group.h"
+#include "xmoe/config/config.h"
+#include "xmoe/train/checkpoint.h"
+#include "xmoe/train/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace xmoe;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+struct Tolerance {
+  double loss, grad_norm;  // relative; grad_norm < 0: not compared
+};
+
+void expect_close(const train::TrainResult& ref, const train::TrainResult& got, size_t ref_offset,
+                  Tolerance tol, const std::string& what) {
+  ASSERT_GE(ref.steps.size(), ref_offset + got.steps.size()) << what;
+  ASSERT_FALSE(got.steps.empty()) << what;
+  for (size_t i = 0; i < got.steps.size(); ++i) {
+    const auto& a = ref.steps[ref_offset + i];
+    const auto& b = got.steps[i];
+    EXPECT_FALSE(b.skipped) << what << " step " << b.step;
+    EXPECT_LE(std::fabs(a.loss - b.loss), tol.loss * std::fabs(a.loss))
+        << what << " step " << b.step << ": loss " << b.loss << ", reference " << a.loss;
+    if (tol.grad_norm >= 0)
+      EXPECT_LE(std::fabs(a.grad_norm - b.grad_norm), tol.grad_norm * std::fabs(a.grad_norm))
+          << what << " step " << b.step << ": grad norm " << b.grad_norm << ", reference "
+          << a.grad_norm;
+  }
+}
+
+void expect_close_evals(const train::TrainResult& ref, const train::TrainResult& got, double tol,
+                        const std::string& what) {
+  ASSERT_EQ(got.evals.size(), ref.evals.size()) << what;
+  for (size_t i = 0; i < got.evals.size(); ++i)
+    EXPECT_LE(std::fabs(got.evals[i].val_loss - ref.evals[i].val_loss),
+              tol * ref.evals[i].val_loss)
+        << what << " validation at step " << got.evals[i].step;
+}
+
+constexpr Tolerance kF32{1e-4, 1e-3};
+constexpr Tolerance kF32VsCpu{1e-3, -1};
+constexpr Tolerance kBf16{3e-2, -1};
+
+}  // namespace
+
+class CudaNcclTrain : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    world_ = comm::world();
+    skip_ = skip_reason();
+    if (!skip_.empty()) return;
+    root_ = fs::temp_directory_path() / ("xmoe-mpi-cuda-train-" + std::to_string(world_->size()));
+    if (world_->rank() == 0) {
+      fs::remove_all(root_);
+      fs::create_directories(root_ / "corpus");
+      std::ofstream text(root_ / "corpus" / "text.txt");
+      const char* lines[] = {"the quick brown fox jumps over the lazy dog. ",
+                             "a stitch in time saves nine. ", "all that glitters is not gold. ",
+                             "the early bird catches the worm. "};
+      for (int i = 0; i < 800; ++i) text << lines[(i * 7) % 4];
+      text.close();
+      DataConfig data;
+      data.corpus = (root_ / "corpus").string();
+      data.dir = (root_ / "data").string();
+      data.val_fraction = 0.1f;
+      train::ensure_prepared_data(data);  // before any rank's reference run needs it
+    }
+    world_->barrier();
+  }
+  static void TearDownTestSuite() {
+    if (skip_.empty()) {
+      world_->barrier();
+      if (world_->rank() == 0) fs::remove_all(root_);
+    }
+    world_.reset();
+  }
+  void SetUp() override {
+    if (!skip_.empty()) GTEST_SKIP() << skip_;
+  }
+  void TearDown() override {
+    if (skip_.empty()) world_->barrier();  // no rank starts the next test's runs early
+  }
+
+  /// Empty when NCCL can run here; decided together so that no rank waits for a skipped one.
+  static std::string skip_reason() {
+    if (!comm::nccl::available())
+      return "this xmoe was built without NCCL (XMOE_NCCL=OFF): nothing to test";
+    const auto host = comm::nccl::host_ranks(*world_);
+    local_rank_ = host.local_rank;
+    const int devices = backend::cuda_device_count();
+    std::string mine;
+    if (devices == 0)
+      mine = "no CUDA device visible";
+    else if (host.local_size > devices)
+      mine = fmt::format(
+          "{} ranks on this host but {} CUDA device(s): NCCL does not allow two ranks of a "
+          "communicator on one device (run with -np <= devices)",
+          host.local_size, devices);
+    Tensor bad = Tensor::from_vector<int32_t>({mine.empty() ? 0 : 1}, {1});
+    world_->all_reduce(bad, comm::ReduceOp::max);
+    if (bad.data<int32_t>()[0] == 0) return "";
+    return mine.empty() ? "another rank cannot run NCCL (no device for it)" : mine;
+  }
+
+  static int world_size() { return world_->size(); }
+
+  /// mpi_test_train.cpp's micro model; 24 experts divide over ep = 1, 2, 3, 4, 6, 8 GPUs.
+  static Config micro_config(const std::string& gate = "softmax_topk",
+                             const std::string& dtype = "f32") {
+    Config c = preset("tiny");
+    c.model.d_model = 32;
+    c.model.num_layers = 2;
+    c.model.num_heads = 2;
+    c.model.num_kv_heads = 1;
+    c.model.dense_hidden = 48;
+    c.model.max_seq_len = 16;
+    c.model.moe.num_experts = 24;
+    c.model.moe.top_k = 3;
+    c.model.moe.expert_hidden = 16;
+    c.model.moe.gate = gate;
+    c.model.moe.aux_loss_weight = 0.01f;
+    c.model.moe.z_loss_weight = 0.001f;
+    c.data.corpus = (root_ / "corpus").string();
+    c.data.dir = (root_ / "data").string();
+    c.data.val_fraction = 0.1f;
+    c.train.device = "cuda";  // under mpirun: the rank's position on its host
+    c.train.dtype = dtype;
+    c.train.steps = 8;
+    c.train.batch_size = 2;
+    c.train.seq_len = 16;
+    c.train.warmup_steps = 2;
+    c.train.eval_every = 4;
+    c.train.eval_batches = 1;
+    c.train.save_every = 4;
+    c.train.log_every = 100;
+    validate(c);
+    return c;
+  }
+
+  static train::TrainResult run(Config c, const std::string& tag,
+                                std::shared_ptr<comm::Group> group, bool resume = false,
+                                int stop_after = -1) {
+    c.train.out_dir = (root_ / tag).string();
+    train::TrainOptions o;
+    o.progress = false;
+    o.world = std::move(group);
+    o.resume = resume;
+    o.stop_after = stop_after;
+    return train::train(c, o);
+  }
+
+  /// Over the whole job: the trainer makes the NCCL world from the MPI one.
+  static train::TrainResult run_nccl(const Config& c, const std::string& tag, bool resume = false,
+                                     int stop_after = -1) {
+    return run(c, tag, world_, resume, stop_after);
+  }
+
+  /// The one-process run of the same global batch, by every rank for itself: on its own GPU
+  /// (device "cuda") or on the CPU (device "cpu", f32).
+  static train::TrainResult reference(Config c, const std::string& device, const std::string& tag) {
+    c.train.batch_size *= world_->size();
+    c.parallel = ParallelConfig{};
+    if (device == "cpu") {
+      c.train.device = "cpu";
+      c.train.dtype = "f32";
+    } else {
+      c.train.device = fmt::format("cuda:{}", local_rank_);
+    }
+    return run(c, fmt::format("ref-{}-{}-rank{}", tag, device, world_->rank()),
+               comm::make_single_group());
+  }
+
+  static inline std::shared_ptr<comm::Group> world_;
+  static inline std::string skip_;
+  static inline int local_rank_ = 0;
+  static inline fs::path root_;
+};
+
+TEST_F(CudaNcclTrain, F32MatchesOneProcessForEveryLayout) {
+  const int n = world_size();
+  for (const std::string gate : {"softmax_topk", "sigmoid"}) {  // sigmoid: the load all-reduce
+    const Config c0 = micro_config(gate);
+    const auto ref_cuda = reference(c0, "cuda", gate);
+    const auto ref_cpu = reference(c0, "cpu", gate);
+    std::vector<int> eps = {n};
+    if (n > 1) eps.push_back(1);
+    if (n == 4 || n == 8) eps.push_back(2);
+    for (int ep : eps) {
+      Config c = c0;
+      c.parallel.ep = ep;
+      const std::string tag = fmt::format("{}-ep{}", gate, ep);
+      const auto got = run_nccl(c, tag);
+      ASSERT_EQ(got.steps.size(), ref_cuda.steps.size()) << tag;
+      expect_close(ref_cuda, got, 0, kF32, tag + " vs one-process CUDA");
+      expect_close(ref_cpu, got, 0, kF32VsCpu, tag + " vs one-process CPU");
+      expect_close_evals(ref_cuda, got, kF32.loss, tag);
+      for (const auto& s : got.steps) EXPECT_GT(s.mfu, 0.0) << tag;
+    }
+  }
+}
+
+TEST_F(CudaNcclTrain, Bf16FollowsTheCpuAndOneProcess) {
+  const int n = world_size();
+  const Config c0 = micro_config("softmax_topk", "bf16");
+  const auto ref_cuda = reference(c0, "cuda", "bf16");
+  const auto ref_cpu = reference(c0, "cpu", "bf16");
+  for (int ep : n > 1 ? std::vector<int>{n, 1} : std::vector<int>{1}) {
+    Config c = c0;
+    c.parallel.ep = ep;
+    const std::string tag = fmt::format("bf16-ep{}", ep);
+    const auto got = run_nccl(c, tag);
+    ASSERT_EQ(got.steps.size(), ref_cpu.steps.size()) << tag;
+    expect_close(ref_cpu, got, 0, kBf16, tag + " vs one-process CPU");
+    expect_close(ref_cuda, got, 0, kBf16, tag + " vs one-process CUDA bf16");
+    EXPECT_LT(got.steps.back().loss, got.steps.front().loss) << tag;
+  }
+}
+
+TEST_F(CudaNcclTrain, CheckpointResumesAcrossTheNcclWorld) {
+  const int n = world_size();
+  Config c = micro_config("sigmoid");  // the balancing bias is checkpointed state too
+  c.parallel.ep = n;
+  const auto straight = run_nccl(c, "straight");
+  ASSERT_EQ(straight.steps.size(), 8u);
+
+  // Saved at step 4 over the NCCL world (host f32 safetensors, one file per rank), resumed
+  // with the same layout: the run repeats.
+  run_nccl(c, "resume-same", false, 4);
+  const auto latest = train::latest_checkpoint((root_ / "resume-same").string());
+  ASSERT_TRUE(latest.has_value());
+  const train::Checkpoint ck = train::load_checkpoint(*latest);  // complete, loads on the host
+  EXPECT_EQ(ck.world, n);
+  EXPECT_EQ(ck.state.at("step").get<int>(), 4);
+  const auto same = run_nccl(c, "resume-same", true);
+  ASSERT_EQ(same.first_step, 4);
+  ASSERT_EQ(same.steps.size(), 4u);
+  expect_close(straight, same, 4, {1e-6, 1e-6}, "resumed with the same layout");
+
+  // Saved with ep = world, resumed with ep = 1 (data parallelism only): the same training.
+  if (n > 1) {
+    run_nccl(c, "resume-ep1", false, 4);
+    Config d = c;
+    d.parallel.ep = 1;
+    const auto rest = run_nccl(d, "resume-ep1", true);
+    ASSERT_EQ(rest.first_step, 4);
+    expect_close(straight, rest, 4, kF32, "resumed with ep = 1");
+  }
+}
+
+TEST_F(CudaNcclTrain, AffinityPlacementOverDeclaredNodes) {
+  // One declared node per rank: the experts are permuted by affinity before the first step
+  // (co-activation counts all-reduced, expert tensors all-gathered over the NCCL ep group).
+  // It does not change what is computed. With one rank there is nothing to place.
+  const int n = world_size();
+  Config c = micro_config();
+  const auto ref = reference(c, "cuda", "placement");
+  c.parallel.ep = n;
+  c.parallel.ranks_per_node = 1;
+  c.parallel.expert_placement = "affinity";
+  c.parallel.placement_batches = 2;
+  const auto got = run_nccl(c, "placement");
+  expect_close(ref, got, 0, kF32, "affinity placement");
+}
+
+TEST_F(CudaNcclTrain, RbdIsRefusedOnTheGpu) {
+  const int n = world_size();
+  Config c = micro_config();
+  c.parallel.ep = n;
+  c.parallel.ranks_per_node = 1;
+  c.model.moe.dispatch = "rbd";
+  c.train.steps = 2;
+  if (n == 1) {  // one node: rbd is all_to_all, which runs on the GPU
+    EXPECT_EQ(run_nccl(c, "rbd").steps.size(), 2u);
+    return;
+  }
+  // Every rank refuses at the same point, and the run's NCCL groups go with the exception.
+  EXPECT_NE(error_of([&] { run_nccl(c, "rbd"); }).find("moe.dispatch = rbd runs on CPU tensors"),
+            std::string::npos);
+  // The job is still usable: a fresh NCCL world trains.
+  c.model.moe.dispatch = "all_to_all";
+  EXPECT_EQ(run_nccl(c, "after-rbd").steps.size(), 2u);
+}
