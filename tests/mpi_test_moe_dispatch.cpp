@@ -291,9 +291,13 @@ void check_equal_to_one_process(const std::string& gate, int ep, bool skewed) {
     EXPECT_LE(rel_err(y_r, y_s.rows(r * kT, (r + 1) * kT).clone()), tol.y);
     EXPECT_LE(rel_err(dx_r, scaled(dx_s.rows(r * kT, (r + 1) * kT).clone(), float(W))), tol.dx);
     EXPECT_NEAR(multi.aux_loss(), single.aux_loss(), tol.aux * std::abs(single.aux_loss()));
-    EXPECT_NEAR(multi.aux_terms().load_balance, single.aux_terms().load_balance, 1e-9);
-    EXPECT_NEAR(multi.aux_terms().seq_balance, single.aux_terms().seq_balance, 1e-9);
-    EXPECT_NEAR(multi.aux_terms().z_loss, single.aux_terms().z_loss, 1e-9);
+    // The router logits are f32 GEMMs over each rank's half of the tokens: OpenBLAS may block
+    // them differently from the one-process GEMM (its thread count follows the machine's
+    // load), so the terms agree to f32 rounding (~1e-8 relative), not to double rounding.
+    const auto near = [](double a, double b) { return std::abs(a - b) <= 1e-6 * std::abs(b); };
+    EXPECT_PRED2(near, multi.aux_terms().load_balance, single.aux_terms().load_balance);
+    EXPECT_PRED2(near, multi.aux_terms().seq_balance, single.aux_terms().seq_balance);
+    EXPECT_PRED2(near, multi.aux_terms().z_loss, single.aux_terms().z_loss);
 
     auto pm = multi.parameters(), ps = single.parameters();
     ASSERT_EQ(pm.size(), ps.size());
