@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: configure the `cuda` preset with tests, build with every
-# core, run the CUDA tests (ctest -R Cuda), then the whole suite, and print a summary.
+# core (tests and benchmarks), run the CUDA tests (ctest -R Cuda), then the whole suite, and
+# print a summary.
 # Logs go to "${OUT:-/tmp}/gpu-check.log" (tee'd, so a timeout still leaves them).
 #
 #   bash scripts/gpu-check.sh                     # build dir build/gpu-check
@@ -64,7 +65,7 @@ fi
 
 status=0
 built=0
-step configure cmake --preset cuda -B "$BUILD_DIR" -DXMOE_TESTS=ON -DXMOE_BENCH=OFF \
+step configure cmake --preset cuda -B "$BUILD_DIR" -DXMOE_TESTS=ON -DXMOE_BENCH=ON \
   "${NCCL_ARGS[@]}" || status=1
 if [[ $status == 0 ]]; then
   if ! step build cmake --build "$BUILD_DIR" -j "$JOBS"; then
@@ -72,7 +73,7 @@ if [[ $status == 0 ]]; then
     if [[ "${NCCL_ARGS[0]}" == -DXMOE_NCCL=ON ]]; then
       # Keep the CUDA tests runnable when only the NCCL backend fails to build.
       log "build failed with NCCL on: retrying with XMOE_NCCL=OFF (the failure above still counts)"
-      step configure-nonccl cmake --preset cuda -B "$BUILD_DIR" -DXMOE_TESTS=ON -DXMOE_BENCH=OFF \
+      step configure-nonccl cmake --preset cuda -B "$BUILD_DIR" -DXMOE_TESTS=ON -DXMOE_BENCH=ON \
         -DXMOE_NCCL=OFF && step build-nonccl cmake --build "$BUILD_DIR" -j "$JOBS" && built=1
     fi
   else
