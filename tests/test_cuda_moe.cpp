@@ -110,6 +110,23 @@ TEST(CudaMoeOps, MatchCpu) {
     Tensor a = randn({N, d}, 6), b = randn({N, d}, 7);
     EXPECT_CLOSE(row_dot_f32(a.to(kCuda), b.to(kCuda)), ops::row_dot(a, b), 1e-5, "row_dot_f32");
   }
+  // The fused I-Order backward against the CPU's gather + dot + scale: the scalar path (d = 19)
+  // and the 16-byte path (d = 64), f32 rows, and bf16 rows with f32 or bf16 dy; -1 slots.
+  for (const int64_t dd : {d, int64_t{64}}) {
+    Tensor dy = randn({N, dd}, 12), rows = randn({M, dd}, 13), w = randn({M}, 14);
+    const WeightedGather ref = gather_weighted_rows_dot(dy, rows, index, w);
+    const WeightedGather got =
+        gather_weighted_rows_dot(dy.to(kCuda), rows.to(kCuda), index.to(kCuda), w.to(kCuda));
+    EXPECT_CLOSE(got.d_rows, ref.d_rows, 1e-6, "gather_weighted_rows_dot rows");
+    EXPECT_CLOSE(got.dot, ref.dot, 1e-5, "gather_weighted_rows_dot dot");
+    const Tensor rows_b = ops::cast(rows.to(kCuda), DType::bf16);
+    const WeightedGather ref_b = gather_weighted_rows_dot(bf16_rounded(dy), bf16_rounded(rows), index, w);
+    for (const Tensor& dyc : {dy.to(kCuda), ops::cast(dy.to(kCuda), DType::bf16)}) {
+      const WeightedGather gb = gather_weighted_rows_dot(dyc, rows_b, index.to(kCuda), w.to(kCuda));
+      EXPECT_CLOSE(gb.d_rows, ref_b.d_rows, 2e-2, "gather_weighted_rows_dot bf16 rows");
+      EXPECT_CLOSE(gb.dot, ref_b.dot, 2e-2, "gather_weighted_rows_dot bf16 dot");
+    }
+  }
   Tensor scores = randn({N, E}, 8);
   Tensor idx = random_topk(N, k, E, 9);
   {

@@ -147,6 +147,37 @@ Tensor row_dot_f32(const Tensor& a, const Tensor& b) {
   return out;
 }
 
+WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, const Tensor& index,
+                                        const Tensor& weight) {
+  const char* op = "gather_weighted_rows_dot";
+  check_shape(rows, {-1, -1}, op, "rows");
+  const int64_t n = rows.size(0), d = rows.size(1);
+  check_shape(dy, {-1, d}, op, "dy");
+  check_shape(index, {n}, op, "index");
+  check_shape(weight, {n}, op, "weight");
+  if (rows.is_cpu()) {  // the reference: the three ops in sequence
+    WeightedGather g;
+    g.d_rows = gather_rows_masked(as_dtype(dy, rows.dtype()), index);
+    g.dot = row_dot_f32(rows, g.d_rows);
+    scale_rows_(g.d_rows, weight);
+    return g;
+  }
+  xmoe::ops::detail::require_float(op, "rows", rows);
+  require_index(op, "index", index, "rows", rows);
+  xmoe::ops::detail::require_on(op, "weight", weight, DType::f32, "rows", rows);
+  XMOE_CHECK(dy.device() == rows.device() && (dy.dtype() == DType::f32 || dy.dtype() == rows.dtype()),
+             "[{}] dy must be f32 or {} on {}, got {} on {}", op, dtype_name(rows.dtype()),
+             rows.device().str(), dtype_name(dy.dtype()), dy.device().str());
+  if (xmoe::ops::detail::cuda_check_indices())
+    xmoe::ops::detail::check_index_values(op, "index", index, dy.size(0), true);
+  WeightedGather g{Tensor::empty({n, d}, rows.dtype(), rows.device()),
+                   Tensor::empty({n}, DType::f32, rows.device())};
+  cuda::moe_gather_weighted_rows_dot(g.d_rows.raw(), g.dot.data<float>(), dy.raw(), dy.dtype(),
+                                     rows.raw(), rows.dtype(), index.data<int32_t>(),
+                                     weight.data<float>(), n, dy.size(0), d, stream_of(rows));
+  return g;
+}
+
 Tensor take_along_rows(const Tensor& x, const Tensor& idx) {
   const char* op = "take_along_rows";
   require_cpu_f32(op, "x", x);

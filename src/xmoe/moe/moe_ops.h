@@ -19,6 +19,16 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
 void scale_rows_(Tensor& x, const Tensor& w);
 /// out[i] = a[i] . b[i] as f32 [N] (also for bf16 rows a, b [N, d]).
 Tensor row_dot_f32(const Tensor& a, const Tensor& b);
+/// The I-Order backward in one pass over the rows: for row i with token t = index[i] (< 0: a
+/// padding slot, zero row and zero dot), d_rows[i] = weight[i] * dy[t] (rows' dtype) and
+/// dot[i] = rows[i] . dy[t] (f32). dy [T, d] (f32 or the rows' dtype), rows [N, d], index i32
+/// [N], weight f32 [N]. Equals gather, row_dot_f32, scale_rows_ in sequence; CUDA fuses them.
+struct WeightedGather {
+  Tensor d_rows;  ///< [N, d]
+  Tensor dot;     ///< f32 [N]
+};
+WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, const Tensor& index,
+                                        const Tensor& weight);
 /// x itself when it has `dtype`, else ops::cast(x, dtype).
 Tensor as_dtype(const Tensor& x, DType dtype);
 /// out[i, j] = x[i, idx[i, j]]: x [N, E], idx i32 [N, k] -> [N, k].

@@ -29,6 +29,73 @@ __global__ void row_dot_f32_kernel(float* out, const T* a, const T* b, int64_t n
   }
 }
 
+// Eight consecutive values as f32, from 16 (bf16) or 32 (f32) bytes.
+__device__ __forceinline__ void load8(float (&v)[8], const bf16_t* p) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(h[e]);
+    v[2 * e] = f.x;
+    v[2 * e + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load8(float (&v)[8], const float* p) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void store8(bf16_t* p, const float (&v)[8]) {
+  uint4 u;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) h[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// One warp per row; VEC: 8 values per access (d % 8 == 0 and 16-byte aligned rows), else one.
+template <class T, class TY, bool VEC>
+__global__ void gather_weighted_rows_dot_kernel(T* d_rows, float* dot, const TY* dy, const T* rows,
+                                                const int32_t* idx, const float* w, int64_t n,
+                                                int64_t t, int64_t d) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < n;
+       r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const int32_t tok = idx[r];
+    const bool valid = tok >= 0 && tok < t;
+    const float wr = valid ? w[r] : 0.f;
+    const TY* src = dy + (valid ? static_cast<int64_t>(tok) : 0) * d;
+    const T* row = rows + r * d;
+    T* out = d_rows + r * d;
+    float s = 0.f;
+    if constexpr (VEC) {
+      for (int64_t c = 8 * lane; c < d; c += 8 * 32) {
+        float g[8], x[8];
+        load8(g, src + c);
+        load8(x, row + c);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          g[e] = valid ? g[e] : 0.f;
+          s += x[e] * g[e];
+          g[e] *= wr;
+        }
+        store8(out + c, g);
+      }
+    } else {
+      for (int64_t c = lane; c < d; c += 32) {
+        const float g = valid ? to_float(src[c]) : 0.f;
+        s += to_float(row[c]) * g;
+        out[c] = from_float<T>(g * wr);
+      }
+    }
+    s = warp_sum(s);
+    if (lane == 0) dot[r] = s;
+  }
+}
+
 template <class T>
 __global__ void take_along_rows_kernel(T* out, const T* x, const int32_t* idx, int64_t n,
                                        int64_t e, int64_t k) {
@@ -136,6 +203,33 @@ void moe_row_dot_f32(float* out, const void* a, const void* b, DType dt, int64_t
     row_dot_f32_kernel<T><<<warp_rows_grid(n), kBlock, 0, stream>>>(
         out, static_cast<const T*>(a), static_cast<const T*>(b), n, d);
     CUDA_CHECK_LAUNCH();
+  });
+}
+
+void moe_gather_weighted_rows_dot(void* d_rows, float* dot, const void* dy, DType dy_dt,
+                                  const void* rows, DType dt, const int32_t* idx, const float* w,
+                                  int64_t n, int64_t t, int64_t d, Stream stream) {
+  if (n == 0) return;
+  const bool vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(d_rows) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(rows) % 16 == 0;
+  dispatch_float(dt, "gather_weighted_rows_dot", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto launch = [&](auto dy_tag) {
+      using TY = typename decltype(dy_tag)::type;
+      auto* o = static_cast<T*>(d_rows);
+      const auto* g = static_cast<const TY*>(dy);
+      const auto* x = static_cast<const T*>(rows);
+      if (vec)
+        gather_weighted_rows_dot_kernel<T, TY, true>
+            <<<warp_rows_grid(n), kBlock, 0, stream>>>(o, dot, g, x, idx, w, n, t, d);
+      else
+        gather_weighted_rows_dot_kernel<T, TY, false>
+            <<<warp_rows_grid(n), kBlock, 0, stream>>>(o, dot, g, x, idx, w, n, t, d);
+      CUDA_CHECK_LAUNCH();
+    };
+    if (dy_dt == DType::f32) launch(Tag<float>{});
+    else launch(tag);
   });
 }
 

@@ -45,6 +45,10 @@ void moe_layout(const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t
                 int32_t*, float*, int32_t*, int64_t*, void*, size_t, Stream) {
   no_cuda("moe order");
 }
+void moe_gather_weighted_rows_dot(void*, float*, const void*, DType, const void*, DType,
+                                  const int32_t*, const float*, int64_t, int64_t, int64_t, Stream) {
+  no_cuda("gather_weighted_rows_dot");
+}
 void moe_aux_stats(double*, float*, double*, const float*, const int32_t*, const float*, int64_t,
                    int64_t, int64_t, int64_t, double*, Stream) {
   no_cuda("moe aux losses");
