@@ -128,6 +128,18 @@ std::vector<OpCase> parity_cases() {
                  return Tensors{in[2]};
                },
                {2}});
+  // Even enough groups for the padded strided-batch path of bf16 rows into an f32 dw (largest
+  // group <= 1.5x the mean; one empty group), and d = 24 rows: 48 bytes, 16-byte padded copies.
+  c.push_back({"grouped_matmul_weight_grad_f32_dw_even",
+               [] { return Tensors{randn({40, 24}, 70), randn({40, 16}, 71),
+                                   randn({5, 24, 16}, 72), randn({5, 24, 16}, 73)}; },
+               [](Tensors& in) {
+                 const std::vector<int64_t> even = {9, 10, 0, 11, 10};
+                 ops::grouped_matmul_weight_grad(in[2], in[0], in[1], even, true);
+                 ops::grouped_matmul_weight_grad(in[3], in[0], in[1], even, false);
+                 return Tensors{in[2], in[3]};
+               },
+               {2, 3}});
   // activations
   c.push_back({"softmax",
                [] { return Tensors{randn({13, 64}, 20, 3.f), randn({13, 64}, 21),

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <climits>
 #include <memory>
 #include <mutex>
@@ -229,6 +230,66 @@ void grouped_gemm(void* y, const void* x, const void* w, DType dt, const int64_t
   run_grouped(p, cuda_type(dt, op), cuda_type(dt, op), stream, op);
 }
 
+namespace {
+
+// Padded-batch limit: the strided batch computes groups x the largest group's rows; beyond this
+// multiple of the real rows the per-group GEMMs waste less.
+constexpr double kMaxPaddedWork = 1.5;
+
+/// Weight gradients of bf16 rows into f32 in one launch. cuBLAS has no grouped launch for
+/// bf16 x bf16 -> f32, and one GEMM per group (2 E per MoE layer) leaves the GPU idle: host cost
+/// per call, and a fine-grained expert's K x M tile grid fills a quarter of an H200. So the rows
+/// are padded per group to the largest group, [groups, cap, K] and [groups, cap, M] (zero rows
+/// add nothing), and one strided-batched GEMM computes every group. Returns false (nothing done)
+/// where it does not apply: other dtypes, one group, or routing too uneven (kMaxPaddedWork).
+bool padded_weight_grad(size_t problems, void* dw, DType dw_dt, const void* x, const void* dy,
+                        DType dt, const int64_t* group_sizes, int64_t groups, int64_t k,
+                        int64_t m, bool accumulate, Stream stream, const char* op) {
+  int64_t total = 0, cap = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    total += group_sizes[g];
+    cap = std::max(cap, group_sizes[g]);
+  }
+  if (dt != DType::bf16 || dw_dt != DType::f32 || problems < 2 || k == 0 || m == 0 ||
+      static_cast<double>(cap * groups) > kMaxPaddedWork * static_cast<double>(total))
+    return false;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  Allocator& alloc = backend::cuda_allocator(device);
+  const size_t es = dtype_size(dt);
+  std::vector<int64_t> offsets(static_cast<size_t>(groups) + 1, 0);
+  for (int64_t g = 0; g < groups; ++g) offsets[g + 1] = offsets[g] + group_sizes[g];
+  const size_t off_bytes = offsets.size() * sizeof(int64_t);
+  const size_t xb = static_cast<size_t>(groups * cap * k) * es;
+  const size_t yb = static_cast<size_t>(groups * cap * m) * es;
+  void* off_dev = alloc.allocate(off_bytes);
+  void* xp = alloc.allocate(xb);
+  void* yp = alloc.allocate(yb);
+  // Pageable source: the copy is staged before cudaMemcpyAsync returns.
+  CUDA_CHECK(cudaMemcpyAsync(off_dev, offsets.data(), off_bytes, cudaMemcpyHostToDevice, stream));
+  const auto* off = static_cast<const int64_t*>(off_dev);
+  pad_groups(xp, x, dt, off, groups, cap, k, stream);
+  pad_groups(yp, dy, dt, off, groups, cap, m, stream);
+  BlasContext& ctx = blas_context(stream);
+  {
+    std::lock_guard<std::mutex> lock(ctx.mutex);
+    const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+    // dw_g (K, M) = xp_g^T dyp_g: column-major dw_g^T (M, K) = dyp_g^T (M, cap) xp_g (cap, K)
+    CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        ctx.handle, CUBLAS_OP_N, CUBLAS_OP_T, to_int(m, op), to_int(k, op), to_int(cap, op),
+        &alpha, yp, CUDA_R_16BF, to_int(m, op), cap * m, xp, CUDA_R_16BF, to_int(k, op), cap * k,
+        &beta, dw, CUDA_R_32F, to_int(m, op), k * m, to_int(groups, op), CUBLAS_COMPUTE_32F,
+        CUBLAS_GEMM_DEFAULT));
+  }
+  // Stream-ordered reuse: later work on `stream` runs after the GEMM.
+  alloc.deallocate(yp, yb);
+  alloc.deallocate(xp, xb);
+  alloc.deallocate(off_dev, off_bytes);
+  return true;
+}
+
+}  // namespace
+
 void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* dy, DType dt,
                               const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
                               bool accumulate, Stream stream) {
@@ -255,24 +316,10 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
     return p;
   };
   GroupedProblems p = problems(dw, ws, accumulate ? 1.f : 0.f, !accumulate);
-  if (run_grouped(p, cuda_type(dt, op), cuda_type(dw_dt, op), stream, op, /*loop=*/dw_dt == dt))
+  if (padded_weight_grad(p.size(), dw, dw_dt, x, dy, dt, group_sizes, groups, k, m, accumulate,
+                         stream, op))
     return;
-  // cuBLAS has no grouped launch for bf16 products into f32 (13.0): one grouped launch into a
-  // bf16 staging buffer, then one pass adds it into dw. The per-step gradient is then rounded
-  // to bf16 once (as autocast does) and accumulated in f32; a loop of 2 x E GEMMs per layer
-  // would cost several times the whole expert forward.
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  Allocator& alloc = backend::cuda_allocator(device);
-  const int64_t n = groups * k * m;
-  const size_t bytes = static_cast<size_t>(n) * es;
-  void* staged = alloc.allocate(bytes);
-  CUDA_CHECK(cudaMemsetAsync(staged, 0, bytes, stream));  // empty groups add zeros
-  GroupedProblems ps = problems(staged, es, 0.f, false);
-  run_grouped(ps, cuda_type(dt, op), cuda_type(dt, op), stream, op);
-  if (accumulate) add_inplace(dw, dw_dt, staged, dt, 1.f, n, stream);
-  else cast(dw, dw_dt, staged, dt, n, stream);
-  alloc.deallocate(staged, bytes);  // stream-ordered reuse: later work on `stream` follows
+  run_grouped(p, cuda_type(dt, op), cuda_type(dw_dt, op), stream, op);
 }
 
 }  // namespace xmoe::cuda

@@ -27,6 +27,24 @@ __global__ void gather_rows_kernel(T* out, const T* x, const int32_t* index, int
   }
 }
 
+// One block per padded row (g, r): row offsets[g] + r of src, or zeros past the group's rows.
+// W: the element type moved (uint4 = 16 bytes when rows allow it, else the dtype's own).
+template <class W>
+__global__ void pad_groups_kernel(W* dst, const W* src, const int64_t* offsets, int64_t groups,
+                                  int64_t cap, int64_t width) {
+  for (int64_t i = blockIdx.x; i < groups * cap; i += gridDim.x) {
+    const int64_t g = i / cap, r = i % cap;
+    const int64_t begin = offsets[g], rows = offsets[g + 1] - begin;
+    W* out = dst + i * width;
+    if (r < rows) {
+      const W* in = src + (begin + r) * width;
+      for (int64_t c = threadIdx.x; c < width; c += blockDim.x) out[c] = in[c];
+    } else {
+      for (int64_t c = threadIdx.x; c < width; c += blockDim.x) out[c] = W{};
+    }
+  }
+}
+
 __global__ void find_bad_index_kernel(unsigned long long* first_bad, const int32_t* index,
                                       int64_t n, int64_t limit, bool allow_negative) {
   XMOE_GRID_STRIDE(i, n) {
@@ -110,6 +128,27 @@ ScatterLayout scatter_layout(int64_t m, int64_t n_out) {
 }
 
 }  // namespace
+
+void pad_groups(void* dst, const void* src, DType dt, const int64_t* offsets, int64_t groups,
+                int64_t cap, int64_t d, Stream stream) {
+  if (groups * cap * d == 0) return;
+  const int64_t bytes = d * static_cast<int64_t>(dtype_size(dt));
+  const unsigned grid = grid_for(groups * cap, 1);
+  if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    pad_groups_kernel<uint4><<<grid, 128, 0, stream>>>(static_cast<uint4*>(dst),
+                                                       static_cast<const uint4*>(src), offsets,
+                                                       groups, cap, bytes / 16);
+  } else {
+    dispatch_float(dt, "pad_groups", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      pad_groups_kernel<T><<<grid, 128, 0, stream>>>(static_cast<T*>(dst),
+                                                     static_cast<const T*>(src), offsets, groups,
+                                                     cap, d);
+    });
+  }
+  CUDA_CHECK_LAUNCH();
+}
 
 void gather_rows(void* out, const void* x, DType dt, const int32_t* index, int64_t m,
                  int64_t n_rows, int64_t d, Stream stream) {

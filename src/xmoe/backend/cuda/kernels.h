@@ -87,6 +87,10 @@ void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void*
 // values (rows, k) of dt, descending; indices (rows, k) i32; ties go to the lower index.
 void topk(void* values, int32_t* indices, const void* x, DType dt, int64_t rows, int64_t cols,
           int64_t k, Stream stream);
+// dst (groups, cap, d): group g's rows src[offsets[g] .. offsets[g + 1]) (at most cap of them)
+// first, zero rows after; offsets (groups + 1) int64 on the device.
+void pad_groups(void* dst, const void* src, DType dt, const int64_t* offsets, int64_t groups,
+                int64_t cap, int64_t d, Stream stream);
 // out (m, d) = x (n_rows, d)[index]; an index outside [0, n_rows) gives a zero row.
 void gather_rows(void* out, const void* x, DType dt, const int32_t* index, int64_t m,
                  int64_t n_rows, int64_t d, Stream stream);
