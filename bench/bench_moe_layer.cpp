@@ -1,21 +1,36 @@
-// Forward + backward of the routed MoE layer on the CPU: padding-free token buffers (pft) vs the
-// padded [E, C, d] baseline at capacity factors 1.0, 1.25, 2.0. One JSON line per configuration:
-// median time, tokens/s, peak activation bytes (allocator counters; parameters and inputs exist
-// before the measured scope), dropped (token, slot) pairs, and the padded/pft ratios.
-//   bench_moe_layer [--quick] [--iters N]
+// Forward + backward of the routed MoE layer (gate, order, experts, un-permute; no shared
+// expert): padding-free token buffers (pft) vs the padded [E, C, d] baseline, on the CPU (f32)
+// or a CUDA device (bf16 activations, f32 master weights and gradients). One JSON line per
+// configuration: median time, TFLOP/s (3 x 2·T·k·(2·d·f + f·d): forward and the two backward
+// GEMMs of each projection), tokens/s, peak bytes above those held before the timed pass
+// (allocator counters: parameters, their gradients and the inputs exist before; on CUDA this
+// includes the per-forward bf16 copies of the expert weights), dropped (token, slot) pairs.
+//
+//   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
+//                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick]
+//
+// Defaults: on the CPU the two small shapes of docs/benchmarks.md, pft and padded at capacity
+// factors 1.0, 1.25, 2.0 (with the ratios against pft); on CUDA the three peer shapes of
+// bench/peers/moe_layer_torch.py, pft only. The peers print the same fields
+// (bench "moe_layer_peer"); bench/peers/summarize.py puts them side by side.
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "xmoe/backend/cuda/runtime.h"
+#include "xmoe/backend/device_api.h"
 #include "xmoe/core/allocator.h"
+#include "xmoe/core/error.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/moe/layer.h"
+#include "xmoe/ops/ops.h"
 
 using namespace xmoe;
 
@@ -25,14 +40,47 @@ struct Shape5 {
   int64_t T, d, f, E, k;
 };
 
+/// "16384x2048x1408x64x6,8192x..." -> shapes (T, d, f, E, k).
+std::vector<Shape5> parse_shapes(const std::string& text) {
+  std::vector<Shape5> out;
+  std::stringstream list(text);
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    if (item.empty()) continue;
+    std::vector<int64_t> v;
+    std::stringstream fields(item);
+    std::string field;
+    while (std::getline(fields, field, 'x')) {
+      try {
+        size_t used = 0;
+        v.push_back(std::stoll(field, &used));
+        XMOE_CHECK(used == field.size() && v.back() > 0, "bad field");
+      } catch (const std::exception&) {
+        XMOE_FAIL("[bench_moe_layer] --shapes: '{}' is not TxdxfxExk of positive integers", item);
+      }
+    }
+    XMOE_CHECK(v.size() == 5, "[bench_moe_layer] --shapes: '{}' is not TxdxfxExk", item);
+    XMOE_CHECK(v[4] <= v[3], "[bench_moe_layer] --shapes: '{}' has k > E", item);
+    out.push_back({v[0], v[1], v[2], v[3], v[4]});
+  }
+  XMOE_CHECK(!out.empty(), "[bench_moe_layer] --shapes: no shape in '{}'", text);
+  return out;
+}
+
+double layer_flops(const Shape5& s) {
+  return 3.0 * 2.0 * static_cast<double>(s.T * s.k) * static_cast<double>(3 * s.d * s.f);
+}
+
 struct Result {
   double median_ms = 0;
   int64_t peak_bytes = 0;
   int64_t dropped = 0;
+  int64_t reserved_bytes = -1;  // CUDA caching allocator, after the timed passes
 };
 
-Result run(const Shape5& s, const std::string& impl, float cf, int iters) {
-  MoeConfig c;
+Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters,
+           Device device) {
+  MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
   c.top_k = static_cast<int>(s.k);
   c.expert_hidden = static_cast<int>(s.f);
@@ -41,22 +89,41 @@ Result run(const Shape5& s, const std::string& impl, float cf, int iters) {
   c.impl = impl;
   c.capacity_factor = cf;
   moe::MoELayer layer(c, s.d, "bench.moe", 1, 0.02f);
+  if (device.is_cuda()) {
+    // Values go over; gradients are made zero on the device (no host copy of E·3·d·f floats).
+    for (Parameter* p : layer.parameters()) {
+      const Shape shape = p->grad.shape();
+      p->grad = Tensor();
+      p->value = p->value.to(device);
+      p->grad = Tensor::zeros(shape, DType::f32, device);
+    }
+  }
   Tensor x = Tensor::empty({s.T, s.d}), dy = Tensor::empty({s.T, s.d});
   fill_normal(x, 2, 0, 1.0f);
   fill_normal(dy, 3, 0, 1.0f);
-  const int64_t seq_len = std::min<int64_t>(s.T, 512);
+  if (device.is_cuda()) {  // bf16 activations: the experts run bf16 GEMMs, the router f32
+    x = ops::cast(x.to(device), DType::bf16);
+    dy = ops::cast(dy.to(device), DType::bf16);
+  }
+  // Sequences only matter for the sequence-level balance loss (weight 0 here).
+  const int64_t seq_len = s.T % 2048 == 0 ? 2048 : s.T;
   std::vector<double> ms;
   Result r;
-  for (int i = 0; i < iters + 1; ++i) {  // the first run warms up (and is not timed)
+  for (int i = 0; i < warmup + iters; ++i) {
     layer.zero_grad();
-    PeakMemoryScope scope;
+    backend::synchronize(device);
+    PeakMemoryScope scope(device);
     Timer t;
     layer.forward(x, seq_len);
     Tensor dx = layer.backward(dy);
-    if (i > 0) ms.push_back(t.millis());
+    backend::synchronize(device);  // the pass is done when its kernels are
+    const double elapsed = t.millis();
+    if (i < warmup) continue;
+    ms.push_back(elapsed);
     r.peak_bytes = std::max(r.peak_bytes, scope.extra_peak_bytes());
     r.dropped = layer.dropped_tokens();
   }
+  if (device.is_cuda()) r.reserved_bytes = cuda::cache_stats(device.index).reserved_bytes;
   std::sort(ms.begin(), ms.end());
   r.median_ms = ms[ms.size() / 2];
   return r;
@@ -65,51 +132,94 @@ Result run(const Shape5& s, const std::string& impl, float cf, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::string device_name = "cpu", shapes_text;
+  std::vector<std::string> impls;
+  std::vector<float> cfs = {1.0f, 1.25f, 2.0f};
+  int iters = 5, warmup = 1;
   bool quick = false;
-  int iters = 5;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--quick")) {
-      quick = true;
-    } else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
-      iters = std::max(1, std::atoi(argv[++i]));
+  CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
+  app.add_option("--device", device_name, "cpu, cuda or cuda:N");
+  app.add_option("--shapes", shapes_text, "comma-separated TxdxfxExk (default: by device)");
+  app.add_option("--impls", impls, "pft, padded (default: both on the CPU, pft on CUDA)")
+      ->delimiter(',');
+  app.add_option("--cf", cfs, "capacity factors of the padded runs")->delimiter(',');
+  app.add_option("--iters", iters, "timed passes (median)")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "untimed passes first")->check(CLI::NonNegativeNumber);
+  app.add_flag("--quick", quick, "CPU default shapes at T = 512, at most 3 passes");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    const Device device = parse_device(device_name);
+    std::vector<Shape5> shapes;
+    if (!shapes_text.empty()) {
+      shapes = parse_shapes(shapes_text);
+    } else if (device.is_cuda()) {
+      shapes = {{16384, 2048, 1408, 64, 6}, {8192, 7168, 2048, 256, 8},
+                {8192, 4096, 14336, 8, 2}};
     } else {
-      std::fprintf(stderr, "usage: bench_moe_layer [--quick] [--iters N]\n");
-      return 2;
+      const int64_t T = quick ? 512 : 4096;
+      shapes = {{T, 256, 128, 64, 6}, {T, 256, 128, 16, 2}};
     }
-  }
-  const int64_t T = quick ? 512 : 4096;
-  if (quick) iters = std::min(iters, 3);
-  for (const Shape5& s : {Shape5{T, 256, 128, 64, 6}, Shape5{T, 256, 128, 16, 2}}) {
-    const Result pft = run(s, "pft", 0.f, iters);
-    struct Variant {
-      std::string impl;
-      float cf;
-    };
-    for (const Variant& v : {Variant{"pft", 0.f}, Variant{"padded", 1.0f},
-                             Variant{"padded", 1.25f}, Variant{"padded", 2.0f}}) {
-      const Result r = v.impl == "pft" ? pft : run(s, v.impl, v.cf, iters);
-      nlohmann::ordered_json j;
-      j["bench"] = "moe_layer_fwd_bwd";
-      j["device"] = "cpu";
-      j["T"] = s.T;
-      j["d"] = s.d;
-      j["f"] = s.f;
-      j["E"] = s.E;
-      j["k"] = s.k;
-      j["impl"] = v.impl;
-      j["capacity_factor"] = v.impl == "pft" ? nlohmann::ordered_json(nullptr)
-                                              : nlohmann::ordered_json(v.cf);
-      j["iters"] = iters;
-      j["median_ms"] = std::round(r.median_ms * 100) / 100;
-      j["tokens_per_s"] = std::round(static_cast<double>(s.T) / (r.median_ms / 1e3));
-      j["peak_activation_bytes"] = r.peak_bytes;
-      j["dropped"] = r.dropped;
-      j["mem_ratio_vs_pft"] =
-          std::round(1000.0 * static_cast<double>(r.peak_bytes) / pft.peak_bytes) / 1000;
-      j["time_ratio_vs_pft"] = std::round(1000.0 * r.median_ms / pft.median_ms) / 1000;
-      std::printf("%s\n", j.dump().c_str());
-      std::fflush(stdout);
+    if (quick) iters = std::min(iters, 3);
+    if (impls.empty()) impls = device.is_cuda() ? std::vector<std::string>{"pft"}
+                                                : std::vector<std::string>{"pft", "padded"};
+    for (const std::string& impl : impls)
+      XMOE_CHECK(impl == "pft" || impl == "padded",
+                 "[bench_moe_layer] --impls: unknown '{}' (pft, padded)", impl);
+    const bool with_pft = std::find(impls.begin(), impls.end(), "pft") != impls.end();
+
+    for (const Shape5& s : shapes) {
+      struct Variant {
+        std::string impl;
+        float cf;
+      };
+      std::vector<Variant> variants;
+      for (const std::string& impl : impls) {
+        if (impl == "pft") variants.push_back({"pft", 0.f});
+        else
+          for (float cf : cfs) variants.push_back({"padded", cf});
+      }
+      Result pft;
+      bool have_pft = false;
+      for (const Variant& v : variants) {
+        const Result r = run(s, v.impl, v.cf, warmup, iters, device);
+        if (v.impl == "pft") {
+          pft = r;
+          have_pft = true;
+        }
+        nlohmann::ordered_json j;
+        j["bench"] = "moe_layer";
+        j["impl"] = "xmoe_" + v.impl;
+        j["device"] = device.str();
+        j["dtype"] = device.is_cuda() ? "bf16" : "f32";
+        j["T"] = s.T;
+        j["d"] = s.d;
+        j["f"] = s.f;
+        j["E"] = s.E;
+        j["k"] = s.k;
+        j["capacity_factor"] = v.impl == "pft" ? nlohmann::ordered_json(nullptr)
+                                                : nlohmann::ordered_json(v.cf);
+        j["warmup"] = warmup;
+        j["iters"] = iters;
+        j["median_ms"] = std::round(r.median_ms * 1000) / 1000;
+        j["tflops"] = std::round(layer_flops(s) / (r.median_ms / 1e3) / 1e9) / 1e3;
+        j["tokens_per_s"] = std::round(static_cast<double>(s.T) / (r.median_ms / 1e3));
+        j["peak_extra_bytes"] = r.peak_bytes;
+        if (r.reserved_bytes >= 0) j["reserved_bytes"] = r.reserved_bytes;
+        j["dropped"] = r.dropped;
+        if (with_pft && have_pft && v.impl != "pft") {
+          j["mem_ratio_vs_pft"] =
+              std::round(1000.0 * static_cast<double>(r.peak_bytes) / pft.peak_bytes) / 1000;
+          j["time_ratio_vs_pft"] = std::round(1000.0 * r.median_ms / pft.median_ms) / 1000;
+        }
+        std::printf("%s\n", j.dump().c_str());
+        std::fflush(stdout);
+      }
+      if (device.is_cuda()) cuda::empty_cache(device.index);  // the next shape starts clean
     }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_moe_layer: %s\n", e.what());
+    return 1;
   }
   return 0;
 }
