@@ -25,6 +25,7 @@ much of it that is. FLOPs = 3 x 2*T*k*(2*d*f + f*d). One JSON line per (shape, i
 
   python3 bench/peers/moe_layer_torch.py [--impls grouped_mm,padded] [--shapes TxdxfxExk,...]
       [--warmup 3] [--iters 10] [--device cuda|cpu] [--weights bf16|fp32] [--check]
+      [--check-only]
   python3 bench/peers/moe_layer_torch.py --device cpu --check --shapes 256x64x32x8x2 --iters 2
 
 --check first compares grouped_mm, padded (with a capacity that drops nothing) and a plain
@@ -79,17 +80,24 @@ def _grouped_mm_loop(a, b, offs):
     return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))])
 
 
+def init_grouped_mm(device):
+    """Picks the grouped GEMM once: torch._grouped_mm, or on a CPU whose PyTorch lacks it the
+    labelled loop fallback. Returns the name (printed in the JSON lines)."""
+    global _GROUPED_MM_BACKEND
+    _GROUPED_MM_BACKEND = "torch._grouped_mm"
+    if torch.device(device).type == "cpu":
+        try:
+            torch._grouped_mm(torch.ones(1, 8), torch.ones(1, 8, 8),
+                              offs=torch.ones(1, dtype=torch.int32))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _GROUPED_MM_BACKEND = "loop-fallback"
+    elif not hasattr(torch, "_grouped_mm"):
+        raise SystemExit(f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)")
+    return _GROUPED_MM_BACKEND
+
+
 def grouped_mm(a, b, offs):
     """a [N, K] rows grouped by expert, b [E, K, M], offs int32 [E] cumulative row counts."""
-    global _GROUPED_MM_BACKEND
-    if _GROUPED_MM_BACKEND is None:
-        _GROUPED_MM_BACKEND = "torch._grouped_mm"
-        if a.device.type == "cpu":
-            try:
-                torch._grouped_mm(a[:1].detach(), b[:1].detach(),
-                                  offs=torch.ones(1, dtype=torch.int32))
-            except (AttributeError, RuntimeError, NotImplementedError):
-                _GROUPED_MM_BACKEND = "loop-fallback"
     if _GROUPED_MM_BACKEND == "loop-fallback":
         assert a.device.type == "cpu", "the loop fallback is for CPU smoke tests only"
         return _grouped_mm_loop(a, b, offs)
@@ -254,6 +262,7 @@ def rel_err(a, b):
 def check(device, seed):
     """Same routing, nothing dropped -> grouped_mm, padded and the loop agree (y and every grad)."""
     T, d, f, E, k = CHECK_SHAPE
+    init_grouped_mm(device)
     results, ok = {}, True
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         if dtype == torch.float32 and device.type == "cuda":
@@ -306,17 +315,21 @@ def main():
     ap.add_argument("--capacity-factor", type=float, default=1.0, help="padded only")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--check", action="store_true", help="agreement check first (small shape)")
+    ap.add_argument("--check-only", action="store_true", help="the agreement check, no timing")
     args = ap.parse_args()
 
     device = torch.device(args.device)
+    init_grouped_mm(device)
     impls = [s for s in args.impls.split(",") if s]
     for name in impls:
         if name not in IMPLS:
             raise SystemExit(f"--impls: unknown '{name}' (known: {', '.join(IMPLS)})")
     shapes = parse_shapes(args.shapes or DEFAULT_SHAPES)
-    if args.check and not check(device, args.seed):
+    if (args.check or args.check_only) and not check(device, args.seed):
         print("moe_layer_torch: the implementations disagree (see the check line)", file=sys.stderr)
         sys.exit(1)
+    if args.check_only:
+        return
     weight_dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
     status = 0
     for shape in shapes:

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Side-by-side table of xmoe and its PyTorch peers from the JSON lines of bench/gpu_bench.sh.
+
+  python3 bench/peers/summarize.py /tmp/gpu-bench.jsonl     (or JSON lines on stdin)
+
+MoE layer (per shape T, d, f, E, k): xmoe's "moe_layer" (impl xmoe_pft) against the
+"moe_layer_peer" lines (grouped_mm, padded); ratio = xmoe TFLOP/s / peer TFLOP/s (> 1: xmoe is
+faster), memory ratio = xmoe peak_extra_bytes / peer peak_extra_bytes. Training step:
+"train_step_summary" (bench_train_step) against "train_step_peer_summary"; ratio = xmoe
+tokens/s / peer tokens/s. Lines that are not JSON are ignored; error lines are listed.
+"""
+import json
+import sys
+
+
+def load(stream):
+    rows = []
+    for line in stream:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def gib(b):
+    return f"{b / 2**30:.2f}" if isinstance(b, (int, float)) else "—"
+
+
+def fmt(x, spec=".1f"):
+    return format(x, spec) if isinstance(x, (int, float)) else "—"
+
+
+def ratio(a, b, spec=".2f"):
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b:
+        return format(a / b, spec)
+    return "—"
+
+
+def main():
+    rows = load(open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin)
+    for r in rows:
+        if r.get("bench") == "moe_layer_peer_check":
+            print(f"peer agreement check ({r.get('device')}, {r.get('grouped_mm_backend')}): "
+                  f"{'ok' if r.get('ok') else 'FAILED'}")
+    errors = [r for r in rows if "error" in r]
+    for r in errors:
+        print(f"ERROR in {r.get('bench')} {r.get('impl', '')}: {str(r['error'])[:200]}")
+
+    # ---- MoE layer ----
+    shape_key = lambda r: (r["T"], r["d"], r["f"], r["E"], r["k"])  # noqa: E731
+    xmoe = {shape_key(r): r for r in rows
+            if r.get("bench") == "moe_layer" and r.get("impl") == "xmoe_pft"
+            and "median_ms" in r}
+    peers = {}
+    for r in rows:
+        if r.get("bench") == "moe_layer_peer" and "median_ms" in r:
+            peers.setdefault(shape_key(r), {})[r["impl"]] = r
+    shapes = sorted(set(xmoe) | set(peers), key=lambda s: (s[3], s[0]))
+    if shapes:
+        print("\nMoE layer, forward + backward, bf16 (TFLOP/s; ms; peak extra GiB)")
+        head = ("| T, d, f, E, k | xmoe pft | torch grouped_mm | torch padded cf1 (dropped) "
+                "| xmoe / grouped_mm | xmoe / padded | mem xmoe / grouped_mm |")
+        print(head)
+        print("|" + "---|" * (head.count("|") - 1))
+        for s in shapes:
+            x, g, p = xmoe.get(s, {}), peers.get(s, {}).get("grouped_mm", {}), \
+                peers.get(s, {}).get("padded", {})
+            cell = lambda r: (f"{fmt(r.get('tflops'))} ({fmt(r.get('median_ms'), '.2f')} ms, "  # noqa: E731
+                              f"{gib(r.get('peak_extra_bytes'))})" if r else "—")
+            pcell = cell(p) + (f" [{p.get('dropped')}]" if p else "")
+            print(f"| {', '.join(map(str, s))} | {cell(x)} | {cell(g)} | {pcell} "
+                  f"| {ratio(x.get('tflops'), g.get('tflops'))} "
+                  f"| {ratio(x.get('tflops'), p.get('tflops'))} "
+                  f"| {ratio(x.get('peak_extra_bytes'), g.get('peak_extra_bytes'))} |")
+
+    # ---- training step ----
+    xt = [r for r in rows if r.get("bench") == "train_step_summary"]
+    pt = [r for r in rows if r.get("bench") == "train_step_peer_summary"]
+    if xt or pt:
+        print("\nTraining step (median)")
+        print("| run | preset | step ms | tokens/s | TFLOP/s | MFU | peak GiB |")
+        print("|---|---|---|---|---|---|---|")
+        for name, r, peak in [("xmoe", r, r.get("peak_live_bytes")) for r in xt] + \
+                             [("torch" + (" compiled" if r.get("compiled") else " eager"), r,
+                               r.get("peak_bytes")) for r in pt]:
+            mfu = r.get("mfu")
+            print(f"| {name} | {r.get('preset')} | {fmt(r.get('median_step_ms'))} "
+                  f"| {fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('tflops_per_s'))} "
+                  f"| {fmt(100 * mfu if mfu is not None else None, '.2f')}% | {gib(peak)} |")
+        for x in xt:
+            for p in pt:
+                if p.get("preset") == x.get("preset"):
+                    print(f"xmoe / torch tokens/s ({x.get('preset')}): "
+                          f"{ratio(x.get('tokens_per_s'), p.get('tokens_per_s'))}; params "
+                          f"{x.get('params_total')}/{x.get('params_active')} (xmoe) vs "
+                          f"{p.get('params_total')}/{p.get('params_active')} (torch)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
