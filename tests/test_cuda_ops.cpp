@@ -492,8 +492,13 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
     const double flops = 2.0 * rows * d * f2;
     report("grouped_matmul", "98304x1024x512,E64",
            time_ms([&] { ops::grouped_matmul(x, w, sizes); }), flops);
+    report("grouped_matmul_trans_w", "98304x512x1024,E64",
+           time_ms([&] { ops::grouped_matmul(dy, w, sizes, true); }), flops);
     report("grouped_matmul_weight_grad", "98304x1024x512,E64,f32dw",
            time_ms([&] { ops::grouped_matmul_weight_grad(dw, x, dy, sizes, true); }), flops);
+    const Tensor da = Tensor::zeros({rows, f2 / 2}, bf, kCuda);
+    report("swiglu_backward", "98304x(2x256)",
+           time_ms([&] { ops::swiglu_backward(dy, da); }), 0);
     const Tensor index = rand_index(rows, 16384, 5).to(kCuda);
     Tensor out = Tensor::zeros({16384, d}, bf, kCuda);
     report("scatter_add_rows", "98304->16384x1024",

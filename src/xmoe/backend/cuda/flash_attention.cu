@@ -209,6 +209,24 @@ __device__ __forceinline__ bool visible(int i, int j, const FlashDims& p) {
   return j < p.seq && i < p.seq && (!p.causal || j <= i);
 }
 
+// Starts the copy of the next K/V tile (rows j_next ..) into buffer buf ^ 1, if there is one,
+// then waits for tile `buf` (whose copy was started one step earlier) and for every warp.
+// buf ^ 1 was last read in the previous step, which ended at a barrier.
+template <int HD>
+__device__ __forceinline__ void next_kv_tile(bf16_t* ks, bf16_t* vs, const bf16_t* k,
+                                             const bf16_t* v, int buf, bool more, int b,
+                                             int j_next, int kvh, const FlashDims& p) {
+  if (more) {
+    load_tile_async<HD>(ks + (buf ^ 1) * Tile<HD>::kElems, k, b, j_next, kvh, p.seq, p.kv_heads);
+    load_tile_async<HD>(vs + (buf ^ 1) * Tile<HD>::kElems, v, b, j_next, kvh, p.seq, p.kv_heads);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 
 // Online softmax of one m16 tile's scores (already in log2 units, masked to -inf) against the
@@ -290,17 +308,7 @@ __global__ void __launch_bounds__(kThreads)
   const int tiles = (key_end + kRows - 1) / kRows;
   for (int tile = 0; tile < tiles; ++tile) {
     const int buf = tile & 1, j0 = tile * kRows;
-    if (tile + 1 < tiles) {
-      load_tile_async<HD>(ks + (buf ^ 1) * Tile<HD>::kElems, k, b, j0 + kRows, kvh, p.seq,
-                          p.kv_heads);
-      load_tile_async<HD>(vs + (buf ^ 1) * Tile<HD>::kElems, v, b, j0 + kRows, kvh, p.seq,
-                          p.kv_heads);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    next_kv_tile<HD>(ks, vs, k, v, buf, tile + 1 < tiles, b, j0 + kRows, kvh, p);
     const bf16_t* kt = ks + buf * Tile<HD>::kElems;
     const bf16_t* vt = vs + buf * Tile<HD>::kElems;
 
@@ -501,17 +509,7 @@ __global__ void __launch_bounds__(kThreads)
   const int tiles = (key_end + kRows - 1) / kRows;
   for (int tile = 0; tile < tiles; ++tile) {
     const int buf = tile & 1, j0 = tile * kRows;
-    if (tile + 1 < tiles) {
-      load_tile_async<HD>(ks + (buf ^ 1) * Tile<HD>::kElems, k, b, j0 + kRows, kvh, p.seq,
-                          p.kv_heads);
-      load_tile_async<HD>(vs + (buf ^ 1) * Tile<HD>::kElems, v, b, j0 + kRows, kvh, p.seq,
-                          p.kv_heads);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    next_kv_tile<HD>(ks, vs, k, v, buf, tile + 1 < tiles, b, j0 + kRows, kvh, p);
     const bf16_t* kt = ks + buf * Tile<HD>::kElems;
     const bf16_t* vt = vs + buf * Tile<HD>::kElems;
 

@@ -23,6 +23,19 @@ __device__ double block_sum_fixed(double v, double* scratch) {
   return r;
 }
 
+// log sum exp of one row by a warp (every lane gets it): float max, double sum of exp(x - max),
+// as the CPU computes it.
+__device__ double warp_row_lse(const float* row, int64_t experts, int lane) {
+  float m = -INFINITY;
+  for (int64_t e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
+  m = warp_max(m);
+  double s = 0;
+  for (int64_t e = lane; e < experts; e += 32) s += exp(static_cast<double>(row[e] - m));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFullMask, s, o);
+  return m + log(s);
+}
+
 __global__ void seq_count_kernel(float* seq_count, const int32_t* topk_idx, int64_t seq_len,
                                  int64_t top_k, int64_t experts) {
   extern __shared__ int32_t hist[];
@@ -79,14 +92,7 @@ __global__ void lse_squares_partial_kernel(double* partial, const float* z, int6
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); t < tokens;
        t += static_cast<int64_t>(gridDim.x) * warps) {
     const float* row = z + t * experts;
-    float m = -INFINITY;
-    for (int64_t e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
-    m = warp_max(m);
-    double s = 0;
-    for (int64_t e = lane; e < experts; e += 32) s += exp(static_cast<double>(row[e] - m));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFullMask, s, o);
-    const double lse = m + log(s);
+    const double lse = warp_row_lse(row, experts, lane);
     if (lane == 0) acc += lse * lse;
   }
   const double total = block_sum_fixed(acc, scratch);
@@ -140,14 +146,7 @@ __global__ void aux_z_grad_kernel(float* dlogits, const float* z, int64_t tokens
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); t < tokens;
        t += static_cast<int64_t>(gridDim.x) * warps) {
     const float* row = z + t * experts;
-    float m = -INFINITY;
-    for (int64_t e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
-    m = warp_max(m);
-    double s = 0;
-    for (int64_t e = lane; e < experts; e += 32) s += exp(static_cast<double>(row[e] - m));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFullMask, s, o);
-    const double lse = m + log(s);
+    const double lse = warp_row_lse(row, experts, lane);
     const double c = z_coef * lse;
     for (int64_t e = lane; e < experts; e += 32)
       dlogits[t * experts + e] += static_cast<float>(c * exp(row[e] - lse));
