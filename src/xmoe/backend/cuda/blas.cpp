@@ -232,11 +232,9 @@ void grouped_gemm(void* y, const void* x, const void* w, DType dt, const int64_t
 
 namespace {
 
-// Padded-batch limit: the strided batch computes (and stages) groups x the largest group's
-// rows. Even at 4x the real rows it beats the per-group GEMMs (which run at about a quarter of
-// the GPU behind 2E host calls), and an untrained router is that uneven; beyond, the staging
-// memory would grow without bound, so the per-group GEMMs take over.
-constexpr double kMaxPaddedWork = 4.0;
+// Padded-batch limit: the strided batch computes groups x the largest group's rows; beyond this
+// multiple of the real rows the per-group GEMMs waste less.
+constexpr double kMaxPaddedWork = 1.5;
 
 /// Weight gradients of bf16 rows into f32 in one launch. cuBLAS has no grouped launch for
 /// bf16 x bf16 -> f32, and one GEMM per group (2 E per MoE layer) leaves the GPU idle: host cost
