@@ -6,7 +6,13 @@
 #include <limits>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include <string>
+
 #include "xmoe/backend/device_api.h"
+#include "xmoe/comm/group.h"
+#include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/core/tensor.h"
 
 /// The only acceptable skip of a CUDA test: no device visible (CI, the development machine).
@@ -43,6 +49,29 @@ inline double normalised_error(const Tensor& got, const Tensor& ref) {
     norm += static_cast<double>(b[i]) * b[i];
   }
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+/// Why the NCCL tests cannot run on this rank's host (empty: they can), decided by every rank
+/// of `world` together (a collective) so that no rank waits for one that skips. Sets
+/// `local_rank` to this rank's position on its host (its device).
+inline std::string nccl_skip_reason(comm::Group& world, int& local_rank) {
+  if (!comm::nccl::available())
+    return "this xmoe was built without NCCL (XMOE_NCCL=OFF): nothing to test";
+  const auto host = comm::nccl::host_ranks(world);
+  local_rank = host.local_rank;
+  const int devices = backend::cuda_device_count();
+  std::string mine;
+  if (devices == 0)
+    mine = "no CUDA device visible";
+  else if (host.local_size > devices)
+    mine = fmt::format(
+        "{} ranks on this host but {} CUDA device(s): NCCL does not allow two ranks of a "
+        "communicator on one device (run with -np <= devices)",
+        host.local_size, devices);
+  Tensor bad = Tensor::from_vector<int32_t>({mine.empty() ? 0 : 1}, {1});
+  world.all_reduce(bad, comm::ReduceOp::max);
+  if (bad.data<int32_t>()[0] == 0) return "";
+  return mine.empty() ? "another rank cannot run NCCL (no device for it)" : mine;
 }
 
 }  // namespace xmoe::testing

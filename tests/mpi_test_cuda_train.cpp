@@ -26,9 +26,10 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 
+#include "testing.h"
+#include "cuda_testing.h"
 #include "xmoe/backend/device_api.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
@@ -96,12 +97,7 @@ class CudaNcclTrain : public ::testing::Test {
     if (world_->rank() == 0) {
       fs::remove_all(root_);
       fs::create_directories(root_ / "corpus");
-      std::ofstream text(root_ / "corpus" / "text.txt");
-      const char* lines[] = {"the quick brown fox jumps over the lazy dog. ",
-                             "a stitch in time saves nine. ", "all that glitters is not gold. ",
-                             "the early bird catches the worm. "};
-      for (int i = 0; i < 800; ++i) text << lines[(i * 7) % 4];
-      text.close();
+      xmoe::testing::write_proverbs(root_ / "corpus" / "text.txt", 800, 7);
       DataConfig data;
       data.corpus = (root_ / "corpus").string();
       data.dir = (root_ / "data").string();
@@ -124,26 +120,8 @@ class CudaNcclTrain : public ::testing::Test {
     if (skip_.empty()) world_->barrier();  // no rank starts the next test's runs early
   }
 
-  /// Empty when NCCL can run here; decided together so that no rank waits for a skipped one.
-  static std::string skip_reason() {
-    if (!comm::nccl::available())
-      return "this xmoe was built without NCCL (XMOE_NCCL=OFF): nothing to test";
-    const auto host = comm::nccl::host_ranks(*world_);
-    local_rank_ = host.local_rank;
-    const int devices = backend::cuda_device_count();
-    std::string mine;
-    if (devices == 0)
-      mine = "no CUDA device visible";
-    else if (host.local_size > devices)
-      mine = fmt::format(
-          "{} ranks on this host but {} CUDA device(s): NCCL does not allow two ranks of a "
-          "communicator on one device (run with -np <= devices)",
-          host.local_size, devices);
-    Tensor bad = Tensor::from_vector<int32_t>({mine.empty() ? 0 : 1}, {1});
-    world_->all_reduce(bad, comm::ReduceOp::max);
-    if (bad.data<int32_t>()[0] == 0) return "";
-    return mine.empty() ? "another rank cannot run NCCL (no device for it)" : mine;
-  }
+  /// Empty when NCCL can run here (tests/cuda_testing.h).
+  static std::string skip_reason() { return xmoe::testing::nccl_skip_reason(*world_, local_rank_); }
 
   static int world_size() { return world_->size(); }
 

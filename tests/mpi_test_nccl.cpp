@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 
+#include "cuda_testing.h"
 #include "xmoe/backend/device_api.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
@@ -75,26 +76,8 @@ class Nccl : public ::testing::Test {
     if (!skip_.empty()) GTEST_SKIP() << skip_;
   }
 
-  /// Empty when NCCL can run here; decided together so that no rank waits for a skipped one.
-  static std::string skip_reason() {
-    if (!comm::nccl::available())
-      return "this xmoe was built without NCCL (XMOE_NCCL=OFF): nothing to test";
-    const auto host = comm::nccl::host_ranks(*cpu_);
-    local_rank_ = host.local_rank;
-    const int devices = backend::cuda_device_count();
-    std::string mine;
-    if (devices == 0)
-      mine = "no CUDA device visible";
-    else if (host.local_size > devices)
-      mine = fmt::format(
-          "{} ranks on this host but {} CUDA device(s): NCCL does not allow two ranks of a "
-          "communicator on one device (run with -np <= devices)",
-          host.local_size, devices);
-    Tensor bad = Tensor::from_vector<int32_t>({mine.empty() ? 0 : 1}, {1});
-    cpu_->all_reduce(bad, comm::ReduceOp::max);
-    if (bad.data<int32_t>()[0] == 0) return "";
-    return mine.empty() ? "another rank cannot run NCCL (no device for it)" : mine;
-  }
+  /// Empty when NCCL can run here (tests/cuda_testing.h).
+  static std::string skip_reason() { return xmoe::testing::nccl_skip_reason(*cpu_, local_rank_); }
 
   static inline std::shared_ptr<comm::Group> cpu_, nccl_;
   static inline std::string skip_;

@@ -5,9 +5,9 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 
 #include "xmoe/comm/group.h"
+#include "testing.h"
 #include "xmoe/config/config.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/trainer.h"
@@ -26,12 +26,7 @@ fs::path shared_root() {
   if (world()->rank() == 0) {
     fs::remove_all(root);
     fs::create_directories(root / "corpus");
-    std::ofstream text(root / "corpus" / "text.txt");
-    const char* lines[] = {"the quick brown fox jumps over the lazy dog. ",
-                           "a stitch in time saves nine. ", "all that glitters is not gold. ",
-                           "the early bird catches the worm. "};
-    for (int i = 0; i < 800; ++i) text << lines[(i * 7) % 4];
-    text.close();
+    xmoe::testing::write_proverbs(root / "corpus" / "text.txt", 800, 7);
     DataConfig data;
     data.corpus = (root / "corpus").string();
     data.dir = (root / "data").string();

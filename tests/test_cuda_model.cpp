@@ -28,7 +28,6 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -277,11 +276,7 @@ class CudaTrainTest : public ::testing::Test {
              std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(root_);
     fs::create_directories(root_ / "corpus");
-    std::ofstream text(root_ / "corpus" / "text.txt");
-    const char* lines[] = {"the quick brown fox jumps over the lazy dog. ",
-                           "a stitch in time saves nine. ", "all that glitters is not gold. ",
-                           "the early bird catches the worm. "};
-    for (int i = 0; i < 600; ++i) text << lines[i % 4];
+    xmoe::testing::write_proverbs(root_ / "corpus" / "text.txt", 600);
   }
   void TearDown() override { fs::remove_all(root_); }
 

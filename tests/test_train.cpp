@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
 
+#include "testing.h"
 #include "xmoe/config/config.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
@@ -23,12 +23,7 @@ class TrainTest : public ::testing::Test {
             ("xmoe-train-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(root_);
     fs::create_directories(root_ / "corpus");
-    std::ofstream text(root_ / "corpus" / "text.txt");
-    const char* lines[] = {"the quick brown fox jumps over the lazy dog. ",
-                           "a stitch in time saves nine. ",
-                           "all that glitters is not gold. ",
-                           "the early bird catches the worm. "};
-    for (int i = 0; i < 600; ++i) text << lines[i % 4];
+    xmoe::testing::write_proverbs(root_ / "corpus" / "text.txt", 600);
   }
   void TearDown() override { fs::remove_all(root_); }
 

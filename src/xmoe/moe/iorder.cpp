@@ -29,17 +29,12 @@ Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
 IOrder::Grads IOrder::backward(const Tensor& dy) {
   XMOE_CHECK(rows_out_.defined(), "[moe iorder] backward without a forward");
   check_shape(dy, {-1, rows_out_.size(1)}, "moe iorder backward", "dy");
+  // One pass on CUDA (gather of dy by token, the dot for d_combine_weights, the scale); the CPU
+  // runs the same three ops in sequence. A padding slot (-1) gives a zero row.
+  WeightedGather r = gather_weighted_rows_dot(dy, rows_out_, token_ids_, combine_weights_);
   Grads g;
-  if (!rows_out_.is_cpu()) {  // one pass: gather, dot for d_combine_weights, scale
-    WeightedGather r = gather_weighted_rows_dot(dy, rows_out_, token_ids_, combine_weights_);
-    g.d_rows = std::move(r.d_rows);
-    g.d_combine_weights = std::move(r.dot);
-    return g;
-  }
-  // dy gathered to rows [N, d]; it becomes d_rows in place once d_combine_weights is taken.
-  g.d_rows = padded_ ? gather_rows_masked(dy, token_ids_) : xmoe::ops::gather_rows(dy, token_ids_);
-  g.d_combine_weights = row_dot_f32(rows_out_, g.d_rows);  // f32 [N]
-  scale_rows_(g.d_rows, combine_weights_);
+  g.d_rows = std::move(r.d_rows);
+  g.d_combine_weights = std::move(r.dot);
   return g;
 }
 

@@ -154,10 +154,9 @@ struct GroupedProblems {
 
 /// Runs the problems in one cublasGemmGroupedBatchedEx launch when cuBLAS takes the dtypes, else
 /// (or once it has declined) as a loop of cublasGemmEx.
-/// Returns false, running nothing, when `loop` is false and the grouped launch is unavailable.
-bool run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stream stream,
-                 const char* op, bool loop = true) {
-  if (p.size() == 0) return true;
+void run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stream stream,
+                 const char* op) {
+  if (p.size() == 0) return;
   BlasContext& ctx = blas_context(stream);
   std::lock_guard<std::mutex> lock(ctx.mutex);
   bool& grouped = ctx.grouped_supported[abt == CUDA_R_16BF][ct == CUDA_R_16BF];
@@ -184,21 +183,18 @@ bool run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stre
         ptrs + 2 * count, ct, p.ldc.data(),
         static_cast<int>(count), p.batch.data(), CUBLAS_COMPUTE_32F);
     alloc.deallocate(dev, bytes);
-    if (status == CUBLAS_STATUS_SUCCESS) return true;
+    if (status == CUBLAS_STATUS_SUCCESS) return;
     XMOE_CHECK(status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE,
                "[{}] cublasGemmGroupedBatchedEx failed: {} ({})", op,
                cublasGetStatusString(status), static_cast<int>(status));
     grouped = false;  // this cuBLAS declines these dtypes: loop from now on
-    if (loop)
-      spdlog::warn("[{}] cublasGemmGroupedBatchedEx declined ({}); using one cublasGemmEx per group",
-                   op, cublasGetStatusString(status));
+    spdlog::warn("[{}] cublasGemmGroupedBatchedEx declined ({}); using one cublasGemmEx per group",
+                 op, cublasGetStatusString(status));
   }
-  if (!loop && p.size() > 1) return false;
   for (size_t i = 0; i < p.size(); ++i)
     CUBLAS_CHECK(cublasGemmEx(ctx.handle, p.ta[i], p.tb[i], p.m[i], p.n[i], p.k[i], &p.alpha[i],
                               p.a[i], abt, p.lda[i], p.b[i], abt, p.ldb[i], &p.beta[i], p.c[i], ct,
                               p.ldc[i], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  return true;
 }
 
 const char* byte_ptr(const void* p) { return static_cast<const char*>(p); }
@@ -297,25 +293,21 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
   check_types(dw_dt, dt, op);
   const size_t es = dtype_size(dt), ws = dtype_size(dw_dt);
   const int ik = to_int(k, op), im = to_int(m, op);
-  // dw_g (K, M) = x_g^T (K, rows) @ dy_g (rows, M): column-major dw_g^T (M, K) = dy_g^T x_g
-  auto problems = [&](void* out, size_t out_es, float beta, bool zero_empty) {
-    GroupedProblems p;
-    int64_t row = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t rows = group_sizes[g];
-      void* dwg = static_cast<char*>(out) + static_cast<size_t>(g * k * m) * out_es;
-      if (rows > 0 && k > 0 && m > 0) {
-        p.add(CUBLAS_OP_N, CUBLAS_OP_T, im, ik, to_int(rows, op),
-              byte_ptr(dy) + static_cast<size_t>(row * m) * es, im,
-              byte_ptr(x) + static_cast<size_t>(row * k) * es, ik, dwg, im, beta);
-      } else if (zero_empty && k * m > 0) {
-        CUDA_CHECK(cudaMemsetAsync(dwg, 0, static_cast<size_t>(k * m) * out_es, stream));
-      }
-      row += rows;
+  GroupedProblems p;
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = group_sizes[g];
+    void* dwg = static_cast<char*>(dw) + static_cast<size_t>(g * k * m) * ws;
+    if (rows > 0 && k > 0 && m > 0) {
+      // dw_g (K, M) = x_g^T (K, rows) @ dy_g (rows, M): column-major dw_g^T (M, K) = dy_g^T x_g
+      p.add(CUBLAS_OP_N, CUBLAS_OP_T, im, ik, to_int(rows, op),
+            byte_ptr(dy) + static_cast<size_t>(row * m) * es, im,
+            byte_ptr(x) + static_cast<size_t>(row * k) * es, ik, dwg, im, accumulate ? 1.f : 0.f);
+    } else if (!accumulate && k * m > 0) {
+      CUDA_CHECK(cudaMemsetAsync(dwg, 0, static_cast<size_t>(k * m) * ws, stream));
     }
-    return p;
-  };
-  GroupedProblems p = problems(dw, ws, accumulate ? 1.f : 0.f, !accumulate);
+    row += rows;
+  }
   if (padded_weight_grad(p.size(), dw, dw_dt, x, dy, dt, group_sizes, groups, k, m, accumulate,
                          stream, op))
     return;
