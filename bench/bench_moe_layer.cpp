@@ -3,8 +3,9 @@
 // or a CUDA device (bf16 activations, f32 master weights and gradients). One JSON line per
 // configuration: median time, TFLOP/s (3 x 2·T·k·(2·d·f + f·d): forward and the two backward
 // GEMMs of each projection), tokens/s, peak bytes above those held before the timed pass
-// (allocator counters: parameters, their gradients and the inputs exist before; on CUDA this
-// includes the per-forward bf16 copies of the expert weights), dropped (token, slot) pairs.
+// (allocator counters: parameters, their gradients, the expert weights' bf16 compute copies and
+// the inputs exist before, as in a bf16 model), dropped (token, slot) pairs. Gradients are zeroed
+// before each pass, outside the timing; the expert ones lazily (the pass overwrites them).
 //
 //   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
 //                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick]
@@ -91,11 +92,13 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
   moe::MoELayer layer(c, s.d, "bench.moe", 1, 0.02f);
   if (device.is_cuda()) {
     // Values go over; gradients are made zero on the device (no host copy of E·3·d·f floats).
+    // The expert weights get the bf16 compute copies a bf16 model keeps (the router stays f32).
     for (Parameter* p : layer.parameters()) {
       const Shape shape = p->grad.shape();
       p->grad = Tensor();
       p->value = p->value.to(device);
       p->grad = Tensor::zeros(shape, DType::f32, device);
+      if (p->kind == ParamKind::expert) p->compute_copy = ops::cast(p->value, DType::bf16);
     }
   }
   Tensor x = Tensor::empty({s.T, s.d}), dy = Tensor::empty({s.T, s.d});

@@ -6,7 +6,8 @@
 #   3. moe-1b training step: xmoe (bench_train_step) and PyTorch (bench/peers/train_torch.py)
 #   4. a summary table with the xmoe/peer ratios (bench/peers/summarize.py)
 # JSON lines go to ${OUT:-/tmp}/gpu-bench.jsonl, everything to ${OUT:-/tmp}/gpu-bench.log
-# (written as it runs, so a timeout still leaves them). About 3-4 minutes on one H200.
+# (written as it runs, so a timeout still leaves them). About 4-5 minutes on one H200 (most of it
+# initialising the 11 G expert parameters of the second MoE shape on the host).
 #
 #   bash bench/gpu_bench.sh                           # xmoe built (or to build) in build/gpu-check
 #   BUILD_DIR=/tmp/b XMOE_GPU_BENCH_BUILD=0 bash bench/gpu_bench.sh   # use the binaries as they are
@@ -86,7 +87,7 @@ step torch-moe "$PY" bench/peers/moe_layer_torch.py --shapes "$SHAPES" --warmup 
 
 # 3. the moe-1b training step (micro-batch 8 x 2048)
 if [[ $have_xmoe == 1 ]]; then
-  step xmoe-train "$BIN/bench_train_step" --preset moe-1b --device cuda --steps 10 || status=1
+  step xmoe-train "$BIN/bench_train_step" --preset moe-1b --device cuda --steps 20 || status=1
 fi
 step torch-train "$PY" bench/peers/train_torch.py --preset moe-1b --warmup 3 --steps 8 || status=1
 if [[ "${XMOE_BENCH_COMPILE:-0}" != 0 ]]; then

@@ -64,6 +64,40 @@ if(XMOE_CUDA)
   endif()
 endif()
 
+# CUTLASS (header-only; the nvidia-cutlass wheel that scripts/install-deps.sh installs): the sm90
+# grouped GEMM of the expert layers. Looked for in XMOE_CUTLASS_DIR, then .deps/cutlass (a copy for
+# machines without the wheel, e.g. the GPU machine), then the wheel python3 imports. Each is a
+# CUTLASS source tree: include/ and tools/util/include/. Without it cuBLAS does every GEMM.
+option(XMOE_CUTLASS "Build the CUTLASS sm90 grouped GEMM (needs XMOE_CUDA)" ON)
+set(XMOE_CUTLASS_REASON "")
+if(XMOE_CUTLASS AND NOT XMOE_CUDA)
+  set(XMOE_CUTLASS OFF)
+  set(XMOE_CUTLASS_REASON "needs XMOE_CUDA")
+elseif(XMOE_CUTLASS)
+  set(_cutlass_roots ${XMOE_CUTLASS_DIR} ${CMAKE_SOURCE_DIR}/.deps/cutlass)
+  find_package(Python3 COMPONENTS Interpreter QUIET)
+  if(Python3_Interpreter_FOUND)
+    execute_process(
+      COMMAND ${Python3_EXECUTABLE} -c
+              "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source'))"
+      OUTPUT_VARIABLE _cutlass_wheel OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    list(APPEND _cutlass_roots ${_cutlass_wheel})
+  endif()
+  foreach(_root IN LISTS _cutlass_roots)
+    if(NOT XMOE_CUTLASS_INCLUDE AND EXISTS ${_root}/include/cutlass/gemm/group_array_problem_shape.hpp
+       AND EXISTS ${_root}/tools/util/include/cutlass/util/packed_stride.hpp)
+      set(XMOE_CUTLASS_INCLUDE ${_root}/include ${_root}/tools/util/include)
+    endif()
+  endforeach()
+  if(NOT XMOE_CUTLASS_INCLUDE)
+    set(XMOE_CUTLASS OFF)
+    set(XMOE_CUTLASS_REASON "CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set XMOE_CUTLASS_DIR)")
+  elseif(NOT CMAKE_CUDA_ARCHITECTURES MATCHES "90a")
+    set(XMOE_CUTLASS OFF)
+    set(XMOE_CUTLASS_REASON "needs sm_90a in CMAKE_CUDA_ARCHITECTURES (${CMAKE_CUDA_ARCHITECTURES})")
+  endif()
+endif()
+
 set(XMOE_NCCL_REASON "")
 if(XMOE_NCCL)
   if(NOT XMOE_CUDA)

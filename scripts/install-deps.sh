@@ -26,3 +26,26 @@ if ((${#missing[@]})); then
 else
   echo "[install-deps] all packages present"
 fi
+
+# CUTLASS headers (header-only; the sm90 grouped GEMM of the CUDA backend) from the nvidia-cutlass
+# wheel into .deps/cutlass, where CMake looks first. Downloaded, not installed: only the headers
+# are used. Without them (no PyPI) the CUDA build keeps cuBLAS for every GEMM.
+cutlass_version=4.2.0.0
+cutlass_dir="$(cd "$(dirname "$0")/.." && pwd)/.deps/cutlass"
+if [[ "$(cat "$cutlass_dir/VERSION" 2>/dev/null)" != "$cutlass_version" ]]; then
+  tmp="$(mktemp -d)"
+  if python3 -m pip download --no-deps -q "nvidia-cutlass==$cutlass_version" -d "$tmp" &&
+     python3 -m zipfile -e "$tmp"/nvidia_cutlass-*.whl "$tmp/wheel"; then
+    rm -rf "$cutlass_dir"
+    mkdir -p "$cutlass_dir/tools/util"
+    cp -r "$tmp/wheel/cutlass_library/source/include" "$cutlass_dir/include"
+    cp -r "$tmp/wheel/cutlass_library/source/tools/util/include" "$cutlass_dir/tools/util/include"
+    echo "$cutlass_version" >"$cutlass_dir/VERSION"
+    echo "[install-deps] CUTLASS $cutlass_version headers in $cutlass_dir"
+  else
+    echo "[install-deps] warning: could not fetch nvidia-cutlass $cutlass_version; the CUDA build uses cuBLAS only"
+  fi
+  rm -rf "$tmp"
+else
+  echo "[install-deps] CUTLASS $cutlass_version headers present"
+fi

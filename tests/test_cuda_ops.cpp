@@ -140,6 +140,36 @@ std::vector<OpCase> parity_cases() {
                  return Tensors{in[2], in[3]};
                },
                {2, 3}});
+  // bf16 K, M multiples of 8 take the sm90 CUTLASS kernels on an H200: groups of 1 to 517 rows
+  // (several 128-row tiles, ragged last tiles, empty groups) and M = 264, K = 136 (partial
+  // 256-wide and 64-deep tiles). K = 20, M = 36 (not 16-byte rows) stays on cuBLAS.
+  c.push_back({"grouped_matmul_ragged_tiles",
+               [] { return Tensors{randn({1261, 136}, 74), randn({8, 136, 264}, 75),
+                                   randn({1261, 264}, 76), randn({8, 136, 264}, 77)}; },
+               [](Tensors& in) {
+                 const std::vector<int64_t> sizes = {300, 0, 129, 1, 517, 64, 0, 250};
+                 return Tensors{ops::grouped_matmul(in[0], in[1], sizes),
+                                ops::grouped_matmul(in[2], in[3], sizes, true)};
+               }});
+  c.push_back({"grouped_matmul_weight_grad_ragged_tiles",
+               [] { return Tensors{randn({1261, 136}, 78), randn({1261, 264}, 79),
+                                   randn({8, 136, 264}, 80), randn({8, 136, 264}, 81)}; },
+               [](Tensors& in) {
+                 const std::vector<int64_t> sizes = {300, 0, 129, 1, 517, 64, 0, 250};
+                 ops::grouped_matmul_weight_grad(in[2], in[0], in[1], sizes, true);
+                 ops::grouped_matmul_weight_grad(in[3], in[0], in[1], sizes, false);
+                 return Tensors{in[2], in[3]};
+               },
+               {2, 3}});
+  c.push_back({"grouped_matmul_unaligned_rows",
+               [] { return Tensors{randn({28, 20}, 82), randn({6, 20, 36}, 83),
+                                   randn({28, 36}, 84), randn({6, 20, 36}, 85)}; },
+               [](Tensors& in) {
+                 ops::grouped_matmul_weight_grad(in[3], in[0], in[2], kGroups, true);
+                 return Tensors{ops::grouped_matmul(in[0], in[1], kGroups),
+                                ops::grouped_matmul(in[2], in[1], kGroups, true), in[3]};
+               },
+               {3}});
   // activations
   c.push_back({"softmax",
                [] { return Tensors{randn({13, 64}, 20, 3.f), randn({13, 64}, 21),
@@ -158,7 +188,9 @@ std::vector<OpCase> parity_cases() {
   c.push_back({"swiglu",
                [] { return Tensors{randn({11, 2 * 48}, 26, 2.f), randn({11, 48}, 27)}; },
                [](Tensors& in) {
-                 return Tensors{ops::swiglu(in[0]), ops::swiglu_backward(in[0], in[1])};
+                 Tensor in_place = in[0].clone();
+                 ops::swiglu_backward_(in_place, in[1]);
+                 return Tensors{ops::swiglu(in[0]), ops::swiglu_backward(in[0], in[1]), in_place};
                }});
   // normalisation
   auto rmsnorm_run = [](Tensors& in) {
@@ -496,6 +528,28 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
            time_ms([&] { ops::grouped_matmul(dy, w, sizes, true); }), flops);
     report("grouped_matmul_weight_grad", "98304x1024x512,E64,f32dw",
            time_ms([&] { ops::grouped_matmul_weight_grad(dw, x, dy, sizes, true); }), flops);
+    Tensor dw_down = Tensor::zeros({64, f2 / 2, d}, DType::f32, kCuda);
+    const Tensor a = Tensor::zeros({rows, f2 / 2}, bf, kCuda);
+    report("grouped_matmul_weight_grad_down", "98304x256x1024,E64,f32dw",
+           time_ms([&] { ops::grouped_matmul_weight_grad(dw_down, a, x, sizes, true); }),
+           flops / 2);
+    // Routing as uneven as an untrained router's can be: group g gets rows ~ 1 / (g + 1), a
+    // quarter of them in the first group, and the last eight none.
+    std::vector<int64_t> skewed(64, 0);
+    double norm = 0;
+    for (int g = 0; g < 56; ++g) norm += 1.0 / (g + 1);
+    int64_t given = 0;
+    for (int g = 1; g < 56; ++g) given += skewed[g] = static_cast<int64_t>(rows / norm / (g + 1));
+    skewed[0] = rows - given;
+    report("grouped_matmul_skewed", "98304x1024x512,E64",
+           time_ms([&] { ops::grouped_matmul(x, w, skewed); }), flops);
+    report("grouped_matmul_trans_w_skewed", "98304x512x1024,E64",
+           time_ms([&] { ops::grouped_matmul(dy, w, skewed, true); }), flops);
+    report("grouped_matmul_weight_grad_skewed", "98304x1024x512,E64,f32dw",
+           time_ms([&] { ops::grouped_matmul_weight_grad(dw, x, dy, skewed, true); }), flops);
+    report("grouped_matmul_weight_grad_down_skewed", "98304x256x1024,E64,f32dw",
+           time_ms([&] { ops::grouped_matmul_weight_grad(dw_down, a, x, skewed, true); }),
+           flops / 2);
     const Tensor da = Tensor::zeros({rows, f2 / 2}, bf, kCuda);
     report("swiglu_backward", "98304x(2x256)",
            time_ms([&] { ops::swiglu_backward(dy, da); }), 0);

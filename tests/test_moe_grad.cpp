@@ -7,6 +7,8 @@
 // normalised by the largest gradient entry of the tensor (gradcheck.h): 2% of that scale.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "gradcheck.h"
 #include "xmoe/moe/layer.h"
 
@@ -164,4 +166,47 @@ TEST(MoeGrad, RecomputeGivesTheSameGradients) {
     for (Parameter* p : layer.parameters()) grads[rc].push_back(p->grad.to_vector<float>());
   }
   EXPECT_EQ(grads[0], grads[1]);
+}
+
+// The expert weights zero their gradients lazily (Parameter::lazy_zero_grad): after zero_grad()
+// the first backward overwrites whatever the memory held, the next one accumulates, and
+// settle_grads() makes a zero real where no backward came.
+TEST(MoeGrad, LazyZeroGradOverwritesThenAccumulates) {
+  MoeConfig c = small_config("softmax_topk");  // one shared expert: both expert kinds
+  Tensor x = randn({kT, kD}, 3), r = randn({kT, kD}, 4);
+  MoELayer layer(c, kD, "m", 5, 0.5f);
+  const std::vector<Parameter*> params = layer.parameters();
+  auto pass = [&] {
+    layer.forward(x, kSeq);
+    layer.backward(r);
+  };
+  pass();  // into the zeros of Parameter::make
+  std::vector<std::vector<float>> once;
+  int lazy = 0;
+  for (Parameter* p : params) {
+    once.push_back(p->grad.to_vector<float>());
+    lazy += p->lazy_zero_grad;
+  }
+  EXPECT_EQ(lazy, 4) << "routed gate_up/down and shared gate_up/down";
+
+  for (Parameter* p : params) p->grad.fill_(123.f);  // stale memory a deferred zero must hide
+  layer.zero_grad();
+  pass();
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_EQ(params[i]->grad.to_vector<float>(), once[i]) << params[i]->name;
+  pass();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::vector<float> twice = params[i]->grad.to_vector<float>();
+    for (size_t j = 0; j < twice.size(); ++j)
+      ASSERT_NEAR(twice[j], 2.f * once[i][j], 1e-5f * (1.f + std::fabs(once[i][j])))
+          << params[i]->name << "[" << j << "]";
+  }
+
+  for (Parameter* p : params) p->grad.fill_(123.f);
+  layer.zero_grad();
+  settle_grads(params);
+  for (Parameter* p : params) {
+    for (float v : p->grad.to_vector<float>()) ASSERT_EQ(v, 0.f) << p->name;
+    EXPECT_FALSE(p->take_grad_overwrite()) << p->name << ": settled, so backward accumulates";
+  }
 }

@@ -81,6 +81,9 @@ TEST(Ops, SoftmaxSigmoidSwigluGradients) {
   Tensor ra = randn({5, 4}, 10);
   expect_gradient_close(h, ops::swiglu_backward(h, ra),
                         [&] { return weighted_sum(ops::swiglu(h), ra); }, "swiglu");
+  Tensor in_place = h.clone();
+  ops::swiglu_backward_(in_place, ra);
+  EXPECT_EQ(in_place.to_vector<float>(), ops::swiglu_backward(h, ra).to_vector<float>());
   const float g = h.data<float>()[0], u = h.data<float>()[4];
   EXPECT_NEAR(ops::swiglu(h).data<float>()[0], g / (1 + std::exp(-g)) * u, 1e-6);
   EXPECT_THROW(ops::swiglu(randn({2, 3}, 1)), Error);

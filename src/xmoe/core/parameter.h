@@ -2,6 +2,7 @@
 // Trainable parameters. Modules own their Parameters and expose them by pointer; the optimizer,
 // gradient synchronisation and checkpoints work on that flat list.
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xmoe/core/rng.h"
@@ -27,11 +28,32 @@ struct Parameter {
   bool weight_decay = true;  ///< false for norms, biases, temperatures
   int64_t global_rows = 0;   ///< expert params: dim 0 of the unsharded tensor
   int64_t row_offset = 0;    ///< expert params: first global row held here
+  /// Set by an owner whose backward writes every element of grad (the expert weights, whose
+  /// f32 gradients are the largest): zero_grad() then only marks grad as zero, and the first
+  /// backward overwrites it instead of reading it (no memset, no read of E·3·d·f floats).
+  bool lazy_zero_grad = false;
+  /// grad is logically zero but its memory is stale (zero_grad() deferred the memset).
+  bool grad_zero_pending = false;
 
   /// Allocates value and a zeroed grad of `shape`.
   static Parameter make(std::string name, Shape shape, ParamKind kind = ParamKind::dense,
                         bool weight_decay = true);
-  void zero_grad() { grad.zero_(); }
+  void zero_grad() {
+    if (lazy_zero_grad) {
+      grad_zero_pending = true;
+    } else {
+      grad.zero_();
+    }
+  }
+  /// For the backward writing grad: true when it must overwrite rather than accumulate (a
+  /// deferred zero); the write makes grad real, so the next one accumulates.
+  bool take_grad_overwrite() { return std::exchange(grad_zero_pending, false); }
+  /// For whoever reads grad (optimizer, norm, gradient sync): makes a deferred zero real, for a
+  /// parameter no backward wrote since zero_grad().
+  void settle_grad() {
+    if (grad_zero_pending) grad.zero_();
+    grad_zero_pending = false;
+  }
   /// The weight as forward and backward use it: the bf16 copy when there is one, else value.
   const Tensor& compute() const { return compute_copy.defined() ? compute_copy : value; }
   Device device() const { return value.device(); }
@@ -42,6 +64,11 @@ struct Parameter {
   void init_normal(uint64_t seed, float std);
   void init_constant(float v) { value.fill_(v); }
 };
+
+/// settle_grad() on each: call before reading gradients.
+inline void settle_grads(const std::vector<Parameter*>& params) {
+  for (Parameter* p : params) p->settle_grad();
+}
 
 /// Anything that owns parameters.
 class Module {

@@ -26,14 +26,16 @@ Tensor DenseFFN::forward(const Tensor& x, int64_t /*seq_len*/) {
 Tensor DenseFFN::backward(const Tensor& dy) {
   XMOE_CHECK(x_.defined(), "[dense_ffn] {}: backward without a forward", gate_up_.name);
   ProfileScope scope("block.ffn.bwd", dy.device());
-  if (!h_.defined()) h_ = ops::matmul(x_, gate_up_.compute());
-  const Tensor a = ops::swiglu(h_);  // [T, h]
+  Tensor dh = h_.defined() ? h_ : ops::matmul(x_, gate_up_.compute());  // h, becomes dh below
+  h_ = Tensor();
+  Tensor a = ops::swiglu(dh);  // [T, h]
   ops::matmul_into(down_.grad, a, dy, /*trans_a=*/true, false, 1.f, 1.f);
+  a = Tensor();
   const Tensor da = ops::matmul(dy, down_.compute(), false, /*trans_b=*/true);
-  const Tensor dh = ops::swiglu_backward(h_, da);
+  ops::swiglu_backward_(dh, da);  // in place: h is not needed again
   ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, 1.f);
   Tensor dx = matmul_f32(dh, gate_up_.compute(), false, true);
-  x_ = h_ = Tensor();
+  x_ = Tensor();
   return dx;
 }
 

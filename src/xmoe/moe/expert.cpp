@@ -22,6 +22,7 @@ class SwigluExperts final : public Experts {
     for (Parameter* p : {&gate_up_, &down_}) {
       p->global_rows = a.num_experts;
       p->row_offset = a.first_expert;
+      p->lazy_zero_grad = true;  // backward writes every group (empty ones get zeros)
     }
     gate_up_.init_normal(a.seed, a.init_std);
     down_.init_normal(a.seed, a.down_std);
@@ -32,10 +33,10 @@ class SwigluExperts final : public Experts {
   Tensor forward(const Tensor& rows, std::span<const int64_t> group_sizes) override {
     groups_.assign(group_sizes.begin(), group_sizes.end());
     rows_ = rows;                                                                   // [N, d]
-    // bf16 rows (CUDA): one bf16 copy of each f32 master weight per forward, kept for backward;
-    // the weight gradients still accumulate in f32 (grouped_matmul_weight_grad's f32 dw).
-    wgu_ = as_dtype(gate_up_.value, rows.dtype());
-    wd_ = as_dtype(down_.value, rows.dtype());
+    // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
+    // where there are none), kept for backward; the weight gradients are f32.
+    wgu_ = weight_as(gate_up_, rows.dtype());
+    wd_ = weight_as(down_, rows.dtype());
     Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);                       // [N, 2f]
     Tensor out = xmoe::ops::grouped_matmul(xmoe::ops::swiglu(h), wd_, groups_);      // [N, d]
     h_ = recompute_ ? Tensor() : h;
@@ -46,16 +47,19 @@ class SwigluExperts final : public Experts {
     XMOE_CHECK(rows_.defined(), "[moe experts] backward without a forward");
     check_shape(d_out, {rows_.size(0), down_.value.size(2)}, "moe experts backward", "d_out");
     const Tensor dout = as_dtype(d_out, rows_.dtype());
-    Tensor h = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);
-    Tensor a = xmoe::ops::swiglu(h);                                                 // [N, f]
-    xmoe::ops::grouped_matmul_weight_grad(down_.grad, a, dout, groups_, true);
-    Tensor da = xmoe::ops::grouped_matmul(dout, wd_, groups_, true);                  // [N, f]
-    a = Tensor();
-    Tensor dh = xmoe::ops::swiglu_backward(h, da);                                   // [N, 2f]
-    da = Tensor();
-    h = Tensor();
+    // At most two of h [N, 2f], a and da [N, f] live at a time: a goes before da comes, and
+    // h becomes dh in place.
+    Tensor dh = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);  // h
     h_ = Tensor();
-    xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_, true);
+    Tensor a = xmoe::ops::swiglu(dh);                                                // [N, f]
+    xmoe::ops::grouped_matmul_weight_grad(down_.grad, a, dout, groups_,
+                                          !down_.take_grad_overwrite());
+    a = Tensor();
+    Tensor da = xmoe::ops::grouped_matmul(dout, wd_, groups_, true);                  // [N, f]
+    xmoe::ops::swiglu_backward_(dh, da);                                             // [N, 2f]
+    da = Tensor();
+    xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_,
+                                          !gate_up_.take_grad_overwrite());
     return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                        // [N, d]
   }
 

@@ -1,5 +1,7 @@
 #include "xmoe/moe/shared.h"
 
+#include <utility>
+
 #include "xmoe/moe/moe_ops.h"
 #include "xmoe/ops/ops.h"
 
@@ -11,13 +13,14 @@ SharedExperts::SharedExperts(const std::string& prefix, int64_t d_model, int64_t
   down_ = Parameter::make(prefix + ".shared.down", {hidden, d_model});
   gate_up_.init_normal(seed, init_std);
   down_.init_normal(seed, down_std);
+  gate_up_.lazy_zero_grad = down_.lazy_zero_grad = true;  // backward writes all of each
 }
 
 Tensor SharedExperts::forward(const Tensor& x) {
   x_ = x;
-  // bf16 activations (CUDA): bf16 copies of the f32 weights, made once and kept for backward.
-  wgu_ = as_dtype(gate_up_.value, x.dtype());
-  wd_ = as_dtype(down_.value, x.dtype());
+  // bf16 activations (CUDA): the weights' bf16 compute copies, kept for backward.
+  wgu_ = weight_as(gate_up_, x.dtype());
+  wd_ = weight_as(down_, x.dtype());
   h_ = xmoe::ops::matmul(x, wgu_);                      // [T, 2Sf]
   return xmoe::ops::matmul(xmoe::ops::swiglu(h_), wd_);  // [T, d]
 }
@@ -26,9 +29,12 @@ Tensor SharedExperts::backward(const Tensor& dy) {
   XMOE_CHECK(h_.defined(), "[moe shared] backward without a forward");
   const Tensor g = as_dtype(dy, x_.dtype());
   Tensor a = xmoe::ops::swiglu(h_);                                          // [T, Sf]
-  xmoe::ops::matmul_into(down_.grad, a, g, true, false, 1.f, 1.f);           // dWd += a^T dy (f32)
-  Tensor dh = xmoe::ops::swiglu_backward(h_, xmoe::ops::matmul(g, wd_, false, true));
-  xmoe::ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, 1.f);      // dWgu += x^T dh
+  const auto beta = [](Parameter& p) { return p.take_grad_overwrite() ? 0.f : 1.f; };
+  xmoe::ops::matmul_into(down_.grad, a, g, true, false, 1.f, beta(down_));   // dWd += a^T dy (f32)
+  a = Tensor();
+  Tensor dh = std::exchange(h_, Tensor());  // h, turned into dh in place
+  xmoe::ops::swiglu_backward_(dh, xmoe::ops::matmul(g, wd_, false, true));
+  xmoe::ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, beta(gate_up_));  // += x^T dh
   return xmoe::ops::matmul(dh, wgu_, false, true);                           // [T, d]
 }
 

@@ -191,12 +191,13 @@ Tensor swiglu(const Tensor& h) {
   return a;
 }
 
-Tensor swiglu_backward(const Tensor& h, const Tensor& da) {
+namespace {
+/// dh may be h itself: both kernels read a row's gate and up before writing either gradient.
+void swiglu_backward_into(Tensor& dh, const Tensor& h, const Tensor& da) {
   require_float("swiglu_backward", "h", h);
   require_like("swiglu_backward", "da", da, "h", h);
   require_2d("swiglu_backward", "h", h);
   check_shape(da, {h.size(0), h.size(1) / 2}, "swiglu_backward", "da");
-  Tensor dh = Tensor::empty(h.shape(), h.dtype(), h.device());
   if (h.is_cpu()) {
     cpu::swiglu_backward(dh.data<float>(), h.data<float>(), da.data<float>(), h.size(0),
                          h.size(1) / 2);
@@ -204,8 +205,16 @@ Tensor swiglu_backward(const Tensor& h, const Tensor& da) {
     cuda::swiglu_backward(dh.raw(), h.raw(), da.raw(), h.dtype(), h.size(0), h.size(1) / 2,
                           stream_of(h));
   }
+}
+}  // namespace
+
+Tensor swiglu_backward(const Tensor& h, const Tensor& da) {
+  Tensor dh = Tensor::empty(h.shape(), h.dtype(), h.device());
+  swiglu_backward_into(dh, h, da);
   return dh;
 }
+
+void swiglu_backward_(Tensor& h, const Tensor& da) { swiglu_backward_into(h, h, da); }
 
 // ---- normalisation --------------------------------------------------------------------------
 

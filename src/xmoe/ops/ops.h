@@ -42,6 +42,8 @@ Tensor sigmoid_backward(const Tensor& y, const Tensor& dy);
 Tensor swiglu(const Tensor& h);
 /// Gradient of swiglu: dh [N, 2f] from h [N, 2f] and da [N, f].
 Tensor swiglu_backward(const Tensor& h, const Tensor& da);
+/// swiglu_backward in place: h becomes dh (backward needs h no more; saves an [N, 2f] buffer).
+void swiglu_backward_(Tensor& h, const Tensor& da);
 
 // ---- normalisation --------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
 
 void AdamW::step(float lr) {
   ProfileScope scope("optim.adamw", device_);
+  settle_grads(params_);
   ++step_;
   const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
   const double t = static_cast<double>(step_);

@@ -24,6 +24,7 @@ Device grads_device(const std::vector<Parameter*>& params) {
 }  // namespace
 
 Tensor grad_sum_squares_device(const std::vector<Parameter*>& params) {
+  settle_grads(params);
   const Device d = grads_device(params);
   XMOE_CHECK(d.is_cuda(), "[grad_norm] grad_sum_squares_device needs CUDA gradients, got {}",
              d.str());
@@ -47,6 +48,7 @@ double grad_sum_squares(const std::vector<Parameter*>& params) {
   const Device d = grads_device(params);
   ProfileScope scope("optim.grad_norm", d);
   if (d.is_cuda()) return grad_sum_squares_device(params).item();
+  settle_grads(params);
   double s = 0.0;
   for (const Parameter* p : params) s += ops::sum_squares(p->grad);
   return s;
@@ -63,6 +65,7 @@ float clip_factor(double norm, float max_norm) {
 
 void scale_grads(const std::vector<Parameter*>& params, float s) {
   if (s == 1.0f) return;
+  settle_grads(params);
   const Device d = grads_device(params);
   ProfileScope scope("optim.clip", d);
   if (d.is_cuda()) {

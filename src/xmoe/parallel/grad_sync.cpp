@@ -90,6 +90,7 @@ void GradientSync::reduce(Bucket& b) {
 
 void GradientSync::sync() {
   if (layout_.world_size == 1) return;
+  settle_grads(params_);
   for (Bucket& b : buckets_) reduce(b);
 }
 

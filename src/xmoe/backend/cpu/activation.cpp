@@ -67,10 +67,10 @@ void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, i
     float* dg = dh + r * 2 * f;
     float* du = dg + f;
 #pragma omp simd
-    for (int64_t j = 0; j < f; ++j) {
-      const float s = 1.0f / (1.0f + std::exp(-g[j]));
-      du[j] = dar[j] * g[j] * s;
-      dg[j] = dar[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
+    for (int64_t j = 0; j < f; ++j) {  // both read before either is written: dh may be h
+      const float gj = g[j], uj = u[j], s = 1.0f / (1.0f + std::exp(-gj));
+      dg[j] = dar[j] * uj * s * (1.0f + gj * (1.0f - s));
+      du[j] = dar[j] * gj * s;
     }
   }
 }

@@ -8,12 +8,16 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "xmoe/backend/cuda/check.h"
 #include "xmoe/backend/cuda/kernels.h"
+#include "xmoe/backend/cuda/sm90/grouped_gemm.h"
 #include "xmoe/backend/device_api.h"
 
 /// CUBLAS_CHECK(cublasGemmEx(...)): throws xmoe::Error naming the call and the status.
@@ -199,11 +203,71 @@ void run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stre
 
 const char* byte_ptr(const void* p) { return static_cast<const char*>(p); }
 
+/// XMOE_GROUPED_GEMM: `cutlass` (default) runs the expert GEMMs on the sm90 kernels where they
+/// apply; `cublas` keeps them on cuBLAS (a comparison, or a GPU where CUTLASS misbehaves).
+bool cutlass_grouped_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("XMOE_GROUPED_GEMM");
+    const std::string value = v ? v : "";
+    XMOE_CHECK(value.empty() || value == "cutlass" || value == "cublas",
+               "[grouped_matmul] XMOE_GROUPED_GEMM = '{}': expected cutlass or cublas", value);
+    return value != "cublas";
+  }();
+  return on;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+/// One sm90 grouped GEMM over the non-empty groups of bf16 rows. Returns false, having queued
+/// nothing, where it does not apply (no sm90 device, K or M not a multiple of 8, unaligned bases,
+/// more than kMaxProblems groups, nothing to do): the caller then uses cuBLAS.
+bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* w_or_dy,
+                  const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m, float beta,
+                  Stream stream) {
+  if (!cutlass_grouped_enabled() || k <= 0 || m <= 0 || k % 8 != 0 || m % 8 != 0 ||
+      k > INT_MAX || m > INT_MAX || !aligned16(out) || !aligned16(x) || !aligned16(w_or_dy))
+    return false;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (!sm90::supported(device)) return false;
+  thread_local sm90::ProblemList list;  // 12 KB: kept off the stack and off the heap
+  list.count = 0;
+  list.k = k;
+  list.m = m;
+  list.x = x;
+  list.w_or_dy = w_or_dy;
+  list.out = out;
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = group_sizes[g];
+    if (rows > 0) {
+      if (list.count == sm90::kMaxProblems || row + rows > INT_MAX) return false;
+      list.group[list.count] = static_cast<int32_t>(g);
+      list.rows[list.count] = static_cast<int32_t>(rows);
+      list.row_start[list.count] = static_cast<int32_t>(row);
+      ++list.count;
+    }
+    row += rows;
+  }
+  if (list.count == 0) return false;
+  const size_t bytes = sm90::scratch_bytes(kind, list);
+  if (bytes == 0) return false;
+  Allocator& alloc = backend::cuda_allocator(device);
+  void* scratch = alloc.allocate(bytes);
+  sm90::run(kind, list, beta, scratch, stream);
+  alloc.deallocate(scratch, bytes);  // stream-ordered: a later use on `stream` runs after the GEMM
+  return true;
+}
+
 }  // namespace
 
 void grouped_gemm(void* y, const void* x, const void* w, DType dt, const int64_t* group_sizes,
                   int64_t groups, int64_t k, int64_t m, bool trans_w, Stream stream) {
   const char* op = "grouped_matmul";
+  if (dt == DType::bf16 &&
+      sm90_grouped(trans_w ? sm90::GroupedKind::forward_trans_w : sm90::GroupedKind::forward, y, x,
+                   w, group_sizes, groups, k, m, 0.f, stream))
+    return;
   const size_t es = dtype_size(dt);
   const int ik = to_int(k, op), im = to_int(m, op);
   GroupedProblems p;
@@ -308,6 +372,11 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
     }
     row += rows;
   }
+  // Empty groups were zeroed above; the GEMMs cover the rest.
+  if (dt == DType::bf16 && dw_dt == DType::f32 &&
+      sm90_grouped(sm90::GroupedKind::weight_grad, dw, x, dy, group_sizes, groups, k, m,
+                   accumulate ? 1.f : 0.f, stream))
+    return;
   if (padded_weight_grad(p.size(), dw, dw_dt, x, dy, dt, group_sizes, groups, k, m, accumulate,
                          stream, op))
     return;

@@ -56,7 +56,7 @@ __global__ void swiglu_backward_kernel(T* dh, const T* h, const T* da, int64_t r
     const float g = to_float(h[r * 2 * f + j]), u = to_float(h[r * 2 * f + f + j]);
     const float d = to_float(da[i]);
     const float s = 1.0f / (1.0f + expf(-g));
-    dh[r * 2 * f + j] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));
+    dh[r * 2 * f + j] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // dh may be h
     dh[r * 2 * f + f + j] = from_float<T>(d * g * s);
   }
 }

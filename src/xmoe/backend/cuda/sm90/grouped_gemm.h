@@ -1,0 +1,56 @@
+#pragma once
+// Grouped GEMMs of the expert layers on Hopper: CUTLASS 3 ptr-array kernels (TMA loads,
+// warp-specialised cooperative consumers, a persistent scheduler over every group's tiles).
+// One launch covers every non-empty group, whatever the routing: no padding, no per-group
+// launches. The per-group problem shapes, pointers and strides are written on the device by a
+// small kernel from a ProblemList passed by value (no host-to-device copy, no host wait).
+// Plain header: blas.cpp (C++ compiler) calls it; a build without CUTLASS links unavailable.cpp.
+#include <cstddef>
+#include <cstdint>
+
+#include "xmoe/backend/cuda/runtime.h"
+
+namespace xmoe::cuda::sm90 {
+
+enum class GroupedKind : uint8_t {
+  forward,          // y_g (rows, M) bf16 = x_g (rows, K) @ w_g (K, M)
+  forward_trans_w,  // y_g (rows, M) bf16 = x_g (rows, K) @ w_g^T, w_g (M, K)
+  weight_grad,      // dw_g (K, M) f32 = x_g^T (K, rows) @ dy_g (rows, M) (+ beta dw_g)
+};
+
+/// Most non-empty groups one launch takes (the list travels as kernel parameters, 32 KB max).
+constexpr int kMaxProblems = 1024;
+
+/// The non-empty groups of one call. Group g's rows are rows [row_start, row_start + rows) of the
+/// packed activations; `group` indexes the weights. Bases are bf16 (x, w, dy) and bf16 or f32 (out).
+struct ProblemList {
+  int count = 0;
+  int64_t k = 0, m = 0;  // the layer's K and M
+  const void* x = nullptr;
+  const void* w_or_dy = nullptr;  // w (forward) or dy (weight_grad)
+  void* out = nullptr;            // y (forward) or dw (weight_grad)
+  int32_t group[kMaxProblems];
+  int32_t rows[kMaxProblems];
+  int32_t row_start[kMaxProblems];
+};
+
+/// True when `device` is an sm90 GPU and this build has the kernels.
+bool supported(int device);
+/// Device bytes `run` needs for `list` (per-group arrays and CUTLASS' workspace), or 0 where
+/// the kernel cannot take the list (alignment, sizes): the caller then uses cuBLAS.
+size_t scratch_bytes(GroupedKind kind, const ProblemList& list);
+/// Queues the grouped GEMM on `stream`. `scratch` holds scratch_bytes(kind, list) bytes and may
+/// be reused once `stream` has passed this call. beta scales the existing output (weight_grad
+/// accumulation); forward kinds ignore it.
+void run(GroupedKind kind, const ProblemList& list, float beta, void* scratch, Stream stream);
+
+namespace detail {  // one instantiation per kind, each in grouped_gemm_<kind>.cu
+size_t forward_scratch_bytes(const ProblemList& list);
+void forward_run(const ProblemList& list, float beta, void* scratch, Stream stream);
+size_t forward_trans_w_scratch_bytes(const ProblemList& list);
+void forward_trans_w_run(const ProblemList& list, float beta, void* scratch, Stream stream);
+size_t weight_grad_scratch_bytes(const ProblemList& list);
+void weight_grad_run(const ProblemList& list, float beta, void* scratch, Stream stream);
+}  // namespace detail
+
+}  // namespace xmoe::cuda::sm90

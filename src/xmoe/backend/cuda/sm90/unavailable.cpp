@@ -1,0 +1,14 @@
+// A build without CUTLASS (XMOE_CUTLASS off): the sm90 grouped GEMM declines every call, so
+// cuBLAS does them all.
+#include "xmoe/backend/cuda/sm90/grouped_gemm.h"
+#include "xmoe/core/error.h"
+
+namespace xmoe::cuda::sm90 {
+
+bool supported(int) { return false; }
+size_t scratch_bytes(GroupedKind, const ProblemList&) { return 0; }
+void run(GroupedKind, const ProblemList&, float, void*, Stream) {
+  XMOE_FAIL("[grouped_matmul] this build has no CUTLASS sm90 kernels (XMOE_CUTLASS is off)");
+}
+
+}  // namespace xmoe::cuda::sm90
