@@ -486,7 +486,8 @@ TEST(CudaTensor, CopiesAndZeroFill) {
 // ---- timings (disabled: run with --gtest_also_run_disabled_tests --gtest_filter='CudaPerf*') --
 
 /// JSON lines with the time of the main ops at moe-1b shapes (bf16): a first look at where the
-/// straightforward kernels stand, not a benchmark (bench/ measures against PyTorch).
+/// straightforward kernels stand, not a benchmark (bench/ measures against PyTorch). Operands
+/// are zeros (an upper bound: less power, higher clocks) except the GEMMs'.
 TEST(CudaPerf, DISABLED_ModelShapes) {
   XMOE_REQUIRE_CUDA();
   auto time_ms = [](const std::function<void()>& f) {
@@ -503,8 +504,10 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
                 shape, ms, flops / (ms * 1e-3) / 1e12);
   };
   const DType bf = DType::bf16;
+  auto device_randn = [&](Shape s, uint64_t seed) { return ops::cast(randn(s, seed).to(kCuda), bf); };
   {
-    const Tensor a = Tensor::zeros({8192, 8192}, bf, kCuda);
+    const Tensor z = Tensor::zeros({8192, 8192}, bf, kCuda), a = device_randn({8192, 8192}, 9);
+    report("matmul_zeros", "8192^3", time_ms([&] { ops::matmul(z, z); }), 2.0 * 8192 * 8192 * 8192);
     report("matmul", "8192^3", time_ms([&] { ops::matmul(a, a); }), 2.0 * 8192 * 8192 * 8192);
   }
   {  // B=8, S=2048, H=16, hd=64: causal, so half the S x S scores count
@@ -518,8 +521,9 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
   {  // 16384 tokens x top-6 over 64 experts, d = 1024, f = 256 (gate|up = 512)
     const int64_t rows = 16384 * 6, d = 1024, f2 = 512;
     const std::vector<int64_t> sizes(64, rows / 64);
-    const Tensor x = Tensor::zeros({rows, d}, bf, kCuda), w = Tensor::zeros({64, d, f2}, bf, kCuda);
-    const Tensor dy = Tensor::zeros({rows, f2}, bf, kCuda);
+    // Random operands: zeros draw less power and run the tensor cores at higher clocks.
+    const Tensor x = device_randn({rows, d}, 1), w = device_randn({64, d, f2}, 2);
+    const Tensor dy = device_randn({rows, f2}, 3);
     Tensor dw = Tensor::zeros({64, d, f2}, DType::f32, kCuda);
     const double flops = 2.0 * rows * d * f2;
     report("grouped_matmul", "98304x1024x512,E64",
@@ -529,7 +533,7 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
     report("grouped_matmul_weight_grad", "98304x1024x512,E64,f32dw",
            time_ms([&] { ops::grouped_matmul_weight_grad(dw, x, dy, sizes, true); }), flops);
     Tensor dw_down = Tensor::zeros({64, f2 / 2, d}, DType::f32, kCuda);
-    const Tensor a = Tensor::zeros({rows, f2 / 2}, bf, kCuda);
+    const Tensor a = device_randn({rows, f2 / 2}, 4);
     report("grouped_matmul_weight_grad_down", "98304x256x1024,E64,f32dw",
            time_ms([&] { ops::grouped_matmul_weight_grad(dw_down, a, x, sizes, true); }),
            flops / 2);

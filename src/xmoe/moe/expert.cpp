@@ -43,12 +43,13 @@ class SwigluExperts final : public Experts {
     return out;
   }
 
-  Tensor backward(const Tensor& d_out) override {
+  Tensor backward(Tensor d_out) override {
     XMOE_CHECK(rows_.defined(), "[moe experts] backward without a forward");
     check_shape(d_out, {rows_.size(0), down_.value.size(2)}, "moe experts backward", "d_out");
-    const Tensor dout = as_dtype(d_out, rows_.dtype());
+    Tensor dout = as_dtype(d_out, rows_.dtype());
+    d_out = Tensor();
     // At most two of h [N, 2f], a and da [N, f] live at a time: a goes before da comes, and
-    // h becomes dh in place.
+    // h becomes dh in place. d_out and the saved rows go as soon as they are used.
     Tensor dh = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);  // h
     h_ = Tensor();
     Tensor a = xmoe::ops::swiglu(dh);                                                // [N, f]
@@ -56,10 +57,12 @@ class SwigluExperts final : public Experts {
                                           !down_.take_grad_overwrite());
     a = Tensor();
     Tensor da = xmoe::ops::grouped_matmul(dout, wd_, groups_, true);                  // [N, f]
+    dout = Tensor();
     xmoe::ops::swiglu_backward_(dh, da);                                             // [N, 2f]
     da = Tensor();
     xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_,
                                           !gate_up_.take_grad_overwrite());
+    rows_ = Tensor();  // so d_rows [N, d] takes its place rather than adding to it
     return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                        // [N, d]
   }
 

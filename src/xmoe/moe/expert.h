@@ -34,8 +34,9 @@ class Experts : public Module {
   virtual std::string_view name() const = 0;
   /// rows [N, d] grouped by local expert, group_sizes [E_local] -> out [N, d].
   virtual Tensor forward(const Tensor& rows, std::span<const int64_t> group_sizes) = 0;
-  /// d_out [N, d] -> d_rows [N, d]; accumulates the weight gradients.
-  virtual Tensor backward(const Tensor& d_out) = 0;
+  /// d_out [N, d] -> d_rows [N, d]; accumulates the weight gradients. d_out by value: a caller
+  /// that moves it in lets the experts free it (and their saved rows) as soon as they are used.
+  virtual Tensor backward(Tensor d_out) = 0;
   virtual void release() = 0;
   virtual void set_recompute(bool on) = 0;
 };

@@ -57,6 +57,7 @@ class StageContext {
 
   // ---- used by the layer ----
   void set(const std::string& name, Tensor t) { tensors_[name] = std::move(t); }
+  void erase(const std::string& name) { tensors_.erase(name); }
   void set_scalar(const std::string& name, double v) { scalars_[name] = v; }
   void enter(Stage s, When w) { stage_ = s; when_ = w; }
 

@@ -212,7 +212,14 @@ Tensor MoELayer::backward(const Tensor& dy) {
     if (reduces) ctx.set("d_combine_weights", dispatcher_->combine_weights_grad(handle_));
   });
   run_stage(ctx, Stage::expert, [&] {
-    ctx.set("d_expert_in", experts_->backward(ctx.get("d_expert_out")));
+    // With no hook to read them later, the experts hold the only reference to their output
+    // gradient (and the rows it came from) and free it mid-backward: [N, d] less at the peak.
+    Tensor d_out = ctx.get("d_expert_out");
+    if (hooks_.empty()) {
+      ctx.erase("d_expert_out");
+      ctx.erase("d_rows_out");
+    }
+    ctx.set("d_expert_in", experts_->backward(std::move(d_out)));
   });
   experts_->release();
   run_stage(ctx, Stage::dispatch, [&] {
