@@ -67,6 +67,13 @@ class SwigluExperts final : public Experts {
   }
 
   void release() override { rows_ = h_ = wgu_ = wd_ = Tensor(); }
+  void forget_input() override { rows_ = Tensor(); }
+  void restore_input(Tensor rows) override {
+    int64_t n = 0;
+    for (int64_t g : groups_) n += g;
+    check_shape(rows, {n, gate_up_.value.size(1)}, "moe experts restore_input", "rows");
+    rows_ = std::move(rows);
+  }
   void set_recompute(bool on) override { recompute_ = on; }
   void collect_parameters(std::vector<Parameter*>& out) override {
     out.push_back(&gate_up_);

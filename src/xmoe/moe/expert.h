@@ -39,6 +39,10 @@ class Experts : public Module {
   virtual Tensor backward(Tensor d_out) = 0;
   virtual void release() = 0;
   virtual void set_recompute(bool on) = 0;
+  /// Drops the input rows forward saved; restore_input hands them back before backward (the
+  /// layer re-gathers them: cheaper than keeping [N, d] per layer).
+  virtual void forget_input() = 0;
+  virtual void restore_input(Tensor rows) = 0;
 };
 
 using ExpertRegistry = Registry<Experts, const ExpertArgs&>;

@@ -161,6 +161,13 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   run_stage(ctx, Stage::expert, [&] {
     ctx.set("expert_out", experts_->forward(ctx.get("expert_in"), handle_.recv_tokens_per_expert));
   });
+  // The experts' input is the order stage's gather of x when dispatch moved nothing (same
+  // storage): under recompute keep x (held by the caller anyway) instead of the rows [N, d].
+  regather_from_ = Tensor();
+  if (recompute_ && hooks_.empty() && ctx.get("expert_in").raw() == ctx.get("rows").raw()) {
+    regather_from_ = ctx.get("x");
+    experts_->forget_input();
+  }
   run_stage(ctx, Stage::combine, [&] {
     ctx.set("rows_out", dispatcher_->combine(ctx.get("expert_out"), handle_));
   });
@@ -214,6 +221,10 @@ Tensor MoELayer::backward(const Tensor& dy) {
   run_stage(ctx, Stage::expert, [&] {
     // With no hook to read them later, the experts hold the only reference to their output
     // gradient (and the rows it came from) and free it mid-backward: [N, d] less at the peak.
+    if (regather_from_.defined()) {
+      experts_->restore_input(order_->gather(regather_from_));
+      regather_from_ = Tensor();
+    }
     Tensor d_out = ctx.get("d_expert_out");
     if (hooks_.empty()) {
       ctx.erase("d_expert_out");
@@ -251,6 +262,7 @@ void MoELayer::release() {
   gate_->release();
   order_->release();
   experts_->release();
+  regather_from_ = Tensor();
   iorder_.release();
   if (shared_) shared_->release();
   handle_ = {};

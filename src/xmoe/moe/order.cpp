@@ -121,6 +121,12 @@ Tensor Order::forward(const Tensor& x, const Tensor& topk_idx, const Tensor& top
   } else {
     layout_ = make_device_layout(topk_idx, topk_weight);
   }
+  return gather(x);
+}
+
+Tensor Order::gather(const Tensor& x) const {
+  XMOE_CHECK(layout_.token_ids.defined(), "[moe order] gather without a layout");
+  check_shape(x, {layout_.num_tokens, d_model_}, "moe order gather", "x");
   return layout_.padded ? gather_rows_masked(x, layout_.token_ids)
                         : xmoe::ops::gather_rows(x, layout_.token_ids);
 }
