@@ -35,8 +35,8 @@ class SwigluExperts final : public Experts {
     rows_ = rows;                                                                   // [N, d]
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
     // where there are none), kept for backward; the weight gradients are f32.
-    wgu_ = weight_as(gate_up_, rows.dtype());
-    wd_ = weight_as(down_, rows.dtype());
+    wgu_ = as_dtype(gate_up_.compute(), rows.dtype());
+    wd_ = as_dtype(down_.compute(), rows.dtype());
     Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);                       // [N, 2f]
     Tensor out = xmoe::ops::grouped_matmul(xmoe::ops::swiglu(h), wd_, groups_);      // [N, d]
     h_ = recompute_ ? Tensor() : h;

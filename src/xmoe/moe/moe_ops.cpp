@@ -348,9 +348,4 @@ Tensor as_dtype(const Tensor& x, DType dtype) {
   return x.dtype() == dtype ? x : xmoe::ops::cast(x, dtype);
 }
 
-Tensor weight_as(const Parameter& p, DType dtype) {
-  if (p.compute_copy.defined() && p.compute_copy.dtype() == dtype) return p.compute_copy;
-  return as_dtype(p.value, dtype);
-}
-
 }  // namespace xmoe::moe

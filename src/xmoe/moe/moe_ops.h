@@ -6,7 +6,6 @@
 // marks an empty (padding) slot. No op here waits for the device.
 #include <cstdint>
 
-#include "xmoe/core/parameter.h"
 #include "xmoe/core/tensor.h"
 
 namespace xmoe::moe {
@@ -32,9 +31,6 @@ WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, co
                                         const Tensor& weight);
 /// x itself when it has `dtype`, else ops::cast(x, dtype).
 Tensor as_dtype(const Tensor& x, DType dtype);
-/// p's weight in `dtype` for a matmul: its compute copy (AdamW keeps it current) when that has
-/// `dtype`, else as_dtype(p.value, dtype), a fresh cast.
-Tensor weight_as(const Parameter& p, DType dtype);
 /// out[i, j] = x[i, idx[i, j]]: x [N, E], idx i32 [N, k] -> [N, k].
 Tensor take_along_rows(const Tensor& x, const Tensor& idx);
 /// out[i, idx[i, j]] += src[i, j]: out [N, E], idx i32 [N, k], src [N, k].

@@ -19,8 +19,8 @@ SharedExperts::SharedExperts(const std::string& prefix, int64_t d_model, int64_t
 Tensor SharedExperts::forward(const Tensor& x) {
   x_ = x;
   // bf16 activations (CUDA): the weights' bf16 compute copies, kept for backward.
-  wgu_ = weight_as(gate_up_, x.dtype());
-  wd_ = weight_as(down_, x.dtype());
+  wgu_ = as_dtype(gate_up_.compute(), x.dtype());
+  wd_ = as_dtype(down_.compute(), x.dtype());
   h_ = xmoe::ops::matmul(x, wgu_);                      // [T, 2Sf]
   return xmoe::ops::matmul(xmoe::ops::swiglu(h_), wd_);  // [T, d]
 }

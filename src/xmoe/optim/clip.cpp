@@ -45,10 +45,10 @@ Tensor grad_sum_squares_device(const std::vector<Parameter*>& params) {
 }
 
 double grad_sum_squares(const std::vector<Parameter*>& params) {
+  settle_grads(params);
   const Device d = grads_device(params);
   ProfileScope scope("optim.grad_norm", d);
   if (d.is_cuda()) return grad_sum_squares_device(params).item();
-  settle_grads(params);
   double s = 0.0;
   for (const Parameter* p : params) s += ops::sum_squares(p->grad);
   return s;
