@@ -161,6 +161,17 @@ std::vector<OpCase> parity_cases() {
                  return Tensors{in[2], in[3]};
                },
                {2, 3}});
+  // One group far longer than the rest: on sm90 it is cut into pieces summed afterwards.
+  c.push_back({"grouped_matmul_weight_grad_skewed_pieces",
+               [] { return Tensors{randn({2064, 64}, 86), randn({2064, 128}, 87),
+                                   randn({8, 64, 128}, 88), randn({8, 64, 128}, 89)}; },
+               [](Tensors& in) {
+                 const std::vector<int64_t> sizes = {2000, 3, 0, 17, 1, 40, 0, 3};
+                 ops::grouped_matmul_weight_grad(in[2], in[0], in[1], sizes, true);
+                 ops::grouped_matmul_weight_grad(in[3], in[0], in[1], sizes, false);
+                 return Tensors{in[2], in[3]};
+               },
+               {2, 3}});
   c.push_back({"grouped_matmul_unaligned_rows",
                [] { return Tensors{randn({28, 20}, 82), randn({6, 20, 36}, 83),
                                    randn({28, 36}, 84), randn({6, 20, 36}, 85)}; },

@@ -1,6 +1,7 @@
 // Dispatch of the sm90 grouped GEMMs to their instantiations (no CUTLASS headers here).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "xmoe/backend/cuda/cuda_check.cuh"
@@ -38,6 +39,41 @@ void run(GroupedKind kind, const ProblemList& list, float beta, void* scratch, S
     case GroupedKind::forward_trans_w: return detail::forward_trans_w_run(list, beta, scratch, stream);
     case GroupedKind::weight_grad: return detail::weight_grad_run(list, beta, scratch, stream);
   }
+}
+
+namespace {
+
+/// Block (x, i) adds group i's partials into its dw, float4 at a time (K·M is a multiple of 64).
+__global__ void add_partials_kernel(const __grid_constant__ PartialSums s) {
+  const int i = static_cast<int>(blockIdx.y);
+  const int64_t n4 = s.k * s.m / 4;
+  auto* dst = reinterpret_cast<float4*>(s.dw) + s.group[i] * n4;
+  const auto* src = reinterpret_cast<const float4*>(s.partials) + int64_t{s.first[i]} * n4;
+  const int pieces = s.pieces[i];
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n4;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    float4 acc = dst[e];
+    for (int p = 0; p < pieces; ++p) {
+      const float4 v = src[p * n4 + e];
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    dst[e] = acc;
+  }
+}
+
+}  // namespace
+
+void add_partials(const PartialSums& sums, Stream stream) {
+  if (sums.count == 0) return;
+  constexpr int kThreads = 256;
+  const int64_t n4 = sums.k * sums.m / 4;
+  const auto blocks_x = static_cast<unsigned>(std::min<int64_t>((n4 + kThreads - 1) / kThreads, 64));
+  add_partials_kernel<<<dim3(blocks_x, static_cast<unsigned>(sums.count)), kThreads, 0,
+                        static_cast<cudaStream_t>(stream)>>>(sums);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace xmoe::cuda::sm90

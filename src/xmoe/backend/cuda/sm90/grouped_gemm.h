@@ -21,17 +21,32 @@ enum class GroupedKind : uint8_t {
 /// Most non-empty groups one launch takes (the list travels as kernel parameters, 32 KB max).
 constexpr int kMaxProblems = 1024;
 
-/// The non-empty groups of one call. Group g's rows are rows [row_start, row_start + rows) of the
-/// packed activations; `group` indexes the weights. Bases are bf16 (x, w, dy) and bf16 or f32 (out).
+/// The problems of one call, one per non-empty group, or (weight_grad) per piece of a group
+/// whose rows were cut up. Problem i covers rows [row_start, row_start + rows) of the packed
+/// activations; `group` indexes the weights. Bases are bf16 (x, w, dy) and bf16 or f32 (out).
 struct ProblemList {
   int count = 0;
   int64_t k = 0, m = 0;  // the layer's K and M
   const void* x = nullptr;
   const void* w_or_dy = nullptr;  // w (forward) or dy (weight_grad)
   void* out = nullptr;            // y (forward) or dw (weight_grad)
+  void* partials = nullptr;       // weight_grad: f32 [pieces, K, M] (see PartialSums)
   int32_t group[kMaxProblems];
   int32_t rows[kMaxProblems];
   int32_t row_start[kMaxProblems];
+  int32_t partial[kMaxProblems];  // weight_grad: -1 writes dw[group], p >= 0 partials[p]
+};
+
+/// Weight gradients of groups cut into pieces: the first piece writes dw[group] (with beta),
+/// the others partials [first, first + pieces), which add_partials then adds into dw[group].
+struct PartialSums {
+  int count = 0;
+  int64_t k = 0, m = 0;
+  float* dw = nullptr;
+  const float* partials = nullptr;
+  int32_t group[kMaxProblems];
+  int32_t first[kMaxProblems];
+  int32_t pieces[kMaxProblems];
 };
 
 /// True when `device` is an sm90 GPU and this build has the kernels.
@@ -43,6 +58,8 @@ size_t scratch_bytes(GroupedKind kind, const ProblemList& list);
 /// be reused once `stream` has passed this call. beta scales the existing output (weight_grad
 /// accumulation); forward kinds ignore it.
 void run(GroupedKind kind, const ProblemList& list, float beta, void* scratch, Stream stream);
+/// dw[group[i]] += partials[first[i] + p] for p < pieces[i], in order (deterministic).
+void add_partials(const PartialSums& sums, Stream stream);
 
 namespace detail {  // one instantiation per kind, each in grouped_gemm_<kind>.cu
 size_t forward_scratch_bytes(const ProblemList& list);

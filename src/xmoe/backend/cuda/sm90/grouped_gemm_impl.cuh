@@ -185,9 +185,11 @@ __global__ void write_problems_kernel(const __grid_constant__ ProblemList list,
   auto* out = static_cast<ElementD*>(list.out);
   arr.shapes[i] = shape;
   arr.a[i] = x + start * k;
-  if constexpr (G::kRowsAreK) {  // dw_g = x_g^T dy_g
+  if constexpr (G::kRowsAreK) {  // dw_g = x_g^T dy_g, or one piece of it into a partial
     arr.b[i] = other + start * m;
-    arr.d[i] = out + group * k * m;
+    const int32_t partial = list.partial[i];
+    arr.d[i] = partial < 0 ? out + group * k * m
+                           : static_cast<ElementD*>(list.partials) + int64_t{partial} * k * m;
   } else {  // y_g = x_g w_g
     arr.b[i] = other + group * k * m;
     arr.d[i] = out + start * m;

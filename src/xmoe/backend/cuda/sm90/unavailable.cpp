@@ -10,5 +10,8 @@ size_t scratch_bytes(GroupedKind, const ProblemList&) { return 0; }
 void run(GroupedKind, const ProblemList&, float, void*, Stream) {
   XMOE_FAIL("[grouped_matmul] this build has no CUTLASS sm90 kernels (XMOE_CUTLASS is off)");
 }
+void add_partials(const PartialSums&, Stream) {
+  XMOE_FAIL("[grouped_matmul] this build has no CUTLASS sm90 kernels (XMOE_CUTLASS is off)");
+}
 
 }  // namespace xmoe::cuda::sm90
