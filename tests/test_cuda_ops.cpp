@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gradcheck.h"
+#include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/cuda/runtime.h"
 #include "xmoe/backend/device_api.h"
 #include "xmoe/core/allocator.h"
@@ -479,6 +480,47 @@ TEST(CudaAllocator, NoDeviceMallocAfterWarmup) {
   EXPECT_EQ(cuda::cache_stats(0).num_mallocs, mallocs) << "cudaMalloc after warm-up";
 }
 
+// On an sm90 GPU with CUTLASS built in, every bf16 expert GEMM of the shapes training uses runs
+// on the sm90 kernels: a silent cuBLAS fallback is still correct, so only this sees it.
+TEST(CudaGroupedGemm, Sm90KernelsRunWhereTheyApply) {
+  XMOE_REQUIRE_CUDA();
+  if (!cuda::grouped_gemm_sm90_available(0)) GTEST_SKIP() << "no sm90 grouped GEMM here";
+  const DType bf = DType::bf16;
+  const int64_t d = 256, f = 128;
+  const std::vector<std::vector<int64_t>> routings = {
+      {64, 64, 64, 64, 64, 64, 64, 64},  // even
+      {3, 0, 17, 1, 300, 0, 40, 151},    // ragged, empty groups
+      {4000, 8, 8, 8, 8, 8, 8, 8},       // one long group: weight gradient in pieces
+  };
+  for (const auto& sizes : routings) {
+    int64_t rows = 0;
+    for (int64_t s : sizes) rows += s;
+    const auto groups = static_cast<int64_t>(sizes.size());
+    const Tensor x = ops::cast(randn({rows, d}, 1).to(kCuda), bf);
+    const Tensor w = ops::cast(randn({groups, d, f}, 2).to(kCuda), bf);
+    const Tensor dy = ops::cast(randn({rows, f}, 3).to(kCuda), bf);
+    Tensor dw = Tensor::zeros({groups, d, f}, DType::f32, kCuda);
+    const auto before = std::vector<cuda::GroupedGemmCalls>{
+        cuda::grouped_gemm_calls(cuda::GroupedGemmKind::forward),
+        cuda::grouped_gemm_calls(cuda::GroupedGemmKind::forward_trans_w),
+        cuda::grouped_gemm_calls(cuda::GroupedGemmKind::weight_grad)};
+    ops::grouped_matmul(x, w, sizes);
+    ops::grouped_matmul(dy, w, sizes, true);
+    ops::grouped_matmul_weight_grad(dw, x, dy, sizes, false);
+    ops::grouped_matmul_weight_grad(dw, x, dy, sizes, true);
+    backend::synchronize(kCuda);
+    const cuda::GroupedGemmKind kinds[] = {cuda::GroupedGemmKind::forward,
+                                           cuda::GroupedGemmKind::forward_trans_w,
+                                           cuda::GroupedGemmKind::weight_grad};
+    const int64_t expected_calls[] = {1, 1, 2};
+    for (int i = 0; i < 3; ++i) {
+      const cuda::GroupedGemmCalls now = cuda::grouped_gemm_calls(kinds[i]);
+      EXPECT_EQ(now.sm90 - before[i].sm90, expected_calls[i]) << "kind " << i << ", " << rows << " rows";
+      EXPECT_EQ(now.cublas - before[i].cublas, 0) << "kind " << i << ", " << rows << " rows";
+    }
+  }
+}
+
 TEST(CudaTensor, CopiesAndZeroFill) {
   XMOE_REQUIRE_CUDA();
   const std::vector<float> v = {1.f, -2.f, 3.5f, 0.25f, 8.f};
@@ -565,6 +607,23 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
     report("grouped_matmul_weight_grad_down_skewed", "98304x256x1024,E64,f32dw",
            time_ms([&] { ops::grouped_matmul_weight_grad(dw_down, a, x, skewed, true); }),
            flops / 2);
+    // Where the weight gradient's time goes: long reductions (8 groups of 12288 rows, one wave
+    // of tiles) against short ones (64 x 1536 above), and a dense 8192^3 one (one group) against
+    // matmul's 8192^3, overwriting (no f32 read of dW).
+    const std::vector<int64_t> long_groups(8, rows / 8);
+    Tensor dw8 = Tensor::zeros({8, d, f2}, DType::f32, kCuda);
+    report("grouped_matmul_weight_grad_long", "98304x1024x512,E8,f32dw",
+           time_ms([&] { ops::grouped_matmul_weight_grad(dw8, x, dy, long_groups, false); }), flops);
+    report("grouped_matmul_weight_grad_overwrite", "98304x1024x512,E64,f32dw",
+           time_ms([&] { ops::grouped_matmul_weight_grad(dw, x, dy, sizes, false); }), flops);
+    {
+      const Tensor a8 = device_randn({8192, 8192}, 7);
+      Tensor dw_dense = Tensor::zeros({1, 8192, 8192}, DType::f32, kCuda);
+      const std::vector<int64_t> one = {8192};
+      report("grouped_matmul_weight_grad_dense", "8192^3,E1,f32dw",
+             time_ms([&] { ops::grouped_matmul_weight_grad(dw_dense, a8, a8, one, false); }),
+             2.0 * 8192 * 8192 * 8192);
+    }
     const Tensor da = Tensor::zeros({rows, f2 / 2}, bf, kCuda);
     report("swiglu_backward", "98304x(2x256)",
            time_ms([&] { ops::swiglu_backward(dy, da); }), 0);

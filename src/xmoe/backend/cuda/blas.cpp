@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <climits>
 #include <cstdint>
@@ -235,9 +236,15 @@ int sm_count(int device) {
 /// are as long as the group: one group far above the mean leaves a few SMs working after the
 /// rest are done (measured at moe-1b's shapes: 1.7-1.9x slower with a quarter of the rows in one
 /// group). Where a group's tiles cannot fill the GPU, groups longer than twice the mean are cut
-/// into pieces of that many rows. Returns the piece length, or 0 for no cutting.
+/// into pieces of that many rows. XMOE_WEIGHT_GRAD_PIECE_ROWS=N sets the length (0: no cutting).
+/// Returns the piece length, or 0 for no cutting.
 int64_t weight_grad_piece_rows(const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
                                int device) {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("XMOE_WEIGHT_GRAD_PIECE_ROWS");
+    return v != nullptr && *v != '\0' ? std::max<int64_t>(0, std::atoll(v)) : int64_t{-1};
+  }();
+  if (forced >= 0) return forced;
   constexpr int64_t kTileM = 128, kTileN = 256, kMinPiece = 256;
   const int64_t tiles = ((k + kTileM - 1) / kTileM) * ((m + kTileN - 1) / kTileN);
   if (tiles >= sm_count(device) || groups < 1) return 0;
@@ -246,8 +253,32 @@ int64_t weight_grad_piece_rows(const int64_t* group_sizes, int64_t groups, int64
   return std::max(kMinPiece, 2 * ((total + groups - 1) / groups));
 }
 
+/// The persistent kernel deals tiles to the SMs in list order, round robin; weight-gradient
+/// tiles last as long as their problem's rows, so dealing the longest first evens the SMs' loads.
+void sort_longest_first(sm90::ProblemList& list) {
+  thread_local std::vector<std::array<int32_t, 4>> problems;
+  problems.resize(static_cast<size_t>(list.count));
+  for (int i = 0; i < list.count; ++i)
+    problems[i] = {list.rows[i], list.group[i], list.row_start[i], list.partial[i]};
+  std::stable_sort(problems.begin(), problems.end(),
+                   [](const auto& a, const auto& b) { return a[0] > b[0]; });
+  for (int i = 0; i < list.count; ++i) {
+    list.rows[i] = problems[i][0];
+    list.group[i] = problems[i][1];
+    list.row_start[i] = problems[i][2];
+    list.partial[i] = problems[i][3];
+  }
+}
+
 /// Partial outputs of the pieces after a group's first: at most this many bytes (else no cutting).
 constexpr size_t kMaxPartialBytes = size_t{512} << 20;
+
+std::atomic<int64_t> g_sm90_calls[3], g_cublas_calls[3];
+
+void count_call(GroupedGemmKind kind, bool sm90) {
+  (sm90 ? g_sm90_calls : g_cublas_calls)[static_cast<int>(kind)].fetch_add(
+      1, std::memory_order_relaxed);
+}
 
 /// One sm90 grouped GEMM over the non-empty groups of bf16 rows (weight gradients: over their
 /// pieces, see weight_grad_piece_rows). Returns false, having queued nothing, where it does not
@@ -307,8 +338,16 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
     if (!build()) return false;
   }
   if (list.count == 0) return false;
+  if (weight_grad) sort_longest_first(list);
   const size_t bytes = sm90::scratch_bytes(kind, list);
-  if (bytes == 0) return false;
+  if (bytes == 0) {  // CUTLASS's can_implement said no: unexpected once the checks above passed
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true))
+      spdlog::warn("[grouped_matmul] the sm90 kernel (kind {}) cannot take K = {}, M = {}, {} "
+                   "problems: cuBLAS instead",
+                   static_cast<int>(kind), k, m, list.count);
+    return false;
+  }
   Allocator& alloc = backend::cuda_allocator(device);
   void* scratch = alloc.allocate(bytes);
   size_t partial_bytes = 0;
@@ -334,13 +373,27 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
 
 }  // namespace
 
+GroupedGemmCalls grouped_gemm_calls(GroupedGemmKind kind) {
+  const int i = static_cast<int>(kind);
+  return {g_sm90_calls[i].load(std::memory_order_relaxed),
+          g_cublas_calls[i].load(std::memory_order_relaxed)};
+}
+
+bool grouped_gemm_sm90_available(int device) {
+  return cutlass_grouped_enabled() && sm90::supported(device);
+}
+
 void grouped_gemm(void* y, const void* x, const void* w, DType dt, const int64_t* group_sizes,
                   int64_t groups, int64_t k, int64_t m, bool trans_w, Stream stream) {
   const char* op = "grouped_matmul";
+  const GroupedGemmKind kind = trans_w ? GroupedGemmKind::forward_trans_w : GroupedGemmKind::forward;
   if (dt == DType::bf16 &&
       sm90_grouped(trans_w ? sm90::GroupedKind::forward_trans_w : sm90::GroupedKind::forward, y, x,
-                   w, group_sizes, groups, k, m, 0.f, stream))
+                   w, group_sizes, groups, k, m, 0.f, stream)) {
+    count_call(kind, true);
     return;
+  }
+  count_call(kind, false);
   const size_t es = dtype_size(dt);
   const int ik = to_int(k, op), im = to_int(m, op);
   GroupedProblems p;
@@ -430,26 +483,32 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
   check_types(dw_dt, dt, op);
   const size_t es = dtype_size(dt), ws = dtype_size(dw_dt);
   const int ik = to_int(k, op), im = to_int(m, op);
+  // Overwriting: empty groups get zeros (no GEMM writes them); the GEMMs cover the rest.
+  if (!accumulate && k * m > 0)
+    for (int64_t g = 0; g < groups; ++g)
+      if (group_sizes[g] <= 0)
+        CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(dw) + static_cast<size_t>(g * k * m) * ws, 0,
+                                   static_cast<size_t>(k * m) * ws, stream));
+  if (dt == DType::bf16 && dw_dt == DType::f32 &&
+      sm90_grouped(sm90::GroupedKind::weight_grad, dw, x, dy, group_sizes, groups, k, m,
+                   accumulate ? 1.f : 0.f, stream)) {
+    count_call(GroupedGemmKind::weight_grad, true);
+    return;
+  }
+  count_call(GroupedGemmKind::weight_grad, false);
   GroupedProblems p;
   int64_t row = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t rows = group_sizes[g];
-    void* dwg = static_cast<char*>(dw) + static_cast<size_t>(g * k * m) * ws;
     if (rows > 0 && k > 0 && m > 0) {
       // dw_g (K, M) = x_g^T (K, rows) @ dy_g (rows, M): column-major dw_g^T (M, K) = dy_g^T x_g
+      void* dwg = static_cast<char*>(dw) + static_cast<size_t>(g * k * m) * ws;
       p.add(CUBLAS_OP_N, CUBLAS_OP_T, im, ik, to_int(rows, op),
             byte_ptr(dy) + static_cast<size_t>(row * m) * es, im,
             byte_ptr(x) + static_cast<size_t>(row * k) * es, ik, dwg, im, accumulate ? 1.f : 0.f);
-    } else if (!accumulate && k * m > 0) {
-      CUDA_CHECK(cudaMemsetAsync(dwg, 0, static_cast<size_t>(k * m) * ws, stream));
     }
     row += rows;
   }
-  // Empty groups were zeroed above; the GEMMs cover the rest.
-  if (dt == DType::bf16 && dw_dt == DType::f32 &&
-      sm90_grouped(sm90::GroupedKind::weight_grad, dw, x, dy, group_sizes, groups, k, m,
-                   accumulate ? 1.f : 0.f, stream))
-    return;
   if (padded_weight_grad(p.size(), dw, dw_dt, x, dy, dt, group_sizes, groups, k, m, accumulate,
                          stream, op))
     return;

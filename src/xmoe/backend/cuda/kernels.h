@@ -30,6 +30,16 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
                               const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
                               bool accumulate, Stream stream);
 
+// Which path the grouped GEMMs took, per kind, since the process started (tests check that the
+// sm90 kernels run where they apply rather than a silent cuBLAS fallback).
+enum class GroupedGemmKind : uint8_t { forward, forward_trans_w, weight_grad };
+struct GroupedGemmCalls {
+  int64_t sm90 = 0, cublas = 0;
+};
+GroupedGemmCalls grouped_gemm_calls(GroupedGemmKind kind);
+// True when `device` can run this build's sm90 grouped GEMMs (CUTLASS built in, CC 9.0).
+bool grouped_gemm_sm90_available(int device);
+
 // ---- elementwise (elementwise.cu) -----------------------------------------------------------
 
 // dst = src converted (f32 <-> bf16, round to nearest even; same dtype copies)

@@ -34,6 +34,8 @@ void grouped_gemm_weight_grad(void*, DType, const void*, const void*, DType, con
                               int64_t, int64_t, int64_t, bool, Stream) {
   no_cuda("grouped_matmul_weight_grad");
 }
+GroupedGemmCalls grouped_gemm_calls(GroupedGemmKind) { return {}; }
+bool grouped_gemm_sm90_available(int) { return false; }
 
 // ---- elementwise ----------------------------------------------------------------------------
 void cast(void*, DType, const void*, DType, int64_t, Stream) { no_cuda("cast"); }

@@ -68,6 +68,8 @@ size_t forward_trans_w_scratch_bytes(const ProblemList& list);
 void forward_trans_w_run(const ProblemList& list, float beta, void* scratch, Stream stream);
 size_t weight_grad_scratch_bytes(const ProblemList& list);
 void weight_grad_run(const ProblemList& list, float beta, void* scratch, Stream stream);
+size_t weight_grad_overwrite_scratch_bytes(const ProblemList& list);
+void weight_grad_overwrite_run(const ProblemList& list, void* scratch, Stream stream);
 }  // namespace detail
 
 }  // namespace xmoe::cuda::sm90

@@ -161,7 +161,8 @@ struct GroupedGemm {
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     const std::vector<Shape3> shapes = host_shapes(list);
-    const auto args = arguments(list, shapes.data(), Arrays{}, 1.f, device);
+    // beta 0: with no arrays yet, C is null, and CUTLASS refuses beta != 0 without a source.
+    const auto args = arguments(list, shapes.data(), Arrays{}, 0.f, device);
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return 0;
     return arrays_bytes(list.count) + Gemm::get_workspace_size(args);
   }
