@@ -85,6 +85,16 @@ Device device_of(const Tensors& in) { return in.at(0).device(); }
 
 std::vector<int64_t> kGroups = {5, 0, 9, 1, 0, 13};  // 28 rows, empty groups included
 
+/// Inputs x, dy, dw_acc, dw: the weight gradient of `sizes`, accumulated into dw_acc and
+/// overwriting dw.
+std::function<Tensors(Tensors&)> weight_grad_both_ways(std::vector<int64_t> sizes) {
+  return [sizes = std::move(sizes)](Tensors& in) {
+    ops::grouped_matmul_weight_grad(in[2], in[0], in[1], sizes, true);
+    ops::grouped_matmul_weight_grad(in[3], in[0], in[1], sizes, false);
+    return Tensors{in[2], in[3]};
+  };
+}
+
 std::vector<OpCase> parity_cases() {
   std::vector<OpCase> c;
   // linear algebra
@@ -155,24 +165,12 @@ std::vector<OpCase> parity_cases() {
   c.push_back({"grouped_matmul_weight_grad_ragged_tiles",
                [] { return Tensors{randn({1261, 136}, 78), randn({1261, 264}, 79),
                                    randn({8, 136, 264}, 80), randn({8, 136, 264}, 81)}; },
-               [](Tensors& in) {
-                 const std::vector<int64_t> sizes = {300, 0, 129, 1, 517, 64, 0, 250};
-                 ops::grouped_matmul_weight_grad(in[2], in[0], in[1], sizes, true);
-                 ops::grouped_matmul_weight_grad(in[3], in[0], in[1], sizes, false);
-                 return Tensors{in[2], in[3]};
-               },
-               {2, 3}});
+               weight_grad_both_ways({300, 0, 129, 1, 517, 64, 0, 250}), {2, 3}});
   // One group far longer than the rest: on sm90 it is cut into pieces summed afterwards.
   c.push_back({"grouped_matmul_weight_grad_skewed_pieces",
                [] { return Tensors{randn({2064, 64}, 86), randn({2064, 128}, 87),
                                    randn({8, 64, 128}, 88), randn({8, 64, 128}, 89)}; },
-               [](Tensors& in) {
-                 const std::vector<int64_t> sizes = {2000, 3, 0, 17, 1, 40, 0, 3};
-                 ops::grouped_matmul_weight_grad(in[2], in[0], in[1], sizes, true);
-                 ops::grouped_matmul_weight_grad(in[3], in[0], in[1], sizes, false);
-                 return Tensors{in[2], in[3]};
-               },
-               {2, 3}});
+               weight_grad_both_ways({2000, 3, 0, 17, 1, 40, 0, 3}), {2, 3}});
   c.push_back({"grouped_matmul_unaligned_rows",
                [] { return Tensors{randn({28, 20}, 82), randn({6, 20, 36}, 83),
                                    randn({28, 36}, 84), randn({6, 20, 36}, 85)}; },

@@ -220,18 +220,6 @@ bool cutlass_grouped_enabled() {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-int sm_count(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices] = {};
-  if (device < 0 || device >= kMaxDevices) return 0;
-  int n = cached[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    cached[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 /// Weight gradients reduce over each group's rows, so all of a group's (K/128) x (M/256) tiles
 /// are as long as the group: one group far above the mean leaves a few SMs working after the
 /// rest are done (measured at moe-1b's shapes: 1.7-1.9x slower with a quarter of the rows in one
@@ -247,7 +235,7 @@ int64_t weight_grad_piece_rows(const int64_t* group_sizes, int64_t groups, int64
   if (forced >= 0) return forced;
   constexpr int64_t kTileM = 128, kTileN = 256, kMinPiece = 256;
   const int64_t tiles = ((k + kTileM - 1) / kTileM) * ((m + kTileN - 1) / kTileN);
-  if (tiles >= sm_count(device) || groups < 1) return 0;
+  if (tiles >= sm90::sm_count(device) || groups < 1) return 0;
   int64_t total = 0;
   for (int64_t g = 0; g < groups; ++g) total += group_sizes[g];
   return std::max(kMinPiece, 2 * ((total + groups - 1) / groups));
@@ -297,6 +285,7 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
   int64_t piece = weight_grad ? weight_grad_piece_rows(group_sizes, groups, k, m, device) : 0;
   thread_local sm90::ProblemList list;  // 16 KB each: kept off the stack and off the heap
   thread_local sm90::PartialSums sums;
+  int64_t partials = 0;  // pieces after a group's first: each an f32 [K, M] partial output
   // Fills list (and sums); false if the problems do not fit.
   auto build = [&] {
     list.count = 0;
@@ -307,7 +296,7 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
     list.out = out;
     list.partials = nullptr;
     sums.count = 0;
-    int32_t partials = 0;
+    partials = 0;
     int64_t row = 0;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t rows = group_sizes[g];
@@ -319,13 +308,13 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
         list.group[i] = static_cast<int32_t>(g);
         list.rows[i] = static_cast<int32_t>(std::min(step, rows - start));
         list.row_start[i] = static_cast<int32_t>(row + start);
-        list.partial[i] = start == 0 ? -1 : partials++;
+        list.partial[i] = start == 0 ? -1 : static_cast<int32_t>(partials++);
       }
       if (rows > step) {
         const int j = sums.count++;
         sums.group[j] = static_cast<int32_t>(g);
         sums.pieces[j] = static_cast<int32_t>((rows + step - 1) / step - 1);
-        sums.first[j] = partials - sums.pieces[j];
+        sums.first[j] = static_cast<int32_t>(partials) - sums.pieces[j];
       }
       row += rows;
     }
@@ -339,7 +328,7 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
   }
   if (list.count == 0) return false;
   if (weight_grad) sort_longest_first(list);
-  const size_t bytes = sm90::scratch_bytes(kind, list);
+  const size_t bytes = sm90::scratch_bytes(kind, list, beta);
   if (bytes == 0) {  // CUTLASS's can_implement said no: unexpected once the checks above passed
     static std::atomic<bool> warned{false};
     if (!warned.exchange(true))
@@ -350,10 +339,8 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
   }
   Allocator& alloc = backend::cuda_allocator(device);
   void* scratch = alloc.allocate(bytes);
-  size_t partial_bytes = 0;
+  const size_t partial_bytes = static_cast<size_t>(partials * k * m) * sizeof(float);
   if (sums.count > 0) {
-    for (int j = 0; j < sums.count; ++j) partial_bytes += static_cast<size_t>(sums.pieces[j]);
-    partial_bytes *= static_cast<size_t>(k * m) * sizeof(float);
     list.partials = alloc.allocate(partial_bytes);
     // All problems share beta: accumulating pieces start from zero.
     if (beta != 0.f) CUDA_CHECK(cudaMemsetAsync(list.partials, 0, partial_bytes, stream));

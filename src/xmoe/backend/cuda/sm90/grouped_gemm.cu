@@ -9,6 +9,18 @@
 
 namespace xmoe::cuda::sm90 {
 
+int sm_count(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int n = cached[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cached[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 bool supported(int device) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
@@ -24,15 +36,13 @@ bool supported(int device) {
   return state == 1;
 }
 
-size_t scratch_bytes(GroupedKind kind, const ProblemList& list) {
+size_t scratch_bytes(GroupedKind kind, const ProblemList& list, float beta) {
   switch (kind) {
     case GroupedKind::forward: return detail::forward_scratch_bytes(list);
     case GroupedKind::forward_trans_w: return detail::forward_trans_w_scratch_bytes(list);
-    case GroupedKind::weight_grad: {  // either instantiation, as run() picks by beta
-      const size_t accumulate = detail::weight_grad_scratch_bytes(list);
-      const size_t overwrite = detail::weight_grad_overwrite_scratch_bytes(list);
-      return accumulate == 0 || overwrite == 0 ? 0 : std::max(accumulate, overwrite);
-    }
+    case GroupedKind::weight_grad:  // the instantiation run() picks for this beta
+      return beta == 0.f ? detail::weight_grad_overwrite_scratch_bytes(list)
+                         : detail::weight_grad_scratch_bytes(list);
   }
   return 0;
 }

@@ -49,11 +49,13 @@ struct PartialSums {
   int32_t pieces[kMaxProblems];
 };
 
+/// Multiprocessors of `device` (cached; 0 for an index past 64).
+int sm_count(int device);
 /// True when `device` is an sm90 GPU and this build has the kernels.
 bool supported(int device);
-/// Device bytes `run` needs for `list` (per-group arrays and CUTLASS' workspace), or 0 where
-/// the kernel cannot take the list (alignment, sizes): the caller then uses cuBLAS.
-size_t scratch_bytes(GroupedKind kind, const ProblemList& list);
+/// Device bytes `run(kind, list, beta, ...)` needs (per-group arrays and CUTLASS' workspace),
+/// or 0 where the kernel cannot take the list (alignment, sizes): the caller then uses cuBLAS.
+size_t scratch_bytes(GroupedKind kind, const ProblemList& list, float beta);
 /// Queues the grouped GEMM on `stream`. `scratch` holds scratch_bytes(kind, list) bytes and may
 /// be reused once `stream` has passed this call. beta scales the existing output (weight_grad
 /// accumulation); forward kinds ignore it.

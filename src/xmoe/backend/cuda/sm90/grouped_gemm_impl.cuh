@@ -123,11 +123,7 @@ struct GroupedGemm {
   }
 
   static cutlass::KernelHardwareInfo hardware(int device) {
-    static int sm_count[64] = {};  // per device; racing first calls store the same value
-    if (device >= 64) return cutlass::KernelHardwareInfo{device, 0};
-    if (sm_count[device] == 0)
-      sm_count[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-    return cutlass::KernelHardwareInfo{device, sm_count[device]};
+    return cutlass::KernelHardwareInfo{device, sm_count(device)};  // 0: CUTLASS queries it
   }
 
   static typename Gemm::Arguments arguments(const ProblemList& list, const Shape3* host_shapes,
