@@ -9,9 +9,11 @@
 //
 //   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
 //                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick] [--recompute]
+//                   [--no-fold]
 //
 // --recompute: the layer keeps neither h nor its input rows (MoELayer::set_recompute): the
-// memory-for-time trade of model.recompute=moe.
+// memory-for-time trade of model.recompute=moe. --no-fold: the I-Order stage keeps the expert
+// output for the combine-weight gradient (MoELayer::set_fold_combine_weights(false)).
 //
 // Defaults: on the CPU the two small shapes of docs/benchmarks.md, pft and padded at capacity
 // factors 1.0, 1.25, 2.0 (with the ratios against pft); on CUDA the three peer shapes of
@@ -83,7 +85,7 @@ struct Result {
 };
 
 Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters,
-           Device device, bool recompute) {
+           Device device, bool recompute, bool fold) {
   MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
   c.top_k = static_cast<int>(s.k);
@@ -94,6 +96,7 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
   c.capacity_factor = cf;
   moe::MoELayer layer(c, s.d, "bench.moe", 1, 0.02f);
   layer.set_recompute(recompute);
+  layer.set_fold_combine_weights(fold);
   if (device.is_cuda()) {
     // Values go over; gradients are made zero on the device (no host copy of E·3·d·f floats).
     // The expert weights get the bf16 compute copies a bf16 model keeps (the router stays f32).
@@ -143,7 +146,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> impls;
   std::vector<float> cfs = {1.0f, 1.25f, 2.0f};
   int iters = 5, warmup = 1;
-  bool quick = false, recompute = false;
+  bool quick = false, recompute = false, no_fold = false;
   CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
   app.add_option("--device", device_name, "cpu, cuda or cuda:N");
   app.add_option("--shapes", shapes_text, "comma-separated TxdxfxExk (default: by device)");
@@ -154,6 +157,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed passes first")->check(CLI::NonNegativeNumber);
   app.add_flag("--quick", quick, "CPU default shapes at T = 512, at most 3 passes");
   app.add_flag("--recompute", recompute, "recompute h and re-gather the rows in backward");
+  app.add_flag("--no-fold", no_fold, "keep the expert output for the combine-weight gradient");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -190,7 +194,7 @@ int main(int argc, char** argv) {
       Result pft;
       bool have_pft = false;
       for (const Variant& v : variants) {
-        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute);
+        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, !no_fold);
         if (v.impl == "pft") {
           pft = r;
           have_pft = true;
@@ -201,6 +205,7 @@ int main(int argc, char** argv) {
         j["device"] = device.str();
         j["dtype"] = device.is_cuda() ? "bf16" : "f32";
         j["recompute"] = recompute;
+        j["folded"] = !no_fold;
         j["T"] = s.T;
         j["d"] = s.d;
         j["f"] = s.f;

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 
 #include "gradcheck.h"
@@ -156,32 +157,75 @@ TEST(MoeGrad, PaddedWithDroppedTokens) {
   check_layer_gradients(c);
 }
 
+MoeConfig impl_config(const char* impl) {
+  MoeConfig c = small_config("softmax_topk");
+  c.impl = impl;
+  c.capacity_factor = 2.f;
+  return c;
+}
+
+/// One forward + backward of a fresh layer that `configure` has set up.
+struct Pass {
+  int64_t saved = 0;                     ///< bytes forward kept for backward
+  int64_t routed_rows = 0;               ///< (token, slot) pairs the experts processed
+  bool folded = false;                   ///< MoELayer::folded_combine_weights()
+  std::vector<std::vector<float>> grads;  ///< dx, then every parameter's gradient
+};
+Pass run_pass(const MoeConfig& c, const std::function<void(MoELayer&)>& configure) {
+  const Tensor x = randn({kT, kD}, 3), r = randn({kT, kD}, 4);
+  MoELayer layer(c, kD, "m", 5, 0.5f);
+  configure(layer);
+  Pass pass;
+  const int64_t before = memory_stats().live_bytes;
+  Tensor y = layer.forward(x, kSeq);
+  pass.saved = memory_stats().live_bytes - before;
+  pass.folded = layer.folded_combine_weights();
+  for (int64_t n : layer.tokens_per_expert()) pass.routed_rows += n;
+  pass.grads.push_back(layer.backward(r).to_vector<float>());
+  for (Parameter* p : layer.parameters()) pass.grads.push_back(p->grad.to_vector<float>());
+  return pass;
+}
+
 // Recompute (h, and the rows re-gathered from x) changes the bits of nothing, and keeps less:
 // forward saves at least the rows [N, d] and h [N, 2f] fewer bytes.
 TEST(MoeGrad, RecomputeGivesTheSameGradients) {
   for (const char* impl : {"pft", "padded"}) {
-    MoeConfig c = small_config("softmax_topk");
-    c.impl = impl;
-    c.capacity_factor = 2.f;
-    Tensor x = randn({kT, kD}, 3), r = randn({kT, kD}, 4);
-    std::vector<std::vector<float>> grads[2];
-    int64_t saved[2] = {0, 0};
-    for (int rc = 0; rc < 2; ++rc) {
-      MoELayer layer(c, kD, "m", 5, 0.5f);
-      layer.set_recompute(rc == 1);
-      const int64_t before = memory_stats().live_bytes;
-      Tensor y = layer.forward(x, kSeq);
-      saved[rc] = memory_stats().live_bytes - before;
-      grads[rc].push_back(layer.backward(r).to_vector<float>());
-      for (Parameter* p : layer.parameters()) grads[rc].push_back(p->grad.to_vector<float>());
-    }
-    EXPECT_EQ(grads[0], grads[1]) << impl;
+    const MoeConfig c = impl_config(impl);
+    const Pass kept = run_pass(c, [](MoELayer& l) { l.set_recompute(false); });
+    const Pass recomputed = run_pass(c, [](MoELayer& l) { l.set_recompute(true); });
+    EXPECT_EQ(kept.grads, recomputed.grads) << impl;
     const int64_t rows = kT * c.top_k, floats = rows * kD + rows * 2 * c.expert_hidden;
     if (std::string(impl) == "pft")
-      EXPECT_GE(saved[0] - saved[1], floats * 4) << "saved " << saved[0] << " vs " << saved[1];
+      EXPECT_GE(kept.saved - recomputed.saved, floats * 4)
+          << "saved " << kept.saved << " vs " << recomputed.saved;
     else
-      EXPECT_LT(saved[1], saved[0]) << impl;
+      EXPECT_LT(recomputed.saved, kept.saved) << impl;
   }
+}
+
+// Folding the combine weights into the experts' backward (d > f here) gives the gradients of
+// the plain backward, and the expert output [N, d] is no longer kept after forward.
+TEST(MoeGrad, FoldedCombineWeightsGiveTheSameGradients) {
+  for (const char* impl : {"pft", "padded"}) {
+    const MoeConfig c = impl_config(impl);
+    const Pass plain = run_pass(c, [](MoELayer& l) { l.set_fold_combine_weights(false); });
+    const Pass folded = run_pass(c, [](MoELayer& l) { l.set_fold_combine_weights(true); });
+    EXPECT_FALSE(plain.folded) << impl;
+    EXPECT_TRUE(folded.folded) << impl;
+    ASSERT_EQ(plain.grads.size(), folded.grads.size());
+    for (size_t i = 0; i < plain.grads.size(); ++i)
+      for (size_t j = 0; j < plain.grads[i].size(); ++j)
+        ASSERT_NEAR(folded.grads[i][j], plain.grads[i][j],
+                    1e-5f * (1.f + std::fabs(plain.grads[i][j])))
+            << impl << " gradient " << i << "[" << j << "]";
+    // At least the PFT rows' output (padded: E * C rows, more than the routed ones).
+    EXPECT_GE(plain.saved - folded.saved, plain.routed_rows * kD * 4)
+        << impl << ": " << plain.saved << " vs " << folded.saved;
+  }
+  // f > d: folding would raise the peak, so the layer does not.
+  MoeConfig wide = small_config("softmax_topk");
+  wide.expert_hidden = 4 * kD;
+  EXPECT_FALSE(run_pass(wide, [](MoELayer&) {}).folded);
 }
 
 // The expert weights zero their gradients lazily (Parameter::lazy_zero_grad): after zero_grad()

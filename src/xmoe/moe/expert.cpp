@@ -1,5 +1,7 @@
 #include "xmoe/moe/expert.h"
 
+#include <algorithm>
+
 #include "xmoe/moe/moe_ops.h"
 #include "xmoe/ops/ops.h"
 
@@ -66,6 +68,43 @@ class SwigluExperts final : public Experts {
     return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                        // [N, d]
   }
 
+  WeightedGrads backward_weighted(Tensor g_in, const Tensor& w) override {
+    XMOE_CHECK(rows_.defined(), "[moe experts] backward without a forward");
+    check_shape(g_in, {rows_.size(0), down_.value.size(2)}, "moe experts backward", "g");
+    check_shape(w, {rows_.size(0)}, "moe experts backward", "w");
+    Tensor g = as_dtype(g_in, rows_.dtype());
+    g_in = Tensor();
+    // out = a Wd and d_out = w * g, so dWd = (w * a)^T g, da = w * (g Wd^T) and
+    // d_w = g . out = (g Wd^T) . a: a is made twice from h rather than kept next to da.
+    Tensor dh = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);  // h
+    h_ = Tensor();
+    Tensor a = xmoe::ops::swiglu(dh);                                                // [N, f]
+    scale_rows_(a, w);
+    xmoe::ops::grouped_matmul_weight_grad(down_.grad, a, g, groups_,
+                                          !down_.take_grad_overwrite());
+    a = Tensor();
+    Tensor da = xmoe::ops::grouped_matmul(g, wd_, groups_, true);                     // [N, f]
+    g = Tensor();
+    WeightedGrads r;
+    r.d_weights = row_dot_f32(da, xmoe::ops::swiglu(dh));
+    scale_rows_(da, w);
+    xmoe::ops::swiglu_backward_(dh, da);                                             // [N, 2f]
+    da = Tensor();
+    xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_,
+                                          !gate_up_.take_grad_overwrite());
+    rows_ = Tensor();
+    r.d_rows = xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                    // [N, d]
+    return r;
+  }
+
+  // Peaks in units of N elements: backward with the I-Order stage keeping out holds
+  // max(3d + 2f, 2d + 3f) (rows, h, out, d_rows; then rows, h, d_out, a or da),
+  // backward_weighted max(2d + 3f, d + 4f) (rows, h, g, w * a or da; then rows, h, da, a).
+  bool folding_weights_saves_memory() const override {
+    const int64_t d = gate_up_.value.size(1), f = down_.value.size(1);
+    return std::max(2 * d + 3 * f, d + 4 * f) < std::max(3 * d + 2 * f, 2 * d + 3 * f);
+  }
+
   void release() override { rows_ = h_ = wgu_ = wd_ = Tensor(); }
   void forget_input() override { rows_ = Tensor(); }
   void restore_input(Tensor rows) override {
@@ -89,6 +128,10 @@ class SwigluExperts final : public Experts {
 };
 
 }  // namespace
+
+Experts::WeightedGrads Experts::backward_weighted(Tensor, const Tensor&) {
+  XMOE_FAIL("[moe experts] '{}' experts cannot fold the combine weights into backward", name());
+}
 
 ExpertRegistry& expert_registry() {
   static ExpertRegistry registry = [] {

@@ -6,12 +6,13 @@
 namespace xmoe::moe {
 
 Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
-                       const TokenLayout& layout) {
+                       const TokenLayout& layout, bool keep_rows_out) {
   const char* op = "moe iorder";
   const int64_t N = layout.num_rows();
   check_shape(rows_out, {N, -1}, op, "rows_out");
   check_shape(combine_weights, {N}, op, "combine_weights");
-  rows_out_ = rows_out;
+  rows_out_ = keep_rows_out ? rows_out : Tensor();
+  rows_dtype_ = rows_out.dtype();
   combine_weights_ = combine_weights;
   token_ids_ = layout.token_ids;
   padded_ = layout.padded;
@@ -24,6 +25,13 @@ Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
     xmoe::ops::scatter_add_rows(y, rows_out, token_ids_, combine_weights);
   }
   return y;
+}
+
+Tensor IOrder::backward_unweighted(const Tensor& dy) const {
+  XMOE_CHECK(token_ids_.defined(), "[moe iorder] backward without a forward");
+  // Cast the [T, d] gradient, not the [N, d] gather of it.
+  const Tensor g = as_dtype(dy, rows_dtype_);
+  return padded_ ? gather_rows_masked(g, token_ids_) : xmoe::ops::gather_rows(g, token_ids_);
 }
 
 IOrder::Grads IOrder::backward(const Tensor& dy) {

@@ -171,13 +171,20 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   run_stage(ctx, Stage::combine, [&] {
     ctx.set("rows_out", dispatcher_->combine(ctx.get("expert_out"), handle_));
   });
+  // Dispatch and combine moved nothing: the experts' rows are the layout's rows, and their
+  // backward can apply the combine weights itself.
+  fold_weights_ = allow_fold_ && hooks_.empty() && !reduces &&
+                  ctx.get("expert_in").raw() == ctx.get("rows").raw() &&
+                  ctx.get("rows_out").raw() == ctx.get("expert_out").raw() &&
+                  experts_->folding_weights_saves_memory();
   run_stage(ctx, Stage::iorder, [&] {
     Tensor y;
     if (reduces) {  // rows_out: weighted partial sums [G, d] of tokens handle_.group_tokens
       y = Tensor::zeros({T, d_model_}, x_in.dtype(), x_in.device());
       xmoe::ops::scatter_add_rows(y, ctx.get("rows_out"), handle_.group_tokens);
     } else {
-      y = iorder_.forward(ctx.get("rows_out"), ctx.get("combine_weights"), layout);
+      y = iorder_.forward(ctx.get("rows_out"), ctx.get("combine_weights"), layout,
+                          !fold_weights_);
     }
     ctx.set("y_routed", y);
     ctx.set("y", y);
@@ -209,6 +216,10 @@ Tensor MoELayer::backward(const Tensor& dy) {
       ctx.set("d_rows_out", xmoe::ops::gather_rows(ctx.get("d_y"), handle_.group_tokens));
       return;
     }
+    if (fold_weights_) {  // unweighted: the experts apply the weights (and give their grads)
+      ctx.set("d_rows_out", iorder_.backward_unweighted(ctx.get("d_y")));
+      return;
+    }
     IOrder::Grads g = iorder_.backward(ctx.get("d_y"));
     ctx.set("d_rows_out", g.d_rows);
     ctx.set("d_combine_weights", g.d_combine_weights);
@@ -230,7 +241,14 @@ Tensor MoELayer::backward(const Tensor& dy) {
       ctx.erase("d_expert_out");
       ctx.erase("d_rows_out");
     }
-    ctx.set("d_expert_in", experts_->backward(std::move(d_out)));
+    if (fold_weights_) {
+      Experts::WeightedGrads g =
+          experts_->backward_weighted(std::move(d_out), order_->layout().combine_weights);
+      ctx.set("d_expert_in", g.d_rows);
+      ctx.set("d_combine_weights", g.d_weights);
+    } else {
+      ctx.set("d_expert_in", experts_->backward(std::move(d_out)));
+    }
   });
   experts_->release();
   run_stage(ctx, Stage::dispatch, [&] {

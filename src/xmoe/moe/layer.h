@@ -92,6 +92,14 @@ class MoELayer : public Module {
     experts_->set_recompute(on);
   }
 
+  /// Fold the combine weights into the experts' backward (Experts::backward_weighted) where it
+  /// applies: one process holds every expert, no hooks, no rbd combine, and the experts say it
+  /// lowers the peak (d > f, roughly). The expert output [N, d] is then not kept for backward.
+  /// On by default; off for comparisons.
+  void set_fold_combine_weights(bool on) { allow_fold_ = on; }
+  /// Whether the last forward folded them.
+  bool folded_combine_weights() const { return fold_weights_; }
+
   /// Rebuilds the dispatcher with simulated nodes of `ranks_per_node` ep ranks (rbd; 0 = the
   /// group's topology). For tests and benchmarks on one machine; collective over the ep group.
   void set_ranks_per_node(int ranks_per_node);
@@ -170,6 +178,7 @@ class MoELayer : public Module {
   bool frozen_routing_ = false;
   bool recompute_ = false;
   Tensor regather_from_;  // x, when the experts' rows are to be re-gathered in backward
+  bool allow_fold_ = true, fold_weights_ = false;
   float aux_grad_scale_ = 1.0f;
   bool record_coactivation_ = false;
   CoactivationMatrix coactivation_;
