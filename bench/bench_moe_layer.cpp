@@ -9,11 +9,11 @@
 //
 //   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
 //                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick] [--recompute]
-//                   [--no-fold]
+//                   [--fold]
 //
 // --recompute: the layer keeps neither h nor its input rows (MoELayer::set_recompute): the
-// memory-for-time trade of model.recompute=moe. --no-fold: the I-Order stage keeps the expert
-// output for the combine-weight gradient (MoELayer::set_fold_combine_weights(false)).
+// memory-for-time trade of model.recompute=moe. --fold: the experts' backward applies the combine
+// weights and the expert output is not kept (model.moe.fold_combine_weights).
 //
 // Defaults: on the CPU the two small shapes of docs/benchmarks.md, pft and padded at capacity
 // factors 1.0, 1.25, 2.0 (with the ratios against pft); on CUDA the three peer shapes of
@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> impls;
   std::vector<float> cfs = {1.0f, 1.25f, 2.0f};
   int iters = 5, warmup = 1;
-  bool quick = false, recompute = false, no_fold = false;
+  bool quick = false, recompute = false, fold = false;
   CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
   app.add_option("--device", device_name, "cpu, cuda or cuda:N");
   app.add_option("--shapes", shapes_text, "comma-separated TxdxfxExk (default: by device)");
@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed passes first")->check(CLI::NonNegativeNumber);
   app.add_flag("--quick", quick, "CPU default shapes at T = 512, at most 3 passes");
   app.add_flag("--recompute", recompute, "recompute h and re-gather the rows in backward");
-  app.add_flag("--no-fold", no_fold, "keep the expert output for the combine-weight gradient");
+  app.add_flag("--fold", fold, "fold the combine weights into the experts' backward");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -194,7 +194,7 @@ int main(int argc, char** argv) {
       Result pft;
       bool have_pft = false;
       for (const Variant& v : variants) {
-        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, !no_fold);
+        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, fold);
         if (v.impl == "pft") {
           pft = r;
           have_pft = true;
@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
         j["device"] = device.str();
         j["dtype"] = device.is_cuda() ? "bf16" : "f32";
         j["recompute"] = recompute;
-        j["folded"] = !no_fold;
+        j["folded"] = fold;
         j["T"] = s.T;
         j["d"] = s.d;
         j["f"] = s.f;

@@ -198,8 +198,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 19 model.moe + 3 data + 21 train + 5 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 19u + 3u + 21u + 5u);
+  // 13 model + 20 model.moe + 3 data + 21 train + 5 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 20u + 3u + 21u + 5u);
 }
 
 TEST(Config, ParameterCounts) {

@@ -222,9 +222,15 @@ TEST(MoeGrad, FoldedCombineWeightsGiveTheSameGradients) {
     EXPECT_GE(plain.saved - folded.saved, plain.routed_rows * kD * 4)
         << impl << ": " << plain.saved << " vs " << folded.saved;
   }
-  // f > d: folding would raise the peak, so the layer does not.
+  // Off by default; model.moe.fold_combine_weights turns it on.
+  MoeConfig asked = impl_config("pft");
+  EXPECT_FALSE(run_pass(asked, [](MoELayer&) {}).folded);
+  asked.fold_combine_weights = true;
+  EXPECT_TRUE(run_pass(asked, [](MoELayer&) {}).folded);
+  // f > d: folding would raise the peak, so the layer does not, even when asked.
   MoeConfig wide = small_config("softmax_topk");
   wide.expert_hidden = 4 * kD;
+  wide.fold_combine_weights = true;
   EXPECT_FALSE(run_pass(wide, [](MoELayer&) {}).folded);
 }
 

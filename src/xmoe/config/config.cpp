@@ -113,6 +113,9 @@ const std::vector<Key>& table() {
       XMOE_KEY(model.moe.dispatch, any(), {"auto", "local", "all_to_all", "rbd"},
                "token exchange: auto (local when parallel.ep = 1, else all_to_all), local, "
                "all_to_all, or redundancy-bypassing dispatch"),
+      XMOE_KEY(model.moe.fold_combine_weights, any(), {},
+               "apply the combine weights in the experts' backward so the expert output [N, d] "
+               "is not kept (less memory where d > f, a few % slower)"),
       // data
       XMOE_KEY(data.corpus, any(), {}, "a text file or a folder of text files to prepare"),
       XMOE_KEY(data.dir, any(), {},

@@ -34,6 +34,7 @@ struct MoeConfig {
   std::string impl = "pft";        ///< pft (padding-free) | padded (capacity, drops overflow)
   float capacity_factor = 1.25f;   ///< padded only
   std::string dispatch = "auto";  ///< auto | local | all_to_all | rbd
+  bool fold_combine_weights = false;  ///< experts' backward applies the combine weights
 
   bool operator==(const MoeConfig&) const = default;
 };

@@ -16,7 +16,8 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
     : cfg_(config),
       par_(layout ? *layout : parallel::Layout::single()),
       d_model_(d_model),
-      prefix_(std::move(prefix)) {
+      prefix_(std::move(prefix)),
+      allow_fold_(config.fold_combine_weights) {
   const MoeConfig& c = cfg_;
   XMOE_CHECK(c.num_experts >= 1, "[moe] moe.num_experts = {} must be >= 1", c.num_experts);
   XMOE_CHECK(c.top_k >= 1, "[moe] moe.top_k = {} must be >= 1", c.top_k);
