@@ -113,8 +113,7 @@ int main(int argc, char** argv) {
       const float loss = model.forward_loss(ids, targets);
       model.backward(1.0f);
       const double norm = optim::grad_norm(params);
-      optim::scale_grads(params, optim::clip_factor(norm, tc.grad_clip));
-      opt.step(tc.lr);
+      opt.step(tc.lr, optim::clip_factor(norm, tc.grad_clip));
       for (moe::MoELayer* l : moe_layers) l->update_routing_bias();
       backend::synchronize(device);  // the step is done when the optimizer's kernels are
       return StepResult{loss, norm};

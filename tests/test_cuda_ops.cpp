@@ -213,6 +213,17 @@ std::vector<OpCase> parity_cases() {
   };
   c.push_back({"rmsnorm", rmsnorm_inputs, rmsnorm_run});
   c.push_back({"rmsnorm_f32_weight", rmsnorm_inputs, rmsnorm_run, {1, 3}});
+  // Warp path with a part-filled last chunk (1000 = 3 * 256 + 232), and the block path (d % 8).
+  c.push_back({"rmsnorm_wide",
+               [] {
+                 return Tensors{randn({70, 1000}, 32), randn({1000}, 33), randn({70, 1000}, 34),
+                                randn({1000}, 35)};
+               },
+               rmsnorm_run});
+  c.push_back({"rmsnorm_odd_width",
+               [] { return Tensors{randn({40, 50}, 36), randn({50}, 37), randn({40, 50}, 38),
+                                   randn({50}, 39)}; },
+               rmsnorm_run});
   // selection and indexing
   c.push_back({"topk",
                [] { return Tensors{rand_ties({17, 64}, 32), randn({3, 512}, 33)}; },
@@ -638,6 +649,10 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
            time_ms([&] { ops::cross_entropy(logits, targets); }), 0);
     const Tensor x = Tensor::zeros({16384, 1024}, bf, kCuda), w = Tensor::zeros({1024}, bf, kCuda);
     report("rmsnorm", "16384x1024", time_ms([&] { ops::rmsnorm(x, w, 1e-6f); }), 0);
+    const auto r = ops::rmsnorm(x, w, 1e-6f);
+    Tensor dw = Tensor::zeros({1024}, bf, kCuda);
+    report("rmsnorm_backward", "16384x1024",
+           time_ms([&] { ops::rmsnorm_backward(x, w, r.rstd, x, dw); }), 0);
   }
   cuda::empty_cache(0);
 }

@@ -59,6 +59,26 @@ TEST(AdamW, OneStepMatchesHandComputedValues) {
   EXPECT_EQ(ops::sum_squares(w.grad), 0.0);
 }
 
+// step(lr, s) on the grads g gives the bits of scale_grads(s) then step(lr), and leaves g.
+TEST(AdamW, GradScaleIsTheClipFactorWithoutAPass) {
+  Parameter a = param("a", {1.0f, -2.0f, 0.5f}), b = param("b", {1.0f, -2.0f, 0.5f});
+  AdamW oa({&a}, {0.9f, 0.95f, 1e-8f, 0.1f}), ob({&b}, {0.9f, 0.95f, 1e-8f, 0.1f});
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<float> g = {0.3f + static_cast<float>(step), -1.7f, 2.9f};
+    set_grad(a, g);
+    set_grad(b, g);
+    const float s = optim::clip_factor(7.3, 1.0f);
+    optim::scale_grads({&a}, s);
+    oa.step(0.01f);
+    ob.step(0.01f, s);
+    EXPECT_EQ(b.grad.data<float>()[0], g[0]);
+    for (int j = 0; j < 3; ++j) {
+      EXPECT_EQ(a.value.data<float>()[j], b.value.data<float>()[j]) << step << " " << j;
+      EXPECT_EQ(oa.v(0).data<float>()[j], ob.v(0).data<float>()[j]) << step << " " << j;
+    }
+  }
+}
+
 TEST(AdamW, StateRoundTripResumesExactly) {
   Parameter a1 = param("layers.0.w", {0.3f, -0.7f, 1.1f}), b1 = param("n", {1.f}, false);
   Parameter a2 = param("layers.0.w", {0.3f, -0.7f, 1.1f}), b2 = param("n", {1.f}, false);

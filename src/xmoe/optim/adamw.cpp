@@ -36,7 +36,7 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
   }
 }
 
-void AdamW::step(float lr) {
+void AdamW::step(float lr, float grad_scale) {
   ProfileScope scope("optim.adamw", device_);
   settle_grads(params_);
   ++step_;
@@ -45,7 +45,7 @@ void AdamW::step(float lr) {
   const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(b1), t));
   const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(b2), t));
   if (device_.is_cuda()) {
-    step_cuda(lr, bc1, bc2);
+    step_cuda(lr, bc1, bc2, grad_scale);
     return;
   }
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -61,15 +61,16 @@ void AdamW::step(float lr) {
     const int64_t n = p.value.numel();
 #pragma omp parallel for simd schedule(static) if (n > (1 << 15))
     for (int64_t j = 0; j < n; ++j) {
-      m[j] = b1 * m[j] + (1.f - b1) * g[j];
-      v[j] = b2 * v[j] + (1.f - b2) * g[j] * g[j];
+      const float gj = g[j] * grad_scale;
+      m[j] = b1 * m[j] + (1.f - b1) * gj;
+      v[j] = b2 * v[j] + (1.f - b2) * gj * gj;
       const float mhat = m[j] / bc1, vhat = v[j] / bc2;
       w[j] = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
     }
   }
 }
 
-void AdamW::step_cuda(float lr, float bc1, float bc2) {
+void AdamW::step_cuda(float lr, float bc1, float bc2, float grad_scale) {
   // One fused update of every parameter (a launch per kMultiTensorMax tensors), the same
   // formula and operation order as the CPU loop above; bf16 copies are rewritten in passing.
   cuda::AdamWScalars s;
@@ -82,6 +83,7 @@ void AdamW::step_cuda(float lr, float bc1, float bc2) {
   s.bc1 = bc1;
   s.bc2 = bc2;
   s.decay = 1.0f - lr * cfg_.weight_decay;
+  s.grad_scale = grad_scale;
   std::vector<cuda::AdamWTensor> list;
   list.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -29,11 +29,12 @@ class AdamW {
   /// parameter. Parameter names must be unique (they key the exported state).
   AdamW(std::vector<Parameter*> params, AdamWConfig cfg);
 
-  /// One update of every parameter from its grad with learning rate `lr`; step() += 1.
-  /// Does not clear the grads. On CUDA: one fused multi-tensor kernel (backend/cuda/optim.cu),
+  /// One update of every parameter from grad * grad_scale with learning rate `lr`; step() += 1.
+  /// grad_scale is the clip factor (clip_factor): applying it here instead of scale_grads saves
+  /// a pass over the gradients, with the same bits. Does not change or clear the grads. On CUDA: one fused multi-tensor kernel (backend/cuda/optim.cu),
   /// the CPU's formula in the CPU's operation order, which also rewrites each parameter's bf16
   /// compute copy; nothing waits for the device.
-  void step(float lr);
+  void step(float lr, float grad_scale = 1.0f);
   /// Zeroes every parameter's grad.
   void zero_grad();
 
@@ -58,7 +59,7 @@ class AdamW {
   void import_state(const std::map<std::string, Tensor>& in);
 
  private:
-  void step_cuda(float lr, float bc1, float bc2);
+  void step_cuda(float lr, float bc1, float bc2, float grad_scale);
 
   std::vector<Parameter*> params_;
   AdamWConfig cfg_;

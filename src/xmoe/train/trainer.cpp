@@ -361,8 +361,8 @@ TrainResult train(const Config& config, const TrainOptions& options) {
                  result.last_checkpoint.empty() ? std::string("(none yet)") : result.last_checkpoint);
     } else {
       bad_in_a_row = 0;
-      optim::scale_grads(params, optim::clip_factor(m.grad_norm, tc.grad_clip));
-      opt.step(static_cast<float>(m.lr));
+      // The clip factor rides on the update (no pass of its own over the gradients).
+      opt.step(static_cast<float>(m.lr), optim::clip_factor(m.grad_norm, tc.grad_clip));
       for (moe::MoELayer* layer : moe_layers) layer->update_routing_bias();
     }
     if (!load.empty()) {

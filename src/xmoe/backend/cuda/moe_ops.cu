@@ -29,33 +29,6 @@ __global__ void row_dot_f32_kernel(float* out, const T* a, const T* b, int64_t n
   }
 }
 
-// Eight consecutive values as f32, from 16 (bf16) or 32 (f32) bytes.
-__device__ __forceinline__ void load8(float (&v)[8], const bf16_t* p) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 f = __bfloat1622float2(h[e]);
-    v[2 * e] = f.x;
-    v[2 * e + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void load8(float (&v)[8], const float* p) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
-__device__ __forceinline__ void store8(bf16_t* p, const float (&v)[8]) {
-  uint4 u;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) h[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
-  *reinterpret_cast<uint4*>(p) = u;
-}
-__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
 // One warp per row; VEC: 8 values per access (d % 8 == 0 and 16-byte aligned rows), else one.
 template <class T, class TY, bool VEC>
 __global__ void gather_weighted_rows_dot_kernel(T* d_rows, float* dot, const TY* dy, const T* rows,

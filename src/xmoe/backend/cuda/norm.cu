@@ -1,7 +1,12 @@
-// RMSNorm: y = x * rstd * w, rstd = (mean(x^2) + eps)^-1/2, one block per row.
-// Backward: dx per row; the weight gradient is summed deterministically: block b owns rows
-// b, b + P, b + 2P, ... (P depends only on the row count) and writes its partial sums to its own
-// row of a (P, d) workspace, then one pass adds the P partials of each column in order.
+// RMSNorm: y = x * rstd * w, rstd = (mean(x^2) + eps)^-1/2.
+// Rows of at most 1024 values (d % 8 == 0, 16-byte aligned rows): one warp per row with 16-byte
+// accesses; in backward each lane keeps its columns' weight-gradient partials in registers.
+// Other rows: one block per row, element by element.
+// The weight gradient is summed deterministically: worker b (a warp, or a block) owns rows
+// b, b + P, b + 2P, ... (P depends only on the row count and d) and writes its partial sums to
+// its own row of a (P, d) workspace; then each column's P partials are added in a fixed order.
+#include <type_traits>
+
 #include "xmoe/backend/cuda/common.cuh"
 
 namespace xmoe::cuda {
@@ -9,9 +14,136 @@ namespace xmoe::cuda {
 namespace {
 
 constexpr int kNormBlock = 256;
-constexpr int64_t kMaxPartials = 256;
+constexpr int64_t kMaxPartials = 256;      // block path
+constexpr int64_t kMaxWarpPartials = 2048;  // warp path: 16 warps on each of 128 SMs
+constexpr int kWarpRowMax = 1024;          // 4 chunks of 8 values per lane (more spill)
+constexpr int kRowWarps = 4;               // warps per block of the warp path
 
-int64_t num_partials(int64_t rows) { return rows < kMaxPartials ? (rows < 1 ? 1 : rows) : kMaxPartials; }
+int64_t clamp_partials(int64_t rows, int64_t most) { return rows < most ? (rows < 1 ? 1 : rows) : most; }
+int64_t num_partials(int64_t rows) { return clamp_partials(rows, kMaxPartials); }
+
+bool warp_path(const void* x, const void* y, const void* w, int64_t d) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return d % 8 == 0 && d <= kWarpRowMax && aligned(x) && aligned(y) && aligned(w);
+}
+
+// Columns lane * 8 + c * 256 (c < CH) of a row; CH * 256 >= d.
+template <int CH, class T, class W>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    rmsnorm_forward_warp_kernel(T* y, float* rstd, const T* x, const W* w, int64_t rows,
+                                int64_t d, float eps) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
+  float wv[CH][8];
+#pragma unroll
+  for (int c = 0; c < CH; ++c)
+    if (lane * 8 + c * 256 < d) load8(wv[c], w + lane * 8 + c * 256);
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); r < rows;
+       r += warps) {
+    const T* xr = x + r * d;
+    float xv[CH][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      const int64_t j = lane * 8 + c * 256;
+      if (j >= d) continue;
+      load8(xv[c], xr + j);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += xv[c][e] * xv[c][e];
+    }
+    ss = warp_sum(ss);
+    const float rs = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
+    if (lane == 0) rstd[r] = rs;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      const int64_t j = lane * 8 + c * 256;
+      if (j >= d) continue;
+      float o[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = xv[c][e] * rs * wv[c][e];
+      store8(y + r * d + j, o);
+    }
+  }
+}
+
+template <int CH, class T, class W>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    rmsnorm_backward_warp_kernel(T* dx, float* partial, const T* x, const W* w,
+                                 const float* rstd, const T* dy, int64_t rows, int64_t d) {
+  const int lane = threadIdx.x & 31;
+  const int64_t worker = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
+  float wv[CH][8], acc[CH][8];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
+    if (lane * 8 + c * 256 < d) load8(wv[c], w + lane * 8 + c * 256);
+  }
+  for (int64_t r = worker; r < rows; r += warps) {
+    const int64_t o = r * d;
+    const float rs = rstd[r];
+    float xv[CH][8], gv[CH][8];
+    float dot = 0.f;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      const int64_t j = lane * 8 + c * 256;
+      if (j >= d) continue;
+      load8(xv[c], x + o + j);
+      load8(gv[c], dy + o + j);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dot += wv[c][e] * gv[c][e] * xv[c][e];
+    }
+    dot = warp_sum(dot);
+    const float k = rs * rs * rs * dot / static_cast<float>(d);
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      const int64_t j = lane * 8 + c * 256;
+      if (j >= d) continue;
+      float out[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        out[e] = rs * wv[c][e] * gv[c][e] - xv[c][e] * k;
+        acc[c][e] += gv[c][e] * xv[c][e] * rs;
+      }
+      store8(dx + o + j, out);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int64_t j = lane * 8 + c * 256;
+    if (j < d) store8(partial + worker * d + j, acc[c]);
+  }
+}
+
+// dw[j] += sum over the P partials of column j: 32 columns per block, thread row y adds
+// partials y, y + 32, ... in order, then thread row 0 adds the 32 sums in order.
+template <class W>
+__global__ void __launch_bounds__(1024)
+    rmsnorm_dweight_columns_kernel(W* dw, const float* partial, int64_t parts, int64_t d) {
+  __shared__ float sums[32][33];
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (j < d)
+    for (int64_t b = threadIdx.y; b < parts; b += 32) s += partial[b * d + j];
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < d) {
+    float t = 0.f;
+    for (int i = 0; i < 32; ++i) t += sums[i][threadIdx.x];
+    dw[j] = from_float<W>(to_float(dw[j]) + t);
+  }
+}
+
+template <class F> void dispatch_chunks(int64_t d, F&& f) {
+  if (d <= 256) f(std::integral_constant<int, 1>{});
+  else if (d <= 512) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 4>{});
+}
+
+unsigned warp_grid(int64_t rows, int64_t most) {
+  return static_cast<unsigned>((clamp_partials(rows, most) + kRowWarps - 1) / kRowWarps);
+}
 
 template <class T, class W>
 __global__ void __launch_bounds__(kNormBlock)
@@ -76,6 +208,16 @@ void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dt, const void
     using T = typename decltype(xtag)::type;
     dispatch_float(w_dt, "rmsnorm", [&](auto wtag) {
       using W = typename decltype(wtag)::type;
+      if (warp_path(x, y, w, d)) {
+        dispatch_chunks(d, [&](auto ch) {
+          rmsnorm_forward_warp_kernel<decltype(ch)::value, T, W>
+              <<<warp_grid(rows, 65536), kRowWarps * 32, 0, stream>>>(
+                  static_cast<T*>(y), rstd, static_cast<const T*>(x), static_cast<const W*>(w),
+                  rows, d, eps);
+        });
+        CUDA_CHECK_LAUNCH();
+        return;
+      }
       rmsnorm_forward_kernel<T, W><<<grid_for(rows, 1), kNormBlock, 0, stream>>>(
           static_cast<T*>(y), rstd, static_cast<const T*>(x), static_cast<const W*>(w), rows, d,
           eps);
@@ -85,15 +227,39 @@ void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dt, const void
 }
 
 size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d) {
-  return static_cast<size_t>(num_partials(rows) * d) * sizeof(float);
+  const int64_t parts = d <= kWarpRowMax ? warp_grid(rows, kMaxWarpPartials) * int64_t{kRowWarps}
+                                         : num_partials(rows);
+  return static_cast<size_t>(parts * d) * sizeof(float);
 }
 
 void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void* w, DType w_dt,
                       const float* rstd, const void* dy, int64_t rows, int64_t d,
                       void* workspace, Stream stream) {
   if (rows == 0 || d == 0) return;
-  const int64_t parts = num_partials(rows);
   auto* partial = static_cast<float*>(workspace);
+  if (warp_path(x, dx, w, d) && reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(workspace) % 16 == 0) {
+    const unsigned blocks = warp_grid(rows, kMaxWarpPartials);
+    const int64_t parts = int64_t{blocks} * kRowWarps;
+    dispatch_float(x_dt, "rmsnorm_backward", [&](auto xtag) {
+      using T = typename decltype(xtag)::type;
+      dispatch_float(w_dt, "rmsnorm_backward", [&](auto wtag) {
+        using W = typename decltype(wtag)::type;
+        dispatch_chunks(d, [&](auto ch) {
+          rmsnorm_backward_warp_kernel<decltype(ch)::value, T, W>
+              <<<blocks, kRowWarps * 32, 0, stream>>>(
+                  static_cast<T*>(dx), partial, static_cast<const T*>(x),
+                  static_cast<const W*>(w), rstd, static_cast<const T*>(dy), rows, d);
+        });
+        CUDA_CHECK_LAUNCH();
+        rmsnorm_dweight_columns_kernel<W><<<static_cast<unsigned>((d + 31) / 32), dim3(32, 32),
+                                            0, stream>>>(static_cast<W*>(dw), partial, parts, d);
+        CUDA_CHECK_LAUNCH();
+      });
+    });
+    return;
+  }
+  const int64_t parts = num_partials(rows);
   dispatch_float(x_dt, "rmsnorm_backward", [&](auto xtag) {
     using T = typename decltype(xtag)::type;
     dispatch_float(w_dt, "rmsnorm_backward", [&](auto wtag) {

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kOptimBlock)
   bf16_t* copy = static_cast<bf16_t*>(t.e[ti]);
   const float decay = t.flag[ti] ? s.decay : 1.0f;
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    const float gj = g[j];
+    const float gj = __fmul_rn(g[j], s.grad_scale);
     const float mj = __fadd_rn(__fmul_rn(s.beta1, m[j]), __fmul_rn(s.one_minus_beta1, gj));
     const float vj =
         __fadd_rn(__fmul_rn(s.beta2, v[j]), __fmul_rn(__fmul_rn(s.one_minus_beta2, gj), gj));

@@ -31,10 +31,11 @@ struct AdamWScalars {
   float one_minus_beta1 = 0, one_minus_beta2 = 0;  ///< 1.f - beta (f32, as the CPU)
   float bc1 = 1, bc2 = 1;                          ///< 1 - beta^t (double, rounded to f32)
   float decay = 1;                                 ///< 1 - lr * weight_decay
+  float grad_scale = 1;                            ///< g = grad * grad_scale (the clip factor)
 };
 
 // Per element, in the CPU's operation order with IEEE round-to-nearest (no FMA contraction):
-//   m = b1 m + (1 - b1) g;  v = b2 v + ((1 - b2) g) g
+//   g = grad * grad_scale;  m = b1 m + (1 - b1) g;  v = b2 v + ((1 - b2) g) g
 //   p = p * decay - (lr * (m / bc1)) / (sqrt(v / bc2) + eps);  param_bf16 = bf16(p)
 void adamw_step(const AdamWTensor* tensors, int64_t count, const AdamWScalars& s, Stream stream);
 
