@@ -31,9 +31,10 @@ class AdamW {
 
   /// One update of every parameter from grad * grad_scale with learning rate `lr`; step() += 1.
   /// grad_scale is the clip factor (clip_factor): applying it here instead of scale_grads saves
-  /// a pass over the gradients, with the same bits. Does not change or clear the grads. On CUDA: one fused multi-tensor kernel (backend/cuda/optim.cu),
-  /// the CPU's formula in the CPU's operation order, which also rewrites each parameter's bf16
-  /// compute copy; nothing waits for the device.
+  /// a pass over the gradients, with the same bits. Does not change or clear the grads. On
+  /// CUDA: one fused multi-tensor kernel (backend/cuda/optim.cu), the CPU's formula in the
+  /// CPU's operation order, which also rewrites each parameter's bf16 compute copy; nothing
+  /// waits for the device.
   void step(float lr, float grad_scale = 1.0f);
   /// Zeroes every parameter's grad.
   void zero_grad();

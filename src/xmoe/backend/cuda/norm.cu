@@ -27,7 +27,9 @@ bool warp_path(const void* x, const void* y, const void* w, int64_t d) {
   return d % 8 == 0 && d <= kWarpRowMax && aligned(x) && aligned(y) && aligned(w);
 }
 
-// Columns lane * 8 + c * 256 (c < CH) of a row; CH * 256 >= d.
+// Lane `lane` of a warp-path kernel holds columns warp_col(lane, c), c < CH (CH * 256 >= d).
+__device__ __forceinline__ int64_t warp_col(int lane, int c) { return lane * 8 + c * 256; }
+
 template <int CH, class T, class W>
 __global__ void __launch_bounds__(kRowWarps * 32)
     rmsnorm_forward_warp_kernel(T* y, float* rstd, const T* x, const W* w, int64_t rows,
@@ -37,7 +39,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   float wv[CH][8];
 #pragma unroll
   for (int c = 0; c < CH; ++c)
-    if (lane * 8 + c * 256 < d) load8(wv[c], w + lane * 8 + c * 256);
+    if (warp_col(lane, c) < d) load8(wv[c], w + warp_col(lane, c));
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); r < rows;
        r += warps) {
     const T* xr = x + r * d;
@@ -45,7 +47,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     float ss = 0.f;
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
-      const int64_t j = lane * 8 + c * 256;
+      const int64_t j = warp_col(lane, c);
       if (j >= d) continue;
       load8(xv[c], xr + j);
 #pragma unroll
@@ -56,7 +58,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     if (lane == 0) rstd[r] = rs;
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
-      const int64_t j = lane * 8 + c * 256;
+      const int64_t j = warp_col(lane, c);
       if (j >= d) continue;
       float o[8];
 #pragma unroll
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   for (int c = 0; c < CH; ++c) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
-    if (lane * 8 + c * 256 < d) load8(wv[c], w + lane * 8 + c * 256);
+    if (warp_col(lane, c) < d) load8(wv[c], w + warp_col(lane, c));
   }
   for (int64_t r = worker; r < rows; r += warps) {
     const int64_t o = r * d;
@@ -87,7 +89,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     float dot = 0.f;
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
-      const int64_t j = lane * 8 + c * 256;
+      const int64_t j = warp_col(lane, c);
       if (j >= d) continue;
       load8(xv[c], x + o + j);
       load8(gv[c], dy + o + j);
@@ -98,7 +100,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     const float k = rs * rs * rs * dot / static_cast<float>(d);
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
-      const int64_t j = lane * 8 + c * 256;
+      const int64_t j = warp_col(lane, c);
       if (j >= d) continue;
       float out[8];
 #pragma unroll
@@ -111,7 +113,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   }
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
-    const int64_t j = lane * 8 + c * 256;
+    const int64_t j = warp_col(lane, c);
     if (j < d) store8(partial + worker * d + j, acc[c]);
   }
 }
@@ -133,6 +135,13 @@ __global__ void __launch_bounds__(1024)
     for (int i = 0; i < 32; ++i) t += sums[i][threadIdx.x];
     dw[j] = from_float<W>(to_float(dw[j]) + t);
   }
+}
+
+template <class W>
+void add_partials(W* dw, const float* partial, int64_t parts, int64_t d, Stream stream) {
+  rmsnorm_dweight_columns_kernel<W><<<static_cast<unsigned>((d + 31) / 32), dim3(32, 32), 0,
+                                      stream>>>(dw, partial, parts, d);
+  CUDA_CHECK_LAUNCH();
 }
 
 template <class F> void dispatch_chunks(int64_t d, F&& f) {
@@ -190,15 +199,6 @@ __global__ void __launch_bounds__(kNormBlock)
   }
 }
 
-template <class W>
-__global__ void rmsnorm_dweight_kernel(W* dw, const float* partial, int64_t parts, int64_t d) {
-  XMOE_GRID_STRIDE(j, d) {
-    float s = 0.f;
-    for (int64_t b = 0; b < parts; ++b) s += partial[b * d + j];
-    dw[j] = from_float<W>(to_float(dw[j]) + s);
-  }
-}
-
 }  // namespace
 
 void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dt, const void* w, DType w_dt,
@@ -252,9 +252,7 @@ void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void*
                   static_cast<const W*>(w), rstd, static_cast<const T*>(dy), rows, d);
         });
         CUDA_CHECK_LAUNCH();
-        rmsnorm_dweight_columns_kernel<W><<<static_cast<unsigned>((d + 31) / 32), dim3(32, 32),
-                                            0, stream>>>(static_cast<W*>(dw), partial, parts, d);
-        CUDA_CHECK_LAUNCH();
+        add_partials(static_cast<W*>(dw), partial, parts, d, stream);
       });
     });
     return;
@@ -268,9 +266,7 @@ void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void*
           static_cast<T*>(dx), partial, static_cast<const T*>(x), static_cast<const W*>(w), rstd,
           static_cast<const T*>(dy), rows, d);
       CUDA_CHECK_LAUNCH();
-      rmsnorm_dweight_kernel<W><<<grid_for(d), kBlock, 0, stream>>>(static_cast<W*>(dw), partial,
-                                                                   parts, d);
-      CUDA_CHECK_LAUNCH();
+      add_partials(static_cast<W*>(dw), partial, parts, d, stream);
     });
   });
 }
