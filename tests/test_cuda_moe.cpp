@@ -96,6 +96,29 @@ TEST(CudaMoeOps, MatchCpu) {
     EXPECT_CLOSE(got, ref, 1e-6, "scatter_add_rows_masked");
   }
   {
+    // Each output row names up to k of x's rows (-1: none), in any order; the warp ranks them.
+    std::vector<int32_t> sv(iv.begin(), iv.begin() + 13 * k);
+    Tensor slots = Tensor::from_vector(sv, {13, k}), w = randn({N}, 8);
+    for (const bool weighted : {false, true}) {
+      Tensor ref = gather_sum_rows(x, slots, weighted ? w : Tensor());
+      Tensor got = gather_sum_rows(x.to(kCuda), slots.to(kCuda), weighted ? w.to(kCuda) : Tensor());
+      EXPECT_CLOSE(got, ref, 1e-6, "gather_sum_rows");
+    }
+    // 16-byte rows: the vector path, f32 and bf16 (d = 1000: a partial last column pass).
+    const int64_t dv = 1000;
+    Tensor xv = randn({N, dv}, 9);
+    Tensor ref = gather_sum_rows(xv, slots, w);
+    EXPECT_CLOSE(gather_sum_rows(xv.to(kCuda), slots.to(kCuda), w.to(kCuda)), ref, 1e-5,
+                 "gather_sum_rows vec");
+    Tensor rb = gather_sum_rows(bf16_rounded(xv), slots, w);
+    EXPECT_CLOSE(gather_sum_rows(ops::cast(xv.to(kCuda), DType::bf16), slots.to(kCuda), w.to(kCuda)),
+                 rb, 2e-2, "gather_sum_rows bf16");
+    Tensor gref = gather_rows_masked(xv, index);
+    EXPECT_CLOSE(gather_rows_masked(xv.to(kCuda), index.to(kCuda)), gref, 0, "gather_rows vec");
+    EXPECT_CLOSE(gather_rows_masked(ops::cast(xv.to(kCuda), DType::bf16), index.to(kCuda)),
+                 gather_rows_masked(bf16_rounded(xv), index), 0, "gather_rows vec bf16");
+  }
+  {
     Tensor w = randn({N}, 5), ref = x.clone(), got = x.to(kCuda);
     scale_rows_(ref, w);
     scale_rows_(got, w.to(kCuda));

@@ -9,6 +9,7 @@
 
 #include "gradcheck.h"
 #include "xmoe/moe/layer.h"
+#include "xmoe/moe/moe_ops.h"
 #include "xmoe/moe/padded.h"
 #include "xmoe/ops/ops.h"
 
@@ -131,6 +132,33 @@ TEST(MoeOrder, PftBackwardAddsRowsIntoTokensAndMapsWeights) {
   auto dtw = g.d_topk_weight.to_vector<float>();
   auto dcw = d_cw.to_vector<float>();
   for (int64_t i = 0; i < T * k; ++i) EXPECT_EQ(dtw[i], dcw[s2r[i]]);
+}
+
+TEST(MoeOps, GatherSumRowsHasTheBitsOfTheScatterItReplaces) {
+  // A padded-style layout: some rows belong to no token, some slots are empty (dropped pairs),
+  // and each token's rows are out of order in its slots, so the sum order is tested.
+  const int64_t T = 7, k = 3, N = 25, d = 33;
+  Rng rng(5);
+  std::vector<int32_t> perm(N), token(N, -1), slots(T * k, -1);
+  std::iota(perm.begin(), perm.end(), 0);
+  for (int64_t i = N - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(static_cast<uint64_t>(i + 1))]);
+  for (int64_t i = 0; i < T * k; ++i) {
+    if (i % 5 == 4) continue;  // dropped
+    slots[i] = perm[i];
+    token[perm[i]] = static_cast<int32_t>(i / k);
+  }
+  Tensor src = randn({N, d}, 6), w = randn({N}, 7);
+  Tensor slot_t = Tensor::from_vector(slots, {T, k}), tok_t = Tensor::from_vector(token, {N});
+  for (const bool weighted : {false, true}) {
+    Tensor ref = Tensor::zeros({T, d});
+    scatter_add_rows_masked(ref, src, tok_t, weighted ? w : Tensor());
+    Tensor got = gather_sum_rows(src, slot_t, weighted ? w : Tensor());
+    EXPECT_EQ(got.to_vector<float>(), ref.to_vector<float>()) << "weighted " << weighted;
+  }
+  EXPECT_TRUE(contains(error_of([&] {
+                         gather_sum_rows(src, Tensor::from_vector(std::vector<int32_t>{0, N}, {1, 2}));
+                       }),
+                       "out of range"));
 }
 
 // ---- Padded baseline ----------------------------------------------------------------------------

@@ -16,15 +16,10 @@ Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
   combine_weights_ = combine_weights;
   token_ids_ = layout.token_ids;
   padded_ = layout.padded;
-  // y has the rows' dtype (bf16 rows: each token's sum is taken in f32 and rounded once).
-  Tensor y = Tensor::zeros({layout.num_tokens, rows_out.size(1)}, rows_out.dtype(),
-                           rows_out.device());
-  if (padded_) {
-    scatter_add_rows_masked(y, rows_out, token_ids_, combine_weights);
-  } else {
-    xmoe::ops::scatter_add_rows(y, rows_out, token_ids_, combine_weights);
-  }
-  return y;
+  // Each token sums its own k rows (slot_to_row names them; dropped slots are -1, padding rows
+  // are named by none). y has the rows' dtype: a bf16 token's sum is taken in f32, rounded once.
+  return gather_sum_rows(rows_out, layout.slot_to_row.reshape({layout.num_tokens, layout.top_k}),
+                         combine_weights);
 }
 
 Tensor IOrder::backward_unweighted(const Tensor& dy) const {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "xmoe/backend/cuda/moe_kernels.h"
 #include "xmoe/ops/dispatch.h"
@@ -114,6 +115,57 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
 #pragma omp simd
     for (int64_t j = 0; j < d; ++j) orow[j] += wi * srow[j];
   }
+}
+
+Tensor gather_sum_rows(const Tensor& src, const Tensor& slots, const Tensor& weight) {
+  const char* op = "gather_sum_rows";
+  require_cpu_f32(op, "src", src);
+  require_index(op, "slots", slots, "src", src);
+  check_shape(src, {-1, -1}, op, "src");
+  check_shape(slots, {-1, -1}, op, "slots");
+  const int64_t n = src.size(0), d = src.size(1), T = slots.size(0), k = slots.size(1);
+  if (weight.defined()) {
+    require_exact(op, "weight", weight, DType::f32, "src", src);
+    XMOE_CHECK(weight.numel() == n, "[{}] weight has {} elements for {} rows", op, weight.numel(),
+               n);
+  }
+  Tensor out = Tensor::empty({T, d}, src.dtype(), src.device());
+  if (!src.is_cpu()) {
+    XMOE_CHECK(k >= 1 && k <= 32, "[{}] {} slots per row; CUDA takes 1..32", op, k);
+    if (xmoe::ops::detail::cuda_check_indices())
+      xmoe::ops::detail::check_index_values(op, "slots", slots, n, true);
+    cuda::gather_sum_rows(out.raw(), out.dtype(), src.raw(), src.dtype(), slots.data<int32_t>(),
+                          weight.defined() ? weight.raw() : nullptr, DType::f32, T, k, n, d,
+                          stream_of(src));
+    return out;
+  }
+  const int32_t* sl = slots.data<int32_t>();
+  for (int64_t i = 0; i < T * k; ++i)
+    XMOE_CHECK(sl[i] < n, "[{}] slots[{}] = {} out of range for src {}", op, i, sl[i],
+               shape_str(src.shape()));
+  const float* w = weight.defined() ? weight.data<float>() : nullptr;
+  const float* s = src.data<float>();
+  float* o = out.data<float>();
+#pragma omp parallel if (T * k * d > (1 << 15))
+  {
+    std::vector<int32_t> rows(static_cast<size_t>(k));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      size_t count = 0;
+      for (int64_t j = 0; j < k; ++j)
+        if (sl[t * k + j] >= 0) rows[count++] = sl[t * k + j];
+      std::sort(rows.begin(), rows.begin() + static_cast<std::ptrdiff_t>(count));
+      float* orow = o + t * d;
+      std::memset(orow, 0, sizeof(float) * static_cast<size_t>(d));
+      for (size_t q = 0; q < count; ++q) {
+        const float wi = w ? w[rows[q]] : 1.0f;
+        const float* srow = s + static_cast<int64_t>(rows[q]) * d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) orow[j] += wi * srow[j];
+      }
+    }
+  }
+  return out;
 }
 
 void scale_rows_(Tensor& x, const Tensor& w) {

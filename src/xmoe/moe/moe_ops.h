@@ -15,6 +15,12 @@ Tensor gather_rows_masked(const Tensor& x, const Tensor& index);
 /// out[index[i]] += weight[i] * src[i], skipping rows with index[i] < 0 (weight undefined = 1).
 void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index,
                              const Tensor& weight = Tensor());
+/// out[t] = sum over j of weight[r] * src[r], r = slots[t, j] (< 0: an empty slot, skipped;
+/// weight undefined = 1), added in increasing r: the values of scatter_add_rows_masked into
+/// zeros when slots is the inverse of its index, as the MoE layout's slot_to_row is. src [N, d],
+/// slots i32 [T, k] (k <= 32 on CUDA) -> [T, d] of src's dtype. No sort and no write conflicts,
+/// so it runs in parallel over t (the scatter is sequential on the CPU, sorted on CUDA).
+Tensor gather_sum_rows(const Tensor& src, const Tensor& slots, const Tensor& weight = Tensor());
 /// x[i, :] *= w[i] in place; x [N, d], w f32 [N].
 void scale_rows_(Tensor& x, const Tensor& w);
 /// out[i] = a[i] . b[i] as f32 [N] (also for bf16 rows a, b [N, d]).

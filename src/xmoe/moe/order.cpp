@@ -138,15 +138,11 @@ Order::Grads Order::backward(const Tensor& d_rows, const Tensor& d_combine_weigh
   check_shape(d_rows, {N, d_model_}, "moe order backward", "d_rows");
   check_shape(d_combine_weights, {N}, "moe order backward", "d_combine_weights");
   Grads g;
-  g.dx = Tensor::zeros({l.num_tokens, d_model_}, d_rows.dtype(), d_rows.device());
+  // Each token sums its own k rows (slot_to_row names them): no scatter, no sort.
+  g.dx = gather_sum_rows(d_rows, l.slot_to_row.reshape({l.num_tokens, l.top_k}));
   Tensor dcw = as_dtype(d_combine_weights, DType::f32).reshape({N, 1});
-  if (l.padded) {
-    scatter_add_rows_masked(g.dx, d_rows, l.token_ids);
-    g.d_topk_weight = gather_rows_masked(dcw, l.slot_to_row);
-  } else {
-    xmoe::ops::scatter_add_rows(g.dx, d_rows, l.token_ids);
-    g.d_topk_weight = xmoe::ops::gather_rows(dcw, l.slot_to_row);
-  }
+  g.d_topk_weight = l.padded ? gather_rows_masked(dcw, l.slot_to_row)
+                             : xmoe::ops::gather_rows(dcw, l.slot_to_row);
   g.d_topk_weight = g.d_topk_weight.reshape({l.num_tokens, l.top_k});
   return g;
 }

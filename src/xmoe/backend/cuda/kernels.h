@@ -104,6 +104,12 @@ void pad_groups(void* dst, const void* src, DType dt, const int64_t* offsets, in
 // out (m, d) = x (n_rows, d)[index]; an index outside [0, n_rows) gives a zero row.
 void gather_rows(void* out, const void* x, DType dt, const int32_t* index, int64_t m,
                  int64_t n_rows, int64_t d, Stream stream);
+// out[t] (n_out, d) = sum over j < k of weight[r] * src[r] (n_src, d), r = slots[t * k + j]
+// (i32 (n_out, k); rows outside [0, n_src) are skipped; weight (n_src) may be null = 1), added
+// in f32 in increasing r: the bits of scatter_add_rows into zeros, without its sort. k <= 32.
+void gather_sum_rows(void* out, DType out_dt, const void* src, DType src_dt, const int32_t* slots,
+                     const void* weight, DType weight_dt, int64_t n_out, int64_t k, int64_t n_src,
+                     int64_t d, Stream stream);
 size_t scatter_add_rows_workspace_bytes(int64_t m, int64_t n_out);
 // out[index[i]] (n_out, d) += weight[i] * src[i] (m, d); weight (m) may be null (= 1).
 // Deterministic: the entries are sorted by destination row (stable radix sort on the device),

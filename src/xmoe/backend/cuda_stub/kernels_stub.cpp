@@ -81,6 +81,10 @@ void topk(void*, int32_t*, const void*, DType, int64_t, int64_t, int64_t, Stream
 void gather_rows(void*, const void*, DType, const int32_t*, int64_t, int64_t, int64_t, Stream) {
   no_cuda("gather_rows");
 }
+void gather_sum_rows(void*, DType, const void*, DType, const int32_t*, const void*, DType, int64_t,
+                     int64_t, int64_t, int64_t, Stream) {
+  no_cuda("gather_sum_rows");
+}
 size_t scatter_add_rows_workspace_bytes(int64_t, int64_t) { no_cuda("scatter_add_rows"); }
 void scatter_add_rows(void*, DType, const void*, DType, const int32_t*, const void*, DType,
                       int64_t, int64_t, int64_t, void*, size_t, Stream) {
