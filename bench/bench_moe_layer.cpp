@@ -9,11 +9,14 @@
 //
 //   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
 //                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick] [--recompute]
-//                   [--fold]
+//                   [--fold] [--breakdown]
 //
 // --recompute: the layer keeps neither h nor its input rows (MoELayer::set_recompute): the
 // memory-for-time trade of model.recompute=moe. --fold: the experts' backward applies the combine
-// weights and the expert output is not kept (model.moe.fold_combine_weights).
+// weights and the expert output is not kept (model.moe.fold_combine_weights). --breakdown: after
+// the timed passes, 2 more with the region profiler on (core/profile.h): one
+// "moe_layer_breakdown" line per region (ms per pass; the profiler synchronises the device at
+// every region boundary) and the table on stderr.
 //
 // Defaults: on the CPU the two small shapes of docs/benchmarks.md, pft and padded at capacity
 // factors 1.0, 1.25, 2.0 (with the ratios against pft); on CUDA the three peer shapes of
@@ -33,6 +36,7 @@
 #include "xmoe/backend/device_api.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/error.h"
+#include "xmoe/core/profile.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/moe/layer.h"
@@ -82,10 +86,14 @@ struct Result {
   int64_t peak_bytes = 0;
   int64_t dropped = 0;
   int64_t reserved_bytes = -1;  // CUDA caching allocator, after the timed passes
+  std::vector<profiling::Region> regions;  // --breakdown: kProfiledPasses passes, totals
+  std::string region_table;
 };
 
+constexpr int kProfiledPasses = 2;
+
 Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters,
-           Device device, bool recompute, bool fold) {
+           Device device, bool recompute, bool fold, bool breakdown) {
   MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
   c.top_k = static_cast<int>(s.k);
@@ -134,6 +142,19 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
     r.dropped = layer.dropped_tokens();
   }
   if (device.is_cuda()) r.reserved_bytes = cuda::cache_stats(device.index).reserved_bytes;
+  if (breakdown) {
+    profiling::reset();
+    profiling::enable(true);
+    for (int i = 0; i < kProfiledPasses; ++i) {
+      layer.zero_grad();
+      ProfileScope scope("pass", device);
+      layer.forward(x, seq_len);
+      Tensor dx = layer.backward(dy);
+    }
+    profiling::enable(false);
+    r.regions = profiling::report();
+    r.region_table = profiling::report_table();
+  }
   std::sort(ms.begin(), ms.end());
   r.median_ms = ms[ms.size() / 2];
   return r;
@@ -146,7 +167,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> impls;
   std::vector<float> cfs = {1.0f, 1.25f, 2.0f};
   int iters = 5, warmup = 1;
-  bool quick = false, recompute = false, fold = false;
+  bool quick = false, recompute = false, fold = false, breakdown = false;
   CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
   app.add_option("--device", device_name, "cpu, cuda or cuda:N");
   app.add_option("--shapes", shapes_text, "comma-separated TxdxfxExk (default: by device)");
@@ -158,6 +179,7 @@ int main(int argc, char** argv) {
   app.add_flag("--quick", quick, "CPU default shapes at T = 512, at most 3 passes");
   app.add_flag("--recompute", recompute, "recompute h and re-gather the rows in backward");
   app.add_flag("--fold", fold, "fold the combine weights into the experts' backward");
+  app.add_flag("--breakdown", breakdown, "profile 2 more passes by region (JSON lines, table)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -194,7 +216,7 @@ int main(int argc, char** argv) {
       Result pft;
       bool have_pft = false;
       for (const Variant& v : variants) {
-        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, fold);
+        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, fold, breakdown);
         if (v.impl == "pft") {
           pft = r;
           have_pft = true;
@@ -227,6 +249,25 @@ int main(int argc, char** argv) {
           j["time_ratio_vs_pft"] = std::round(1000.0 * r.median_ms / pft.median_ms) / 1000;
         }
         std::printf("%s\n", j.dump().c_str());
+        for (const profiling::Region& region : r.regions) {
+          nlohmann::ordered_json b;
+          b["bench"] = "moe_layer_breakdown";
+          b["impl"] = "xmoe_" + v.impl;
+          b["T"] = s.T;
+          b["d"] = s.d;
+          b["f"] = s.f;
+          b["E"] = s.E;
+          b["k"] = s.k;
+          b["region"] = region.path;
+          b["calls_per_pass"] = static_cast<double>(region.calls) / kProfiledPasses;
+          b["ms_per_pass"] = std::round(1000.0 * region.total_ms / kProfiledPasses) / 1000;
+          b["self_ms_per_pass"] = std::round(1000.0 * region.self_ms / kProfiledPasses) / 1000;
+          std::printf("%s\n", b.dump().c_str());
+        }
+        if (breakdown)
+          std::fprintf(stderr, "bench_moe_layer: %s, profile of %d passes (totals)\n%s",
+                       j["impl"].get<std::string>().c_str(), kProfiledPasses,
+                       r.region_table.c_str());
         std::fflush(stdout);
       }
       if (device.is_cuda()) cuda::empty_cache(device.index);  // the next shape starts clean
