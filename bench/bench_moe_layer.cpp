@@ -9,14 +9,15 @@
 //
 //   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
 //                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick] [--recompute]
-//                   [--fold] [--breakdown]
+//                   [--fold] [--breakdown] [--router-dtype f32|bf16]
 //
 // --recompute: the layer keeps neither h nor its input rows (MoELayer::set_recompute): the
 // memory-for-time trade of model.recompute=moe. --fold: the experts' backward applies the combine
 // weights and the expert output is not kept (model.moe.fold_combine_weights). --breakdown: after
 // the timed passes, 2 more with the region profiler on (core/profile.h): one
 // "moe_layer_breakdown" line per region (ms per pass; the profiler synchronises the device at
-// every region boundary) and the table on stderr.
+// every region boundary) and the table on stderr. --router-dtype: model.moe.router_dtype (bf16:
+// the router's GEMMs on bf16 operands; the peer takes the same flag).
 //
 // Defaults: on the CPU the two small shapes of docs/benchmarks.md, pft and padded at capacity
 // factors 1.0, 1.25, 2.0 (with the ratios against pft); on CUDA the three peer shapes of
@@ -93,13 +94,14 @@ struct Result {
 constexpr int kProfiledPasses = 2;
 
 Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters,
-           Device device, bool recompute, bool fold, bool breakdown) {
+           Device device, bool recompute, bool fold, bool breakdown, const std::string& router) {
   MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
   c.top_k = static_cast<int>(s.k);
   c.expert_hidden = static_cast<int>(s.f);
   c.num_shared_experts = 0;
   c.gate = "softmax_topk";
+  c.router_dtype = router;
   c.impl = impl;
   c.capacity_factor = cf;
   moe::MoELayer layer(c, s.d, "bench.moe", 1, 0.02f);
@@ -107,19 +109,20 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
   layer.set_fold_combine_weights(fold);
   if (device.is_cuda()) {
     // Values go over; gradients are made zero on the device (no host copy of E·3·d·f floats).
-    // The expert weights get the bf16 compute copies a bf16 model keeps (the router stays f32).
+    // Matrices get the bf16 compute copies a bf16 model keeps (read by the experts, and by the
+    // router with --router-dtype bf16).
     for (Parameter* p : layer.parameters()) {
       const Shape shape = p->grad.shape();
       p->grad = Tensor();
       p->value = p->value.to(device);
       p->grad = Tensor::zeros(shape, DType::f32, device);
-      if (p->kind == ParamKind::expert) p->compute_copy = ops::cast(p->value, DType::bf16);
+      if (p->value.dim() >= 2) p->compute_copy = ops::cast(p->value, DType::bf16);
     }
   }
   Tensor x = Tensor::empty({s.T, s.d}), dy = Tensor::empty({s.T, s.d});
   fill_normal(x, 2, 0, 1.0f);
   fill_normal(dy, 3, 0, 1.0f);
-  if (device.is_cuda()) {  // bf16 activations: the experts run bf16 GEMMs, the router f32
+  if (device.is_cuda()) {  // bf16 activations: the experts run bf16 GEMMs
     x = ops::cast(x.to(device), DType::bf16);
     dy = ops::cast(dy.to(device), DType::bf16);
   }
@@ -168,6 +171,7 @@ int main(int argc, char** argv) {
   std::vector<float> cfs = {1.0f, 1.25f, 2.0f};
   int iters = 5, warmup = 1;
   bool quick = false, recompute = false, fold = false, breakdown = false;
+  std::string router_dtype = "f32";
   CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
   app.add_option("--device", device_name, "cpu, cuda or cuda:N");
   app.add_option("--shapes", shapes_text, "comma-separated TxdxfxExk (default: by device)");
@@ -180,6 +184,8 @@ int main(int argc, char** argv) {
   app.add_flag("--recompute", recompute, "recompute h and re-gather the rows in backward");
   app.add_flag("--fold", fold, "fold the combine weights into the experts' backward");
   app.add_flag("--breakdown", breakdown, "profile 2 more passes by region (JSON lines, table)");
+  app.add_option("--router-dtype", router_dtype, "router GEMM operands (model.moe.router_dtype)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -216,7 +222,8 @@ int main(int argc, char** argv) {
       Result pft;
       bool have_pft = false;
       for (const Variant& v : variants) {
-        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, fold, breakdown);
+        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, fold, breakdown,
+                             router_dtype);
         if (v.impl == "pft") {
           pft = r;
           have_pft = true;
@@ -228,6 +235,7 @@ int main(int argc, char** argv) {
         j["dtype"] = device.is_cuda() ? "bf16" : "f32";
         j["recompute"] = recompute;
         j["folded"] = fold;
+        j["router_dtype"] = router_dtype;
         j["T"] = s.T;
         j["d"] = s.d;
         j["f"] = s.f;

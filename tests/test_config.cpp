@@ -163,6 +163,8 @@ TEST(Config, RangeAndCrossKeyErrorsNameKeysAndValues) {
   check("parallel.ep=3", {"model.moe.num_experts = 16 is not divisible by parallel.ep = 3"});
   check("model.moe.gate=topk", {"model.moe.gate = \"topk\" is not one of softmax_topk"});
   check("model.moe.gate=switch", {"model.moe.gate = \"switch\"", "model.moe.top_k = 2"});
+  check("model.moe.gate=xmoe;model.moe.router_dtype=bf16",
+        {"model.moe.router_dtype = \"bf16\" applies to the linear routers"});
   check("model.moe.gate=sigmoid;model.moe.num_groups=3",
         {"model.moe.num_experts = 16 is not divisible by model.moe.num_groups = 3"});
   check("model.moe.gate=sigmoid;model.moe.num_groups=4;model.moe.topk_groups=5",
@@ -198,8 +200,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 20 model.moe + 3 data + 21 train + 5 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 20u + 3u + 21u + 5u);
+  // 13 model + 21 model.moe + 3 data + 21 train + 5 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 21u + 3u + 21u + 5u);
 }
 
 TEST(Config, ParameterCounts) {

@@ -334,7 +334,7 @@ void compare_runs(const LayerRun& got, const LayerRun& ref, double tol, const st
     EXPECT_CLOSE(got.y[s], ref.y[s], tol, step + " y");
     EXPECT_CLOSE(got.dx[s], ref.dx[s], tol, step + " dx");
     const auto rel = [](double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); };
-    // The aux terms come from the f32 router on both sides (also with bf16 activations).
+    // The aux terms come from the same router on both sides (also with bf16 activations).
     EXPECT_LE(rel(got.aux[s].load_balance, ref.aux[s].load_balance), 1e-5) << step;
     EXPECT_LE(rel(got.aux[s].seq_balance, ref.aux[s].seq_balance), 1e-5) << step;
     EXPECT_LE(rel(got.aux[s].z_loss, ref.aux[s].z_loss), 1e-5) << step;
@@ -382,6 +382,12 @@ std::vector<LayerCase> layer_cases() {
   c.gate = "xmoe";
   c.router_dim = 8;
   v.push_back({"xmoe", c});
+  c = base;
+  c.router_dtype = "bf16";  // the CPU rounds the router's operands as the tensor cores read them
+  v.push_back({"softmax_topk_bf16_router", c});
+  c = v[2].config;
+  c.router_dtype = "bf16";
+  v.push_back({"sigmoid_bf16_router", c});
   c = base;
   c.impl = "padded";
   c.capacity_factor = 0.75f;  // drops pairs

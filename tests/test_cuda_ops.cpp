@@ -633,6 +633,12 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
              time_ms([&] { ops::grouped_matmul_weight_grad(dw_dense, a8, a8, one, false); }),
              2.0 * 8192 * 8192 * 8192);
     }
+    {  // the write ceiling the f32 weight gradients of short reductions run into
+      Tensor big = Tensor::zeros({int64_t{1} << 30}, DType::f32, kCuda);  // 4 GiB
+      const double ms = time_ms([&] { big.zero_(); });
+      std::printf("{\"op\": \"memset_f32\", \"shape\": \"4 GiB\", \"ms\": %.3f, "
+                  "\"gb_per_s\": %.0f}\n", ms, 4.0 * (int64_t{1} << 30) / (ms * 1e-3) / 1e9);
+    }
     const Tensor da = Tensor::zeros({rows, f2 / 2}, bf, kCuda);
     report("swiglu_backward", "98304x(2x256)",
            time_ms([&] { ops::swiglu_backward(dy, da); }), 0);

@@ -381,6 +381,59 @@ TEST(MoeGate, GroupLimitedRoutingStaysInsideTheKeptGroups) {
   }
 }
 
+// moe.router_dtype = bf16 on the CPU: the f32 router run on bf16-rounded x and W, exactly, and a
+// backward whose only difference is dlogits rounded to bf16 (close to the f32 gradients).
+TEST(MoeGate, Bf16RouterIsTheF32RouterOnRoundedOperands) {
+  const int64_t T = 32, d = 16;
+  auto rounded = [](const Tensor& t) { return ops::cast(ops::cast(t, DType::bf16), DType::f32); };
+  auto rel_norm = [](const Tensor& a, const Tensor& b) {  // ||a - b|| / ||b||
+    const std::vector<float> va = a.to_vector<float>(), vb = b.to_vector<float>();
+    double num = 0, den = 0;
+    for (size_t i = 0; i < vb.size(); ++i) {
+      num += (va[i] - vb[i]) * double(va[i] - vb[i]);
+      den += double(vb[i]) * vb[i];
+    }
+    return std::sqrt(num / den);
+  };
+  const Tensor x = randn({T, d}, 11), dw = randn({T, 2}, 12);
+  for (const std::string name : {"softmax_topk", "sigmoid", "switch"}) {
+    MoeConfig c = small_config(name);
+    if (name == "switch") c.top_k = 1;
+    c.aux_loss_weight = 0.1f;
+    c.z_loss_weight = 0.05f;
+    MoeConfig cb = c;
+    cb.router_dtype = "bf16";
+    auto ref = make_gate({c, d, "g", 3, 0.5f});
+    auto bf = make_gate({cb, d, "g", 3, 0.5f});
+    std::vector<Parameter*> pr, pb;
+    ref->collect_parameters(pr);
+    bf->collect_parameters(pb);
+    ASSERT_EQ(pr.size(), 1u);
+    ASSERT_EQ(pb.size(), 1u);
+    EXPECT_EQ(pr[0]->value.to_vector<float>(), pb[0]->value.to_vector<float>()) << name;
+    pr[0]->value = rounded(pr[0]->value);
+    const GateOutput gr = ref->forward(rounded(x), 8), gb = bf->forward(x, 8);
+    EXPECT_EQ(gb.topk_idx.to_vector<int32_t>(), gr.topk_idx.to_vector<int32_t>()) << name;
+    EXPECT_EQ(gb.topk_weight.to_vector<float>(), gr.topk_weight.to_vector<float>()) << name;
+    EXPECT_EQ(gb.aux.weighted, gr.aux.weighted) << name;
+    const Tensor d_topk = name == "switch" ? randn({T, 1}, 13) : dw;
+    const Tensor dxr = ref->backward(d_topk), dxb = bf->backward(d_topk);
+    EXPECT_EQ(dxb.dtype(), DType::f32);
+    // bf16 rounding of dlogits: ~2^-9 relative per element.
+    EXPECT_LT(rel_norm(dxb, dxr), 1e-2) << name << " dx";
+    EXPECT_LT(rel_norm(pb[0]->grad, pr[0]->grad), 1e-2) << name << " dW";
+    EXPECT_GT(ops::sum_squares(pb[0]->grad), 0.0) << name;
+  }
+  MoeConfig cosine = small_config("xmoe");
+  cosine.router_dtype = "bf16";
+  EXPECT_TRUE(contains(error_of([&] { make_gate({cosine, d, "g", 3, 0.5f}); }),
+                       "moe.router_dtype = \"bf16\" applies to the linear routers"));
+  MoeConfig bad = small_config();
+  bad.router_dtype = "f16";
+  EXPECT_TRUE(contains(error_of([&] { make_gate({bad, d, "g", 3, 0.5f}); }),
+                       "moe.router_dtype = \"f16\" is not f32 or bf16"));
+}
+
 TEST(MoeGate, RegistryListsKnownGates) {
   auto names = gate_registry().names();
   EXPECT_EQ(names, (std::vector<std::string>{"sigmoid", "softmax_topk", "switch", "xmoe"}));

@@ -25,7 +25,7 @@ much of it that is. FLOPs = 3 x 2*T*k*(2*d*f + f*d). One JSON line per (shape, i
 
   python3 bench/peers/moe_layer_torch.py [--impls grouped_mm,padded] [--shapes TxdxfxExk,...]
       [--warmup 3] [--iters 10] [--device cuda|cpu] [--weights bf16|fp32] [--check]
-      [--check-only]
+      [--check-only] [--router-dtype f32|bf16]
   python3 bench/peers/moe_layer_torch.py --device cpu --check --shapes 256x64x32x8x2 --iters 2
 
 --check first compares grouped_mm, padded (with a capacity that drops nothing) and a plain
@@ -106,13 +106,20 @@ def grouped_mm(a, b, offs):
 
 # ---- the layer -------------------------------------------------------------------------------
 
+ROUTER_BF16 = False  # --router-dtype bf16
+
+
 def route(x, w_router, k, renormalize=True, aux_weight=0.01):
     """x [T, d] -> combine weights f32 [T, k], expert ids [T, k], aux loss (scalar), counts [E].
 
-    The router runs in f32 (as xmoe's): logits = x.float() @ w_router [d, E]."""
+    The router runs in f32 (as xmoe's default): logits = x.float() @ w_router [d, E]; with
+    --router-dtype bf16 (xmoe's model.moe.router_dtype = bf16) a bf16 GEMM, logits in f32."""
     T = x.shape[0]
     E = w_router.shape[1]
-    logits = x.float() @ w_router.float()                       # [T, E]
+    if ROUTER_BF16:
+        logits = (x.to(torch.bfloat16) @ w_router.to(torch.bfloat16)).float()  # [T, E]
+    else:
+        logits = x.float() @ w_router.float()                   # [T, E]
     probs = logits.softmax(dim=-1)
     topw, topi = probs.topk(k, dim=-1)                          # [T, k]
     if renormalize:
@@ -313,10 +320,14 @@ def main():
                     help="expert weight dtype; fp32 = master weights cast to bf16 every forward "
                          "(as xmoe does; needs ~2x the memory)")
     ap.add_argument("--capacity-factor", type=float, default=1.0, help="padded only")
+    ap.add_argument("--router-dtype", choices=("f32", "bf16"), default="f32",
+                    help="router GEMM operands (xmoe's model.moe.router_dtype)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--check", action="store_true", help="agreement check first (small shape)")
     ap.add_argument("--check-only", action="store_true", help="the agreement check, no timing")
     args = ap.parse_args()
+    global ROUTER_BF16
+    ROUTER_BF16 = args.router_dtype == "bf16"
 
     device = torch.device(args.device)
     init_grouped_mm(device)
@@ -347,7 +358,7 @@ def main():
         for name in impls:
             kwargs = {"capacity_factor": args.capacity_factor} if name == "padded" else {}
             line = {"bench": "moe_layer_peer", "impl": name, "device": str(device),
-                    "dtype": "bf16", "weights": args.weights, "T": T, "d": d, "f": f, "E": E,
+                    "dtype": "bf16", "weights": args.weights, "router_dtype": args.router_dtype, "T": T, "d": d, "f": f, "E": E,
                     "k": k, "capacity_factor": args.capacity_factor if name == "padded" else None,
                     "warmup": args.warmup, "iters": args.iters}
             try:

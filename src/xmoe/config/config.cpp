@@ -97,6 +97,10 @@ const std::vector<Key>& table() {
       XMOE_KEY(model.moe.routed_scaling, positive(), {}, "multiplies the routed experts' weights"),
       XMOE_KEY(model.moe.bias_update_rate, at_least(0), {},
                "sigmoid: step of the aux-loss-free balancing bias (0 = off)"),
+      XMOE_KEY(model.moe.router_dtype, any(), {"f32", "bf16"},
+               "operands of the linear router's GEMMs (softmax_topk, switch, sigmoid): f32, or "
+               "bf16 with f32 accumulation and f32 logits (Megatron's default; tensor cores on "
+               "CUDA, the same rounding on the CPU)"),
       XMOE_KEY(model.moe.router_dim, at_least(1), {},
                "xmoe: width of the low-dimensional routing projection"),
       XMOE_KEY(model.moe.router_temperature, positive(), {},
@@ -555,6 +559,9 @@ void validate(const Config& c) {
   if (c.parallel.tp > 0 && m.num_kv_heads % c.parallel.tp != 0)
     fail("model.num_kv_heads = {} is not divisible by parallel.tp = {}", m.num_kv_heads,
          c.parallel.tp);
+  if (moe.gate == "xmoe" && moe.router_dtype != "f32")
+    fail("model.moe.router_dtype = \"{}\" applies to the linear routers; the xmoe cosine "
+         "router runs in f32", moe.router_dtype);
   if (moe.gate == "switch" && moe.top_k != 1)
     fail("model.moe.gate = \"switch\" routes to one expert but model.moe.top_k = {}", moe.top_k);
   if (moe.gate == "sigmoid" && moe.num_groups > 0 && moe.topk_groups > 0) {
@@ -634,7 +641,8 @@ std::string config_reference_markdown() {
       "(`preset: moe-1b` at the top level), then by `--set key=value` overrides (lists are\n"
       "comma-separated: `--set model.recompute=attention,moe`). Unknown keys and values of the\n"
       "wrong type are errors. `validate()` checks every range below and these cross-key rules:\n\n"
-      "- `model.moe.top_k <= model.moe.num_experts`; `switch` gate needs `top_k == 1`\n"
+      "- `model.moe.top_k <= model.moe.num_experts`; `switch` gate needs `top_k == 1`;\n"
+      "  `model.moe.router_dtype: bf16` needs a linear router (not the `xmoe` gate)\n"
       "- `model.d_model % model.num_heads == 0`, the head dimension is even (RoPE),\n"
       "  `model.num_heads % model.num_kv_heads == 0`\n"
       "- `model.moe.num_experts % parallel.ep == 0`; `model.num_heads` and `model.num_kv_heads`\n"

@@ -23,6 +23,8 @@ struct MoeConfig {
   int topk_groups = 1;             ///< groups a token may route into
   float routed_scaling = 1.0f;     ///< multiplies routed weights
   float bias_update_rate = 1e-3f;  ///< aux-loss-free balancing bias step (0 = off)
+  /// f32 | bf16: the linear router's GEMM operands (f32 accumulation and f32 logits either way)
+  std::string router_dtype = "f32";
   // xmoe (cosine router)
   int router_dim = 16;              ///< low-dimensional projection width
   float router_temperature = 0.3f;  ///< initial temperature (learned)

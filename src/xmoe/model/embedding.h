@@ -3,6 +3,7 @@
 #include <string>
 
 #include "xmoe/core/parameter.h"
+#include "xmoe/ops/ops.h"
 
 namespace xmoe::model {
 
@@ -14,10 +15,7 @@ inline int64_t held_bytes(const Tensor& t) {
 /// t itself when it has `dtype`, else ops::cast(t, dtype) (a new tensor on t's device).
 Tensor as_dtype(const Tensor& t, DType dtype);
 
-/// op(a) @ op(b) into an f32 result: ops::matmul when a is f32 (the CPU path, unchanged), else
-/// an f32 output of bf16 products (f32 accumulation, no bf16 rounding of the result). Used
-/// where a result joins the f32 residual stream (block outputs, input gradients).
-Tensor matmul_f32(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+using ops::matmul_f32;  // the blocks' f32 results (ops/ops.h)
 
 class Embedding : public Module {
  public:

@@ -121,8 +121,11 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   StageContext ctx(prefix_, Phase::forward);
   ctx.set("x", x_in);
   run_stage(ctx, Stage::gate, [&] {
-    // The router runs in f32 whatever the activations' dtype (routing is precision-sensitive).
-    GateOutput g = gate_->forward(as_dtype(ctx.get("x"), DType::f32), seq_len, fixed_idx);
+    // The router runs in f32 whatever the activations' dtype (routing is precision-sensitive),
+    // unless moe.router_dtype = bf16: then it reads bf16 rows as they are (no f32 copy of x).
+    const Tensor& x = ctx.get("x");
+    GateOutput g = gate_->forward(cfg_.router_dtype == "bf16" ? x : as_dtype(x, DType::f32),
+                                  seq_len, fixed_idx);
     aux_ = g.aux;
     ctx.set("topk_idx", g.topk_idx);
     ctx.set("topk_weight", g.topk_weight);

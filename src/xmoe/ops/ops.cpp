@@ -53,6 +53,14 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
   return c;
 }
 
+Tensor matmul_f32(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
+  if (a.dtype() == DType::f32) return matmul(a, b, trans_a, trans_b);
+  const auto [m, n, k] = matmul_dims("matmul_f32", a, b, trans_a, trans_b);
+  Tensor c = Tensor::empty({m, n}, DType::f32, a.device());
+  matmul_into(c, a, b, trans_a, trans_b, 1.f, 0.f);
+  return c;
+}
+
 void matmul_into(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                  float alpha, float beta) {
   const auto [m, n, k] = matmul_dims("matmul_into", a, b, trans_a, trans_b);

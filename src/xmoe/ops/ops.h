@@ -16,6 +16,10 @@ namespace xmoe::ops {
 
 /// c = op(a) @ op(b); a [M, K] (or [K, M] with trans_a), b [K, N] (or [N, K] with trans_b).
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+/// op(a) @ op(b) into an f32 result: matmul when a is f32 (the CPU path, unchanged), else an
+/// f32 output of bf16 products (f32 accumulation, no bf16 rounding of the result). Used where a
+/// result joins the f32 residual stream (block outputs, input gradients) or stays f32 (logits).
+Tensor matmul_f32(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 /// c = alpha * op(a) @ op(b) + beta * c, in place (c must already have the result's shape).
 void matmul_into(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                  float alpha = 1.0f, float beta = 0.0f);

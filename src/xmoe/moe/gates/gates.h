@@ -12,6 +12,31 @@ std::unique_ptr<Gate> make_sigmoid_gate(const GateArgs& args);
 std::unique_ptr<Gate> make_switch_gate(const GateArgs& args);
 std::unique_ptr<Gate> make_xmoe_gate(const GateArgs& args);
 
+/// logits [T, E] f32 = x @ W, W "<prefix>.router.weight" [d, E] (initialised normal), in
+/// moe.router_dtype: f32 operands, or operands rounded to bf16 with f32 accumulation (bf16 tensor
+/// cores on CUDA, reading the weight's bf16 compute copy where the model keeps one; on the CPU
+/// the rounded values multiplied in f32: the same numbers). Logits and gradients stay f32.
+class LinearRouter {
+ public:
+  explicit LinearRouter(const GateArgs& a);
+  Parameter& weight() { return weight_; }
+  /// x [T, d] f32 or bf16; keeps x (as the GEMM read it) for backward.
+  Tensor forward(const Tensor& x);
+  /// dlogits [T, E] f32: weight.grad += x^T dlogits; returns dx [T, d] f32 = dlogits W^T.
+  Tensor backward(const Tensor& dlogits);
+  void release() { x_ = Tensor(); }
+
+ private:
+  /// t as the router's GEMMs read it (see the class comment).
+  Tensor operand(const Tensor& t) const;
+  /// The weight as the GEMMs read it.
+  Tensor weight_operand() const;
+
+  Parameter weight_;
+  bool bf16_;
+  Tensor x_;
+};
+
 /// logits [T, E] -> top-k routing through a softmax, with the aux losses.
 ///  softmax_before_topk: P = softmax(logits), select top-k of P, weights P[idx] (GShard, Switch)
 ///  else:                select top-k of logits, weights softmax over the k logits (Mixtral)

@@ -19,7 +19,7 @@ namespace {
 
 class SigmoidGate final : public Gate {
  public:
-  explicit SigmoidGate(const GateArgs& a) : Gate(a) {
+  explicit SigmoidGate(const GateArgs& a) : Gate(a), router_(a) {
     const int64_t G = cfg_.num_groups;
     XMOE_CHECK(G >= 1 && num_experts_ % G == 0,
                "[moe] moe.num_groups = {} must divide moe.num_experts = {}", G, num_experts_);
@@ -29,16 +29,13 @@ class SigmoidGate final : public Gate {
     XMOE_CHECK(top_k_ <= cfg_.topk_groups * (num_experts_ / G),
                "[moe] moe.top_k = {} exceeds the {} experts of moe.topk_groups = {} groups",
                top_k_, cfg_.topk_groups * (num_experts_ / G), cfg_.topk_groups);
-    weight_ = Parameter::make(prefix_ + ".router.weight", {d_model_, num_experts_});
-    weight_.init_normal(a.seed, a.init_std);
     bias_ = Tensor::zeros({num_experts_});
   }
 
   GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
     check_forward_args(x, seq_len, fixed_idx);
-    x_ = x;
-    logits_ = xmoe::ops::matmul(x, weight_.value);  // [T, E]
-    scores_ = xmoe::ops::sigmoid(logits_);           // [T, E]
+    logits_ = router_.forward(x);           // [T, E] f32
+    scores_ = xmoe::ops::sigmoid(logits_);  // [T, E]
     idx_ = fixed_idx.defined() ? fixed_idx : select(scores_);
     weights_ = renormalize_rows(take_along_rows(scores_, idx_), cfg_.routed_scaling, wsums_);
     probs_ = renormalize_rows(scores_, 1.0f, psums_);  // [T, E], rows sum to 1
@@ -61,8 +58,7 @@ class SigmoidGate final : public Gate {
     aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits);
     xmoe::ops::add_(dscores, renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
     xmoe::ops::add_(dlogits, xmoe::ops::sigmoid_backward(scores_, dscores));
-    xmoe::ops::matmul_into(weight_.grad, x_, dlogits, true, false, 1.f, 1.f);
-    return xmoe::ops::matmul(dlogits, weight_.value, false, true);
+    return router_.backward(dlogits);
   }
 
   void update_bias(std::span<const int64_t> load) override {
@@ -86,9 +82,14 @@ class SigmoidGate final : public Gate {
   }
 
   Tensor* routing_bias() override { return &bias_; }
-  void collect_parameters(std::vector<Parameter*>& out) override { out.push_back(&weight_); }
+  void collect_parameters(std::vector<Parameter*>& out) override {
+    out.push_back(&router_.weight());
+  }
   std::string_view name() const override { return "sigmoid"; }
-  void release() override { x_ = logits_ = scores_ = idx_ = weights_ = wsums_ = probs_ = psums_ = Tensor(); }
+  void release() override {
+    router_.release();
+    logits_ = scores_ = idx_ = weights_ = wsums_ = probs_ = psums_ = Tensor();
+  }
 
  private:
   /// Top-k of scores + bias, within the topk_groups best groups. Returns i32 [T, k].
@@ -141,9 +142,9 @@ class SigmoidGate final : public Gate {
     return xmoe::ops::topk(biased, top_k_).indices;
   }
 
-  Parameter weight_;
+  LinearRouter router_;
   Tensor bias_;  // [E] selection bias, updated by update_bias, not by the optimizer
-  Tensor x_, logits_, scores_, idx_, weights_, wsums_, probs_, psums_;
+  Tensor logits_, scores_, idx_, weights_, wsums_, probs_, psums_;
   AuxLossState aux_state_;
 };
 

@@ -10,36 +10,30 @@ namespace {
 class SoftmaxTopkGate final : public Gate {
  public:
   SoftmaxTopkGate(const GateArgs& a, std::string_view name, SoftmaxRouting::Options o)
-      : Gate(a), name_(name), routing_(o) {
-    weight_ = Parameter::make(prefix_ + ".router.weight", {d_model_, num_experts_});
-    weight_.init_normal(a.seed, a.init_std);
-  }
+      : Gate(a), name_(name), router_(a), routing_(o) {}
 
   GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
     check_forward_args(x, seq_len, fixed_idx);
-    x_ = x;
-    return routing_.forward(xmoe::ops::matmul(x, weight_.value), seq_len, fixed_idx,
-                            world_.get());
+    return routing_.forward(router_.forward(x), seq_len, fixed_idx, world_.get());
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
-    Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);                      // [T, E]
-    xmoe::ops::matmul_into(weight_.grad, x_, dlogits, true, false, 1.f, 1.f);  // dW += x^T dl
-    return xmoe::ops::matmul(dlogits, weight_.value, false, true);          // dx = dl W^T
+    return router_.backward(routing_.backward(d_topk_weight, aux_grad_scale_));
   }
 
-  void collect_parameters(std::vector<Parameter*>& out) override { out.push_back(&weight_); }
+  void collect_parameters(std::vector<Parameter*>& out) override {
+    out.push_back(&router_.weight());
+  }
   std::string_view name() const override { return name_; }
   void release() override {
-    x_ = Tensor();
+    router_.release();
     routing_.release();
   }
 
  private:
   std::string name_;
+  LinearRouter router_;
   SoftmaxRouting routing_;
-  Parameter weight_;
-  Tensor x_;
 };
 
 }  // namespace

@@ -22,6 +22,9 @@ class XmoeGate final : public Gate {
       : Gate(a),
         routing_({cfg_.top_k, true, cfg_.renormalize,
                   {cfg_.aux_loss_weight, cfg_.seq_aux_loss_weight, cfg_.z_loss_weight}}) {
+    XMOE_CHECK(cfg_.router_dtype == "f32",
+               "[moe] moe.router_dtype = \"{}\" applies to the linear routers; the xmoe cosine "
+               "router runs in f32", cfg_.router_dtype);
     XMOE_CHECK(cfg_.router_dim >= 1, "[moe] moe.router_dim = {} must be >= 1", cfg_.router_dim);
     XMOE_CHECK(cfg_.router_temperature > 0.f, "[moe] moe.router_temperature = {} must be > 0",
                cfg_.router_temperature);

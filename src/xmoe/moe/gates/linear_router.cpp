@@ -1,0 +1,43 @@
+// The linear router's GEMMs, in f32 or with bf16 operands (gates.h).
+#include "xmoe/moe/gates/gates.h"
+#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::moe {
+
+LinearRouter::LinearRouter(const GateArgs& a)
+    : weight_(Parameter::make(a.prefix + ".router.weight", {a.d_model, a.config.num_experts})),
+      bf16_(a.config.router_dtype == "bf16") {
+  XMOE_CHECK(a.config.router_dtype == "f32" || bf16_,
+             "[moe] moe.router_dtype = \"{}\" is not f32 or bf16", a.config.router_dtype);
+  weight_.init_normal(a.seed, a.init_std);
+}
+
+Tensor LinearRouter::operand(const Tensor& t) const {
+  if (!bf16_) return as_dtype(t, DType::f32);
+  if (!t.is_cpu()) return as_dtype(t, DType::bf16);
+  // The CPU has no bf16 kernels: round to bf16 values, keep them in f32.
+  return t.dtype() == DType::bf16 ? xmoe::ops::cast(t, DType::f32)
+                                  : xmoe::ops::cast(xmoe::ops::cast(t, DType::bf16), DType::f32);
+}
+
+Tensor LinearRouter::weight_operand() const {
+  const Tensor& copy = weight_.compute_copy;
+  if (bf16_ && !weight_.value.is_cpu() && copy.defined() && copy.dtype() == DType::bf16)
+    return copy;  // AdamW rewrites it with every update
+  return operand(weight_.value);
+}
+
+Tensor LinearRouter::forward(const Tensor& x) {
+  x_ = operand(x);
+  return xmoe::ops::matmul_f32(x_, weight_operand(), false, false);
+}
+
+Tensor LinearRouter::backward(const Tensor& dlogits) {
+  XMOE_CHECK(x_.defined(), "[moe router] backward without a forward");
+  const Tensor dl = operand(dlogits);
+  xmoe::ops::matmul_into(weight_.grad, x_, dl, true, false, 1.f, 1.f);  // dW += x^T dl
+  return xmoe::ops::matmul_f32(dl, weight_operand(), false, true);      // dx = dl W^T
+}
+
+}  // namespace xmoe::moe
