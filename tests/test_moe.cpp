@@ -7,6 +7,7 @@
 #include <numeric>
 #include <set>
 
+#include "cuda_testing.h"
 #include "gradcheck.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/moe/moe_ops.h"
@@ -386,15 +387,6 @@ TEST(MoeGate, GroupLimitedRoutingStaysInsideTheKeptGroups) {
 TEST(MoeGate, Bf16RouterIsTheF32RouterOnRoundedOperands) {
   const int64_t T = 32, d = 16;
   auto rounded = [](const Tensor& t) { return ops::cast(ops::cast(t, DType::bf16), DType::f32); };
-  auto rel_norm = [](const Tensor& a, const Tensor& b) {  // ||a - b|| / ||b||
-    const std::vector<float> va = a.to_vector<float>(), vb = b.to_vector<float>();
-    double num = 0, den = 0;
-    for (size_t i = 0; i < vb.size(); ++i) {
-      num += (va[i] - vb[i]) * double(va[i] - vb[i]);
-      den += double(vb[i]) * vb[i];
-    }
-    return std::sqrt(num / den);
-  };
   const Tensor x = randn({T, d}, 11), dw = randn({T, 2}, 12);
   for (const std::string name : {"softmax_topk", "sigmoid", "switch"}) {
     MoeConfig c = small_config(name);
@@ -420,8 +412,8 @@ TEST(MoeGate, Bf16RouterIsTheF32RouterOnRoundedOperands) {
     const Tensor dxr = ref->backward(d_topk), dxb = bf->backward(d_topk);
     EXPECT_EQ(dxb.dtype(), DType::f32);
     // bf16 rounding of dlogits: ~2^-9 relative per element.
-    EXPECT_LT(rel_norm(dxb, dxr), 1e-2) << name << " dx";
-    EXPECT_LT(rel_norm(pb[0]->grad, pr[0]->grad), 1e-2) << name << " dW";
+    EXPECT_LT(xmoe::testing::normalised_error(dxb, dxr), 1e-2) << name << " dx";
+    EXPECT_LT(xmoe::testing::normalised_error(pb[0]->grad, pr[0]->grad), 1e-2) << name << " dW";
     EXPECT_GT(ops::sum_squares(pb[0]->grad), 0.0) << name;
   }
   MoeConfig cosine = small_config("xmoe");

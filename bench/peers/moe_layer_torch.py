@@ -358,8 +358,9 @@ def main():
         for name in impls:
             kwargs = {"capacity_factor": args.capacity_factor} if name == "padded" else {}
             line = {"bench": "moe_layer_peer", "impl": name, "device": str(device),
-                    "dtype": "bf16", "weights": args.weights, "router_dtype": args.router_dtype, "T": T, "d": d, "f": f, "E": E,
-                    "k": k, "capacity_factor": args.capacity_factor if name == "padded" else None,
+                    "dtype": "bf16", "weights": args.weights, "router_dtype": args.router_dtype,
+                    "T": T, "d": d, "f": f, "E": E, "k": k,
+                    "capacity_factor": args.capacity_factor if name == "padded" else None,
                     "warmup": args.warmup, "iters": args.iters}
             try:
                 ms, peak, grad_bytes, dropped = bench(IMPLS[name], shape, params, x, dy,

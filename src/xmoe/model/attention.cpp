@@ -45,7 +45,7 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
   x_ = x;
   compute_inner();
   // f32 out: the output joins the residual stream (docs/cuda.md).
-  Tensor y = matmul_f32(a_.reshape({batch * seq_len, -1}), wo_.compute());
+  Tensor y = ops::matmul_f32(a_.reshape({batch * seq_len, -1}), wo_.compute());
   if (recompute_) q_ = k_ = v_ = a_ = lse_ = Tensor();
   return y;
 }
@@ -66,7 +66,7 @@ Tensor Attention::backward(const Tensor& dy) {
   ops::matmul_into(wq_.grad, x_, dq, true, false, 1.f, 1.f);
   ops::matmul_into(wk_.grad, x_, dk, true, false, 1.f, 1.f);
   ops::matmul_into(wv_.grad, x_, dv, true, false, 1.f, 1.f);
-  Tensor dx = matmul_f32(dq, wq_.compute(), false, true);  // f32: the residual's gradient
+  Tensor dx = ops::matmul_f32(dq, wq_.compute(), false, true);  // f32: the residual's gradient
   ops::matmul_into(dx, dk, wk_.compute(), false, true, 1.f, 1.f);
   ops::matmul_into(dx, dv, wv_.compute(), false, true, 1.f, 1.f);
   release();

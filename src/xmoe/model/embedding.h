@@ -3,7 +3,6 @@
 #include <string>
 
 #include "xmoe/core/parameter.h"
-#include "xmoe/ops/ops.h"
 
 namespace xmoe::model {
 
@@ -15,7 +14,6 @@ inline int64_t held_bytes(const Tensor& t) {
 /// t itself when it has `dtype`, else ops::cast(t, dtype) (a new tensor on t's device).
 Tensor as_dtype(const Tensor& t, DType dtype);
 
-using ops::matmul_f32;  // the blocks' f32 results (ops/ops.h)
 
 class Embedding : public Module {
  public:

@@ -18,7 +18,7 @@ Tensor DenseFFN::forward(const Tensor& x, int64_t /*seq_len*/) {
   ProfileScope scope("block.ffn.fwd", x.device());
   x_ = x;
   Tensor h = ops::matmul(x, gate_up_.compute());  // [T, 2h]
-  Tensor y = matmul_f32(ops::swiglu(h), down_.compute());  // f32: joins the residual stream
+  Tensor y = ops::matmul_f32(ops::swiglu(h), down_.compute());  // f32: joins the residual stream
   if (!recompute_) h_ = h;
   return y;
 }
@@ -34,7 +34,7 @@ Tensor DenseFFN::backward(const Tensor& dy) {
   const Tensor da = ops::matmul(dy, down_.compute(), false, /*trans_b=*/true);
   ops::swiglu_backward_(dh, da);  // in place: h is not needed again
   ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, 1.f);
-  Tensor dx = matmul_f32(dh, gate_up_.compute(), false, true);
+  Tensor dx = ops::matmul_f32(dh, gate_up_.compute(), false, true);
   x_ = Tensor();
   return dx;
 }

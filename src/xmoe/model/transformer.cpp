@@ -122,12 +122,12 @@ void Transformer::backward_logits(const Tensor& dlogits) {
   if (lm_head_) {
     ProfileScope head("lm_head.bwd", device_);
     ops::matmul_into(lm_head_->grad, xf_, dlogits, /*trans_a=*/true, false, 1.f, 1.f);
-    dx = matmul_f32(dlogits, lm_head_->compute(), false, /*trans_b=*/true);
+    dx = ops::matmul_f32(dlogits, lm_head_->compute(), false, /*trans_b=*/true);
   } else {
     ProfileScope head("lm_head.bwd", device_);
     Parameter& e = embed_->weight();
     ops::matmul_into(e.grad, dlogits, xf_, /*trans_a=*/true, false, 1.f, 1.f);
-    dx = matmul_f32(dlogits, e.compute());
+    dx = ops::matmul_f32(dlogits, e.compute());
   }
   xf_ = Tensor();
   dx = final_norm_->backward(as_dtype(dx, DType::f32));

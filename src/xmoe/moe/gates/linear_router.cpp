@@ -17,14 +17,12 @@ Tensor LinearRouter::operand(const Tensor& t) const {
   if (!bf16_) return as_dtype(t, DType::f32);
   if (!t.is_cpu()) return as_dtype(t, DType::bf16);
   // The CPU has no bf16 kernels: round to bf16 values, keep them in f32.
-  return t.dtype() == DType::bf16 ? xmoe::ops::cast(t, DType::f32)
-                                  : xmoe::ops::cast(xmoe::ops::cast(t, DType::bf16), DType::f32);
+  return xmoe::ops::cast(as_dtype(t, DType::bf16), DType::f32);
 }
 
 Tensor LinearRouter::weight_operand() const {
-  const Tensor& copy = weight_.compute_copy;
-  if (bf16_ && !weight_.value.is_cpu() && copy.defined() && copy.dtype() == DType::bf16)
-    return copy;  // AdamW rewrites it with every update
+  const Tensor& copy = weight_.compute_copy;  // bf16, rewritten by AdamW with every update
+  if (bf16_ && copy.defined() && !copy.is_cpu()) return copy;
   return operand(weight_.value);
 }
 
