@@ -14,7 +14,6 @@ inline int64_t held_bytes(const Tensor& t) {
 /// t itself when it has `dtype`, else ops::cast(t, dtype) (a new tensor on t's device).
 Tensor as_dtype(const Tensor& t, DType dtype);
 
-
 class Embedding : public Module {
  public:
   /// Parameter `name` [vocab, d], N(0, init_std^2).
