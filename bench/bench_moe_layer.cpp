@@ -10,6 +10,7 @@
 //   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
 //                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick] [--recompute]
 //                   [--fold] [--breakdown] [--router-dtype f32|bf16]
+//                   [--expert-grad-dtype f32|bf16]
 //
 // --recompute: the layer keeps neither h nor its input rows (MoELayer::set_recompute): the
 // memory-for-time trade of model.recompute=moe. --fold: the experts' backward applies the combine
@@ -17,7 +18,8 @@
 // the timed passes, 2 more with the region profiler on (core/profile.h): one
 // "moe_layer_breakdown" line per region (ms per pass; the profiler synchronises the device at
 // every region boundary) and the table on stderr. --router-dtype: model.moe.router_dtype (bf16:
-// the router's GEMMs on bf16 operands; the peer takes the same flag).
+// the router's GEMMs on bf16 operands; the peer takes the same flag). --expert-grad-dtype:
+// model.moe.expert_grad_dtype (bf16: the experts' weight gradients in bf16, as the peer's).
 //
 // Defaults: on the CPU the two small shapes of docs/benchmarks.md, pft and padded at capacity
 // factors 1.0, 1.25, 2.0 (with the ratios against pft); on CUDA the three peer shapes of
@@ -94,7 +96,8 @@ struct Result {
 constexpr int kProfiledPasses = 2;
 
 Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters,
-           Device device, bool recompute, bool fold, bool breakdown, const std::string& router) {
+           Device device, bool recompute, bool fold, bool breakdown, const std::string& router,
+           const std::string& expert_grad) {
   MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
   c.top_k = static_cast<int>(s.k);
@@ -102,6 +105,7 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
   c.num_shared_experts = 0;
   c.gate = "softmax_topk";
   c.router_dtype = router;
+  c.expert_grad_dtype = expert_grad;
   c.impl = impl;
   c.capacity_factor = cf;
   moe::MoELayer layer(c, s.d, "bench.moe", 1, 0.02f);
@@ -113,9 +117,10 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
     // router with --router-dtype bf16).
     for (Parameter* p : layer.parameters()) {
       const Shape shape = p->grad.shape();
+      const DType grad_dtype = p->grad.dtype();
       p->grad = Tensor();
       p->value = p->value.to(device);
-      p->grad = Tensor::zeros(shape, DType::f32, device);
+      p->grad = Tensor::zeros(shape, grad_dtype, device);
       if (p->value.dim() >= 2) p->compute_copy = ops::cast(p->value, DType::bf16);
     }
   }
@@ -171,7 +176,7 @@ int main(int argc, char** argv) {
   std::vector<float> cfs = {1.0f, 1.25f, 2.0f};
   int iters = 5, warmup = 1;
   bool quick = false, recompute = false, fold = false, breakdown = false;
-  std::string router_dtype = "f32";
+  std::string router_dtype = "f32", expert_grad_dtype = "f32";
   CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
   app.add_option("--device", device_name, "cpu, cuda or cuda:N");
   app.add_option("--shapes", shapes_text, "comma-separated TxdxfxExk (default: by device)");
@@ -185,6 +190,9 @@ int main(int argc, char** argv) {
   app.add_flag("--fold", fold, "fold the combine weights into the experts' backward");
   app.add_flag("--breakdown", breakdown, "profile 2 more passes by region (JSON lines, table)");
   app.add_option("--router-dtype", router_dtype, "router GEMM operands (model.moe.router_dtype)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--expert-grad-dtype", expert_grad_dtype,
+                 "experts' weight gradients (model.moe.expert_grad_dtype)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   CLI11_PARSE(app, argc, argv);
 
@@ -223,7 +231,7 @@ int main(int argc, char** argv) {
       bool have_pft = false;
       for (const Variant& v : variants) {
         const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, fold, breakdown,
-                             router_dtype);
+                             router_dtype, expert_grad_dtype);
         if (v.impl == "pft") {
           pft = r;
           have_pft = true;
@@ -236,6 +244,7 @@ int main(int argc, char** argv) {
         j["recompute"] = recompute;
         j["folded"] = fold;
         j["router_dtype"] = router_dtype;
+        j["expert_grad_dtype"] = expert_grad_dtype;
         j["T"] = s.T;
         j["d"] = s.d;
         j["f"] = s.f;

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The benchmark visit to the GPU machine: xmoe and its PyTorch peers side by side.
 #   1. the peers' agreement check (grouped_mm / padded / loop on a small shape, on the GPU)
-#   2. MoE layer fwd+bwd, bf16, three shapes: xmoe (bench_moe_layer --device cuda) and
-#      PyTorch (bench/peers/moe_layer_torch.py: torch._grouped_mm, padded bmm cf 1.0)
+#   2. MoE layer fwd+bwd, bf16, three shapes: xmoe (bench_moe_layer --device cuda, f32 and bf16
+#      expert gradients) and PyTorch (bench/peers/moe_layer_torch.py: torch._grouped_mm, padded
+#      bmm cf 1.0)
 #   3. moe-1b training step: xmoe (bench_train_step) and PyTorch (bench/peers/train_torch.py)
 #   4. a summary table with the xmoe/peer ratios (bench/peers/summarize.py)
 # JSON lines go to ${OUT:-/tmp}/gpu-bench.jsonl, everything to ${OUT:-/tmp}/gpu-bench.log
-# (written as it runs, so a timeout still leaves them). About 4-5 minutes on one H200 (most of it
+# (written as it runs, so a timeout still leaves them). About 5-6 minutes on one H200 (most of it
 # initialising the 11 G expert parameters of the second MoE shape on the host).
 #
 #   bash bench/gpu_bench.sh                           # xmoe built (or to build) in build/gpu-check
@@ -81,6 +82,8 @@ step peer-check "$PY" bench/peers/moe_layer_torch.py --check-only || status=1
 if [[ $have_xmoe == 1 ]]; then
   step xmoe-moe "$BIN/bench_moe_layer" --device cuda --shapes "$SHAPES" --warmup 3 --iters 10 ||
     status=1
+  step xmoe-moe-bf16-grads "$BIN/bench_moe_layer" --device cuda --shapes "$SHAPES" --warmup 3 \
+    --iters 10 --expert-grad-dtype bf16 || status=1
 fi
 step torch-moe "$PY" bench/peers/moe_layer_torch.py --shapes "$SHAPES" --warmup 3 --iters 10 ||
   status=1

@@ -121,6 +121,28 @@ TEST(DistributedTraining, MatchesOneProcessForEveryLayout) {
   world()->barrier();
 }
 
+// bf16 expert gradients (model.moe.expert_grad_dtype): each rank rounds its own, the all-reduce
+// sums them in f32, so the run follows the one-process one to within bf16 rounding.
+TEST(DistributedTraining, Bf16ExpertGradientsFollowOneProcess) {
+  const fs::path root = shared_root();
+  Config c = micro_config(root, "softmax_topk");
+  c.model.moe.expert_grad_dtype = "bf16";
+  validate(c);
+  const auto ref = reference(c, root, "bf16-grads");
+  for (int ep : {world()->size(), 1}) {
+    c.parallel.ep = ep;
+    const std::string tag = "bf16-grads-ep" + std::to_string(ep);
+    const auto got = run(c, (root / tag).string(), world());
+    ASSERT_EQ(got.steps.size(), ref.steps.size());
+    for (size_t i = 0; i < got.steps.size(); ++i) {
+      EXPECT_NEAR(got.steps[i].loss, ref.steps[i].loss, 2e-3 * ref.steps[i].loss) << tag << i;
+      EXPECT_NEAR(got.steps[i].grad_norm, ref.steps[i].grad_norm, 2e-2 * ref.steps[i].grad_norm)
+          << tag << " grad norm " << i;
+    }
+  }
+  world()->barrier();
+}
+
 TEST(DistributedTraining, ResumesWithAnotherLayout) {
   const fs::path root = shared_root();
   const int n = world()->size();

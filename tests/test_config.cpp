@@ -172,6 +172,7 @@ TEST(Config, RangeAndCrossKeyErrorsNameKeysAndValues) {
   check("model.moe.gate=sigmoid;model.moe.num_groups=8;model.moe.topk_groups=1;model.moe.top_k=3",
         {"model.moe.top_k = 3 exceeds the 2 experts reachable"});
   check("model.moe.impl=dense", {"model.moe.impl = \"dense\""});
+  check("model.moe.expert_grad_dtype=f16", {"model.moe.expert_grad_dtype = \"f16\""});
   check("model.moe.dispatch=nccl", {"model.moe.dispatch = \"nccl\""});
   check("model.first_dense_layers=5",
         {"model.first_dense_layers = 5 exceeds model.num_layers = 4"});
@@ -200,8 +201,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 21 model.moe + 3 data + 21 train + 5 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 21u + 3u + 21u + 5u);
+  // 13 model + 22 model.moe + 3 data + 21 train + 5 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 22u + 3u + 21u + 5u);
 }
 
 TEST(Config, ParameterCounts) {

@@ -184,10 +184,11 @@ TEST(CudaModel, MoEMatchesCpu) {
 
 // ---- the optimizer --------------------------------------------------------------------------
 
-std::vector<Parameter> optimizer_params(uint64_t seed) {
+/// big_grad: the dtype of "big"'s gradient (bf16: model.moe.expert_grad_dtype's experts).
+std::vector<Parameter> optimizer_params(uint64_t seed, DType big_grad = DType::f32) {
   std::vector<Parameter> ps;
   ps.push_back(Parameter::make("w", {37, 129}));
-  ps.push_back(Parameter::make("big", {3, 70000}));  // several chunks per tensor
+  ps.push_back(Parameter::make("big", {3, 70000}, ParamKind::expert, true, big_grad));  // chunks
   ps.push_back(Parameter::make("norm", {129}, ParamKind::dense, /*weight_decay=*/false));
   ps.push_back(Parameter::make("empty", {0, 4}));
   for (size_t i = 0; i < ps.size(); ++i) ps[i].init_normal(seed + i, 0.5f);
@@ -198,13 +199,12 @@ void random_grads(std::vector<Parameter>& ps, uint64_t seed) {
   for (size_t i = 0; i < ps.size(); ++i) {
     Tensor g = Tensor::empty(ps[i].value.shape());
     fill_normal(g, seed, 100 + i, 1e-2f);
-    ps[i].grad.copy_from(g);
+    ps[i].grad.copy_from(ps[i].grad.dtype() == DType::bf16 ? g.to(DType::bf16) : g);
   }
 }
 
-TEST(CudaModel, AdamWMatchesCpu) {
-  XMOE_REQUIRE_CUDA();
-  std::vector<Parameter> cpu = optimizer_params(5), gpu = optimizer_params(5);
+void expect_adamw_matches_cpu(DType big_grad) {
+  std::vector<Parameter> cpu = optimizer_params(5, big_grad), gpu = optimizer_params(5, big_grad);
   for (Parameter& p : gpu) p.to(kCuda);
   gpu[0].compute_copy = ops::cast(gpu[0].value, DType::bf16);  // rewritten by the step
   std::vector<Parameter*> pc, pg;
@@ -243,9 +243,17 @@ TEST(CudaModel, AdamWMatchesCpu) {
   EXPECT_EQ(normalised_error(og2.v(1), og.v(1)), 0.0);
 }
 
-TEST(CudaModel, GradNormScaleAndNonFinite) {
+// f32 gradients, then "big" with a bf16 one (model.moe.expert_grad_dtype) beside f32 ones.
+TEST(CudaModel, AdamWMatchesCpu) {
   XMOE_REQUIRE_CUDA();
-  std::vector<Parameter> cpu = optimizer_params(9), gpu = optimizer_params(9);
+  for (DType big_grad : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(big_grad));
+    expect_adamw_matches_cpu(big_grad);
+  }
+}
+
+void expect_grad_norm_scale_and_nonfinite(DType big_grad) {
+  std::vector<Parameter> cpu = optimizer_params(9, big_grad), gpu = optimizer_params(9, big_grad);
   for (Parameter& p : gpu) p.to(kCuda);
   random_grads(cpu, 3);
   random_grads(gpu, 3);
@@ -262,9 +270,22 @@ TEST(CudaModel, GradNormScaleAndNonFinite) {
     EXPECT_EQ(normalised_error(gpu[i].grad, cpu[i].grad), 0.0) << cpu[i].name;
   // A non-finite element makes the norm non-finite (the trainer's check).
   Tensor g = gpu[1].grad.to(Device::cpu());
-  g.data<float>()[12345] = std::numeric_limits<float>::infinity();
+  if (big_grad == DType::bf16) {
+    g.data<bf16>()[12345] = bf16(std::numeric_limits<float>::infinity());
+  } else {
+    g.data<float>()[12345] = std::numeric_limits<float>::infinity();
+  }
   gpu[1].grad.copy_from(g);
   EXPECT_FALSE(std::isfinite(optim::grad_norm(pg)));
+  EXPECT_EQ(optim::first_nonfinite_grad(pg), "big");
+}
+
+TEST(CudaModel, GradNormScaleAndNonFinite) {
+  XMOE_REQUIRE_CUDA();
+  for (DType big_grad : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(big_grad));
+    expect_grad_norm_scale_and_nonfinite(big_grad);
+  }
 }
 
 // ---- the trainer ----------------------------------------------------------------------------
@@ -391,6 +412,31 @@ TEST_F(CudaTrainTest, MoETrainsOnTheDeviceBf16) {
   ASSERT_EQ(r.steps.size(), 10u);
   for (const auto& s : r.steps) EXPECT_TRUE(std::isfinite(s.loss) && !s.skipped);
   EXPECT_LT(r.steps.back().loss, r.steps.front().loss);
+}
+
+// model.moe.expert_grad_dtype = bf16 on the device: f32 compute (f32 GEMMs rounded into the
+// bf16 gradients) follows the CPU's bf16-gradient run closely, bf16 compute (the sm90 kernels'
+// bf16 output) within bf16 tolerance.
+TEST_F(CudaTrainTest, MoEWithBf16ExpertGradientsFollowsTheCpu) {
+  XMOE_REQUIRE_CUDA();
+  Config cpu = micro_config("moe-bf16-grads-cpu", /*moe=*/true);
+  cpu.model.moe.expert_grad_dtype = "bf16";
+  const auto ref = train::train(cpu, quiet());
+  for (const char* dtype : {"f32", "bf16"}) {
+    Config c = cpu;
+    c.train.out_dir = (root_ / (std::string("moe-bf16-grads-") + dtype)).string();
+    c.train.device = "cuda";
+    c.train.dtype = dtype;
+    const auto r = train::train(c, quiet());
+    ASSERT_EQ(r.steps.size(), 10u);
+    const double tol = std::string(dtype) == "f32" ? 2e-3 : 3e-2;
+    for (int i = 0; i < 10; ++i) {
+      std::printf("[train] moe %s, bf16 expert grads: step %d loss cpu %.5f cuda %.5f\n", dtype,
+                  i + 1, ref.steps[i].loss, r.steps[i].loss);
+      EXPECT_LE(std::fabs(r.steps[i].loss - ref.steps[i].loss), tol * ref.steps[i].loss)
+          << dtype << " step " << i + 1;
+    }
+  }
 }
 
 // ---- every build ----------------------------------------------------------------------------

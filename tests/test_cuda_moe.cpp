@@ -149,6 +149,13 @@ TEST(CudaMoeOps, MatchCpu) {
       EXPECT_CLOSE(gb.d_rows, ref_b.d_rows, 2e-2, "gather_weighted_rows_dot bf16 rows");
       EXPECT_CLOSE(gb.dot, ref_b.dot, 2e-2, "gather_weighted_rows_dot bf16 dot");
     }
+    // In place (the I-Order backward with a sole expert output): the same values, in rows.
+    Tensor in_place = rows.to(kCuda);
+    const WeightedGather gi =
+        gather_weighted_rows_dot(dy.to(kCuda), in_place, index.to(kCuda), w.to(kCuda), true);
+    EXPECT_TRUE(gi.d_rows.shares_storage(in_place));
+    EXPECT_CLOSE(gi.d_rows, ref.d_rows, 1e-6, "gather_weighted_rows_dot in place rows");
+    EXPECT_CLOSE(gi.dot, ref.dot, 1e-5, "gather_weighted_rows_dot in place dot");
   }
   Tensor scores = randn({N, E}, 8);
   Tensor idx = random_topk(N, k, E, 9);

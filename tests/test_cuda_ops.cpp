@@ -171,6 +171,16 @@ std::vector<OpCase> parity_cases() {
                [] { return Tensors{randn({2064, 64}, 86), randn({2064, 128}, 87),
                                    randn({8, 64, 128}, 88), randn({8, 64, 128}, 89)}; },
                weight_grad_both_ways({2000, 3, 0, 17, 1, 40, 0, 3}), {2, 3}});
+  // bf16 dw (model.moe.expert_grad_dtype) in the bf16 run: the sm90 kernels' bf16 output, and
+  // bf16 partials for the cut-up group.
+  c.push_back({"grouped_matmul_weight_grad_bf16_dw_ragged_tiles",
+               [] { return Tensors{randn({1261, 136}, 90), randn({1261, 264}, 91),
+                                   randn({8, 136, 264}, 92), randn({8, 136, 264}, 93)}; },
+               weight_grad_both_ways({300, 0, 129, 1, 517, 64, 0, 250})});
+  c.push_back({"grouped_matmul_weight_grad_bf16_dw_skewed_pieces",
+               [] { return Tensors{randn({2064, 64}, 94), randn({2064, 128}, 95),
+                                   randn({8, 64, 128}, 96), randn({8, 64, 128}, 97)}; },
+               weight_grad_both_ways({2000, 3, 0, 17, 1, 40, 0, 3})});
   c.push_back({"grouped_matmul_unaligned_rows",
                [] { return Tensors{randn({28, 20}, 82), randn({6, 20, 36}, 83),
                                    randn({28, 36}, 84), randn({6, 20, 36}, 85)}; },

@@ -9,6 +9,7 @@
 
 #include "cuda_testing.h"
 #include "gradcheck.h"
+#include "xmoe/core/allocator.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/moe/moe_ops.h"
 #include "xmoe/moe/padded.h"
@@ -665,4 +666,28 @@ TEST(MoeLayer, AllToAllWithOneRankIsExactlyLocal) {
   two.world_size = 2;
   EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f, std::nullopt, &two); }),
                        "moe.num_experts = 7 is not divisible by parallel.ep = 2"));
+}
+
+// The I-Order backward op in place: the reference's values (gather, dot, scale), written over
+// rows, with nothing allocated but the dots; -1 slots give zero rows.
+TEST(MoeOps, WeightedGatherDotInPlaceMatchesTheReference) {
+  const int64_t T = 6, N = 9, d = 5;
+  const Tensor dy = randn({T, d}, 1), w = randn({N}, 2);
+  const Tensor index = Tensor::from_vector<int32_t>({0, 5, -1, 2, 2, 3, 1, -1, 4}, {N});
+  const Tensor rows = randn({N, d}, 3);
+  const WeightedGather ref = gather_weighted_rows_dot(dy, rows, index, w);
+  Tensor in_place = rows.clone();
+  const void* storage = in_place.raw();
+  WeightedGather got;
+  {
+    PeakMemoryScope scope;
+    got = gather_weighted_rows_dot(dy, in_place, index, w, true);
+    EXPECT_LE(scope.extra_peak_bytes(), static_cast<int64_t>(N * sizeof(float)));
+  }
+  EXPECT_EQ(got.d_rows.raw(), storage);
+  EXPECT_EQ(in_place.to_vector<float>(), ref.d_rows.to_vector<float>());
+  EXPECT_EQ(got.dot.to_vector<float>(), ref.dot.to_vector<float>());
+  const Tensor bad = Tensor::from_vector<int32_t>({0, 6, 0, 0, 0, 0, 0, 0, 0}, {N});
+  Tensor again = rows.clone();
+  EXPECT_THROW(gather_weighted_rows_dot(dy, again, bad, w, true), Error);
 }

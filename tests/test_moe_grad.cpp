@@ -167,6 +167,7 @@ MoeConfig impl_config(const char* impl) {
 /// One forward + backward of a fresh layer that `configure` has set up.
 struct Pass {
   int64_t saved = 0;                     ///< bytes forward kept for backward
+  int64_t backward_peak = 0;             ///< peak bytes above the start of backward
   int64_t routed_rows = 0;               ///< (token, slot) pairs the experts processed
   bool folded = false;                   ///< MoELayer::folded_combine_weights()
   std::vector<std::vector<float>> grads;  ///< dx, then every parameter's gradient
@@ -181,7 +182,12 @@ Pass run_pass(const MoeConfig& c, const std::function<void(MoELayer&)>& configur
   pass.saved = memory_stats().live_bytes - before;
   pass.folded = layer.folded_combine_weights();
   for (int64_t n : layer.tokens_per_expert()) pass.routed_rows += n;
-  pass.grads.push_back(layer.backward(r).to_vector<float>());
+  {
+    PeakMemoryScope scope;
+    Tensor dx = layer.backward(r);
+    pass.backward_peak = scope.extra_peak_bytes();
+    pass.grads.push_back(dx.to_vector<float>());
+  }
   for (Parameter* p : layer.parameters()) pass.grads.push_back(p->grad.to_vector<float>());
   return pass;
 }
@@ -221,6 +227,9 @@ TEST(MoeGrad, FoldedCombineWeightsGiveTheSameGradients) {
     // At least the PFT rows' output (padded: E * C rows, more than the routed ones).
     EXPECT_GE(plain.saved - folded.saved, plain.routed_rows * kD * 4)
         << impl << ": " << plain.saved << " vs " << folded.saved;
+    // The plain I-Order backward writes d_rows over the expert output it alone holds, so
+    // its backward peaks no higher than the folded one's (which keeps no output at all).
+    EXPECT_LE(plain.backward_peak, folded.backward_peak) << impl;
   }
   // Off by default; model.moe.fold_combine_weights turns it on.
   MoeConfig asked = impl_config("pft");

@@ -63,6 +63,27 @@ TEST(Ops, GroupedMatmulEqualsPerGroupMatmul) {
   EXPECT_THROW(ops::grouped_matmul(x, w, std::vector<int64_t>{3, 0, 5, 2}), Error);
 }
 
+// bf16 weight gradients (moe.expert_grad_dtype) of f32 rows: the f32 result rounded once,
+// overwriting, or accumulated onto what dw held.
+TEST(Ops, GroupedWeightGradIntoBf16RoundsTheF32ResultOnce) {
+  const std::vector<int64_t> sizes = {3, 0, 5, 1};
+  Tensor x = randn({9, 6}, 7), dy = randn({9, 7}, 8);
+  Tensor ref = Tensor::zeros({4, 6, 7});
+  ops::grouped_matmul_weight_grad(ref, x, dy, sizes, false);
+  Tensor dw = randn({4, 6, 7}, 9).to(DType::bf16);  // stale: overwritten, empty group included
+  ops::grouped_matmul_weight_grad(dw, x, dy, sizes, false);
+  const std::vector<float> r = ref.to_vector<float>(), once = dw.to(DType::f32).to_vector<float>();
+  for (size_t i = 0; i < r.size(); ++i) ASSERT_EQ(once[i], static_cast<float>(bf16(r[i]))) << i;
+  ops::grouped_matmul_weight_grad(dw, x, dy, sizes, true);
+  const std::vector<float> twice = dw.to(DType::f32).to_vector<float>();
+  for (size_t i = 0; i < r.size(); ++i) {  // BLAS may add in another order: within a bf16 step
+    const float sum = once[i] + r[i];
+    ASSERT_NEAR(twice[i], sum, std::ldexp(std::fabs(sum), -8) + 1e-6f) << i;
+  }
+  Tensor wrong = Tensor::zeros({4, 6, 7}, DType::i32);
+  EXPECT_THROW(ops::grouped_matmul_weight_grad(wrong, x, dy, sizes, false), Error);
+}
+
 TEST(Ops, SoftmaxSigmoidSwigluGradients) {
   Tensor x = randn({4, 6}, 7);
   Tensor r = randn({4, 6}, 8);

@@ -186,3 +186,38 @@ TEST(Clip, DetectsNonFiniteGradients) {
   set_grad(b, {std::numeric_limits<float>::infinity()});
   EXPECT_FALSE(optim::grads_finite(ps));
 }
+
+// bf16 gradients (model.moe.expert_grad_dtype = bf16): AdamW, the norm, clipping and the
+// non-finite check read them as the f32 gradients of the same (bf16-exact) values.
+TEST(Bf16Grads, OptimizerNormAndClipReadThemAsF32) {
+  const std::vector<float> w0 = {1.0f, -2.0f, 0.5f, 3.0f};
+  const std::vector<float> g = {0.375f, -1.25f, 2.5f, -0.0078125f};  // exact in bf16
+  Parameter a = param("a", w0);
+  Parameter b = Parameter::make("b", {4}, ParamKind::expert, true, DType::bf16);
+  b.value.copy_from(Tensor::from_vector<float>(w0, {4}));
+  ASSERT_EQ(b.grad.dtype(), DType::bf16);
+  set_grad(a, g);
+  b.grad.copy_from(Tensor::from_vector<float>(g, {4}).to(DType::bf16));
+  EXPECT_DOUBLE_EQ(optim::grad_norm({&b}), optim::grad_norm({&a}));
+  EXPECT_TRUE(optim::grads_finite({&a, &b}));
+  const float s = optim::clip_factor(optim::grad_norm({&a}), 1.0f);
+  optim::scale_grads({&a}, s);
+  optim::scale_grads({&b}, s);
+  const std::vector<float> ga = a.grad.to_vector<float>(), gb = b.grad.to(DType::f32).to_vector<float>();
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(gb[j], static_cast<float>(bf16(ga[j]))) << j;  // one rounding
+  // The same gradient values step both to the same bits.
+  a.grad.copy_from(b.grad.to(DType::f32));
+  AdamW oa({&a}, {0.9f, 0.95f, 1e-8f, 0.1f}), ob({&b}, {0.9f, 0.95f, 1e-8f, 0.1f});
+  oa.step(0.01f, 0.5f);
+  ob.step(0.01f, 0.5f);
+  EXPECT_EQ(a.value.to_vector<float>(), b.value.to_vector<float>());
+  EXPECT_EQ(oa.v(0).to_vector<float>(), ob.v(0).to_vector<float>());
+  // Lazily zeroed, then settled: real zeros.
+  b.lazy_zero_grad = true;
+  b.zero_grad();
+  EXPECT_EQ(optim::grad_norm({&b}), 0.0);
+  b.grad.copy_from(Tensor::from_vector<float>({1.f, std::numeric_limits<float>::infinity(), 0.f,
+                                               0.f}, {4}).to(DType::bf16));
+  EXPECT_EQ(optim::first_nonfinite_grad({&a, &b}), "b");
+  EXPECT_THROW(Parameter::make("c", {2}, ParamKind::dense, true, DType::i32), Error);
+}

@@ -102,6 +102,28 @@ TEST_F(TrainTest, ResumeReproducesTheRunBitForBit) {
   }
 }
 
+// model.moe.expert_grad_dtype = bf16 (gradient accumulation over two micro-batches in bf16):
+// the run follows the f32-gradient one to within bf16 rounding and still learns.
+TEST_F(TrainTest, Bf16ExpertGradientsFollowTheF32Run) {
+  Config c = micro_config();
+  c.train.steps = 20;
+  c.train.grad_accum = 2;
+  c.train.out_dir = (root_ / "f32").string();
+  const auto f32 = train::train(c, quiet());
+  c.model.moe.expert_grad_dtype = "bf16";
+  validate(c);
+  c.train.out_dir = (root_ / "bf16").string();
+  const auto bf = train::train(c, quiet());
+  ASSERT_EQ(bf.steps.size(), f32.steps.size());
+  EXPECT_NE(bf.steps.back().loss, f32.steps.back().loss);  // the rounding does reach the weights
+  for (size_t i = 0; i < bf.steps.size(); ++i) {
+    EXPECT_NEAR(bf.steps[i].loss, f32.steps[i].loss, 1e-2 * f32.steps[i].loss) << "step " << i + 1;
+    EXPECT_NEAR(bf.steps[i].grad_norm, f32.steps[i].grad_norm, 2e-2 * f32.steps[i].grad_norm)
+        << "step " << i + 1;
+  }
+  EXPECT_LT(bf.steps.back().loss, bf.steps.front().loss - 0.5);
+}
+
 TEST_F(TrainTest, NonFiniteStepsAreSkippedThenStopTheRun) {
   Config c = micro_config();
   c.train.lr = 1e30f;  // the first update blows the weights up; later losses are not finite

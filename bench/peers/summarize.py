@@ -3,8 +3,9 @@
 
   python3 bench/peers/summarize.py /tmp/gpu-bench.jsonl     (or JSON lines on stdin)
 
-MoE layer (per shape T, d, f, E, k): xmoe's "moe_layer" (impl xmoe_pft) against the
-"moe_layer_peer" lines (grouped_mm, padded); ratio = xmoe TFLOP/s / peer TFLOP/s (> 1: xmoe is
+MoE layer (per shape T, d, f, E, k): xmoe's "moe_layer" (impl xmoe_pft; f32 expert gradients,
+and bf16 ones where a run has expert_grad_dtype bf16) against the "moe_layer_peer" lines
+(grouped_mm, padded); ratio = xmoe TFLOP/s / peer TFLOP/s (> 1: xmoe is
 faster), memory ratio = xmoe peak_extra_bytes / peer peak_extra_bytes. Training step:
 "train_step_summary" (bench_train_step) against "train_step_peer_summary"; ratio = xmoe
 tokens/s / peer tokens/s. Lines that are not JSON are ignored; error lines are listed.
@@ -52,9 +53,11 @@ def main():
 
     # ---- MoE layer ----
     shape_key = lambda r: (r["T"], r["d"], r["f"], r["E"], r["k"])  # noqa: E731
-    xmoe = {shape_key(r): r for r in rows
-            if r.get("bench") == "moe_layer" and r.get("impl") == "xmoe_pft"
-            and "median_ms" in r}
+    def xmoe_rows(grad_dtype):
+        return {shape_key(r): r for r in rows
+                if r.get("bench") == "moe_layer" and r.get("impl") == "xmoe_pft"
+                and r.get("expert_grad_dtype", "f32") == grad_dtype and "median_ms" in r}
+    xmoe, xmoe_bf16 = xmoe_rows("f32"), xmoe_rows("bf16")
     peers = {}
     for r in rows:
         if r.get("bench") == "moe_layer_peer" and "median_ms" in r:
@@ -62,18 +65,21 @@ def main():
     shapes = sorted(set(xmoe) | set(peers), key=lambda s: (s[3], s[0]))
     if shapes:
         print("\nMoE layer, forward + backward, bf16 (TFLOP/s; ms; peak extra GiB)")
-        head = ("| T, d, f, E, k | xmoe pft | torch grouped_mm | torch padded cf1 (dropped) "
-                "| xmoe / grouped_mm | xmoe / padded | mem xmoe / grouped_mm |")
+        head = ("| T, d, f, E, k | xmoe pft | xmoe pft, bf16 expert grads | torch grouped_mm "
+                "| torch padded cf1 (dropped) | xmoe / grouped_mm (f32; bf16 grads) "
+                "| xmoe / padded | mem xmoe / grouped_mm |")
         print(head)
         print("|" + "---|" * (head.count("|") - 1))
         for s in shapes:
             x, g, p = xmoe.get(s, {}), peers.get(s, {}).get("grouped_mm", {}), \
                 peers.get(s, {}).get("padded", {})
+            xb = xmoe_bf16.get(s, {})
             cell = lambda r: (f"{fmt(r.get('tflops'))} ({fmt(r.get('median_ms'), '.2f')} ms, "  # noqa: E731
                               f"{gib(r.get('peak_extra_bytes'))})" if r else "—")
             pcell = cell(p) + (f" [{p.get('dropped')}]" if p else "")
-            print(f"| {', '.join(map(str, s))} | {cell(x)} | {cell(g)} | {pcell} "
-                  f"| {ratio(x.get('tflops'), g.get('tflops'))} "
+            print(f"| {', '.join(map(str, s))} | {cell(x)} | {cell(xb)} | {cell(g)} | {pcell} "
+                  f"| {ratio(x.get('tflops'), g.get('tflops'))}; "
+                  f"{ratio(xb.get('tflops'), g.get('tflops'))} "
                   f"| {ratio(x.get('tflops'), p.get('tflops'))} "
                   f"| {ratio(x.get('peak_extra_bytes'), g.get('peak_extra_bytes'))} |")
 

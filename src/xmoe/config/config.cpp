@@ -120,6 +120,11 @@ const std::vector<Key>& table() {
       XMOE_KEY(model.moe.fold_combine_weights, any(), {},
                "apply the combine weights in the experts' backward so the expert output [N, d] "
                "is not kept (less memory where d > f, a few % slower)"),
+      XMOE_KEY(model.moe.expert_grad_dtype, any(), {"f32", "bf16"},
+               "dtype of the routed experts' weight gradients: f32, or bf16 (f32 accumulation "
+               "in each GEMM, rounded once on the store; Megatron-Core's default): half the "
+               "gradient memory and traffic of the largest parameters. Master weights, optimizer "
+               "state and the gradient all-reduce stay f32"),
       // data
       XMOE_KEY(data.corpus, any(), {}, "a text file or a folder of text files to prepare"),
       XMOE_KEY(data.dir, any(), {},

@@ -37,6 +37,8 @@ struct MoeConfig {
   float capacity_factor = 1.25f;   ///< padded only
   std::string dispatch = "auto";  ///< auto | local | all_to_all | rbd
   bool fold_combine_weights = false;  ///< experts' backward applies the combine weights
+  /// f32 | bf16: dtype of the routed experts' weight gradients (the master weights stay f32)
+  std::string expert_grad_dtype = "f32";
 
   bool operator==(const MoeConfig&) const = default;
 };

@@ -2,14 +2,18 @@
 
 namespace xmoe {
 
-Parameter Parameter::make(std::string name, Shape shape, ParamKind kind, bool weight_decay) {
+Parameter Parameter::make(std::string name, Shape shape, ParamKind kind, bool weight_decay,
+                          DType grad_dtype) {
+  XMOE_CHECK(grad_dtype == DType::f32 || grad_dtype == DType::bf16,
+             "[parameter] {}: gradient dtype {} (expected f32 or bf16)", name,
+             dtype_name(grad_dtype));
   Parameter p;
   p.name = std::move(name);
   p.kind = kind;
   p.weight_decay = weight_decay;
   p.global_rows = shape.empty() ? 1 : shape[0];
   p.value = Tensor::zeros(shape);
-  p.grad = Tensor::zeros(shape);
+  p.grad = Tensor::zeros(shape, grad_dtype);
   return p;
 }
 

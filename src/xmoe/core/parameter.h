@@ -18,7 +18,9 @@ enum class ParamKind : uint8_t {
 struct Parameter {
   std::string name;  ///< stable, hierarchical: "layers.3.moe.experts.gate_up"
   Tensor value;      ///< f32 master weights
-  Tensor grad;       ///< f32, same shape and device; backward accumulates into it
+  /// value's shape and device, f32 (bf16 for the routed experts' weights with
+  /// model.moe.expert_grad_dtype = bf16); backward accumulates into it
+  Tensor grad;
   /// bf16 copy of value for the matmuls of a bf16-compute model (docs/cuda.md), on value's
   /// device; undefined in f32 compute. AdamW rewrites it with every update; whoever else writes
   /// value (checkpoint load, expert permutation) refreshes it (model::Transformer::
@@ -35,9 +37,9 @@ struct Parameter {
   /// grad is logically zero but its memory is stale (zero_grad() deferred the memset).
   bool grad_zero_pending = false;
 
-  /// Allocates value and a zeroed grad of `shape`.
+  /// Allocates value and a zeroed grad (f32 or bf16) of `shape`.
   static Parameter make(std::string name, Shape shape, ParamKind kind = ParamKind::dense,
-                        bool weight_decay = true);
+                        bool weight_decay = true, DType grad_dtype = DType::f32);
   void zero_grad() {
     if (lazy_zero_grad) {
       grad_zero_pending = true;

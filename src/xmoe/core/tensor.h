@@ -96,6 +96,8 @@ class Tensor {
 
   std::string str() const;  ///< "f32[4, 8] on cpu"
   bool shares_storage(const Tensor& other) const { return storage_ == other.storage_; }
+  /// True when no other Tensor refers to this one's storage: writing it in place is invisible.
+  bool sole_owner() const { return storage_ != nullptr && storage_.use_count() == 1; }
 
  private:
   std::shared_ptr<Storage> storage_;

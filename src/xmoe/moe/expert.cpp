@@ -18,9 +18,9 @@ class SwigluExperts final : public Experts {
                a.first_expert + a.num_local, a.num_experts);
     XMOE_CHECK(a.hidden >= 1, "[moe] moe.expert_hidden = {} must be >= 1", a.hidden);
     gate_up_ = Parameter::make(a.prefix + ".experts.gate_up", {a.num_local, a.d_model, 2 * a.hidden},
-                               ParamKind::expert);
+                               ParamKind::expert, true, a.grad_dtype);
     down_ = Parameter::make(a.prefix + ".experts.down", {a.num_local, a.hidden, a.d_model},
-                            ParamKind::expert);
+                            ParamKind::expert, true, a.grad_dtype);
     for (Parameter* p : {&gate_up_, &down_}) {
       p->global_rows = a.num_experts;
       p->row_offset = a.first_expert;
@@ -36,7 +36,7 @@ class SwigluExperts final : public Experts {
     groups_.assign(group_sizes.begin(), group_sizes.end());
     rows_ = rows;                                                                   // [N, d]
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
-    // where there are none), kept for backward; the weight gradients are f32.
+    // where there are none), kept for backward; the weight gradients are f32 or bf16.
     wgu_ = as_dtype(gate_up_.compute(), rows.dtype());
     wd_ = as_dtype(down_.compute(), rows.dtype());
     Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);                       // [N, 2f]

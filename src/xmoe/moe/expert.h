@@ -27,6 +27,7 @@ struct ExpertArgs {
   uint64_t seed = 0;
   float init_std = 0.02f, down_std = 0.02f;
   bool recompute = false;
+  DType grad_dtype = DType::f32;  ///< of the weight gradients (moe.expert_grad_dtype)
 };
 
 class Experts : public Module {

@@ -33,8 +33,13 @@ IOrder::Grads IOrder::backward(const Tensor& dy) {
   XMOE_CHECK(rows_out_.defined(), "[moe iorder] backward without a forward");
   check_shape(dy, {-1, rows_out_.size(1)}, "moe iorder backward", "dy");
   // One pass on CUDA (gather of dy by token, the dot for d_combine_weights, the scale); the CPU
-  // runs the same three ops in sequence. A padding slot (-1) gives a zero row.
-  WeightedGather r = gather_weighted_rows_dot(dy, rows_out_, token_ids_, combine_weights_);
+  // runs the same three ops in sequence. A padding slot (-1) gives a zero row. Where nothing
+  // else holds the expert output, d_rows takes its storage: out and d_rows [N, d] are never
+  // both alive, which is the layer's peak where d > f. CPU only for now: the CUDA kernel in
+  // place (test_cuda_moe checks it) has not yet run on a GPU.
+  Tensor rows = std::move(rows_out_);
+  const bool in_place = rows.sole_owner() && rows.is_cpu();
+  WeightedGather r = gather_weighted_rows_dot(dy, rows, token_ids_, combine_weights_, in_place);
   Grads g;
   g.d_rows = std::move(r.d_rows);
   g.d_combine_weights = std::move(r.dot);

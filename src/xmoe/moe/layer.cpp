@@ -52,6 +52,9 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
   ea.seed = seed;
   ea.init_std = init_std;
   ea.down_std = dstd;
+  XMOE_CHECK(c.expert_grad_dtype == "f32" || c.expert_grad_dtype == "bf16",
+             "[moe] moe.expert_grad_dtype = \"{}\" is not f32 or bf16", c.expert_grad_dtype);
+  ea.grad_dtype = c.expert_grad_dtype == "bf16" ? DType::bf16 : DType::f32;
   experts_ = make_experts("swiglu", ea);
   if (c.num_shared_experts > 0)
     shared_ = std::make_unique<SharedExperts>(
@@ -425,7 +428,14 @@ void MoELayer::permute_experts(const std::vector<int>& perm) {
   release();
   for (const Permutable& p : permutable_parameters(*gate_, *experts_)) {
     permute_tensor(p.param->value, perm, p.axis == 0, p.axis);
-    if (p.param->grad.defined()) permute_tensor(p.param->grad, perm, p.axis == 0, p.axis);
+    Tensor& grad = p.param->grad;
+    if (grad.defined() && grad.dtype() == DType::bf16) {  // through f32: exact either way
+      Tensor g32 = xmoe::ops::cast(grad, DType::f32);
+      permute_tensor(g32, perm, p.axis == 0, p.axis);
+      grad.copy_from(xmoe::ops::cast(g32, DType::bf16));
+    } else if (grad.defined()) {
+      permute_tensor(grad, perm, p.axis == 0, p.axis);
+    }
   }
   if (Tensor* b = gate_->routing_bias()) permute_tensor(*b, perm, false, 1);
   pending_load_ = permuted(pending_load_, perm);

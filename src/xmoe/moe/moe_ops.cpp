@@ -200,18 +200,46 @@ Tensor row_dot_f32(const Tensor& a, const Tensor& b) {
 }
 
 WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, const Tensor& index,
-                                        const Tensor& weight) {
+                                        const Tensor& weight, bool overwrite_rows) {
   const char* op = "gather_weighted_rows_dot";
   check_shape(rows, {-1, -1}, op, "rows");
   const int64_t n = rows.size(0), d = rows.size(1);
   check_shape(dy, {-1, d}, op, "dy");
   check_shape(index, {n}, op, "index");
   check_shape(weight, {n}, op, "weight");
-  if (rows.is_cpu()) {  // the reference: the three ops in sequence
+  if (rows.is_cpu() && !overwrite_rows) {  // the reference: the three ops in sequence
     WeightedGather g;
     g.d_rows = gather_rows_masked(as_dtype(dy, rows.dtype()), index);
     g.dot = row_dot_f32(rows, g.d_rows);
     scale_rows_(g.d_rows, weight);
+    return g;
+  }
+  if (rows.is_cpu()) {  // in place, row by row, with the reference's arithmetic
+    require_cpu_f32(op, "rows", rows);
+    require_cpu_f32(op, "dy", dy);
+    require_index(op, "index", index, "rows", rows);
+    xmoe::ops::detail::require_on(op, "weight", weight, DType::f32, "rows", rows);
+    WeightedGather g{rows, Tensor::empty({n}, DType::f32)};
+    float* r = g.d_rows.data<float>();
+    float* dot = g.dot.data<float>();
+    const float* src = dy.data<float>();
+    const int32_t* idx = index.data<int32_t>();
+    const float* w = weight.data<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      XMOE_CHECK(idx[i] < dy.size(0), "[{}] index[{}] = {} out of range [0, {})", op, i, idx[i],
+                 dy.size(0));
+      float* row = r + i * d;
+      if (idx[i] < 0) {
+        dot[i] = 0.f;
+        std::fill(row, row + d, 0.f);
+        continue;
+      }
+      const float* g_row = src + int64_t{idx[i]} * d;
+      float s = 0.f;
+      for (int64_t j = 0; j < d; ++j) s += row[j] * g_row[j];
+      dot[i] = s;
+      for (int64_t j = 0; j < d; ++j) row[j] = g_row[j] * w[i];
+    }
     return g;
   }
   xmoe::ops::detail::require_float(op, "rows", rows);
@@ -222,7 +250,7 @@ WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, co
              rows.device().str(), dtype_name(dy.dtype()), dy.device().str());
   if (xmoe::ops::detail::cuda_check_indices())
     xmoe::ops::detail::check_index_values(op, "index", index, dy.size(0), true);
-  WeightedGather g{Tensor::empty({n, d}, rows.dtype(), rows.device()),
+  WeightedGather g{overwrite_rows ? rows : Tensor::empty({n, d}, rows.dtype(), rows.device()),
                    Tensor::empty({n}, DType::f32, rows.device())};
   cuda::moe_gather_weighted_rows_dot(g.d_rows.raw(), g.dot.data<float>(), dy.raw(), dy.dtype(),
                                      rows.raw(), rows.dtype(), index.data<int32_t>(),

@@ -29,12 +29,14 @@ Tensor row_dot_f32(const Tensor& a, const Tensor& b);
 /// padding slot, zero row and zero dot), d_rows[i] = weight[i] * dy[t] (rows' dtype) and
 /// dot[i] = rows[i] . dy[t] (f32). dy [T, d] (f32 or the rows' dtype), rows [N, d], index i32
 /// [N], weight f32 [N]. Equals gather, row_dot_f32, scale_rows_ in sequence; CUDA fuses them.
+/// overwrite_rows: d_rows is written into rows' storage (each element is read before it is
+/// overwritten), saving an [N, d] allocation; rows is then d_rows.
 struct WeightedGather {
   Tensor d_rows;  ///< [N, d]
   Tensor dot;     ///< f32 [N]
 };
 WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, const Tensor& index,
-                                        const Tensor& weight);
+                                        const Tensor& weight, bool overwrite_rows = false);
 /// x itself when it has `dtype`, else ops::cast(x, dtype).
 Tensor as_dtype(const Tensor& x, DType dtype);
 /// out[i, j] = x[i, idx[i, j]]: x [N, E], idx i32 [N, k] -> [N, k].

@@ -116,12 +116,23 @@ void grouped_matmul_weight_grad(Tensor& dw, const Tensor& x, const Tensor& dy,
                                 std::span<const int64_t> group_sizes, bool accumulate) {
   const char* op = "grouped_matmul_weight_grad";
   require_float(op, "x", x);
-  require_like_or_f32(op, "dw", dw, "x", x);
   require_like(op, "dy", dy, "x", x);
+  // dw: f32, or bf16 (moe.expert_grad_dtype) whatever x's dtype
+  require_same_device(op, "dw", dw, "x", x);
+  XMOE_CHECK(detail::is_float(dw.dtype()), "[{}] dw must be f32 or bf16, got {}", op, dw.str());
   XMOE_CHECK(dw.dim() == 3, "[{}] dw must be [G, K, M], got {}", op, shape_str(dw.shape()));
   check_shape(x, {-1, dw.size(1)}, op, "x");
   check_shape(dy, {x.size(0), dw.size(2)}, op, "dy");
   check_groups(op, group_sizes, dw.size(0), x.size(0));
+  if (dw.dtype() == DType::bf16 && x.dtype() == DType::f32) {
+    // bf16 gradients of an f32 model (moe.expert_grad_dtype; the CPU): f32 GEMMs into an f32
+    // copy, rounded once into dw.
+    Tensor dw32 = accumulate ? cast(dw, DType::f32) : Tensor::empty(dw.shape(), DType::f32,
+                                                                      dw.device());
+    grouped_matmul_weight_grad(dw32, x, dy, group_sizes, accumulate);
+    dw.copy_from(cast(dw32, DType::bf16));
+    return;
+  }
   if (x.is_cpu()) {
     cpu::grouped_gemm_weight_grad(dw.data<float>(), x.data<float>(), dy.data<float>(),
                                   group_sizes.data(), dw.size(0), dw.size(1), dw.size(2),
@@ -428,7 +439,19 @@ Tensor mul(const Tensor& a, const Tensor& b) {
   return c;
 }
 
+namespace {
+/// CPU tensors these ops read as f32: f32 ones, and bf16 ones (moe.expert_grad_dtype gradients)
+/// through an f32 copy.
+bool cpu_bf16(const Tensor& x) { return x.defined() && x.is_cpu() && x.dtype() == DType::bf16; }
+}  // namespace
+
 void scale_(Tensor& a, float s) {
+  if (cpu_bf16(a)) {
+    Tensor a32 = a.to(DType::f32);
+    scale_(a32, s);
+    a.copy_from(a32.to(DType::bf16));
+    return;
+  }
   require_float("scale_", "a", a);
   if (!a.is_cpu()) {
     cuda::scale_inplace(a.raw(), a.dtype(), s, a.numel(), stream_of(a));
@@ -450,6 +473,7 @@ double sum(const Tensor& x) {
 }
 
 double sum_squares(const Tensor& x) {
+  if (cpu_bf16(x)) return sum_squares(x.to(DType::f32));
   require_float("sum_squares", "x", x);
   if (!x.is_cpu()) return cuda_reduce(x, cuda::Reduction::sum_squares);
   const float* p = x.data<float>();
@@ -459,6 +483,7 @@ double sum_squares(const Tensor& x) {
 }
 
 bool all_finite(const Tensor& x) {
+  if (cpu_bf16(x)) return all_finite(x.to(DType::f32));
   require_float("all_finite", "x", x);
   if (!x.is_cpu()) return cuda_reduce(x, cuda::Reduction::count_nonfinite) == 0.0;
   const float* p = x.data<float>();

@@ -87,6 +87,7 @@ Tensor add(const Tensor& a, const Tensor& b);
 /// a += alpha * b
 void add_(Tensor& a, const Tensor& b, float alpha = 1.0f);
 Tensor mul(const Tensor& a, const Tensor& b);
+/// scale_, sum_squares and all_finite also take bf16 tensors on the CPU (bf16 gradients).
 void scale_(Tensor& a, float s);
 double sum(const Tensor& x);
 double sum_squares(const Tensor& x);

@@ -24,9 +24,10 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
     XMOE_CHECK(p && p->value.defined(), "[adamw] undefined parameter");
     XMOE_CHECK(names.insert(p->name).second, "[adamw] parameter name '{}' appears twice", p->name);
     check_shape(p->grad, p->value.shape(), "adamw", p->name.c_str());
-    XMOE_CHECK(p->value.dtype() == DType::f32 && p->grad.dtype() == DType::f32,
-               "[adamw] {}: value and grad must be f32 (master weights), got {} and {}", p->name,
-               p->value.str(), p->grad.str());
+    XMOE_CHECK(p->value.dtype() == DType::f32 &&
+                   (p->grad.dtype() == DType::f32 || p->grad.dtype() == DType::bf16),
+               "[adamw] {}: value must be f32 (master weights) and grad f32 or bf16, got {} and "
+               "{}", p->name, p->value.str(), p->grad.str());
     XMOE_CHECK(p->value.device() == device_ && p->grad.device() == device_,
                "[adamw] {} is on {} (grad on {}) but the first parameter is on {}: all parameters "
                "of an optimizer must be on one device",
@@ -55,17 +56,23 @@ void AdamW::step(float lr, float grad_scale) {
                p.value.device().str());
     const float decay = p.weight_decay ? 1.0f - lr * cfg_.weight_decay : 1.0f;
     float* w = p.value.data<float>();
-    const float* g = p.grad.data<float>();
     float* m = m_[i].data<float>();
     float* v = v_[i].data<float>();
     const int64_t n = p.value.numel();
+    auto update = [&](const auto* g) {
 #pragma omp parallel for simd schedule(static) if (n > (1 << 15))
-    for (int64_t j = 0; j < n; ++j) {
-      const float gj = g[j] * grad_scale;
-      m[j] = b1 * m[j] + (1.f - b1) * gj;
-      v[j] = b2 * v[j] + (1.f - b2) * gj * gj;
-      const float mhat = m[j] / bc1, vhat = v[j] / bc2;
-      w[j] = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
+      for (int64_t j = 0; j < n; ++j) {
+        const float gj = static_cast<float>(g[j]) * grad_scale;
+        m[j] = b1 * m[j] + (1.f - b1) * gj;
+        v[j] = b2 * v[j] + (1.f - b2) * gj * gj;
+        const float mhat = m[j] / bc1, vhat = v[j] / bc2;
+        w[j] = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
+      }
+    };
+    if (p.grad.dtype() == DType::bf16) {
+      update(p.grad.data<bf16>());
+    } else {
+      update(p.grad.data<float>());
     }
   }
 }
@@ -93,7 +100,8 @@ void AdamW::step_cuda(float lr, float bc1, float bc2, float grad_scale) {
                p.value.device().str(), device_.str());
     cuda::AdamWTensor t;
     t.param = p.value.data<float>();
-    t.grad = p.grad.data<float>();
+    t.grad = p.grad.raw();
+    t.grad_bf16 = p.grad.dtype() == DType::bf16;
     t.m = m_[i].data<float>();
     t.v = v_[i].data<float>();
     if (p.compute_copy.defined()) {

@@ -15,10 +15,20 @@ Device grads_device(const std::vector<Parameter*>& params) {
   if (params.empty()) return Device::cpu();
   const Device d = params[0]->grad.device();
   for (const Parameter* p : params)
-    XMOE_CHECK(p->grad.device() == d && p->grad.dtype() == DType::f32,
-               "[grad_norm] {} has grad {} but {} has {}: gradients must be f32 on one device",
+    XMOE_CHECK(p->grad.device() == d &&
+                   (p->grad.dtype() == DType::f32 || p->grad.dtype() == DType::bf16),
+               "[grad_norm] {} has grad {} but {} has {}: gradients must be f32 or bf16 on one "
+               "device",
                p->name, p->grad.str(), params[0]->name, params[0]->grad.str());
   return d;
+}
+
+std::vector<cuda::FloatArray> grad_arrays(const std::vector<Parameter*>& params) {
+  std::vector<cuda::FloatArray> out;
+  out.reserve(params.size());
+  for (const Parameter* p : params)
+    out.push_back({p->grad.raw(), p->grad.numel(), p->grad.dtype() == DType::bf16});
+  return out;
 }
 
 }  // namespace
@@ -28,18 +38,12 @@ Tensor grad_sum_squares_device(const std::vector<Parameter*>& params) {
   const Device d = grads_device(params);
   XMOE_CHECK(d.is_cuda(), "[grad_norm] grad_sum_squares_device needs CUDA gradients, got {}",
              d.str());
-  std::vector<const float*> xs;
-  std::vector<int64_t> sizes;
-  for (const Parameter* p : params) {
-    xs.push_back(p->grad.data<float>());
-    sizes.push_back(p->grad.numel());
-  }
+  const std::vector<cuda::FloatArray> xs = grad_arrays(params);
   const int64_t n = static_cast<int64_t>(xs.size());
   Tensor result = Tensor::empty({1}, DType::f64, d);
   Tensor workspace = Tensor::empty(
-      {static_cast<int64_t>(cuda::multi_sum_squares_workspace_bytes(sizes.data(), n))}, DType::u8,
-      d);
-  cuda::multi_sum_squares(result.data<double>(), xs.data(), sizes.data(), n, workspace.raw(),
+      {static_cast<int64_t>(cuda::multi_sum_squares_workspace_bytes(xs.data(), n))}, DType::u8, d);
+  cuda::multi_sum_squares(result.data<double>(), xs.data(), n, workspace.raw(),
                           cuda::activate(d.index));
   return result;
 }
@@ -69,14 +73,8 @@ void scale_grads(const std::vector<Parameter*>& params, float s) {
   const Device d = grads_device(params);
   ProfileScope scope("optim.clip", d);
   if (d.is_cuda()) {
-    std::vector<float*> xs;
-    std::vector<int64_t> sizes;
-    for (Parameter* p : params) {
-      xs.push_back(p->grad.data<float>());
-      sizes.push_back(p->grad.numel());
-    }
-    cuda::multi_scale(xs.data(), sizes.data(), static_cast<int64_t>(xs.size()), s,
-                      cuda::activate(d.index));
+    const std::vector<cuda::FloatArray> xs = grad_arrays(params);
+    cuda::multi_scale(xs.data(), static_cast<int64_t>(xs.size()), s, cuda::activate(d.index));
     return;
   }
   for (Parameter* p : params) ops::scale_(p->grad, s);

@@ -29,27 +29,25 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
 }
 
 void GradientSync::reduce_device(Bucket& b, comm::Group& group) {
-  // Pack the bucket's gradients into one device buffer (one multi-tensor copy), all-reduce it
-  // where the group's tensors live (NCCL: on this device; MPI/single: staged through the
-  // host), and unpack with the 1/world scale. Nothing waits for the device except the
-  // staging copies.
+  // Pack the bucket's gradients into one f32 device buffer (one multi-tensor copy; bf16
+  // gradients are widened, so the sum is f32 whatever they are), all-reduce it where the
+  // group's tensors live (NCCL: on this device; MPI/single: staged through the host), and
+  // unpack with the 1/world scale. Nothing waits for the device except the staging copies.
   const Device d = b.params[0]->grad.device();
   const float scale = 1.0f / static_cast<float>(layout_.world_size);
   Tensor flat = Tensor::empty({b.numel}, DType::f32, d);
-  std::vector<float*> grads, views;
-  std::vector<int64_t> sizes;
+  std::vector<cuda::FloatArray> grads, views;
   int64_t offset = 0;
   for (Parameter* p : b.params) {
     XMOE_CHECK(p->grad.device() == d, "[grad_sync] {} has its grad on {} but {} on {}", p->name,
                p->grad.device().str(), b.params[0]->name, d.str());
-    grads.push_back(p->grad.data<float>());
-    views.push_back(flat.data<float>() + offset);
-    sizes.push_back(p->grad.numel());
+    grads.push_back({p->grad.raw(), p->grad.numel(), p->grad.dtype() == DType::bf16});
+    views.push_back({flat.data<float>() + offset, p->grad.numel(), false});
     offset += p->grad.numel();
   }
   const int64_t n = static_cast<int64_t>(grads.size());
   cuda::Stream stream = cuda::activate(d.index);
-  cuda::multi_copy_scaled(views.data(), grads.data(), sizes.data(), n, 1.0f, stream);
+  cuda::multi_copy_scaled(views.data(), grads.data(), n, 1.0f, stream);
   if (group.size() > 1) {
     if (group.device() == d) {
       group.all_reduce(flat);
@@ -62,8 +60,7 @@ void GradientSync::reduce_device(Bucket& b, comm::Group& group) {
       flat.copy_from(host);
     }
   }
-  cuda::multi_copy_scaled(grads.data(), const_cast<const float* const*>(views.data()),
-                          sizes.data(), n, scale, stream);
+  cuda::multi_copy_scaled(grads.data(), views.data(), n, scale, stream);
 }
 
 void GradientSync::reduce(Bucket& b) {
@@ -72,18 +69,29 @@ void GradientSync::reduce(Bucket& b) {
     reduce_device(b, group);
     return;
   }
+  // The CPU: the same f32 bucket, bf16 gradients widened into it and rounded back.
   Tensor flat = Tensor::empty({b.numel});
   float* dst = flat.data<float>();
   for (Parameter* p : b.params) {
-    std::memcpy(dst, p->grad.data<float>(), p->grad.nbytes());
+    if (p->grad.dtype() == DType::bf16) {
+      const bf16* g = p->grad.data<bf16>();
+      for (int64_t i = 0; i < p->grad.numel(); ++i) dst[i] = static_cast<float>(g[i]);
+    } else {
+      std::memcpy(dst, p->grad.data<float>(), p->grad.nbytes());
+    }
     dst += p->grad.numel();
   }
   if (group.size() > 1) group.all_reduce(flat);
   const float scale = 1.0f / static_cast<float>(layout_.world_size);
   const float* src = flat.data<float>();
   for (Parameter* p : b.params) {
-    float* g = p->grad.data<float>();
-    for (int64_t i = 0; i < p->grad.numel(); ++i) g[i] = src[i] * scale;
+    if (p->grad.dtype() == DType::bf16) {
+      bf16* g = p->grad.data<bf16>();
+      for (int64_t i = 0; i < p->grad.numel(); ++i) g[i] = bf16(src[i] * scale);
+    } else {
+      float* g = p->grad.data<float>();
+      for (int64_t i = 0; i < p->grad.numel(); ++i) g[i] = src[i] * scale;
+    }
     src += p->grad.numel();
   }
 }

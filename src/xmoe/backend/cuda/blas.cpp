@@ -281,11 +281,14 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   if (!sm90::supported(device)) return false;
-  const bool weight_grad = kind == sm90::GroupedKind::weight_grad;
+  const bool weight_grad =
+      kind == sm90::GroupedKind::weight_grad || kind == sm90::GroupedKind::weight_grad_bf16;
+  // Partial outputs have dw's dtype.
+  const size_t partial_size = kind == sm90::GroupedKind::weight_grad_bf16 ? 2 : sizeof(float);
   int64_t piece = weight_grad ? weight_grad_piece_rows(group_sizes, groups, k, m, device) : 0;
   thread_local sm90::ProblemList list;  // 16 KB each: kept off the stack and off the heap
   thread_local sm90::PartialSums sums;
-  int64_t partials = 0;  // pieces after a group's first: each an f32 [K, M] partial output
+  int64_t partials = 0;  // pieces after a group's first: each a [K, M] partial output
   // Fills list (and sums); false if the problems do not fit.
   auto build = [&] {
     list.count = 0;
@@ -318,7 +321,7 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
       }
       row += rows;
     }
-    return static_cast<size_t>(partials) * static_cast<size_t>(k * m) * sizeof(float) <=
+    return static_cast<size_t>(partials) * static_cast<size_t>(k * m) * partial_size <=
            kMaxPartialBytes;
   };
   if (!build()) {
@@ -339,15 +342,16 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
   }
   Allocator& alloc = backend::cuda_allocator(device);
   void* scratch = alloc.allocate(bytes);
-  const size_t partial_bytes = static_cast<size_t>(partials * k * m) * sizeof(float);
+  const size_t partial_bytes = static_cast<size_t>(partials * k * m) * partial_size;
   if (sums.count > 0) {
     list.partials = alloc.allocate(partial_bytes);
     // All problems share beta: accumulating pieces start from zero.
     if (beta != 0.f) CUDA_CHECK(cudaMemsetAsync(list.partials, 0, partial_bytes, stream));
     sums.k = k;
     sums.m = m;
-    sums.dw = static_cast<float*>(out);
-    sums.partials = static_cast<const float*>(list.partials);
+    sums.bf16 = kind == sm90::GroupedKind::weight_grad_bf16;
+    sums.dw = out;
+    sums.partials = list.partials;
   }
   sm90::run(kind, list, beta, scratch, stream);
   if (sums.count > 0) {
@@ -409,8 +413,8 @@ namespace {
 // multiple of the real rows the per-group GEMMs waste less.
 constexpr double kMaxPaddedWork = 1.5;
 
-/// Weight gradients of bf16 rows into f32 in one launch. cuBLAS has no grouped launch for
-/// bf16 x bf16 -> f32, and one GEMM per group (2 E per MoE layer) leaves the GPU idle: host cost
+/// Weight gradients of bf16 rows into f32 (or bf16) in one launch. cuBLAS has no grouped launch
+/// for bf16 x bf16 -> f32, and one GEMM per group (2 E per MoE layer) leaves the GPU idle: host cost
 /// per call, and a fine-grained expert's K x M tile grid fills a quarter of an H200. So the rows
 /// are padded per group to the largest group, [groups, cap, K] and [groups, cap, M] (zero rows
 /// add nothing), and one strided-batched GEMM computes every group. Returns false (nothing done)
@@ -423,7 +427,7 @@ bool padded_weight_grad(size_t problems, void* dw, DType dw_dt, const void* x, c
     total += group_sizes[g];
     cap = std::max(cap, group_sizes[g]);
   }
-  if (dt != DType::bf16 || dw_dt != DType::f32 || problems < 2 || k == 0 || m == 0 ||
+  if (dt != DType::bf16 || problems < 2 || k == 0 || m == 0 ||
       static_cast<double>(cap * groups) > kMaxPaddedWork * static_cast<double>(total))
     return false;
   int device = 0;
@@ -451,7 +455,7 @@ bool padded_weight_grad(size_t problems, void* dw, DType dw_dt, const void* x, c
     CUBLAS_CHECK(cublasGemmStridedBatchedEx(
         ctx.handle, CUBLAS_OP_N, CUBLAS_OP_T, to_int(m, op), to_int(k, op), to_int(cap, op),
         &alpha, yp, CUDA_R_16BF, to_int(m, op), cap * m, xp, CUDA_R_16BF, to_int(k, op), cap * k,
-        &beta, dw, CUDA_R_32F, to_int(m, op), k * m, to_int(groups, op), CUBLAS_COMPUTE_32F,
+        &beta, dw, cuda_type(dw_dt, op), to_int(m, op), k * m, to_int(groups, op), CUBLAS_COMPUTE_32F,
         CUBLAS_GEMM_DEFAULT));
   }
   // Stream-ordered reuse: later work on `stream` runs after the GEMM.
@@ -476,9 +480,10 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
       if (group_sizes[g] <= 0)
         CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(dw) + static_cast<size_t>(g * k * m) * ws, 0,
                                    static_cast<size_t>(k * m) * ws, stream));
-  if (dt == DType::bf16 && dw_dt == DType::f32 &&
-      sm90_grouped(sm90::GroupedKind::weight_grad, dw, x, dy, group_sizes, groups, k, m,
-                   accumulate ? 1.f : 0.f, stream)) {
+  if (dt == DType::bf16 &&
+      sm90_grouped(dw_dt == DType::f32 ? sm90::GroupedKind::weight_grad
+                                       : sm90::GroupedKind::weight_grad_bf16,
+                   dw, x, dy, group_sizes, groups, k, m, accumulate ? 1.f : 0.f, stream)) {
     count_call(GroupedGemmKind::weight_grad, true);
     return;
   }

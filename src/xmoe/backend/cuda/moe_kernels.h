@@ -19,7 +19,8 @@ void moe_scale_rows(void* x, DType dt, const float* w, int64_t n, int64_t d, Str
 void moe_row_dot_f32(float* out, const void* a, const void* b, DType dt, int64_t n, int64_t d,
                      Stream stream);
 // d_rows (n, d) [dt] = w[i] * dy[idx[i]], dot (n) f32 = rows[i] . dy[idx[i]]; dy (t, d) is f32 or
-// dt; an index outside [0, t) gives a zero row and 0.
+// dt; an index outside [0, t) gives a zero row and 0. d_rows may be rows (each element is read
+// before the same thread overwrites it).
 void moe_gather_weighted_rows_dot(void* d_rows, float* dot, const void* dy, DType dy_dt,
                                   const void* rows, DType dt, const int32_t* idx, const float* w,
                                   int64_t n, int64_t t, int64_t d, Stream stream);

@@ -1,7 +1,8 @@
 // Multi-tensor kernels of the optimizer step. A launch covers up to kMultiTensorMax tensors,
 // whose pointers and sizes travel in the kernel's argument block (PyTorch's multi_tensor_apply
 // idea): each tensor is cut into chunks of kChunk elements, one block per chunk, and a block
-// finds its tensor by binary search over the tensors' first block. f32 storage; the AdamW
+// finds its tensor by binary search over the tensors' first block. f32 storage (gradients and
+// copies may be bf16, a per-tensor flag; the block branches once, outside its loop); the AdamW
 // update uses explicit round-to-nearest intrinsics so that nvcc does not fuse a*b+c into an
 // FMA, which keeps the CPU's formula and operation order.
 #include "xmoe/backend/cuda/common.cuh"
@@ -25,12 +26,23 @@ struct TensorBatch {
   void* d[kMultiTensorMax];
   void* e[kMultiTensorMax];
   int64_t n[kMultiTensorMax];
-  uint8_t flag[kMultiTensorMax];
+  uint8_t flag[kMultiTensorMax];  // kDecay, kABf16, kBBf16
   int32_t first_block[kMultiTensorMax + 1];  // first_block[count] = blocks of the launch
   int32_t count;
 };
 
+constexpr uint8_t kDecay = 1;  // AdamW: apply the weight decay
+constexpr uint8_t kABf16 = 2;  // a[] holds bf16 elements
+constexpr uint8_t kBBf16 = 4;  // b[] holds bf16 elements
+
 int64_t chunks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+// f(Tag<float>{}) or f(Tag<bf16_t>{}) by a per-tensor bf16 flag (uniform over the block).
+template <class F>
+__device__ __forceinline__ void by_flag(bool bf16, F&& f) {
+  if (bf16) f(Tag<bf16_t>{});
+  else f(Tag<float>{});
+}
 
 // Tensor of this block (first_block ascending, first_block[0] = 0) and its element range.
 __device__ __forceinline__ int find_tensor(const TensorBatch& t, int block) {
@@ -78,24 +90,27 @@ __global__ void __launch_bounds__(kOptimBlock)
   const int64_t begin = (blockIdx.x - t.first_block[ti]) * kChunk;
   const int64_t end = begin + kChunk < n ? begin + kChunk : n;
   float* p = static_cast<float*>(t.a[ti]);
-  const float* g = static_cast<const float*>(t.b[ti]);
   float* m = static_cast<float*>(t.c[ti]);
   float* v = static_cast<float*>(t.d[ti]);
   bf16_t* copy = static_cast<bf16_t*>(t.e[ti]);
-  const float decay = t.flag[ti] ? s.decay : 1.0f;
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    const float gj = __fmul_rn(g[j], s.grad_scale);
-    const float mj = __fadd_rn(__fmul_rn(s.beta1, m[j]), __fmul_rn(s.one_minus_beta1, gj));
-    const float vj =
-        __fadd_rn(__fmul_rn(s.beta2, v[j]), __fmul_rn(__fmul_rn(s.one_minus_beta2, gj), gj));
-    m[j] = mj;
-    v[j] = vj;
-    const float mhat = __fdiv_rn(mj, s.bc1), vhat = __fdiv_rn(vj, s.bc2);
-    const float step = __fdiv_rn(__fmul_rn(s.lr, mhat), __fadd_rn(__fsqrt_rn(vhat), s.eps));
-    const float w = __fsub_rn(__fmul_rn(p[j], decay), step);
-    p[j] = w;
-    if (copy) copy[j] = from_float<bf16_t>(w);
-  }
+  const float decay = t.flag[ti] & kDecay ? s.decay : 1.0f;
+  by_flag(t.flag[ti] & kBBf16, [&](auto tag) {
+    using G = typename decltype(tag)::type;
+    const G* g = static_cast<const G*>(t.b[ti]);
+    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+      const float gj = __fmul_rn(to_float(g[j]), s.grad_scale);
+      const float mj = __fadd_rn(__fmul_rn(s.beta1, m[j]), __fmul_rn(s.one_minus_beta1, gj));
+      const float vj =
+          __fadd_rn(__fmul_rn(s.beta2, v[j]), __fmul_rn(__fmul_rn(s.one_minus_beta2, gj), gj));
+      m[j] = mj;
+      v[j] = vj;
+      const float mhat = __fdiv_rn(mj, s.bc1), vhat = __fdiv_rn(vj, s.bc2);
+      const float step = __fdiv_rn(__fmul_rn(s.lr, mhat), __fadd_rn(__fsqrt_rn(vhat), s.eps));
+      const float w = __fsub_rn(__fmul_rn(p[j], decay), step);
+      p[j] = w;
+      if (copy) copy[j] = from_float<bf16_t>(w);
+    }
+  });
 }
 
 // Tree sum of sh[0 .. blockDim.x) (a power of two) into sh[0].
@@ -113,12 +128,15 @@ __global__ void __launch_bounds__(kOptimBlock)
   const int64_t n = t.n[ti];
   const int64_t begin = (blockIdx.x - t.first_block[ti]) * kChunk;
   const int64_t end = begin + kChunk < n ? begin + kChunk : n;
-  const float* x = static_cast<const float*>(t.a[ti]);
   double acc = 0.0;
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    const double xj = x[j];
-    acc += xj * xj;
-  }
+  by_flag(t.flag[ti] & kABf16, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(t.a[ti]);
+    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+      const double xj = to_float(x[j]);
+      acc += xj * xj;
+    }
+  });
   sh[threadIdx.x] = acc;
   __syncthreads();
   tree_sum(sh);
@@ -136,15 +154,32 @@ __global__ void __launch_bounds__(kOptimBlock)
   if (threadIdx.x == 0) *result = sh[0];
 }
 
-// a[j] = b[j] * s (b = a for scaling in place)
+// a[j] = b[j] * s (b = a for scaling in place), each f32 or bf16
 __global__ void __launch_bounds__(kOptimBlock) copy_scaled_kernel(TensorBatch t, float s) {
   const int ti = find_tensor(t, blockIdx.x);
   const int64_t n = t.n[ti];
   const int64_t begin = (blockIdx.x - t.first_block[ti]) * kChunk;
   const int64_t end = begin + kChunk < n ? begin + kChunk : n;
-  float* dst = static_cast<float*>(t.a[ti]);
-  const float* src = static_cast<const float*>(t.b[ti]);
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) dst[j] = __fmul_rn(src[j], s);
+  by_flag(t.flag[ti] & kABf16, [&](auto dst_tag) {
+    by_flag(t.flag[ti] & kBBf16, [&](auto src_tag) {
+      using D = typename decltype(dst_tag)::type;
+      using S = typename decltype(src_tag)::type;
+      D* dst = static_cast<D*>(t.a[ti]);
+      const S* src = static_cast<const S*>(t.b[ti]);
+      for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x)
+        dst[j] = from_float<D>(__fmul_rn(to_float(src[j]), s));
+    });
+  });
+}
+
+std::vector<int64_t> sizes_of(const FloatArray* xs, int64_t count) {
+  std::vector<int64_t> sizes(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) sizes[static_cast<size_t>(i)] = xs[i].n;
+  return sizes;
+}
+
+uint8_t bf16_flags(const FloatArray& a, const FloatArray& b) {
+  return static_cast<uint8_t>((a.bf16 ? kABf16 : 0) | (b.bf16 ? kBBf16 : 0));
 }
 
 }  // namespace
@@ -157,11 +192,11 @@ void adamw_step(const AdamWTensor* tensors, int64_t count, const AdamWScalars& s
       [&](TensorBatch& b, int slot, int64_t i) {
         const AdamWTensor& t = tensors[i];
         b.a[slot] = t.param;
-        b.b[slot] = const_cast<float*>(t.grad);
+        b.b[slot] = const_cast<void*>(t.grad);
         b.c[slot] = t.m;
         b.d[slot] = t.v;
         b.e[slot] = t.param_bf16;
-        b.flag[slot] = t.decay ? 1 : 0;
+        b.flag[slot] = static_cast<uint8_t>((t.decay ? kDecay : 0) | (t.grad_bf16 ? kBBf16 : 0));
       },
       [&](const TensorBatch& b, int64_t blocks, int64_t) {
         adamw_kernel<<<static_cast<unsigned>(blocks), kOptimBlock, 0, stream>>>(b, s);
@@ -169,20 +204,24 @@ void adamw_step(const AdamWTensor* tensors, int64_t count, const AdamWScalars& s
       });
 }
 
-size_t multi_sum_squares_workspace_bytes(const int64_t* sizes, int64_t count) {
+size_t multi_sum_squares_workspace_bytes(const FloatArray* xs, int64_t count) {
   int64_t blocks = 0;
   for (int64_t i = 0; i < count; ++i)
-    if (sizes[i] > 0) blocks += chunks_of(sizes[i]);
+    if (xs[i].n > 0) blocks += chunks_of(xs[i].n);
   return static_cast<size_t>(blocks > 0 ? blocks : 1) * sizeof(double);
 }
 
-void multi_sum_squares(double* result, const float* const* xs, const int64_t* sizes,
-                       int64_t count, void* workspace, Stream stream) {
+void multi_sum_squares(double* result, const FloatArray* xs, int64_t count, void* workspace,
+                       Stream stream) {
   auto* partial = static_cast<double*>(workspace);
   int64_t total = 0;
+  const std::vector<int64_t> sizes = sizes_of(xs, count);
   for_each_batch(
-      sizes, count,
-      [&](TensorBatch& b, int slot, int64_t i) { b.a[slot] = const_cast<float*>(xs[i]); },
+      sizes.data(), count,
+      [&](TensorBatch& b, int slot, int64_t i) {
+        b.a[slot] = xs[i].data;
+        b.flag[slot] = bf16_flags(xs[i], FloatArray{});
+      },
       [&](const TensorBatch& b, int64_t blocks, int64_t offset) {
         sum_squares_partial_kernel<<<static_cast<unsigned>(blocks), kOptimBlock, 0, stream>>>(
             b, partial + offset);
@@ -193,23 +232,21 @@ void multi_sum_squares(double* result, const float* const* xs, const int64_t* si
   CUDA_CHECK_LAUNCH();
 }
 
-void multi_scale(float* const* xs, const int64_t* sizes, int64_t count, float s, Stream stream) {
-  for_each_batch(
-      sizes, count,
-      [&](TensorBatch& b, int slot, int64_t i) { b.a[slot] = b.b[slot] = xs[i]; },
-      [&](const TensorBatch& b, int64_t blocks, int64_t) {
-        copy_scaled_kernel<<<static_cast<unsigned>(blocks), kOptimBlock, 0, stream>>>(b, s);
-        CUDA_CHECK_LAUNCH();
-      });
+void multi_scale(const FloatArray* xs, int64_t count, float s, Stream stream) {
+  multi_copy_scaled(xs, xs, count, s, stream);
 }
 
-void multi_copy_scaled(float* const* dst, const float* const* src, const int64_t* sizes,
-                       int64_t count, float s, Stream stream) {
+void multi_copy_scaled(const FloatArray* dst, const FloatArray* src, int64_t count, float s,
+                       Stream stream) {
+  const std::vector<int64_t> sizes = sizes_of(dst, count);
+  for (int64_t i = 0; i < count; ++i)
+    if (src[i].n != dst[i].n) fail("[multi_copy_scaled] a source and its destination differ in n");
   for_each_batch(
-      sizes, count,
+      sizes.data(), count,
       [&](TensorBatch& b, int slot, int64_t i) {
-        b.a[slot] = dst[i];
-        b.b[slot] = const_cast<float*>(src[i]);
+        b.a[slot] = dst[i].data;
+        b.b[slot] = src[i].data;
+        b.flag[slot] = bf16_flags(dst[i], src[i]);
       },
       [&](const TensorBatch& b, int64_t blocks, int64_t) {
         copy_scaled_kernel<<<static_cast<unsigned>(blocks), kOptimBlock, 0, stream>>>(b, s);

@@ -14,15 +14,14 @@ namespace {
 }  // namespace
 
 void adamw_step(const AdamWTensor*, int64_t, const AdamWScalars&, Stream) { no_cuda("adamw"); }
-size_t multi_sum_squares_workspace_bytes(const int64_t*, int64_t) {
+size_t multi_sum_squares_workspace_bytes(const FloatArray*, int64_t) {
   no_cuda("grad_sum_squares");
 }
-void multi_sum_squares(double*, const float* const*, const int64_t*, int64_t, void*, Stream) {
+void multi_sum_squares(double*, const FloatArray*, int64_t, void*, Stream) {
   no_cuda("grad_sum_squares");
 }
-void multi_scale(float* const*, const int64_t*, int64_t, float, Stream) { no_cuda("scale_grads"); }
-void multi_copy_scaled(float* const*, const float* const*, const int64_t*, int64_t, float,
-                       Stream) {
+void multi_scale(const FloatArray*, int64_t, float, Stream) { no_cuda("scale_grads"); }
+void multi_copy_scaled(const FloatArray*, const FloatArray*, int64_t, float, Stream) {
   no_cuda("grad_sync");
 }
 

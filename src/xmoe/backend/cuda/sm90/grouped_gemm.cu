@@ -1,4 +1,5 @@
 // Dispatch of the sm90 grouped GEMMs to their instantiations (no CUTLASS headers here).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,6 +44,9 @@ size_t scratch_bytes(GroupedKind kind, const ProblemList& list, float beta) {
     case GroupedKind::weight_grad:  // the instantiation run() picks for this beta
       return beta == 0.f ? detail::weight_grad_overwrite_scratch_bytes(list)
                          : detail::weight_grad_scratch_bytes(list);
+    case GroupedKind::weight_grad_bf16:
+      return beta == 0.f ? detail::weight_grad_bf16_overwrite_scratch_bytes(list)
+                         : detail::weight_grad_bf16_scratch_bytes(list);
   }
   return 0;
 }
@@ -56,29 +60,57 @@ void run(GroupedKind kind, const ProblemList& list, float beta, void* scratch, S
       if (beta == 0.f)
         return detail::weight_grad_overwrite_run(list, scratch, stream);
       return detail::weight_grad_run(list, beta, scratch, stream);
+    case GroupedKind::weight_grad_bf16:
+      if (beta == 0.f)
+        return detail::weight_grad_bf16_overwrite_run(list, scratch, stream);
+      return detail::weight_grad_bf16_run(list, beta, scratch, stream);
   }
 }
 
 namespace {
 
-/// Block (x, i) adds group i's partials into its dw, float4 at a time (K·M is a multiple of 64).
+/// Four consecutive elements of f32 or bf16 storage, as f32.
+struct Quad {
+  float v[4];
+};
+__device__ __forceinline__ Quad load_quad(const float* p) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  return {{q.x, q.y, q.z, q.w}};
+}
+__device__ __forceinline__ Quad load_quad(const __nv_bfloat16* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+  return {{a.x, a.y, b.x, b.y}};
+}
+__device__ __forceinline__ void store_quad(float* p, const Quad& q) {
+  *reinterpret_cast<float4*>(p) = make_float4(q.v[0], q.v[1], q.v[2], q.v[3]);
+}
+__device__ __forceinline__ void store_quad(__nv_bfloat16* p, const Quad& q) {
+  uint2 raw;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+  h[0] = __floats2bfloat162_rn(q.v[0], q.v[1]);
+  h[1] = __floats2bfloat162_rn(q.v[2], q.v[3]);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+
+/// Block (x, i) adds group i's partials into its dw in f32, four elements at a time (K·M is a
+/// multiple of 64).
+template <class T>
 __global__ void add_partials_kernel(const __grid_constant__ PartialSums s) {
   const int i = static_cast<int>(blockIdx.y);
-  const int64_t n4 = s.k * s.m / 4;
-  auto* dst = reinterpret_cast<float4*>(s.dw) + s.group[i] * n4;
-  const auto* src = reinterpret_cast<const float4*>(s.partials) + int64_t{s.first[i]} * n4;
+  const int64_t n = s.k * s.m;
+  T* dst = static_cast<T*>(s.dw) + s.group[i] * n;
+  const T* src = static_cast<const T*>(s.partials) + int64_t{s.first[i]} * n;
   const int pieces = s.pieces[i];
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n4;
-       e += int64_t{gridDim.x} * blockDim.x) {
-    float4 acc = dst[e];
+  for (int64_t e = 4 * (blockIdx.x * int64_t{blockDim.x} + threadIdx.x); e < n;
+       e += 4 * int64_t{gridDim.x} * blockDim.x) {
+    Quad acc = load_quad(dst + e);
     for (int p = 0; p < pieces; ++p) {
-      const float4 v = src[p * n4 + e];
-      acc.x += v.x;
-      acc.y += v.y;
-      acc.z += v.z;
-      acc.w += v.w;
+      const Quad v = load_quad(src + p * n + e);
+      for (int j = 0; j < 4; ++j) acc.v[j] += v.v[j];
     }
-    dst[e] = acc;
+    store_quad(dst + e, acc);
   }
 }
 
@@ -89,8 +121,13 @@ void add_partials(const PartialSums& sums, Stream stream) {
   constexpr int kThreads = 256;
   const int64_t n4 = sums.k * sums.m / 4;
   const auto blocks_x = static_cast<unsigned>(std::min<int64_t>((n4 + kThreads - 1) / kThreads, 64));
-  add_partials_kernel<<<dim3(blocks_x, static_cast<unsigned>(sums.count)), kThreads, 0,
-                        static_cast<cudaStream_t>(stream)>>>(sums);
+  const dim3 grid(blocks_x, static_cast<unsigned>(sums.count));
+  auto* s = static_cast<cudaStream_t>(stream);
+  if (sums.bf16) {
+    add_partials_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(sums);
+  } else {
+    add_partials_kernel<float><<<grid, kThreads, 0, s>>>(sums);
+  }
   CUDA_CHECK_LAUNCH();
 }
 

@@ -16,6 +16,7 @@ enum class GroupedKind : uint8_t {
   forward,          // y_g (rows, M) bf16 = x_g (rows, K) @ w_g (K, M)
   forward_trans_w,  // y_g (rows, M) bf16 = x_g (rows, K) @ w_g^T, w_g (M, K)
   weight_grad,      // dw_g (K, M) f32 = x_g^T (K, rows) @ dy_g (rows, M) (+ beta dw_g)
+  weight_grad_bf16, // the same into bf16 dw (f32 accumulation, one rounding on the store)
 };
 
 /// Most non-empty groups one launch takes (the list travels as kernel parameters, 32 KB max).
@@ -23,14 +24,15 @@ constexpr int kMaxProblems = 1024;
 
 /// The problems of one call, one per non-empty group, or (weight_grad) per piece of a group
 /// whose rows were cut up. Problem i covers rows [row_start, row_start + rows) of the packed
-/// activations; `group` indexes the weights. Bases are bf16 (x, w, dy) and bf16 or f32 (out).
+/// activations; `group` indexes the weights. Bases are bf16 (x, w, dy) and bf16 or f32 (out);
+/// partials have out's dtype.
 struct ProblemList {
   int count = 0;
   int64_t k = 0, m = 0;  // the layer's K and M
   const void* x = nullptr;
   const void* w_or_dy = nullptr;  // w (forward) or dy (weight_grad)
   void* out = nullptr;            // y (forward) or dw (weight_grad)
-  void* partials = nullptr;       // weight_grad: f32 [pieces, K, M] (see PartialSums)
+  void* partials = nullptr;       // weight_grad: [pieces, K, M] (see PartialSums)
   int32_t group[kMaxProblems];
   int32_t rows[kMaxProblems];
   int32_t row_start[kMaxProblems];
@@ -38,12 +40,14 @@ struct ProblemList {
 };
 
 /// Weight gradients of groups cut into pieces: the first piece writes dw[group] (with beta),
-/// the others partials [first, first + pieces), which add_partials then adds into dw[group].
+/// the others partials [first, first + pieces), which add_partials then adds into dw[group]
+/// (in f32; bf16 dw and partials are rounded once more there).
 struct PartialSums {
   int count = 0;
   int64_t k = 0, m = 0;
-  float* dw = nullptr;
-  const float* partials = nullptr;
+  bool bf16 = false;  // dw and partials are bf16 (weight_grad_bf16), else f32
+  void* dw = nullptr;
+  const void* partials = nullptr;
   int32_t group[kMaxProblems];
   int32_t first[kMaxProblems];
   int32_t pieces[kMaxProblems];
@@ -72,6 +76,10 @@ size_t weight_grad_scratch_bytes(const ProblemList& list);
 void weight_grad_run(const ProblemList& list, float beta, void* scratch, Stream stream);
 size_t weight_grad_overwrite_scratch_bytes(const ProblemList& list);
 void weight_grad_overwrite_run(const ProblemList& list, void* scratch, Stream stream);
+size_t weight_grad_bf16_scratch_bytes(const ProblemList& list);
+void weight_grad_bf16_run(const ProblemList& list, float beta, void* scratch, Stream stream);
+size_t weight_grad_bf16_overwrite_scratch_bytes(const ProblemList& list);
+void weight_grad_bf16_overwrite_run(const ProblemList& list, void* scratch, Stream stream);
 }  // namespace detail
 
 }  // namespace xmoe::cuda::sm90
