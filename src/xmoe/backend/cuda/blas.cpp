@@ -413,12 +413,12 @@ namespace {
 // multiple of the real rows the per-group GEMMs waste less.
 constexpr double kMaxPaddedWork = 1.5;
 
-/// Weight gradients of bf16 rows into f32 (or bf16) in one launch. cuBLAS has no grouped launch
-/// for bf16 x bf16 -> f32, and one GEMM per group (2 E per MoE layer) leaves the GPU idle: host cost
+/// Weight gradients of bf16 rows into f32 (or bf16) in one launch. cuBLAS has no grouped launch for
+/// bf16 x bf16 -> f32, and one GEMM per group (2 E per MoE layer) leaves the GPU idle: host cost
 /// per call, and a fine-grained expert's K x M tile grid fills a quarter of an H200. So the rows
-/// are padded per group to the largest group, [groups, cap, K] and [groups, cap, M] (zero rows
-/// add nothing), and one strided-batched GEMM computes every group. Returns false (nothing done)
-/// where it does not apply: other dtypes, one group, or routing too uneven (kMaxPaddedWork).
+/// are padded per group to the largest group, [groups, cap, K] and [groups, cap, M] (zero rows add
+/// nothing), and one strided-batched GEMM computes every group. Returns false (nothing done) where
+/// it does not apply: other dtypes, one group, or routing too uneven (kMaxPaddedWork).
 bool padded_weight_grad(size_t problems, void* dw, DType dw_dt, const void* x, const void* dy,
                         DType dt, const int64_t* group_sizes, int64_t groups, int64_t k,
                         int64_t m, bool accumulate, Stream stream, const char* op) {
@@ -455,8 +455,8 @@ bool padded_weight_grad(size_t problems, void* dw, DType dw_dt, const void* x, c
     CUBLAS_CHECK(cublasGemmStridedBatchedEx(
         ctx.handle, CUBLAS_OP_N, CUBLAS_OP_T, to_int(m, op), to_int(k, op), to_int(cap, op),
         &alpha, yp, CUDA_R_16BF, to_int(m, op), cap * m, xp, CUDA_R_16BF, to_int(k, op), cap * k,
-        &beta, dw, cuda_type(dw_dt, op), to_int(m, op), k * m, to_int(groups, op), CUBLAS_COMPUTE_32F,
-        CUBLAS_GEMM_DEFAULT));
+        &beta, dw, cuda_type(dw_dt, op), to_int(m, op), k * m, to_int(groups, op),
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   // Stream-ordered reuse: later work on `stream` runs after the GEMM.
   alloc.deallocate(yp, yb);

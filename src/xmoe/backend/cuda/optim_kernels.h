@@ -1,9 +1,10 @@
 #pragma once
-// CUDA launchers of the optimizer step (optim.cu): multi-tensor AdamW, sum of squares, scaling
-// and scaled copies over lists of f32 device arrays (gradients may be bf16: FloatArray). A list of any length is cut into launches
-// of up to kMultiTensorMax tensors (the pointers travel as kernel arguments, so nothing is
-// copied to the device and nothing waits). Plain header: the C++ compiler (optim/, parallel/)
-// and nvcc both include it; a build without CUDA links backend/cuda_stub/optim_kernels_stub.cpp.
+// CUDA launchers of the optimizer step (optim.cu): multi-tensor AdamW, sum of squares, scaling and
+// scaled copies over lists of f32 device arrays (gradients may be bf16: FloatArray). A list of any
+// length is cut into launches of up to kMultiTensorMax tensors (the pointers travel as kernel
+// arguments, so nothing is copied to the device and nothing waits). Plain header: the C++ compiler
+// (optim/, parallel/) and nvcc both include it; a build without CUDA links
+// backend/cuda_stub/optim_kernels_stub.cpp.
 #include <cstddef>
 #include <cstdint>
 
