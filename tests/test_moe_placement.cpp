@@ -196,6 +196,32 @@ TEST(PermuteExperts, SameFunctionSoftmaxTopk) { check_permuted_function("softmax
 TEST(PermuteExperts, SameFunctionSigmoidWithBias) { check_permuted_function("sigmoid"); }
 TEST(PermuteExperts, SameFunctionXmoe) { check_permuted_function("xmoe"); }
 
+// bf16 expert gradients (moe.expert_grad_dtype) move with their experts, bit for bit.
+TEST(PermuteExperts, MovesBf16GradientsExactly) {
+  MoeConfig c = config("softmax_topk");
+  c.expert_grad_dtype = "bf16";
+  MoELayer layer(c, 16, "m", 5, 0.5f);
+  layer.zero_grad();
+  layer.forward(randn({24, 16}, 31), 8);
+  layer.backward(randn({24, 16}, 32, 0.1f));
+  std::vector<Tensor> before;
+  for (Parameter* p : layer.parameters()) {
+    settle_grads({p});
+    before.push_back(p->grad.clone());
+  }
+  const std::vector<int> perm = shuffled(8, 21);
+  layer.permute_experts(perm);
+  const auto ps = layer.parameters();
+  int bf16_grads = 0;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (ps[i]->grad.dtype() != DType::bf16) continue;
+    ++bf16_grads;
+    const Tensor back = unpermute(ps[i]->grad.to(DType::f32), perm, 0);
+    EXPECT_EQ(back.to_vector<float>(), before[i].to(DType::f32).to_vector<float>()) << ps[i]->name;
+  }
+  EXPECT_EQ(bf16_grads, 2);  // gate_up and down
+}
+
 TEST(PermuteExperts, RejectsBadPermutationsAndGroupSplits) {
   MoELayer a(config("softmax_topk"), 16, "m", 5, 0.5f);
   EXPECT_THROW(a.permute_experts({0, 1, 2}), Error);
