@@ -222,6 +222,25 @@ TEST(ModelOps, AttentionLargerShapeParallelPathIsDeterministic) {
   EXPECT_EQ(g1.dv.to_vector<float>(), g2.dv.to_vector<float>());
 }
 
+// A longer sequence, not a power of two: values against the double reference, gradients against
+// finite differences, causal and not.
+TEST(ModelOps, AttentionLongerSequence) {
+  const int64_t B = 1, S = 150, H = 2, Hkv = 1, D = 8;
+  Tensor q = randn({B, S, H, D}, 40), k = randn({B, S, Hkv, D}, 41), v = randn({B, S, Hkv, D}, 42);
+  Tensor dout = randn(q.shape(), 43);
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    auto r = ops::attention(q, k, v, causal);
+    const auto ref = reference_attention(q, k, v, causal);
+    for (int64_t i = 0; i < q.numel(); ++i) ASSERT_NEAR(r.out.data<float>()[i], ref[i], 1e-5) << i;
+    auto g = ops::attention_backward(q, k, v, r.out, r.lse, dout, causal);
+    auto loss = [&] { return weighted_sum(ops::attention(q, k, v, causal).out, dout); };
+    expect_gradient_close(q, g.dq, loss, "attention dq", 1e-2, 2e-2, 120);
+    expect_gradient_close(k, g.dk, loss, "attention dk", 1e-2, 2e-2, 120);
+    expect_gradient_close(v, g.dv, loss, "attention dv", 1e-2, 2e-2, 120);
+  }
+}
+
 TEST(ModelOps, AttentionRejectsBadShapes) {
   Tensor q = randn({1, 4, 3, 4}, 1);
   EXPECT_THROW(ops::attention(q, randn({1, 4, 2, 4}, 2), randn({1, 4, 2, 4}, 3)), Error);  // 3 % 2
