@@ -1,6 +1,9 @@
 // CPU op tests: values against direct loops, gradients against finite differences, and errors.
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 
 #include "gradcheck.h"
@@ -165,4 +168,20 @@ TEST(Ops, ElementwiseAndReductions) {
   b.data<float>()[1] = NAN;
   EXPECT_FALSE(ops::all_finite(b));
   EXPECT_THROW(ops::add(a, Tensor::zeros({4})), Error);
+}
+
+// The CPU sum of squares (every step's gradient norm) adds fixed chunks in order: the same bits
+// whatever the thread count, and the double sum of the elements.
+TEST(Ops, SumSquaresIsTheSameForAnyThreadCount) {
+  Tensor x = randn({3, 70001}, 50);
+  double ref = 0;
+  for (const float v : x.to_vector<float>()) ref += static_cast<double>(v) * v;
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const double one = ops::sum_squares(x);
+  omp_set_num_threads(std::max(2, threads));
+  const double many = ops::sum_squares(x);
+  omp_set_num_threads(threads);
+  EXPECT_EQ(one, many);
+  EXPECT_NEAR(one, ref, 1e-12 * ref);
 }

@@ -1,7 +1,9 @@
 #include "xmoe/ops/ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <vector>
 
 #include "xmoe/backend/cpu/kernels.h"
 #include "xmoe/backend/device_api.h"
@@ -476,9 +478,21 @@ double sum_squares(const Tensor& x) {
   if (cpu_bf16(x)) return sum_squares(x.to(DType::f32));
   require_float("sum_squares", "x", x);
   if (!x.is_cpu()) return cuda_reduce(x, cuda::Reduction::sum_squares);
+  // Fixed chunks summed in order: the same bits for any thread count (the gradient norm of
+  // every step goes through here).
+  constexpr int64_t kChunk = int64_t{1} << 15;
   const float* p = x.data<float>();
+  const int64_t n = x.numel(), chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    double s = 0;
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i)
+      s += static_cast<double>(p[i]) * p[i];
+    partial[static_cast<size_t>(c)] = s;
+  }
   double s = 0;
-  for (int64_t i = 0; i < x.numel(); ++i) s += static_cast<double>(p[i]) * p[i];
+  for (const double v : partial) s += v;
   return s;
 }
 
