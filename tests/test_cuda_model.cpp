@@ -25,6 +25,7 @@
 //     the loss near ln(256) = 5.5 while the CPU run falls well below it, far outside 3%.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -337,6 +338,24 @@ class CudaTrainTest : public ::testing::Test {
     return o;
   }
 
+  /// `c` trained on CUDA in compute `dtype` into root/<tag>-<dtype>: every step's loss within
+  /// `tol` (relative) of the CPU run `ref`.
+  train::TrainResult train_on_cuda(Config c, const std::string& tag, const char* dtype,
+                                   const train::TrainResult& ref, double tol) const {
+    c.train.out_dir = (root_ / (tag + "-" + dtype)).string();
+    c.train.device = "cuda";
+    c.train.dtype = dtype;
+    train::TrainResult r = train::train(c, quiet());
+    EXPECT_EQ(r.steps.size(), ref.steps.size()) << tag << " " << dtype;
+    for (size_t i = 0; i < std::min(r.steps.size(), ref.steps.size()); ++i) {
+      std::printf("[train] %s %s step %zu loss cpu %.5f cuda %.5f mfu %.2g\n", tag.c_str(), dtype,
+                  i + 1, ref.steps[i].loss, r.steps[i].loss, r.steps[i].mfu);
+      EXPECT_LE(std::fabs(r.steps[i].loss - ref.steps[i].loss), tol * ref.steps[i].loss)
+          << tag << " " << dtype << " step " << i + 1;
+    }
+    return r;
+  }
+
   fs::path root_;
 };
 
@@ -344,24 +363,15 @@ TEST_F(CudaTrainTest, LossesFollowTheCpu) {
   XMOE_REQUIRE_CUDA();
   const auto ref = train::train(micro_config("cpu"), quiet());
   for (const char* dtype : {"f32", "bf16"}) {
-    Config c = micro_config(std::string("cuda-") + dtype);
-    c.train.device = "cuda";
-    c.train.dtype = dtype;
-    const auto r = train::train(c, quiet());
-    ASSERT_EQ(r.steps.size(), 10u);
     const double tol = std::string(dtype) == "f32" ? 1e-4 : 3e-2;
-    for (int i = 0; i < 10; ++i) {
-      std::printf("[train] %s step %d loss cpu %.5f cuda %.5f mfu %.2g\n", dtype, i + 1,
-                  ref.steps[i].loss, r.steps[i].loss, r.steps[i].mfu);
-      EXPECT_LE(std::fabs(r.steps[i].loss - ref.steps[i].loss), tol * ref.steps[i].loss)
-          << dtype << " step " << i + 1;
-      EXPECT_GT(r.steps[i].mfu, 0.0);
-    }
+    const auto r = train_on_cuda(micro_config("cuda"), "cuda", dtype, ref, tol);
+    ASSERT_EQ(r.steps.size(), 10u);
+    for (const auto& step : r.steps) EXPECT_GT(step.mfu, 0.0) << dtype;
     ASSERT_EQ(r.evals.size(), ref.evals.size());
     EXPECT_LE(std::fabs(r.evals.back().val_loss - ref.evals.back().val_loss),
               tol * ref.evals.back().val_loss);
     // Checkpoints are host f32 safetensors.
-    EXPECT_TRUE(fs::exists(fs::path(c.train.out_dir) / "step-10" / "manifest.json"));
+    EXPECT_TRUE(fs::exists(root_ / (std::string("cuda-") + dtype) / "step-10" / "manifest.json"));
   }
   EXPECT_LT(ref.steps.back().loss, ref.steps.front().loss);
 }
@@ -423,19 +433,8 @@ TEST_F(CudaTrainTest, MoEWithBf16ExpertGradientsFollowsTheCpu) {
   cpu.model.moe.expert_grad_dtype = "bf16";
   const auto ref = train::train(cpu, quiet());
   for (const char* dtype : {"f32", "bf16"}) {
-    Config c = cpu;
-    c.train.out_dir = (root_ / (std::string("moe-bf16-grads-") + dtype)).string();
-    c.train.device = "cuda";
-    c.train.dtype = dtype;
-    const auto r = train::train(c, quiet());
-    ASSERT_EQ(r.steps.size(), 10u);
     const double tol = std::string(dtype) == "f32" ? 2e-3 : 3e-2;
-    for (int i = 0; i < 10; ++i) {
-      std::printf("[train] moe %s, bf16 expert grads: step %d loss cpu %.5f cuda %.5f\n", dtype,
-                  i + 1, ref.steps[i].loss, r.steps[i].loss);
-      EXPECT_LE(std::fabs(r.steps[i].loss - ref.steps[i].loss), tol * ref.steps[i].loss)
-          << dtype << " step " << i + 1;
-    }
+    EXPECT_EQ(train_on_cuda(cpu, "moe-bf16-grads", dtype, ref, tol).steps.size(), 10u);
   }
 }
 

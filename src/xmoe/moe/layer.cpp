@@ -364,6 +364,12 @@ template <class T> std::vector<T> permuted(const std::vector<T>& v, const std::v
 }  // namespace
 
 void MoELayer::permute_tensor(Tensor& t, const std::vector<int>& perm, bool sharded, int axis) {
+  if (t.dtype() == DType::bf16) {  // bf16 gradients (moe.expert_grad_dtype): through f32, exact
+    Tensor t32 = xmoe::ops::cast(t, DType::f32);
+    permute_tensor(t32, perm, sharded, axis);
+    t.copy_from(xmoe::ops::cast(t32, DType::bf16));
+    return;
+  }
   const int64_t E = cfg_.num_experts;
   if (axis == 1) {  // [r, E] (or [E]): columns
     XMOE_CHECK(t.dtype() == DType::f32 && t.size(-1) == E,
@@ -428,14 +434,7 @@ void MoELayer::permute_experts(const std::vector<int>& perm) {
   release();
   for (const Permutable& p : permutable_parameters(*gate_, *experts_)) {
     permute_tensor(p.param->value, perm, p.axis == 0, p.axis);
-    Tensor& grad = p.param->grad;
-    if (grad.defined() && grad.dtype() == DType::bf16) {  // through f32: exact either way
-      Tensor g32 = xmoe::ops::cast(grad, DType::f32);
-      permute_tensor(g32, perm, p.axis == 0, p.axis);
-      grad.copy_from(xmoe::ops::cast(g32, DType::bf16));
-    } else if (grad.defined()) {
-      permute_tensor(grad, perm, p.axis == 0, p.axis);
-    }
+    if (p.param->grad.defined()) permute_tensor(p.param->grad, perm, p.axis == 0, p.axis);
   }
   if (Tensor* b = gate_->routing_bias()) permute_tensor(*b, perm, false, 1);
   pending_load_ = permuted(pending_load_, perm);

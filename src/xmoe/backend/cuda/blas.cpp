@@ -284,7 +284,8 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
   const bool weight_grad =
       kind == sm90::GroupedKind::weight_grad || kind == sm90::GroupedKind::weight_grad_bf16;
   // Partial outputs have dw's dtype.
-  const size_t partial_size = kind == sm90::GroupedKind::weight_grad_bf16 ? 2 : sizeof(float);
+  const size_t partial_size =
+      dtype_size(kind == sm90::GroupedKind::weight_grad_bf16 ? DType::bf16 : DType::f32);
   int64_t piece = weight_grad ? weight_grad_piece_rows(group_sizes, groups, k, m, device) : 0;
   thread_local sm90::ProblemList list;  // 16 KB each: kept off the stack and off the heap
   thread_local sm90::PartialSums sums;
