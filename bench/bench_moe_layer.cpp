@@ -9,12 +9,12 @@
 //
 //   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
 //                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick] [--recompute]
-//                   [--fold] [--breakdown] [--router-dtype f32|bf16]
+//                   [--expert-chunks N] [--breakdown] [--router-dtype f32|bf16]
 //                   [--expert-grad-dtype f32|bf16]
 //
 // --recompute: the layer keeps neither h nor its input rows (MoELayer::set_recompute): the
-// memory-for-time trade of model.recompute=moe. --fold: the experts' backward applies the combine
-// weights and the expert output is not kept (model.moe.fold_combine_weights). --breakdown: after
+// memory-for-time trade of model.recompute=moe. --expert-chunks: model.moe.expert_chunks (the
+// experts' [N, f] activations made this many row chunks at a time; 0 = auto). --breakdown: after
 // the timed passes, 2 more with the region profiler on (core/profile.h): one
 // "moe_layer_breakdown" line per region (ms per pass; the profiler synchronises the device at
 // every region boundary) and the table on stderr. --router-dtype: model.moe.router_dtype (bf16:
@@ -96,7 +96,8 @@ struct Result {
 constexpr int kProfiledPasses = 2;
 
 Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters,
-           Device device, bool recompute, bool fold, bool breakdown, const std::string& router,
+           Device device, bool recompute, int expert_chunks, bool breakdown,
+           const std::string& router,
            const std::string& expert_grad) {
   MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
@@ -108,9 +109,9 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
   c.expert_grad_dtype = expert_grad;
   c.impl = impl;
   c.capacity_factor = cf;
+  c.expert_chunks = expert_chunks;
   moe::MoELayer layer(c, s.d, "bench.moe", 1, 0.02f);
   layer.set_recompute(recompute);
-  layer.set_fold_combine_weights(fold);
   if (device.is_cuda()) {
     // Values go over; gradients are made zero on the device (no host copy of E·3·d·f floats).
     // Matrices get the bf16 compute copies a bf16 model keeps (read by the experts, and by the
@@ -175,7 +176,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> impls;
   std::vector<float> cfs = {1.0f, 1.25f, 2.0f};
   int iters = 5, warmup = 1;
-  bool quick = false, recompute = false, fold = false, breakdown = false;
+  bool quick = false, recompute = false, breakdown = false;
+  int expert_chunks = 0;
   std::string router_dtype = "f32", expert_grad_dtype = "f32";
   CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
   app.add_option("--device", device_name, "cpu, cuda or cuda:N");
@@ -187,7 +189,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed passes first")->check(CLI::NonNegativeNumber);
   app.add_flag("--quick", quick, "CPU default shapes at T = 512, at most 3 passes");
   app.add_flag("--recompute", recompute, "recompute h and re-gather the rows in backward");
-  app.add_flag("--fold", fold, "fold the combine weights into the experts' backward");
+  app.add_option("--expert-chunks", expert_chunks,
+                 "the experts' [N, f] activations in row chunks (model.moe.expert_chunks; 0 auto)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--breakdown", breakdown, "profile 2 more passes by region (JSON lines, table)");
   app.add_option("--router-dtype", router_dtype, "router GEMM operands (model.moe.router_dtype)")
       ->check(CLI::IsMember({"f32", "bf16"}));
@@ -230,7 +234,8 @@ int main(int argc, char** argv) {
       Result pft;
       bool have_pft = false;
       for (const Variant& v : variants) {
-        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, fold, breakdown,
+        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, expert_chunks,
+                             breakdown,
                              router_dtype, expert_grad_dtype);
         if (v.impl == "pft") {
           pft = r;
@@ -242,7 +247,7 @@ int main(int argc, char** argv) {
         j["device"] = device.str();
         j["dtype"] = device.is_cuda() ? "bf16" : "f32";
         j["recompute"] = recompute;
-        j["folded"] = fold;
+        j["expert_chunks"] = expert_chunks;
         j["router_dtype"] = router_dtype;
         j["expert_grad_dtype"] = expert_grad_dtype;
         j["T"] = s.T;

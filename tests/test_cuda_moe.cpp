@@ -399,6 +399,10 @@ std::vector<LayerCase> layer_cases() {
   c.impl = "padded";
   c.capacity_factor = 0.75f;  // drops pairs
   v.push_back({"padded", c});
+  c = base;
+  c.expert_hidden = 24;  // f > d, its [N, f] activations in 3 row chunks (moe.expert_chunks)
+  c.expert_chunks = 3;
+  v.push_back({"expert_chunks", c});
   return v;
 }
 

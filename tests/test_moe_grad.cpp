@@ -167,20 +167,27 @@ MoeConfig impl_config(const char* impl) {
 /// One forward + backward of a fresh layer that `configure` has set up.
 struct Pass {
   int64_t saved = 0;                     ///< bytes forward kept for backward
+  int64_t forward_peak = 0;              ///< peak bytes above the start of forward
   int64_t backward_peak = 0;             ///< peak bytes above the start of backward
   int64_t routed_rows = 0;               ///< (token, slot) pairs the experts processed
-  bool folded = false;                   ///< MoELayer::folded_combine_weights()
+  std::vector<float> y;
   std::vector<std::vector<float>> grads;  ///< dx, then every parameter's gradient
 };
-Pass run_pass(const MoeConfig& c, const std::function<void(MoELayer&)>& configure) {
-  const Tensor x = randn({kT, kD}, 3), r = randn({kT, kD}, 4);
+Pass run_pass(const MoeConfig& c, const std::function<void(MoELayer&)>& configure,
+              int64_t tokens = kT) {
+  const Tensor x = randn({tokens, kD}, 3), r = randn({tokens, kD}, 4);
   MoELayer layer(c, kD, "m", 5, 0.5f);
   configure(layer);
   Pass pass;
   const int64_t before = memory_stats().live_bytes;
-  Tensor y = layer.forward(x, kSeq);
+  Tensor y;
+  {
+    PeakMemoryScope scope;
+    y = layer.forward(x, kSeq);
+    pass.forward_peak = scope.extra_peak_bytes();
+  }
   pass.saved = memory_stats().live_bytes - before;
-  pass.folded = layer.folded_combine_weights();
+  pass.y = y.to_vector<float>();
   for (int64_t n : layer.tokens_per_expert()) pass.routed_rows += n;
   {
     PeakMemoryScope scope;
@@ -209,38 +216,47 @@ TEST(MoeGrad, RecomputeGivesTheSameGradients) {
   }
 }
 
-// Folding the combine weights into the experts' backward (d > f here) gives the gradients of
-// the plain backward, and the expert output [N, d] is no longer kept after forward.
-TEST(MoeGrad, FoldedCombineWeightsGiveTheSameGradients) {
+// The experts' SwiGLU activations in row chunks (moe.expert_chunks) change the bits of
+// nothing, and take the [N, f] temporaries off both peaks.
+TEST(MoeGrad, ExpertChunksGiveTheSameGradientsAndLowerPeaks) {
   for (const char* impl : {"pft", "padded"}) {
-    const MoeConfig c = impl_config(impl);
-    const Pass plain = run_pass(c, [](MoELayer& l) { l.set_fold_combine_weights(false); });
-    const Pass folded = run_pass(c, [](MoELayer& l) { l.set_fold_combine_weights(true); });
-    EXPECT_FALSE(plain.folded) << impl;
-    EXPECT_TRUE(folded.folded) << impl;
-    ASSERT_EQ(plain.grads.size(), folded.grads.size());
-    for (size_t i = 0; i < plain.grads.size(); ++i)
-      for (size_t j = 0; j < plain.grads[i].size(); ++j)
-        ASSERT_NEAR(folded.grads[i][j], plain.grads[i][j],
-                    1e-5f * (1.f + std::fabs(plain.grads[i][j])))
-            << impl << " gradient " << i << "[" << j << "]";
-    // At least the PFT rows' output (padded: E * C rows, more than the routed ones).
-    EXPECT_GE(plain.saved - folded.saved, plain.routed_rows * kD * 4)
-        << impl << ": " << plain.saved << " vs " << folded.saved;
-    // The plain I-Order backward writes d_rows over the expert output it alone holds, so
-    // its backward peaks no higher than the folded one's (which keeps no output at all).
-    EXPECT_LE(plain.backward_peak, folded.backward_peak) << impl;
+    MoeConfig c = impl_config(impl);
+    c.expert_hidden = 8 * kD;  // f >> d: a and da [N, f] are the largest temporaries
+    c.num_shared_experts = 0;
+    c.expert_chunks = 1;
+    const Pass whole = run_pass(c, [](MoELayer&) {});
+    c.expert_chunks = 3;
+    const Pass chunked = run_pass(c, [](MoELayer&) {});
+    EXPECT_EQ(whole.grads, chunked.grads) << impl;
+    EXPECT_EQ(whole.y, chunked.y) << impl;
+    EXPECT_EQ(whole.saved, chunked.saved) << impl;
+    // At least a third of [N, f] f32 less: no chunk holds more than two thirds of the rows
+    // unless one expert does, which six experts over 24 routed rows make unlikely.
+    const int64_t third = whole.routed_rows * c.expert_hidden * 4 / 3;
+    EXPECT_GE(whole.forward_peak - chunked.forward_peak, third)
+        << impl << ": " << whole.forward_peak << " vs " << chunked.forward_peak;
+    EXPECT_GE(whole.backward_peak - chunked.backward_peak, third)
+        << impl << ": " << whole.backward_peak << " vs " << chunked.backward_peak;
   }
-  // Off by default; model.moe.fold_combine_weights turns it on.
-  MoeConfig asked = impl_config("pft");
-  EXPECT_FALSE(run_pass(asked, [](MoELayer&) {}).folded);
-  asked.fold_combine_weights = true;
-  EXPECT_TRUE(run_pass(asked, [](MoELayer&) {}).folded);
-  // f > d: folding would raise the peak, so the layer does not, even when asked.
-  MoeConfig wide = small_config("softmax_topk");
-  wide.expert_hidden = 4 * kD;
-  wide.fold_combine_weights = true;
-  EXPECT_FALSE(run_pass(wide, [](MoELayer&) {}).folded);
+}
+
+// Auto (moe.expert_chunks = 0) chunks where f > d and each of 4 chunks keeps 2048 rows, and
+// nowhere else.
+TEST(MoeGrad, ExpertChunksAutoOnlyWhereFExceedsD) {
+  constexpr int64_t kManyTokens = 683 * kSeq;  // 8196 routed rows (k = 2): 4 chunks of ~2049
+  auto peaks = [](MoeConfig c, int chunks) {
+    c.expert_chunks = chunks;
+    const Pass p = run_pass(c, [](MoELayer&) {}, kManyTokens);
+    return std::pair{p.forward_peak, p.backward_peak};
+  };
+  MoeConfig wide = impl_config("pft");
+  wide.num_shared_experts = 0;
+  wide.expert_hidden = 2 * kD;
+  EXPECT_LT(peaks(wide, 0).first, peaks(wide, 1).first);
+  EXPECT_EQ(peaks(wide, 0), peaks(wide, 4));
+  MoeConfig narrow = wide;
+  narrow.expert_hidden = kD / 2;
+  EXPECT_EQ(peaks(narrow, 0), peaks(narrow, 1));
 }
 
 // The expert weights zero their gradients lazily (Parameter::lazy_zero_grad): after zero_grad()

@@ -117,14 +117,16 @@ const std::vector<Key>& table() {
       XMOE_KEY(model.moe.dispatch, any(), {"auto", "local", "all_to_all", "rbd"},
                "token exchange: auto (local when parallel.ep = 1, else all_to_all), local, "
                "all_to_all, or redundancy-bypassing dispatch"),
-      XMOE_KEY(model.moe.fold_combine_weights, any(), {},
-               "apply the combine weights in the experts' backward so the expert output [N, d] "
-               "is not kept (less memory where d > f, a few % slower)"),
       XMOE_KEY(model.moe.expert_grad_dtype, any(), {"f32", "bf16"},
                "dtype of the routed experts' weight gradients: f32, or bf16 (f32 accumulation "
                "in each GEMM, rounded once on the store; Megatron-Core's default): half the "
                "gradient memory and traffic of the largest parameters. Master weights, optimizer "
                "state and the gradient all-reduce stay f32"),
+      XMOE_KEY(model.moe.expert_chunks, at_least(0), {},
+               "the experts' SwiGLU output and its gradient [N, f] are made this many row chunks "
+               "at a time (cut between experts), so the layer never holds them for all N rows; "
+               "0 = auto: 4 where expert_hidden > d_model and each chunk keeps >= 2048 rows, "
+               "else 1"),
       // data
       XMOE_KEY(data.corpus, any(), {}, "a text file or a folder of text files to prepare"),
       XMOE_KEY(data.dir, any(), {},

@@ -36,9 +36,9 @@ struct MoeConfig {
   std::string impl = "pft";        ///< pft (padding-free) | padded (capacity, drops overflow)
   float capacity_factor = 1.25f;   ///< padded only
   std::string dispatch = "auto";  ///< auto | local | all_to_all | rbd
-  bool fold_combine_weights = false;  ///< experts' backward applies the combine weights
   /// f32 | bf16: dtype of the routed experts' weight gradients (the master weights stay f32)
   std::string expert_grad_dtype = "f32";
+  int expert_chunks = 0;  ///< the experts' [N, f] activations made in this many row chunks (0: auto)
 
   bool operator==(const MoeConfig&) const = default;
 };

@@ -11,7 +11,8 @@ namespace {
 
 class SwigluExperts final : public Experts {
  public:
-  explicit SwigluExperts(const ExpertArgs& a) : recompute_(a.recompute) {
+  explicit SwigluExperts(const ExpertArgs& a) : recompute_(a.recompute), chunks_(a.chunks) {
+    XMOE_CHECK(a.chunks >= 0, "[moe] moe.expert_chunks = {} must be >= 0", a.chunks);
     XMOE_CHECK(a.num_local >= 0 && a.first_expert >= 0 &&
                    a.first_expert + a.num_local <= a.num_experts,
                "[moe experts] local experts [{}, {}) outside [0, {})", a.first_expert,
@@ -40,7 +41,12 @@ class SwigluExperts final : public Experts {
     wgu_ = as_dtype(gate_up_.compute(), rows.dtype());
     wd_ = as_dtype(down_.compute(), rows.dtype());
     Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);                       // [N, 2f]
-    Tensor out = xmoe::ops::grouped_matmul(xmoe::ops::swiglu(h), wd_, groups_);      // [N, d]
+    Tensor out = Tensor::empty({rows.size(0), wd_.size(2)}, rows.dtype(), rows.device());
+    for (const Chunk& c : chunks()) {  // a [n_c, f] lives for one chunk only
+      Tensor out_c = out.rows(c.row_begin, c.row_end);
+      xmoe::ops::grouped_matmul_into(out_c, xmoe::ops::swiglu(h.rows(c.row_begin, c.row_end)),
+                                     wd_.rows(c.group_begin, c.group_end), c.sizes(groups_));
+    }
     h_ = recompute_ ? Tensor() : h;
     return out;
   }
@@ -50,62 +56,36 @@ class SwigluExperts final : public Experts {
     check_shape(d_out, {rows_.size(0), down_.value.size(2)}, "moe experts backward", "d_out");
     Tensor dout = as_dtype(d_out, rows_.dtype());
     d_out = Tensor();
-    // At most two of h [N, 2f], a and da [N, f] live at a time: a goes before da comes, and
-    // h becomes dh in place. d_out and the saved rows go as soon as they are used.
+    // h [N, 2f] becomes dh in place, chunk by chunk: a and da [n_c, f] live for one chunk, one
+    // at a time. d_out and the saved rows go as soon as they are used.
     Tensor dh = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);  // h
     h_ = Tensor();
-    Tensor a = xmoe::ops::swiglu(dh);                                                // [N, f]
-    xmoe::ops::grouped_matmul_weight_grad(down_.grad, a, dout, groups_,
-                                          !down_.take_grad_overwrite());
-    a = Tensor();
-    Tensor da = xmoe::ops::grouped_matmul(dout, wd_, groups_, true);                  // [N, f]
+    const bool accumulate_down = !down_.take_grad_overwrite();
+    for (const Chunk& c : chunks()) {
+      const std::span<const int64_t> sizes = c.sizes(groups_);
+      Tensor h_c = dh.rows(c.row_begin, c.row_end), dout_c = dout.rows(c.row_begin, c.row_end);
+      Tensor dwd_c = down_.grad.rows(c.group_begin, c.group_end);
+      xmoe::ops::grouped_matmul_weight_grad(dwd_c, xmoe::ops::swiglu(h_c), dout_c, sizes,
+                                            accumulate_down);
+      Tensor da = xmoe::ops::grouped_matmul(dout_c, wd_.rows(c.group_begin, c.group_end), sizes,
+                                            true);                                 // [n_c, f]
+      xmoe::ops::swiglu_backward_(h_c, da);                                        // [n_c, 2f]
+    }
     dout = Tensor();
-    xmoe::ops::swiglu_backward_(dh, da);                                             // [N, 2f]
-    da = Tensor();
     xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_,
                                           !gate_up_.take_grad_overwrite());
     rows_ = Tensor();  // so d_rows [N, d] takes its place rather than adding to it
     return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                        // [N, d]
   }
 
-  WeightedGrads backward_weighted(Tensor g_in, const Tensor& w) override {
-    XMOE_CHECK(rows_.defined(), "[moe experts] backward without a forward");
-    check_shape(g_in, {rows_.size(0), down_.value.size(2)}, "moe experts backward", "g");
-    check_shape(w, {rows_.size(0)}, "moe experts backward", "w");
-    Tensor g = as_dtype(g_in, rows_.dtype());
-    g_in = Tensor();
-    // out = a Wd and d_out = w * g, so dWd = (w * a)^T g, da = w * (g Wd^T) and
-    // d_w = g . out = (g Wd^T) . a: a is made twice from h rather than kept next to da.
-    Tensor dh = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);  // h
-    h_ = Tensor();
-    Tensor a = xmoe::ops::swiglu(dh);                                                // [N, f]
-    scale_rows_(a, w);
-    xmoe::ops::grouped_matmul_weight_grad(down_.grad, a, g, groups_,
-                                          !down_.take_grad_overwrite());
-    a = Tensor();
-    Tensor da = xmoe::ops::grouped_matmul(g, wd_, groups_, true);                     // [N, f]
-    g = Tensor();
-    WeightedGrads r;
-    r.d_weights = row_dot_f32(da, xmoe::ops::swiglu(dh));
-    scale_rows_(da, w);
-    xmoe::ops::swiglu_backward_(dh, da);                                             // [N, 2f]
-    da = Tensor();
-    xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_,
-                                          !gate_up_.take_grad_overwrite());
-    rows_ = Tensor();
-    r.d_rows = xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                    // [N, d]
-    return r;
-  }
-
-  // Peaks in units of N elements: backward with the I-Order stage keeping out holds
-  // max(3d + 2f, 2d + 3f) (rows, h, out, d_rows; then rows, h, d_out, a or da),
-  // backward_weighted max(2d + 3f, d + 4f) (rows, h, g, w * a or da; then rows, h, da, a).
-  bool folding_weights_saves_memory() const override {
-    const int64_t d = gate_up_.value.size(1), f = down_.value.size(1);
-    return std::max(2 * d + 3 * f, d + 4 * f) < std::max(3 * d + 2 * f, 2 * d + 3 * f);
-  }
+  // Peaks in units of N elements, C chunks: forward holds rows, h, out and one chunk's a,
+  // 2d + 2f + f / C; backward the same with d_out for out and a or da (unchunked: 2d + 3f).
 
   void release() override { rows_ = h_ = wgu_ = wd_ = Tensor(); }
+  void set_chunks(int chunks) override {
+    XMOE_CHECK(chunks >= 0, "[moe] moe.expert_chunks = {} must be >= 0", chunks);
+    chunks_ = chunks;
+  }
   void forget_input() override { rows_ = Tensor(); }
   void restore_input(Tensor rows) override {
     int64_t n = 0;
@@ -120,7 +100,48 @@ class SwigluExperts final : public Experts {
   }
 
  private:
+  /// Consecutive groups whose SwiGLU output a and its gradient da [n_c, f] are made one chunk at
+  /// a time (forward and backward), so the layer never holds them for all N rows.
+  struct Chunk {
+    int64_t group_begin, group_end, row_begin, row_end;
+    std::span<const int64_t> sizes(const std::vector<int64_t>& groups) const {
+      return {groups.data() + group_begin, groups.data() + group_end};
+    }
+  };
+  // Auto (moe.expert_chunks = 0): 4 chunks where f > d, whose [N, f] temporaries are then the
+  // largest thing the layer makes, and only while each keeps >= kMinAutoChunkRows rows (the
+  // grouped GEMMs stay full); otherwise one. Cuts fall between groups, each chunk with about
+  // N / C rows.
+  static constexpr int kAutoChunks = 4;
+  static constexpr int64_t kMinAutoChunkRows = 2048;
+  std::vector<Chunk> chunks() const {
+    const int64_t num_groups = static_cast<int64_t>(groups_.size());
+    int64_t n = 0;
+    for (int64_t g : groups_) n += g;
+    int64_t want = chunks_;
+    if (want == 0) {
+      const bool wide = down_.value.size(1) > gate_up_.value.size(1);
+      want = wide && n >= kAutoChunks * kMinAutoChunkRows ? kAutoChunks : 1;
+    }
+    std::vector<Chunk> out;
+    Chunk c{0, 0, 0, 0};
+    for (int64_t g = 0; g < num_groups; ++g) {
+      c.group_end = g + 1;
+      c.row_end += groups_[static_cast<size_t>(g)];
+      const auto closed = static_cast<int64_t>(out.size()) + 1;
+      // Close at the first group boundary at or past closed / want of the rows.
+      if (closed < want && c.row_end * want >= closed * n && c.row_end > c.row_begin &&
+          g + 1 < num_groups) {
+        out.push_back(c);
+        c = Chunk{g + 1, g + 1, c.row_end, c.row_end};
+      }
+    }
+    out.push_back(c);
+    return out;
+  }
+
   bool recompute_;
+  int chunks_;  // moe.expert_chunks (0: auto)
   Parameter gate_up_, down_;
   std::vector<int64_t> groups_;
   Tensor rows_, h_;
@@ -128,10 +149,6 @@ class SwigluExperts final : public Experts {
 };
 
 }  // namespace
-
-Experts::WeightedGrads Experts::backward_weighted(Tensor, const Tensor&) {
-  XMOE_FAIL("[moe experts] '{}' experts cannot fold the combine weights into backward", name());
-}
 
 ExpertRegistry& expert_registry() {
   static ExpertRegistry registry = [] {

@@ -28,6 +28,7 @@ struct ExpertArgs {
   float init_std = 0.02f, down_std = 0.02f;
   bool recompute = false;
   DType grad_dtype = DType::f32;  ///< of the weight gradients (moe.expert_grad_dtype)
+  int chunks = 0;                 ///< moe.expert_chunks (0: auto)
 };
 
 class Experts : public Module {
@@ -38,20 +39,10 @@ class Experts : public Module {
   /// d_out [N, d] -> d_rows [N, d]; accumulates the weight gradients. d_out by value: a caller
   /// that moves it in lets the experts free it (and their saved rows) as soon as they are used.
   virtual Tensor backward(Tensor d_out) = 0;
-  /// The combine weights folded into backward, for a layer whose output is y[t] = sum over
-  /// t's rows r of w[r] * out[r]: g[r] = dy[token(r)] [N, d] unweighted, w f32 [N]. Returns
-  /// d_rows and d_weights[r] = out[r] . g[r] (f32 [N]), with w[r] * g[r] as the output's
-  /// gradient. The I-Order stage then need not keep out [N, d] for its weight gradient.
-  struct WeightedGrads {
-    Tensor d_rows;     ///< [N, d]
-    Tensor d_weights;  ///< f32 [N]
-  };
-  virtual WeightedGrads backward_weighted(Tensor g, const Tensor& w);
-  /// Whether backward_weighted holds less at the backward's peak than backward does with the
-  /// I-Order stage keeping out [N, d] (the layer folds the weights only then).
-  virtual bool folding_weights_saves_memory() const { return false; }
   virtual void release() = 0;
   virtual void set_recompute(bool on) = 0;
+  /// The hidden activations [N, f] in this many chunks of rows (moe.expert_chunks; 0: auto).
+  virtual void set_chunks(int chunks) = 0;
   /// Drops the input rows forward saved; restore_input hands them back before backward (the
   /// layer re-gathers them: cheaper than keeping [N, d] per layer).
   virtual void forget_input() = 0;

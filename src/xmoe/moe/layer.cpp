@@ -16,8 +16,7 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
     : cfg_(config),
       par_(layout ? *layout : parallel::Layout::single()),
       d_model_(d_model),
-      prefix_(std::move(prefix)),
-      allow_fold_(config.fold_combine_weights) {
+      prefix_(std::move(prefix)) {
   const MoeConfig& c = cfg_;
   XMOE_CHECK(c.num_experts >= 1, "[moe] moe.num_experts = {} must be >= 1", c.num_experts);
   XMOE_CHECK(c.top_k >= 1, "[moe] moe.top_k = {} must be >= 1", c.top_k);
@@ -55,6 +54,7 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
   XMOE_CHECK(c.expert_grad_dtype == "f32" || c.expert_grad_dtype == "bf16",
              "[moe] moe.expert_grad_dtype = \"{}\" is not f32 or bf16", c.expert_grad_dtype);
   ea.grad_dtype = c.expert_grad_dtype == "bf16" ? DType::bf16 : DType::f32;
+  ea.chunks = c.expert_chunks;
   experts_ = make_experts("swiglu", ea);
   if (c.num_shared_experts > 0)
     shared_ = std::make_unique<SharedExperts>(
@@ -178,20 +178,13 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   run_stage(ctx, Stage::combine, [&] {
     ctx.set("rows_out", dispatcher_->combine(ctx.get("expert_out"), handle_));
   });
-  // Dispatch and combine moved nothing: the experts' rows are the layout's rows, and their
-  // backward can apply the combine weights itself.
-  fold_weights_ = allow_fold_ && hooks_.empty() && !reduces &&
-                  ctx.get("expert_in").raw() == ctx.get("rows").raw() &&
-                  ctx.get("rows_out").raw() == ctx.get("expert_out").raw() &&
-                  experts_->folding_weights_saves_memory();
   run_stage(ctx, Stage::iorder, [&] {
     Tensor y;
     if (reduces) {  // rows_out: weighted partial sums [G, d] of tokens handle_.group_tokens
       y = Tensor::zeros({T, d_model_}, x_in.dtype(), x_in.device());
       xmoe::ops::scatter_add_rows(y, ctx.get("rows_out"), handle_.group_tokens);
     } else {
-      y = iorder_.forward(ctx.get("rows_out"), ctx.get("combine_weights"), layout,
-                          !fold_weights_);
+      y = iorder_.forward(ctx.get("rows_out"), ctx.get("combine_weights"), layout);
     }
     ctx.set("y_routed", y);
     ctx.set("y", y);
@@ -223,10 +216,6 @@ Tensor MoELayer::backward(const Tensor& dy) {
       ctx.set("d_rows_out", xmoe::ops::gather_rows(ctx.get("d_y"), handle_.group_tokens));
       return;
     }
-    if (fold_weights_) {  // unweighted: the experts apply the weights (and give their grads)
-      ctx.set("d_rows_out", iorder_.backward_unweighted(ctx.get("d_y")));
-      return;
-    }
     IOrder::Grads g = iorder_.backward(ctx.get("d_y"));
     ctx.set("d_rows_out", g.d_rows);
     ctx.set("d_combine_weights", g.d_combine_weights);
@@ -248,14 +237,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
       ctx.erase("d_expert_out");
       ctx.erase("d_rows_out");
     }
-    if (fold_weights_) {
-      Experts::WeightedGrads g =
-          experts_->backward_weighted(std::move(d_out), order_->layout().combine_weights);
-      ctx.set("d_expert_in", g.d_rows);
-      ctx.set("d_combine_weights", g.d_weights);
-    } else {
-      ctx.set("d_expert_in", experts_->backward(std::move(d_out)));
-    }
+    ctx.set("d_expert_in", experts_->backward(std::move(d_out)));
   });
   experts_->release();
   run_stage(ctx, Stage::dispatch, [&] {

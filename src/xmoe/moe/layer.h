@@ -92,14 +92,8 @@ class MoELayer : public Module {
     experts_->set_recompute(on);
   }
 
-  /// Fold the combine weights into the experts' backward (Experts::backward_weighted) where it
-  /// applies: one process holds every expert, no hooks, no rbd combine, and the experts say it
-  /// lowers the peak (d > f, roughly). The expert output [N, d] is then not kept for backward.
-  /// Off by default (model.moe.fold_combine_weights): on the H200 it saved 0.13 / 0.67 GB of
-  /// the first two benchmark shapes' peak and cost 12% / 2% of their speed.
-  void set_fold_combine_weights(bool on) { allow_fold_ = on; }
-  /// Whether the last forward folded them.
-  bool folded_combine_weights() const { return fold_weights_; }
+  /// The experts' [N, f] activations in this many row chunks (moe.expert_chunks; 0: auto).
+  void set_expert_chunks(int chunks) { experts_->set_chunks(chunks); }
 
   /// Rebuilds the dispatcher with simulated nodes of `ranks_per_node` ep ranks (rbd; 0 = the
   /// group's topology). For tests and benchmarks on one machine; collective over the ep group.
@@ -179,7 +173,6 @@ class MoELayer : public Module {
   bool frozen_routing_ = false;
   bool recompute_ = false;
   Tensor regather_from_;  // x, when the experts' rows are to be re-gathered in backward
-  bool allow_fold_ = false, fold_weights_ = false;
   float aux_grad_scale_ = 1.0f;
   bool record_coactivation_ = false;
   CoactivationMatrix coactivation_;

@@ -93,9 +93,18 @@ void check_groups(const char* op, std::span<const int64_t> group_sizes, int64_t 
 
 Tensor grouped_matmul(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes,
                       bool trans_w) {
+  XMOE_CHECK(w.dim() == 3, "[grouped_matmul] w must be [G, K, M], got {}", shape_str(w.shape()));
+  Tensor y = Tensor::empty({x.size(0), trans_w ? w.size(1) : w.size(2)}, x.dtype(), x.device());
+  grouped_matmul_into(y, x, w, group_sizes, trans_w);
+  return y;
+}
+
+void grouped_matmul_into(Tensor& y, const Tensor& x, const Tensor& w,
+                         std::span<const int64_t> group_sizes, bool trans_w) {
   const char* op = "grouped_matmul";
   require_float(op, "x", x);
   require_like(op, "w", w, "x", x);
+  require_like(op, "y", y, "x", x);
   require_2d(op, "x", x);
   XMOE_CHECK(w.dim() == 3, "[{}] w must be [G, K, M], got {}", op, shape_str(w.shape()));
   const int64_t groups = w.size(0);
@@ -103,7 +112,7 @@ Tensor grouped_matmul(const Tensor& x, const Tensor& w, std::span<const int64_t>
   XMOE_CHECK(x.size(1) == k, "[{}] x has {} columns but w{} has inner dimension {}", op, x.size(1),
              trans_w ? "^T" : "", k);
   check_groups(op, group_sizes, groups, x.size(0));
-  Tensor y = Tensor::empty({x.size(0), m}, x.dtype(), x.device());
+  check_shape(y, {x.size(0), m}, op, "y");
   if (x.is_cpu()) {
     cpu::grouped_gemm(y.data<float>(), x.data<float>(), w.data<float>(), group_sizes.data(),
                       groups, k, m, trans_w);
@@ -111,7 +120,6 @@ Tensor grouped_matmul(const Tensor& x, const Tensor& w, std::span<const int64_t>
     cuda::grouped_gemm(y.raw(), x.raw(), w.raw(), x.dtype(), group_sizes.data(), groups, k, m,
                        trans_w, stream_of(x));
   }
-  return y;
 }
 
 void grouped_matmul_weight_grad(Tensor& dw, const Tensor& x, const Tensor& dy,

@@ -29,6 +29,9 @@ void matmul_into(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool
 /// Returns y [N, M]. Groups with zero rows are skipped.
 Tensor grouped_matmul(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes,
                       bool trans_w = false);
+/// grouped_matmul into y [N, M] (e.g. a rows() view of a larger output).
+void grouped_matmul_into(Tensor& y, const Tensor& x, const Tensor& w,
+                         std::span<const int64_t> group_sizes, bool trans_w = false);
 /// Weight gradient of grouped_matmul (trans_w = false): dw[g] (+)= x_g^T @ dy_g, dw [G, K, M].
 void grouped_matmul_weight_grad(Tensor& dw, const Tensor& x, const Tensor& dy,
                                 std::span<const int64_t> group_sizes, bool accumulate);

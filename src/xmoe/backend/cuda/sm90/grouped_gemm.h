@@ -55,6 +55,15 @@ struct PartialSums {
 
 /// Multiprocessors of `device` (cached; 0 for an index past 64).
 int sm_count(int device);
+/// How the persistent scheduler walks each group's output tiles: raster 0 along M (the
+/// default: consecutive tiles share a column of B), 1 along N; swizzle 1, 2, 4 or 8 (strips of
+/// that many tiles across the raster). XMOE_SM90_RASTER = m | n and XMOE_SM90_SWIZZLE = 1..8
+/// override them (read once).
+struct TileOrder {
+  int raster = 0;
+  int swizzle = 1;
+};
+TileOrder tile_order();
 /// True when `device` is an sm90 GPU and this build has the kernels.
 bool supported(int device);
 /// Device bytes `run(kind, list, beta, ...)` needs (per-group arrays and CUTLASS' workspace),

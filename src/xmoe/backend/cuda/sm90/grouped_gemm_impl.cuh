@@ -134,6 +134,10 @@ struct GroupedGemm {
         {arr.a, arr.stride_a, arr.b, arr.stride_b},
         {{}, nullptr, nullptr, arr.d, arr.stride_d},
         hardware(device)};
+    const TileOrder order = tile_order();
+    using Raster = decltype(args.scheduler.raster_order);
+    args.scheduler.raster_order = order.raster == 1 ? Raster::AlongN : Raster::AlongM;
+    args.scheduler.max_swizzle_size = order.swizzle;
     auto& fusion = args.epilogue.thread;
     fusion.alpha = 1.f;
     fusion.beta = 0.f;
