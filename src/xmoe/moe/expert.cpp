@@ -36,6 +36,8 @@ class SwigluExperts final : public Experts {
   Tensor forward(const Tensor& rows, std::span<const int64_t> group_sizes) override {
     groups_.assign(group_sizes.begin(), group_sizes.end());
     rows_ = rows;                                                                   // [N, d]
+    num_rows_ = rows.size(0);
+    regather_ = nullptr;
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
     // where there are none), kept for backward; the weight gradients are f32 or bf16.
     wgu_ = as_dtype(gate_up_.compute(), rows.dtype());
@@ -52,12 +54,13 @@ class SwigluExperts final : public Experts {
   }
 
   Tensor backward(Tensor d_out) override {
-    XMOE_CHECK(rows_.defined(), "[moe experts] backward without a forward");
-    check_shape(d_out, {rows_.size(0), down_.value.size(2)}, "moe experts backward", "d_out");
-    Tensor dout = as_dtype(d_out, rows_.dtype());
+    XMOE_CHECK(rows_.defined() || regather_, "[moe experts] backward without a forward");
+    check_shape(d_out, {num_rows_, down_.value.size(2)}, "moe experts backward", "d_out");
+    Tensor dout = as_dtype(d_out, wgu_.dtype());  // the rows' dtype
     d_out = Tensor();
     // h [N, 2f] becomes dh in place, chunk by chunk: a and da [n_c, f] live for one chunk, one
     // at a time. d_out and the saved rows go as soon as they are used.
+    if (!h_.defined() && !rows_.defined()) rows_ = input_rows();  // recompute: needed twice
     Tensor dh = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);  // h
     h_ = Tensor();
     const bool accumulate_down = !down_.take_grad_overwrite();
@@ -72,26 +75,27 @@ class SwigluExperts final : public Experts {
       xmoe::ops::swiglu_backward_(h_c, da);                                        // [n_c, 2f]
     }
     dout = Tensor();
-    xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, rows_, dh, groups_,
+    xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, input_rows(), dh, groups_,
                                           !gate_up_.take_grad_overwrite());
     rows_ = Tensor();  // so d_rows [N, d] takes its place rather than adding to it
+    regather_ = nullptr;
     return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                        // [N, d]
   }
 
   // Peaks in units of N elements, C chunks: forward holds rows, h, out and one chunk's a,
   // 2d + 2f + f / C; backward the same with d_out for out and a or da (unchunked: 2d + 3f).
 
-  void release() override { rows_ = h_ = wgu_ = wd_ = Tensor(); }
+  void release() override {
+    rows_ = h_ = wgu_ = wd_ = Tensor();
+    regather_ = nullptr;
+  }
   void set_chunks(int chunks) override {
     XMOE_CHECK(chunks >= 0, "[moe] moe.expert_chunks = {} must be >= 0", chunks);
     chunks_ = chunks;
   }
-  void forget_input() override { rows_ = Tensor(); }
-  void restore_input(Tensor rows) override {
-    int64_t n = 0;
-    for (int64_t g : groups_) n += g;
-    check_shape(rows, {n, gate_up_.value.size(1)}, "moe experts restore_input", "rows");
-    rows_ = std::move(rows);
+  void forget_input(std::function<Tensor()> regather) override {
+    rows_ = Tensor();
+    regather_ = std::move(regather);
   }
   void set_recompute(bool on) override { recompute_ = on; }
   void collect_parameters(std::vector<Parameter*>& out) override {
@@ -140,10 +144,20 @@ class SwigluExperts final : public Experts {
     return out;
   }
 
+  /// The saved rows, or (forget_input) the layer's gather of them, made now.
+  Tensor input_rows() const {
+    if (rows_.defined()) return rows_;
+    Tensor rows = regather_();
+    check_shape(rows, {num_rows_, gate_up_.value.size(1)}, "moe experts", "re-gathered rows");
+    return rows;
+  }
+
   bool recompute_;
   int chunks_;  // moe.expert_chunks (0: auto)
+  std::function<Tensor()> regather_;  // set by forget_input
   Parameter gate_up_, down_;
   std::vector<int64_t> groups_;
+  int64_t num_rows_ = 0;
   Tensor rows_, h_;
   Tensor wgu_, wd_;  // the weights in the rows' dtype (the parameters themselves when f32)
 };

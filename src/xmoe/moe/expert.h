@@ -4,9 +4,10 @@
 //   "<prefix>.experts.gate_up" [E_local, d, 2f]  (gate | up fused)
 //   "<prefix>.experts.down"    [E_local, f, d]
 // as ParamKind::expert (global_rows = E, row_offset = first local expert). One grouped GEMM per
-// projection. Saved for backward: the input rows and h = rows @ gate_up (or only the rows, with
-// recompute, which redoes the first grouped GEMM in backward).
+// projection. Saved for backward: the input rows (unless the layer can gather them again) and
+// h = rows @ gate_up (not with recompute, which redoes the first grouped GEMM in backward).
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -43,10 +44,9 @@ class Experts : public Module {
   virtual void set_recompute(bool on) = 0;
   /// The hidden activations [N, f] in this many chunks of rows (moe.expert_chunks; 0: auto).
   virtual void set_chunks(int chunks) = 0;
-  /// Drops the input rows forward saved; restore_input hands them back before backward (the
-  /// layer re-gathers them: cheaper than keeping [N, d] per layer).
-  virtual void forget_input() = 0;
-  virtual void restore_input(Tensor rows) = 0;
+  /// Drops the input rows forward saved: backward calls `regather` where it needs them (the
+  /// layer gathers them again from x by the PFT indices, cheaper than keeping [N, d]).
+  virtual void forget_input(std::function<Tensor()> regather) = 0;
 };
 
 using ExpertRegistry = Registry<Experts, const ExpertArgs&>;

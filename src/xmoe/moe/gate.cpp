@@ -21,9 +21,8 @@ Gate::Gate(const GateArgs& args)
 
 int64_t Gate::check_forward_args(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) const {
   const std::string op = fmt::format("moe gate {}", name());
-  // bf16 rows reach only a linear router with moe.router_dtype = bf16 (MoELayer casts the rest)
-  if (!(cfg_.router_dtype == "bf16" && x.dtype() == DType::bf16))
-    check_dtype(x, DType::f32, op.c_str(), "x");
+  // f32 or bf16 rows: each router casts its operands (and keeps x as it came, not a copy)
+  if (x.dtype() != DType::bf16) check_dtype(x, DType::f32, op.c_str(), "x");
   check_shape(x, {-1, d_model_}, op.c_str(), "x");
   const int64_t T = x.size(0);
   XMOE_CHECK(seq_len >= 1 && T % seq_len == 0,

@@ -41,7 +41,8 @@ class Gate : public Module {
  public:
   explicit Gate(const GateArgs& args);
 
-  /// x [T, d]; T must be a multiple of seq_len (sequences for the sequence-level loss).
+  /// x [T, d] f32 or bf16 (the router computes in moe.router_dtype either way); T must be a
+  /// multiple of seq_len (sequences for the sequence-level loss).
   /// fixed_idx (i32 [T, k]), when defined, replaces the gate's own expert selection.
   virtual GateOutput forward(const Tensor& x, int64_t seq_len,
                              const Tensor& fixed_idx = Tensor()) = 0;

@@ -125,10 +125,8 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   ctx.set("x", x_in);
   run_stage(ctx, Stage::gate, [&] {
     // The router runs in f32 whatever the activations' dtype (routing is precision-sensitive),
-    // unless moe.router_dtype = bf16: then it reads bf16 rows as they are (no f32 copy of x).
-    const Tensor& x = ctx.get("x");
-    GateOutput g = gate_->forward(cfg_.router_dtype == "bf16" ? x : as_dtype(x, DType::f32),
-                                  seq_len, fixed_idx);
+    // unless moe.router_dtype = bf16; it casts x for its GEMMs and keeps x as it is.
+    GateOutput g = gate_->forward(ctx.get("x"), seq_len, fixed_idx);
     aux_ = g.aux;
     ctx.set("topk_idx", g.topk_idx);
     ctx.set("topk_weight", g.topk_weight);
@@ -169,11 +167,10 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
     ctx.set("expert_out", experts_->forward(ctx.get("expert_in"), handle_.recv_tokens_per_expert));
   });
   // The experts' input is the order stage's gather of x when dispatch moved nothing (same
-  // storage): under recompute keep x (held by the caller anyway) instead of the rows [N, d].
-  regather_from_ = Tensor();
-  if (recompute_ && hooks_.empty() && ctx.get("expert_in").raw() == ctx.get("rows").raw()) {
-    regather_from_ = ctx.get("x");
-    experts_->forget_input();
+  // storage): keep x (the router holds it anyway) and the PFT indices instead of the rows
+  // [N, d], and gather them again where backward needs them (one [N, d] gather).
+  if (hooks_.empty() && ctx.get("expert_in").raw() == ctx.get("rows").raw()) {
+    experts_->forget_input([this, x = ctx.get("x")] { return order_->gather(x); });
   }
   run_stage(ctx, Stage::combine, [&] {
     ctx.set("rows_out", dispatcher_->combine(ctx.get("expert_out"), handle_));
@@ -228,10 +225,6 @@ Tensor MoELayer::backward(const Tensor& dy) {
   run_stage(ctx, Stage::expert, [&] {
     // With no hook to read them later, the experts hold the only reference to their output
     // gradient (and the rows it came from) and free it mid-backward: [N, d] less at the peak.
-    if (regather_from_.defined()) {
-      experts_->restore_input(order_->gather(regather_from_));
-      regather_from_ = Tensor();
-    }
     Tensor d_out = ctx.get("d_expert_out");
     if (hooks_.empty()) {
       ctx.erase("d_expert_out");
@@ -269,7 +262,6 @@ void MoELayer::release() {
   gate_->release();
   order_->release();
   experts_->release();
-  regather_from_ = Tensor();
   iorder_.release();
   if (shared_) shared_->release();
   handle_ = {};

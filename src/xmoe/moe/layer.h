@@ -85,12 +85,10 @@ class MoELayer : public Module {
   /// only the weights and losses: routing is discrete, so gradient checks must hold it fixed.
   void set_frozen_routing(bool on) { frozen_routing_ = on; }
   bool frozen_routing() const { return frozen_routing_; }
-  /// Recompute in backward instead of saving: the experts' gate_up output, and (one process
-  /// holds every expert, no hooks) their input rows, re-gathered from x by the saved layout.
-  void set_recompute(bool on) {
-    recompute_ = on;
-    experts_->set_recompute(on);
-  }
+  /// Recompute in backward instead of saving the experts' gate_up output h [N, 2f]. (Their
+  /// input rows are never kept where one process holds every expert and no hook is set: they
+  /// are gathered again from x by the saved layout.)
+  void set_recompute(bool on) { experts_->set_recompute(on); }
 
   /// The experts' [N, f] activations in this many row chunks (moe.expert_chunks; 0: auto).
   void set_expert_chunks(int chunks) { experts_->set_chunks(chunks); }
@@ -171,8 +169,6 @@ class MoELayer : public Module {
   std::vector<int64_t> tokens_per_expert_, load_, pending_load_;
   int64_t dropped_ = 0;
   bool frozen_routing_ = false;
-  bool recompute_ = false;
-  Tensor regather_from_;  // x, when the experts' rows are to be re-gathered in backward
   float aux_grad_scale_ = 1.0f;
   bool record_coactivation_ = false;
   CoactivationMatrix coactivation_;

@@ -20,7 +20,7 @@ class LinearRouter {
  public:
   explicit LinearRouter(const GateArgs& a);
   Parameter& weight() { return weight_; }
-  /// x [T, d] f32 or bf16; keeps x (as the GEMM read it) for backward.
+  /// x [T, d] f32 or bf16; keeps x itself (not the operand cast from it) for backward.
   Tensor forward(const Tensor& x);
   /// dlogits [T, E] f32: weight.grad += x^T dlogits; returns dx [T, d] f32 = dlogits W^T.
   Tensor backward(const Tensor& dlogits);

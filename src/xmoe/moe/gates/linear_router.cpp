@@ -27,14 +27,14 @@ Tensor LinearRouter::weight_operand() const {
 }
 
 Tensor LinearRouter::forward(const Tensor& x) {
-  x_ = operand(x);
-  return xmoe::ops::matmul_f32(x_, weight_operand(), false, false);
+  x_ = x;  // the layer's input, which its caller holds: no [T, d] copy kept for backward
+  return xmoe::ops::matmul_f32(operand(x), weight_operand(), false, false);
 }
 
 Tensor LinearRouter::backward(const Tensor& dlogits) {
   XMOE_CHECK(x_.defined(), "[moe router] backward without a forward");
   const Tensor dl = operand(dlogits);
-  xmoe::ops::matmul_into(weight_.grad, x_, dl, true, false, 1.f, 1.f);  // dW += x^T dl
+  xmoe::ops::matmul_into(weight_.grad, operand(x_), dl, true, false, 1.f, 1.f);  // dW += x^T dl
   return xmoe::ops::matmul_f32(dl, weight_operand(), false, true);      // dx = dl W^T
 }
 

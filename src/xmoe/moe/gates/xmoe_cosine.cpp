@@ -39,8 +39,8 @@ class XmoeGate final : public Gate {
 
   GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
     check_forward_args(x, seq_len, fixed_idx);
-    x_ = x;
-    zn_ = l2_normalize_rows(xmoe::ops::matmul(x, proj_.value));  // [T, r]
+    x_ = x;  // bf16 activations are cast again in backward: no f32 copy kept
+    zn_ = l2_normalize_rows(xmoe::ops::matmul(as_dtype(x, DType::f32), proj_.value));  // [T, r]
     en_ = l2_normalize_rows(transpose(emb_.value));               // [E, r]
     cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);          // [T, E]
     Tensor logits;
@@ -84,7 +84,7 @@ class XmoeGate final : public Gate {
     Tensor demb = transpose(l2_normalize_rows_backward(en_.y, en_.norm, den));  // [r, E]
     xmoe::ops::add_(emb_.grad, demb);
     Tensor dz = l2_normalize_rows_backward(zn_.y, zn_.norm, dzn);  // [T, r]
-    xmoe::ops::matmul_into(proj_.grad, x_, dz, true, false, 1.f, 1.f);
+    xmoe::ops::matmul_into(proj_.grad, as_dtype(x_, DType::f32), dz, true, false, 1.f, 1.f);
     return xmoe::ops::matmul(dz, proj_.value, false, true);
   }
 
