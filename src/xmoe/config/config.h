@@ -38,7 +38,7 @@ struct MoeConfig {
   std::string dispatch = "auto";  ///< auto | local | all_to_all | rbd
   /// f32 | bf16: dtype of the routed experts' weight gradients (the master weights stay f32)
   std::string expert_grad_dtype = "f32";
-  int expert_chunks = 0;  ///< the experts' [N, f] activations made in this many row chunks (0: auto)
+  int expert_chunks = 0;  ///< the experts' [N, f] activations in this many row chunks (0: auto)
 
   bool operator==(const MoeConfig&) const = default;
 };

@@ -33,17 +33,17 @@ class SwigluExperts final : public Experts {
 
   std::string_view name() const override { return "swiglu"; }
 
-  Tensor forward(const Tensor& rows, std::span<const int64_t> group_sizes) override {
+  Tensor forward(Tensor rows, std::span<const int64_t> group_sizes) override {
     groups_.assign(group_sizes.begin(), group_sizes.end());
-    rows_ = rows;                                                                   // [N, d]
-    num_rows_ = rows.size(0);
-    regather_ = nullptr;
+    num_rows_ = rows.size(0);                                                       // [N, d]
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
     // where there are none), kept for backward; the weight gradients are f32 or bf16.
     wgu_ = as_dtype(gate_up_.compute(), rows.dtype());
     wd_ = as_dtype(down_.compute(), rows.dtype());
     Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);                       // [N, 2f]
-    Tensor out = Tensor::empty({rows.size(0), wd_.size(2)}, rows.dtype(), rows.device());
+    rows_ = regather_ ? Tensor() : rows;
+    rows = Tensor();  // gone here if the caller moved it in and backward can regather it
+    Tensor out = Tensor::empty({num_rows_, wd_.size(2)}, h.dtype(), h.device());
     for (const Chunk& c : chunks()) {  // a [n_c, f] lives for one chunk only
       Tensor out_c = out.rows(c.row_begin, c.row_end);
       xmoe::ops::grouped_matmul_into(out_c, xmoe::ops::swiglu(h.rows(c.row_begin, c.row_end)),
@@ -93,8 +93,7 @@ class SwigluExperts final : public Experts {
     XMOE_CHECK(chunks >= 0, "[moe] moe.expert_chunks = {} must be >= 0", chunks);
     chunks_ = chunks;
   }
-  void forget_input(std::function<Tensor()> regather) override {
-    rows_ = Tensor();
+  void set_input_regather(std::function<Tensor()> regather) override {
     regather_ = std::move(regather);
   }
   void set_recompute(bool on) override { recompute_ = on; }
@@ -154,7 +153,7 @@ class SwigluExperts final : public Experts {
 
   bool recompute_;
   int chunks_;  // moe.expert_chunks (0: auto)
-  std::function<Tensor()> regather_;  // set by forget_input
+  std::function<Tensor()> regather_;  // set_input_regather
   Parameter gate_up_, down_;
   std::vector<int64_t> groups_;
   int64_t num_rows_ = 0;

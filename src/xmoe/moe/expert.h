@@ -35,8 +35,9 @@ struct ExpertArgs {
 class Experts : public Module {
  public:
   virtual std::string_view name() const = 0;
-  /// rows [N, d] grouped by local expert, group_sizes [E_local] -> out [N, d].
-  virtual Tensor forward(const Tensor& rows, std::span<const int64_t> group_sizes) = 0;
+  /// rows [N, d] grouped by local expert, group_sizes [E_local] -> out [N, d]. rows by value:
+  /// a caller that moves it in (and set a regather) lets the rows go once h is made.
+  virtual Tensor forward(Tensor rows, std::span<const int64_t> group_sizes) = 0;
   /// d_out [N, d] -> d_rows [N, d]; accumulates the weight gradients. d_out by value: a caller
   /// that moves it in lets the experts free it (and their saved rows) as soon as they are used.
   virtual Tensor backward(Tensor d_out) = 0;
@@ -44,9 +45,10 @@ class Experts : public Module {
   virtual void set_recompute(bool on) = 0;
   /// The hidden activations [N, f] in this many chunks of rows (moe.expert_chunks; 0: auto).
   virtual void set_chunks(int chunks) = 0;
-  /// Drops the input rows forward saved: backward calls `regather` where it needs them (the
-  /// layer gathers them again from x by the PFT indices, cheaper than keeping [N, d]).
-  virtual void forget_input(std::function<Tensor()> regather) = 0;
+  /// For the next forward and its backward: keep no input rows; backward calls `regather` where
+  /// it needs them (the layer gathers them again from x by the PFT indices, cheaper than keeping
+  /// [N, d]). nullptr (and release()): forward keeps its rows.
+  virtual void set_input_regather(std::function<Tensor()> regather) = 0;
 };
 
 using ExpertRegistry = Registry<Experts, const ExpertArgs&>;

@@ -164,14 +164,20 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
     ctx.set("expert_in", r.rows);
   });
   run_stage(ctx, Stage::expert, [&] {
-    ctx.set("expert_out", experts_->forward(ctx.get("expert_in"), handle_.recv_tokens_per_expert));
+    // The experts' input is the order stage's gather of x when dispatch moved nothing (same
+    // storage): keep x (the router holds it anyway) and the PFT indices instead of the rows
+    // [N, d], which go once h is made, and gather them again where backward needs them.
+    Tensor rows = ctx.get("expert_in");
+    const bool regather = hooks_.empty() && rows.raw() == ctx.get("rows").raw();
+    experts_->set_input_regather(
+        regather ? std::function<Tensor()>([this, x = ctx.get("x")] { return order_->gather(x); })
+                 : nullptr);
+    if (regather) {
+      ctx.erase("expert_in");
+      ctx.erase("rows");
+    }
+    ctx.set("expert_out", experts_->forward(std::move(rows), handle_.recv_tokens_per_expert));
   });
-  // The experts' input is the order stage's gather of x when dispatch moved nothing (same
-  // storage): keep x (the router holds it anyway) and the PFT indices instead of the rows
-  // [N, d], and gather them again where backward needs them (one [N, d] gather).
-  if (hooks_.empty() && ctx.get("expert_in").raw() == ctx.get("rows").raw()) {
-    experts_->forget_input([this, x = ctx.get("x")] { return order_->gather(x); });
-  }
   run_stage(ctx, Stage::combine, [&] {
     ctx.set("rows_out", dispatcher_->combine(ctx.get("expert_out"), handle_));
   });
