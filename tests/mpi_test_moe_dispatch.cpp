@@ -295,9 +295,9 @@ void check_equal_to_one_process(const std::string& gate, int ep, bool skewed) {
     // them differently from the one-process GEMM (its thread count follows the machine's
     // load), so the terms agree to f32 rounding (~1e-8 relative), not to double rounding.
     const auto near = [](double a, double b) { return std::abs(a - b) <= 1e-6 * std::abs(b); };
-    EXPECT_PRED2(near, multi.aux_terms().load_balance, single.aux_terms().load_balance);
-    EXPECT_PRED2(near, multi.aux_terms().seq_balance, single.aux_terms().seq_balance);
-    EXPECT_PRED2(near, multi.aux_terms().z_loss, single.aux_terms().z_loss);
+    EXPECT_PRED2(near, multi.aux_terms().load_balance(), single.aux_terms().load_balance());
+    EXPECT_PRED2(near, multi.aux_terms().seq_balance(), single.aux_terms().seq_balance());
+    EXPECT_PRED2(near, multi.aux_terms().z_loss(), single.aux_terms().z_loss());
 
     auto pm = multi.parameters(), ps = single.parameters();
     ASSERT_EQ(pm.size(), ps.size());

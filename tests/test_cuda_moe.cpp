@@ -3,6 +3,8 @@
 //   CudaMoeOps:    every op of moe/moe_ops.h, CPU vs CUDA (f32), padding indices included.
 //   CudaMoeOrder:  the device layout (stable counting sort, PFT and padded) equals the CPU's
 //                  exactly: token_ids, expert_ids, combine_weights, slot_to_row, counts, drops.
+//   CudaMoeAux:    two ranks' aux statistics, gathered and finalised on the device, give the
+//                  whole batch's terms and f_e, and the denominators of two ranks.
 //   CudaMoeLayer:  the same MoELayer (same seed, same input) on the CPU and on CUDA, two training
 //                  steps (the sigmoid gate's bias is updated between them): output, dx, every
 //                  parameter gradient, aux terms, tokens_per_expert, load and drops.
@@ -26,11 +28,14 @@
 #include <vector>
 
 #include "gradcheck.h"
+#include "xmoe/backend/cuda/moe_kernels.h"
 #include "xmoe/backend/device_api.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/moe/layer.h"
+#include "xmoe/moe/losses.h"
 #include "xmoe/moe/moe_ops.h"
 #include "xmoe/moe/order.h"
+#include "xmoe/ops/dispatch.h"
 #include "xmoe/ops/ops.h"
 
 #include "cuda_testing.h"
@@ -274,6 +279,50 @@ TEST(CudaMoeOrder, BadExpertIdThrowsTheCpuMessage) {
   }
 }
 
+// ---- aux losses over ranks --------------------------------------------------------------------
+
+TEST(CudaMoeAux, TwoRanksFinaliseToTheWholeBatch) {
+  XMOE_REQUIRE_CUDA();
+  const int64_t T = 96, E = 12, k = 3, L = 16, half = T / 2, n = 2 * E + 4;
+  Tensor probs = xmoe::ops::softmax(randn({T, E}, 41)), z = randn({T, E}, 42);
+  Tensor idx = random_topk(T, k, E, 43, /*skew=*/true);
+  const AuxLossWeights w{0.5f, 0.25f, 0.125f};
+  AuxLossState ref_st;
+  const AuxLossTerms ref = aux_losses(probs, idx, z, L, w, ref_st);  // one process, all of T
+
+  // Each "rank" reduces its half on the device into its row of the gathered [2, n] statistics.
+  Tensor dp = probs.to(kCuda), dz = z.to(kCuda), di = idx.to(kCuda);
+  Tensor all = Tensor::empty({2, n}, DType::f64, kCuda);
+  const cuda::Stream stream = xmoe::ops::detail::stream_of(dp);
+  for (int64_t r = 0; r < 2; ++r) {
+    Tensor seq_count = Tensor::empty({half / L, E}, DType::f32, kCuda);
+    Tensor seq_psum = Tensor::empty({half / L, E}, DType::f64, kCuda);
+    Tensor scratch =
+        Tensor::empty({cuda::moe_aux_stats_scratch(half, E, L)}, DType::f64, kCuda);
+    cuda::moe_aux_stats(all.data<double>() + r * n, seq_count.data<float>(),
+                        seq_psum.data<double>(), dp.data<float>() + r * half * E,
+                        di.data<int32_t>() + r * half * k, dz.data<float>() + r * half * E, half,
+                        E, k, L, scratch.data<double>(), stream);
+  }
+  Tensor terms = Tensor::empty({4}, DType::f64, kCuda), frac = Tensor::empty({E}, DType::f32, kCuda);
+  Tensor denoms = Tensor::empty({3}, DType::f64, kCuda);
+  cuda::moe_aux_finalize(terms.data<double>(), frac.data<float>(), denoms.data<double>(),
+                         all.data<double>(), 2, E, k, L, w.load_balance, w.seq_balance, w.z_loss,
+                         stream);
+  const std::vector<double> t = terms.to_vector<double>(), dn = denoms.to_vector<double>();
+  auto rel = [](double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); };
+  EXPECT_LE(rel(t[0], ref.load_balance()), 1e-12);
+  EXPECT_LE(rel(t[1], ref.seq_balance()), 1e-12);
+  EXPECT_LE(rel(t[2], ref.z_loss()), 1e-12);
+  EXPECT_LE(rel(t[3], ref.weighted()), 1e-12);
+  const std::vector<float> f = frac.to_vector<float>();
+  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(f[e], static_cast<float>(ref_st.frac[e])) << e;
+  // Two ranks: each rank's gradient is W times its share of the global one (moe/losses.h).
+  EXPECT_EQ(dn[0], ref_st.lb_denom / 2);
+  EXPECT_EQ(dn[1], ref_st.seq_denom / 2);
+  EXPECT_EQ(dn[2], ref_st.z_denom / 2);
+}
+
 // ---- the layer ---------------------------------------------------------------------------------
 
 struct LayerRun {
@@ -342,10 +391,10 @@ void compare_runs(const LayerRun& got, const LayerRun& ref, double tol, const st
     EXPECT_CLOSE(got.dx[s], ref.dx[s], tol, step + " dx");
     const auto rel = [](double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); };
     // The aux terms come from the same router on both sides (also with bf16 activations).
-    EXPECT_LE(rel(got.aux[s].load_balance, ref.aux[s].load_balance), 1e-5) << step;
-    EXPECT_LE(rel(got.aux[s].seq_balance, ref.aux[s].seq_balance), 1e-5) << step;
-    EXPECT_LE(rel(got.aux[s].z_loss, ref.aux[s].z_loss), 1e-5) << step;
-    EXPECT_LE(rel(got.aux[s].weighted, ref.aux[s].weighted), 1e-5) << step;
+    EXPECT_LE(rel(got.aux[s].load_balance(), ref.aux[s].load_balance()), 1e-5) << step;
+    EXPECT_LE(rel(got.aux[s].seq_balance(), ref.aux[s].seq_balance()), 1e-5) << step;
+    EXPECT_LE(rel(got.aux[s].z_loss(), ref.aux[s].z_loss()), 1e-5) << step;
+    EXPECT_LE(rel(got.aux[s].weighted(), ref.aux[s].weighted()), 1e-5) << step;
   }
   ASSERT_EQ(got.names, ref.names);
   for (size_t i = 0; i < ref.grads.size(); ++i)

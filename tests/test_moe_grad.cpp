@@ -52,7 +52,7 @@ std::vector<std::string> check_layer_gradients(const MoeConfig& cfg, float init_
 
   auto loss = [&] {
     Tensor y = layer.forward(x, kSeq);
-    const double l = weighted_sum(y, r) + layer.aux_terms().weighted;
+    const double l = weighted_sum(y, r) + layer.aux_terms().weighted();
     layer.release();
     return l;
   };

@@ -22,7 +22,7 @@ namespace xmoe::moe {
 struct GateOutput {
   Tensor topk_idx;     ///< i32 [T, k], expert ids
   Tensor topk_weight;  ///< f32 [T, k], combine weights
-  AuxLossTerms aux;    ///< unweighted terms and their weighted sum (aux.weighted)
+  AuxLossTerms aux;    ///< unweighted terms and their weighted sum (aux.weighted())
 };
 
 /// What a gate factory gets.

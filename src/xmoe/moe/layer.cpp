@@ -130,7 +130,8 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
     aux_ = g.aux;
     ctx.set("topk_idx", g.topk_idx);
     ctx.set("topk_weight", g.topk_weight);
-    ctx.set_scalar("aux_loss", aux_.weighted);
+    // Read only for hooks: on CUDA the value stays on the device until someone asks.
+    if (!hooks_.empty()) ctx.set_scalar("aux_loss", aux_.weighted());
   });
   gate_output_replaced_ = ctx.was_replaced("topk_idx") || ctx.was_replaced("topk_weight");
 

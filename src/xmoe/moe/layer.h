@@ -64,7 +64,7 @@ class MoELayer : public Module {
 
   /// Weighted sum of the aux losses of the last forward, over the global batch (the same value
   /// on every rank, equal to what one process of the whole batch reports).
-  float aux_loss() const { return static_cast<float>(aux_.weighted); }
+  float aux_loss() const { return static_cast<float>(aux_.weighted()); }
   /// The unweighted global terms (load_balance, seq_balance, z_loss) of the last forward.
   const AuxLossTerms& aux_terms() const { return aux_; }
 

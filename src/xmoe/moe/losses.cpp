@@ -21,6 +21,15 @@ double logsumexp_row(const float* x, int64_t n) {
 }
 }  // namespace
 
+double AuxLossTerms::value(int i) const {
+  if (device_.defined()) {
+    const std::vector<double> v = device_.to_vector<double>();
+    std::copy(v.begin(), v.end(), values_.begin());
+    device_ = Tensor();
+  }
+  return values_[static_cast<size_t>(i)];
+}
+
 void all_sum_f64(comm::Group* group, std::span<double> values) {
   if (group == nullptr || group->size() == 1 || values.empty()) return;
   const int64_t n = static_cast<int64_t>(values.size());
@@ -50,51 +59,39 @@ AuxLossTerms aux_losses_device(const Tensor& probs, const Tensor& topk_idx,
   require_on(op, "topk_idx", topk_idx, DType::i32, "probs", probs);
   require_on(op, "z_logits", z_logits, DType::f32, "probs", probs);
   const int64_t T = probs.size(0), E = probs.size(1), k = topk_idx.size(1), S = T / seq_len;
+  const int64_t n = 2 * E + 4;
   const Device dev = probs.device();
+  const cuda::Stream stream = xmoe::ops::detail::stream_of(probs);
   st = AuxLossState{};
   st.tokens = T;
   st.experts = E;
   st.top_k = k;
   st.seq_len = seq_len;
-  st.frac.assign(static_cast<size_t>(E), 0.0);
-  Tensor stats = Tensor::empty({2 * E + 2}, DType::f64, dev);
+  // This rank's sums, laid out as the CPU path's: [count (E), psum (E), T, S, seq term,
+  // sum lse^2]. Held as i64 because collectives move i64 bit for bit (f64 sums stay exact
+  // across ranks only if no reduction touches them: they are gathered, then added in order).
+  Tensor stats = Tensor::empty({1, n}, DType::i64, dev);
   st.seq_count_device = Tensor::empty({S, E}, DType::f32, dev);
   Tensor seq_psum = Tensor::empty({S, E}, DType::f64, dev);
   Tensor scratch = Tensor::empty({cuda::moe_aux_stats_scratch(T, E, seq_len)}, DType::f64, dev);
-  cuda::moe_aux_stats(stats.data<double>(), st.seq_count_device.data<float>(),
-                      seq_psum.data<double>(), probs.data<float>(), topk_idx.data<int32_t>(),
-                      z_logits.data<float>(), T, E, k, seq_len, scratch.data<double>(),
-                      xmoe::ops::detail::stream_of(probs));
-  // The gate's one host synchronisation: [count_e (E), psum_e (E), seq term, sum lse^2].
-  const std::vector<double> h = stats.to_vector<double>();
-  // The same global vector as the CPU path: [count (E), psum (E), T, S, seq term, sum lse^2].
-  std::vector<double> g(static_cast<size_t>(2 * E + 4), 0.0);
-  std::copy(h.begin(), h.begin() + 2 * E, g.begin());
-  g[2 * E] = static_cast<double>(T);
-  g[2 * E + 1] = static_cast<double>(S);
-  g[2 * E + 2] = h[2 * E];
-  g[2 * E + 3] = h[2 * E + 1];
-  all_sum_f64(world, g);
-  const double W = world ? static_cast<double>(world->size()) : 1.0;
-  const double Tg = g[2 * E], Sg = g[2 * E + 1];
-  AuxLossTerms out;
-  if (Tg > 0) {
-    for (int64_t e = 0; e < E; ++e) {
-      st.frac[e] = g[e] / (Tg * static_cast<double>(k));
-      out.load_balance += E * st.frac[e] * (g[E + e] / Tg);
-    }
-    out.seq_balance = g[2 * E + 2] / Sg;
-    out.z_loss = g[2 * E + 3] / Tg;
-  }
-  st.lb_denom = st.z_denom = Tg / W;
-  st.seq_denom = static_cast<double>(seq_len) * Sg / W;
-  if (w.load_balance != 0.f) {  // f_e for backward, on the device (the stream is idle here)
-    std::vector<float> f(st.frac.begin(), st.frac.end());
-    st.frac_device = Tensor::from_vector(f, {E}, dev);
-  }
-  out.weighted = w.load_balance * out.load_balance + w.seq_balance * out.seq_balance +
-                 w.z_loss * out.z_loss;
-  return out;
+  auto as_f64 = [](Tensor& t) { return reinterpret_cast<double*>(t.data<int64_t>()); };
+  cuda::moe_aux_stats(as_f64(stats), st.seq_count_device.data<float>(), seq_psum.data<double>(),
+                      probs.data<float>(), topk_idx.data<int32_t>(), z_logits.data<float>(), T, E,
+                      k, seq_len, scratch.data<double>(), stream);
+  // Every rank's sums [W, n]: on the GPU for an NCCL world; an MPI world moves host tensors,
+  // which costs this layer's one wait.
+  const int64_t W = world ? world->size() : 1;
+  Tensor all = stats;
+  if (W > 1)
+    all = world->device() == dev ? world->all_gather(stats)
+                                 : world->all_gather(stats.to(world->device())).to(dev);
+  Tensor terms = Tensor::empty({4}, DType::f64, dev);
+  st.frac_device = Tensor::empty({E}, DType::f32, dev);
+  st.denoms_device = Tensor::empty({3}, DType::f64, dev);
+  cuda::moe_aux_finalize(terms.data<double>(), st.frac_device.data<float>(),
+                         st.denoms_device.data<double>(), as_f64(all), W, E, k, seq_len,
+                         w.load_balance, w.seq_balance, w.z_loss, stream);
+  return AuxLossTerms(std::move(terms));
 }
 
 }  // namespace
@@ -152,20 +149,18 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
   all_sum_f64(world, g);
   const double W = world ? static_cast<double>(world->size()) : 1.0;
   const double Tg = g[2 * E], Sg = g[2 * E + 1];
-  AuxLossTerms out;
+  double lb = 0, seq = 0, z = 0;
   if (Tg > 0) {
     for (int64_t e = 0; e < E; ++e) {
       st.frac[e] = count[e] / (Tg * static_cast<double>(k));
-      out.load_balance += E * st.frac[e] * (psum[e] / Tg);
+      lb += E * st.frac[e] * (psum[e] / Tg);
     }
-    out.seq_balance = g[2 * E + 2] / Sg;
-    out.z_loss = g[2 * E + 3] / Tg;
+    seq = g[2 * E + 2] / Sg;
+    z = g[2 * E + 3] / Tg;
   }
   st.lb_denom = st.z_denom = Tg / W;
   st.seq_denom = static_cast<double>(seq_len) * Sg / W;
-  out.weighted = w.load_balance * out.load_balance + w.seq_balance * out.seq_balance +
-                 w.z_loss * out.z_loss;
-  return out;
+  return AuxLossTerms(lb, seq, z, w.load_balance * lb + w.seq_balance * seq + w.z_loss * z);
 }
 
 void aux_losses_backward(const Tensor& z_logits, const AuxLossState& st, const AuxLossWeights& w,
@@ -180,18 +175,11 @@ void aux_losses_backward(const Tensor& z_logits, const AuxLossState& st, const A
     require_on(op, "dprobs", dprobs, DType::f32, "dprobs", dprobs);
     require_on(op, "dlogits", dlogits, DType::f32, "dprobs", dprobs);
     require_on(op, "z_logits", z_logits, DType::f32, "dprobs", dprobs);
-    XMOE_CHECK(st.seq_count_device.defined(), "[{}] the forward ran on the CPU", op);
-    XMOE_CHECK(w.load_balance == 0.f || st.frac_device.defined(),
-               "[{}] the forward had no load-balance weight", op);
-    const int64_t k = st.top_k;
-    const double lb = w.load_balance != 0.f ? w.load_balance * E / st.lb_denom : 0.0;
-    const double seq =
-        w.seq_balance != 0.f ? w.seq_balance * E / (static_cast<double>(L * k) * st.seq_denom) : 0.0;
-    const double z = w.z_loss != 0.f ? w.z_loss * 2.0 / st.z_denom : 0.0;
+    XMOE_CHECK(st.denoms_device.defined(), "[{}] the forward ran on the CPU", op);
     cuda::moe_aux_backward(dprobs.data<float>(), dlogits.data<float>(), z_logits.data<float>(),
-                           lb != 0.0 ? st.frac_device.data<float>() : nullptr,
-                           st.seq_count_device.data<float>(), T, E, L, lb, seq, z,
-                           xmoe::ops::detail::stream_of(dprobs));
+                           st.frac_device.data<float>(), st.seq_count_device.data<float>(),
+                           st.denoms_device.data<double>(), T, E, L, st.top_k, w.load_balance,
+                           w.seq_balance, w.z_loss, xmoe::ops::detail::stream_of(dprobs));
     return;
   }
   float* dP = dprobs.data<float>();

@@ -28,6 +28,7 @@
 // are per-sequence/per-token means and average correctly when computed locally; the load-
 // balance loss is not (f_e and P_e are products of global means) and needs the reduction.
 // The reported values (AuxLossTerms) are the global ones, the same on every rank.
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -45,12 +46,26 @@ struct AuxLossWeights {
   AuxLossWeights scaled(float s) const { return {load_balance * s, seq_balance * s, z_loss * s}; }
 };
 
-/// Unweighted values of the last forward and their weighted sum.
-struct AuxLossTerms {
-  double load_balance = 0;
-  double seq_balance = 0;
-  double z_loss = 0;
-  double weighted = 0;
+/// Unweighted values of the last forward and their weighted sum. From CUDA inputs they stay on
+/// the device until first read, so the layer's forward makes no host wait for them.
+class AuxLossTerms {
+ public:
+  AuxLossTerms() = default;
+  AuxLossTerms(double load_balance, double seq_balance, double z_loss, double weighted)
+      : values_{load_balance, seq_balance, z_loss, weighted} {}
+  /// f64 [4] on the device: load balance, sequence balance, z-loss, weighted sum.
+  explicit AuxLossTerms(Tensor on_device) : device_(std::move(on_device)) {}
+
+  double load_balance() const { return value(0); }
+  double seq_balance() const { return value(1); }
+  double z_loss() const { return value(2); }
+  double weighted() const { return value(3); }
+
+ private:
+  double value(int i) const;  ///< copies the device values to the host on the first call
+
+  mutable std::array<double, 4> values_{};
+  mutable Tensor device_;
 };
 
 /// What aux_losses_backward needs from the forward (the counted fractions).
@@ -60,9 +75,10 @@ struct AuxLossState {
   std::vector<double> seq_frac;  ///< [S, E] f_{s,e} (this rank's sequences)
   /// Gradient denominators: T_g / W, seq_len * S_g / W, T_g / W (T, seq_len * S, T alone).
   double lb_denom = 1, seq_denom = 1, z_denom = 1;
-  /// CUDA inputs: frac and the per-sequence counts stay on the device for backward (f32 [E],
-  /// f32 [S, E]); seq_frac is then empty.
-  Tensor frac_device, seq_count_device;
+  /// CUDA inputs: everything stays on the device for backward: f_e (f32 [E]), the per-sequence
+  /// counts (f32 [S, E]) and the three denominators (f64 [3]); frac, seq_frac and the host
+  /// denominators are then unused.
+  Tensor frac_device, seq_count_device, denoms_device;
 };
 
 /// Sums `values` over the ranks of `group` in double, identically on every rank (the partial
@@ -75,10 +91,10 @@ void all_sum_f64(comm::Group* group, std::span<double> values);
 /// [T, k], z_logits [T, E] (the logits of the z-loss), seq_len dividing T. `world` (null = one
 /// process) is the group whose tokens form the global batch: one collective per call, which
 /// every rank of it must make.
-/// CUDA tensors (f32): the statistics are reduced on the device (backend/cuda/moe_losses.cu) and
-/// their 2E + 2 doubles copied to the host (one wait: the reported loss needs them there), then
-/// summed over `world` with all_sum_f64 (on the GPU for an NCCL world); f_e goes back to the
-/// device for backward.
+/// CUDA tensors (f32): the statistics are reduced on the device (backend/cuda/moe_losses.cu),
+/// gathered over `world` on the GPU where it is an NCCL group (an MPI group copies them through
+/// the host: one wait) and summed there in rank order; the terms, f_e and the denominators stay
+/// on the device, so a single process or an NCCL world makes no host wait.
 AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tensor& z_logits,
                         int64_t seq_len, const AuxLossWeights& w, AuxLossState& state,
                         comm::Group* world = nullptr);

@@ -67,7 +67,7 @@ void moe_layout(const int32_t* topk_idx, const float* topk_weight, int64_t pairs
 // Statistics of the aux losses, each in a fixed order (deterministic):
 //   seq_count (S, E) f32: pairs of sequence s routed to e (exact: integers below 2^24)
 //   seq_psum  (S, E) f64: sum over the sequence's tokens of probs[t, e]
-//   stats (2E + 2) f64: [count_e (E), psum_e (E), sum_s E sum_e f_se P_se, sum_t lse_t^2]
+//   stats (2E + 4) f64: [count_e (E), psum_e (E), T, S, sum_s E sum_e f_se P_se, sum_t lse_t^2]
 // probs, z_logits (T, E) f32; topk_idx (T, k); seq_len divides T; S = T / seq_len.
 // scratch: moe_aux_stats_scratch(tokens, experts, seq_len) doubles of partial sums.
 void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const float* probs,
@@ -75,12 +75,19 @@ void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const floa
                    int64_t experts, int64_t top_k, int64_t seq_len, double* scratch,
                    Stream stream);
 int64_t moe_aux_stats_scratch(int64_t tokens, int64_t experts, int64_t seq_len);
-// dprobs (T, E) += lb_coef * frac[e] + seq_coef * seq_count[t / seq_len, e]
-// dlogits (T, E) += z_coef * lse_t * softmax(z_logits_t)   (skipped when z_coef == 0)
-// frac (E) f32 (may be null when lb_coef == 0).
+// all_stats (ranks, 2E + 4): every rank's stats, summed in rank order into the global ones;
+// then terms (4) f64 = [load balance, seq balance, z-loss, weighted sum], frac (E) f32 = f_e and
+// denoms (3) f64 = [T_g / W, seq_len S_g / W, T_g / W] (moe/losses.h).
+void moe_aux_finalize(double* terms, float* frac, double* denoms, const double* all_stats,
+                      int64_t ranks, int64_t experts, int64_t top_k, int64_t seq_len, double w_lb,
+                      double w_seq, double w_z, Stream stream);
+// dprobs (T, E) += w_lb E / denoms[0] * frac[e] + w_seq E / (L k denoms[1]) * seq_count[t / L, e]
+// dlogits (T, E) += 2 w_z / denoms[2] * lse_t * softmax(z_logits_t)
+// A zero weight skips its term.
 void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, const float* frac,
-                      const float* seq_count, int64_t tokens, int64_t experts, int64_t seq_len,
-                      double lb_coef, double seq_coef, double z_coef, Stream stream);
+                      const float* seq_count, const double* denoms, int64_t tokens,
+                      int64_t experts, int64_t seq_len, int64_t top_k, double w_lb, double w_seq,
+                      double w_z, Stream stream);
 
 // ---- gates (moe_gates.cu) -------------------------------------------------------------------
 

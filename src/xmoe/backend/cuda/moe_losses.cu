@@ -103,10 +103,10 @@ __global__ void lse_squares_total_kernel(double* stats, const double* partial, i
   __shared__ double scratch[512];
   const double v = threadIdx.x < kLseBlocks ? partial[threadIdx.x] : 0.0;
   const double total = block_sum_fixed(v, scratch);
-  if (threadIdx.x == 0) stats[2 * experts + 1] = total;
+  if (threadIdx.x == 0) stats[2 * experts + 3] = total;
 }
 
-// One block: count_e, psum_e (sums over sequences) and the sequence-balance term.
+// One block: count_e, psum_e (sums over sequences), T, S and the sequence-balance term.
 __global__ void totals_kernel(double* stats, const float* seq_count, const double* seq_psum,
                               int64_t seqs, int64_t seq_len, int64_t top_k, int64_t experts) {
   __shared__ double scratch[kStatsThreads];
@@ -124,12 +124,55 @@ __global__ void totals_kernel(double* stats, const float* seq_count, const doubl
   for (int64_t i = threadIdx.x; i < seqs * experts; i += blockDim.x)
     acc += E * (seq_count[i] / (L * static_cast<double>(top_k))) * (seq_psum[i] / L);
   const double total = block_sum_fixed(acc, scratch);
-  if (threadIdx.x == 0) stats[2 * experts] = total;
+  if (threadIdx.x == 0) {
+    stats[2 * experts] = static_cast<double>(seqs * seq_len);
+    stats[2 * experts + 1] = static_cast<double>(seqs);
+    stats[2 * experts + 2] = total;
+  }
+}
+
+// One block: the ranks' statistics [ranks, 2E + 4] summed in rank order (as all_sum_f64 on the
+// host), then the terms, f_e and the gradient denominators, as the CPU path computes them.
+__global__ void aux_finalize_kernel(double* terms, float* frac, double* denoms, const double* all,
+                                    int64_t ranks, int64_t experts, int64_t top_k,
+                                    int64_t seq_len, double w_lb, double w_seq, double w_z) {
+  __shared__ double scratch[kStatsThreads];
+  const int64_t n = 2 * experts + 4;
+  auto global = [&](int64_t i) {
+    double s = 0;
+    for (int64_t r = 0; r < ranks; ++r) s += all[r * n + i];
+    return s;
+  };
+  const double Tg = global(2 * experts), Sg = global(2 * experts + 1);
+  const double E = static_cast<double>(experts), W = static_cast<double>(ranks);
+  double acc = 0;
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    const double f = Tg > 0 ? global(e) / (Tg * static_cast<double>(top_k)) : 0.0;
+    frac[e] = static_cast<float>(f);
+    if (Tg > 0) acc += E * f * (global(experts + e) / Tg);
+  }
+  const double lb = block_sum_fixed(acc, scratch);
+  if (threadIdx.x == 0) {
+    const double seq = Tg > 0 ? global(2 * experts + 2) / Sg : 0.0;
+    const double z = Tg > 0 ? global(2 * experts + 3) / Tg : 0.0;
+    terms[0] = lb;
+    terms[1] = seq;
+    terms[2] = z;
+    terms[3] = w_lb * lb + w_seq * seq + w_z * z;
+    denoms[0] = Tg / W;
+    denoms[1] = static_cast<double>(seq_len) * Sg / W;
+    denoms[2] = Tg / W;
+  }
 }
 
 __global__ void aux_probs_grad_kernel(float* dprobs, const float* frac, const float* seq_count,
-                                      int64_t tokens, int64_t experts, int64_t seq_len,
-                                      double lb_coef, double seq_coef) {
+                                      const double* denoms, int64_t tokens, int64_t experts,
+                                      int64_t seq_len, int64_t top_k, double w_lb, double w_seq) {
+  // The coefficients from the forward's denominators (T_g / W, seq_len S_g / W), on the device.
+  const double E = static_cast<double>(experts);
+  const double lb_coef = w_lb != 0.0 ? w_lb * E / denoms[0] : 0.0;
+  const double seq_coef =
+      w_seq != 0.0 ? w_seq * E / (static_cast<double>(seq_len * top_k) * denoms[1]) : 0.0;
   XMOE_GRID_STRIDE(i, tokens * experts) {
     const int64_t t = i / experts, e = i % experts;
     float g = dprobs[i];
@@ -140,8 +183,9 @@ __global__ void aux_probs_grad_kernel(float* dprobs, const float* frac, const fl
 }
 
 // One warp per token row: dlogits += z_coef * lse_t * softmax(z_t).
-__global__ void aux_z_grad_kernel(float* dlogits, const float* z, int64_t tokens, int64_t experts,
-                                  double z_coef) {
+__global__ void aux_z_grad_kernel(float* dlogits, const float* z, const double* denoms,
+                                  int64_t tokens, int64_t experts, double w_z) {
+  const double z_coef = w_z * 2.0 / denoms[2];
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); t < tokens;
        t += static_cast<int64_t>(gridDim.x) * warps) {
@@ -165,7 +209,7 @@ void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const floa
                    int64_t experts, int64_t top_k, int64_t seq_len, double* scratch,
                    Stream stream) {
   if (tokens == 0 || experts == 0) {
-    CUDA_CHECK(cudaMemsetAsync(stats, 0, static_cast<size_t>(2 * experts + 2) * sizeof(double),
+    CUDA_CHECK(cudaMemsetAsync(stats, 0, static_cast<size_t>(2 * experts + 4) * sizeof(double),
                                stream));
     return;
   }
@@ -193,18 +237,27 @@ void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const floa
   CUDA_CHECK_LAUNCH();
 }
 
+void moe_aux_finalize(double* terms, float* frac, double* denoms, const double* all_stats,
+                      int64_t ranks, int64_t experts, int64_t top_k, int64_t seq_len, double w_lb,
+                      double w_seq, double w_z, Stream stream) {
+  aux_finalize_kernel<<<1, kStatsThreads, 0, stream>>>(terms, frac, denoms, all_stats, ranks,
+                                                      experts, top_k, seq_len, w_lb, w_seq, w_z);
+  CUDA_CHECK_LAUNCH();
+}
+
 void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, const float* frac,
-                      const float* seq_count, int64_t tokens, int64_t experts, int64_t seq_len,
-                      double lb_coef, double seq_coef, double z_coef, Stream stream) {
+                      const float* seq_count, const double* denoms, int64_t tokens,
+                      int64_t experts, int64_t seq_len, int64_t top_k, double w_lb, double w_seq,
+                      double w_z, Stream stream) {
   if (tokens == 0 || experts == 0) return;
-  if (lb_coef != 0.0 || seq_coef != 0.0) {
+  if (w_lb != 0.0 || w_seq != 0.0) {
     aux_probs_grad_kernel<<<grid_for(tokens * experts), kBlock, 0, stream>>>(
-        dprobs, frac, seq_count, tokens, experts, seq_len, lb_coef, seq_coef);
+        dprobs, frac, seq_count, denoms, tokens, experts, seq_len, top_k, w_lb, w_seq);
     CUDA_CHECK_LAUNCH();
   }
-  if (z_coef != 0.0) {
-    aux_z_grad_kernel<<<grid_for(tokens, kBlock / 32), kBlock, 0, stream>>>(dlogits, z_logits,
-                                                                             tokens, experts, z_coef);
+  if (w_z != 0.0) {
+    aux_z_grad_kernel<<<grid_for(tokens, kBlock / 32), kBlock, 0, stream>>>(
+        dlogits, z_logits, denoms, tokens, experts, w_z);
     CUDA_CHECK_LAUNCH();
   }
 }

@@ -54,8 +54,12 @@ void moe_aux_stats(double*, float*, double*, const float*, const int32_t*, const
   no_cuda("moe aux losses");
 }
 int64_t moe_aux_stats_scratch(int64_t, int64_t, int64_t) { no_cuda("moe aux losses"); }
-void moe_aux_backward(float*, float*, const float*, const float*, const float*, int64_t, int64_t,
-                      int64_t, double, double, double, Stream) {
+void moe_aux_finalize(double*, float*, double*, const double*, int64_t, int64_t, int64_t, int64_t,
+                      double, double, double, Stream) {
+  no_cuda("moe aux losses");
+}
+void moe_aux_backward(float*, float*, const float*, const float*, const float*, const double*,
+                      int64_t, int64_t, int64_t, int64_t, double, double, double, Stream) {
   no_cuda("moe aux losses backward");
 }
 void moe_group_limited_scores(float*, const float*, const float*, int64_t, int64_t, int64_t,
