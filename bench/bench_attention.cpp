@@ -1,8 +1,9 @@
-// Causal self-attention forward and backward on a CUDA device (bf16: the tensor-core kernels for
-// head_dim 64/128), on random inputs. One JSON line per (shape, pass): median ms and TFLOP/s,
+// Causal self-attention forward and backward on a CUDA device, on random inputs, with each bf16
+// backend (cuDNN's fused attention; xmoe's own kernels: tensor-core for head_dim 64/128). One JSON line per (shape, pass): median ms and TFLOP/s,
 // counting the causal half of the S x S products (forward 2 products, backward 2.5x forward,
 // the FlashAttention convention) so figures compare with bench/peers/attention_torch.py.
 //   bench_attention [--shapes B,S,H,Hkv,hd;...] [--iters N] [--dtype bf16|f32]
+//                   [--backends cudnn,native]
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -13,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/device_api.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
@@ -69,38 +71,52 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", shapes_text, "B,S,H,Hkv,hd;...");
   app.add_option("--iters", iters, "timed repetitions (median)")->check(CLI::PositiveNumber);
   app.add_option("--dtype", dtype_text, "bf16 or f32")->check(CLI::IsMember({"bf16", "f32"}));
+  std::string backends_text = "cudnn,native";
+  app.add_option("--backends", backends_text, "cudnn and/or native, comma-separated");
   CLI11_PARSE(app, argc, argv);
   try {
     XMOE_CHECK(backend::cuda_available(), "[bench_attention] needs a CUDA device");
     const Device dev = Device::cuda(0);
     const DType dt = dtype_text == "bf16" ? DType::bf16 : DType::f32;
+    std::vector<cuda::AttentionBackend> backends;
+    std::stringstream names(backends_text);
+    for (std::string name; std::getline(names, name, ',');) {
+      XMOE_CHECK(name == "cudnn" || name == "native",
+                 "[bench_attention] --backends: '{}' is not cudnn or native", name);
+      backends.push_back(name == "cudnn" ? cuda::AttentionBackend::cudnn
+                                         : cuda::AttentionBackend::native);
+    }
     for (const AttnShape& s : parse_shapes(shapes_text)) {
       const Tensor q = random_tensor({s.b, s.s, s.h, s.hd}, 1, dt, dev);
       const Tensor k = random_tensor({s.b, s.s, s.hkv, s.hd}, 2, dt, dev);
       const Tensor v = random_tensor({s.b, s.s, s.hkv, s.hd}, 3, dt, dev);
       const Tensor dout = random_tensor({s.b, s.s, s.h, s.hd}, 4, dt, dev);
       const double fwd_flops = 4.0 * s.b * s.h * s.s * s.s * s.hd / 2;  // causal half
-      ops::AttentionResult f = ops::attention(q, k, v, true);
-      const double fwd = median_ms([&] { f = ops::attention(q, k, v, true); }, iters, dev);
-      const double bwd = median_ms(
-          [&] { ops::attention_backward(q, k, v, f.out, f.lse, dout, true); }, iters, dev);
-      for (auto [pass, ms, flops] : {std::tuple{"forward", fwd, fwd_flops},
-                                     std::tuple{"backward", bwd, 2.5 * fwd_flops},
-                                     std::tuple{"forward+backward", fwd + bwd, 3.5 * fwd_flops}}) {
-        nlohmann::ordered_json j;
-        j["bench"] = "attention";
-        j["impl"] = "xmoe";
-        j["dtype"] = dtype_text;
-        j["B"] = s.b;
-        j["S"] = s.s;
-        j["H"] = s.h;
-        j["Hkv"] = s.hkv;
-        j["hd"] = s.hd;
-        j["pass"] = pass;
-        j["median_ms"] = ms;
-        j["tflops"] = flops / (ms * 1e-3) / 1e12;
-        std::printf("%s\n", j.dump().c_str());
-        std::fflush(stdout);
+      for (const cuda::AttentionBackend backend : backends) {
+        cuda::set_attention_backend(backend);
+        const std::string impl = cuda::attention_impl(dt, s.b, s.s, s.h, s.hkv, s.hd, true);
+        ops::AttentionResult f = ops::attention(q, k, v, true);
+        const double fwd = median_ms([&] { f = ops::attention(q, k, v, true); }, iters, dev);
+        const double bwd = median_ms(
+            [&] { ops::attention_backward(q, k, v, f.out, f.lse, dout, true); }, iters, dev);
+        for (auto [pass, ms, flops] :
+             {std::tuple{"forward", fwd, fwd_flops}, std::tuple{"backward", bwd, 2.5 * fwd_flops},
+              std::tuple{"forward+backward", fwd + bwd, 3.5 * fwd_flops}}) {
+          nlohmann::ordered_json j;
+          j["bench"] = "attention";
+          j["impl"] = "xmoe-" + impl;
+          j["dtype"] = dtype_text;
+          j["B"] = s.b;
+          j["S"] = s.s;
+          j["H"] = s.h;
+          j["Hkv"] = s.hkv;
+          j["hd"] = s.hd;
+          j["pass"] = pass;
+          j["median_ms"] = ms;
+          j["tflops"] = flops / (ms * 1e-3) / 1e12;
+          std::printf("%s\n", j.dump().c_str());
+          std::fflush(stdout);
+        }
       }
     }
   } catch (const std::exception& e) {

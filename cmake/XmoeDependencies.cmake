@@ -98,6 +98,32 @@ elseif(XMOE_CUTLASS)
   endif()
 endif()
 
+# cuDNN's fused attention (SDPA forward and backward) for bf16 on the GPU, through the header-only
+# cuDNN frontend (the nvidia-cudnn-frontend wheel's headers, which scripts/install-deps.sh copies
+# into .deps/cudnn-frontend). cudnn.h and libcudnn come with the CUDA toolkit here and as system
+# packages on the GPU machine. Without them the attention runs on xmoe's own kernels.
+option(XMOE_CUDNN "Run bf16 attention on cuDNN's fused SDPA (needs XMOE_CUDA)" ON)
+set(XMOE_CUDNN_REASON "")
+if(XMOE_CUDNN AND NOT XMOE_CUDA)
+  set(XMOE_CUDNN OFF)
+  set(XMOE_CUDNN_REASON "needs XMOE_CUDA")
+elseif(XMOE_CUDNN)
+  find_path(XMOE_CUDNN_INCLUDE cudnn.h HINTS ${CUDNN_ROOT}/include $ENV{CUDNN_ROOT}/include
+            ${CUDAToolkit_INCLUDE_DIRS} /usr/include/${CMAKE_LIBRARY_ARCHITECTURE})
+  find_library(XMOE_CUDNN_LIBRARY NAMES cudnn libcudnn.so.9 HINTS ${CUDNN_ROOT}/lib
+               $ENV{CUDNN_ROOT}/lib ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_DIR}/../lib)
+  find_path(XMOE_CUDNN_FRONTEND_INCLUDE cudnn_frontend.h
+            HINTS ${XMOE_CUDNN_FRONTEND_DIR}/include ${CMAKE_SOURCE_DIR}/.deps/cudnn-frontend/include
+            NO_DEFAULT_PATH)
+  if(NOT XMOE_CUDNN_INCLUDE OR NOT XMOE_CUDNN_LIBRARY)
+    set(XMOE_CUDNN OFF)
+    set(XMOE_CUDNN_REASON "cudnn.h / libcudnn not found (set CUDNN_ROOT)")
+  elseif(NOT XMOE_CUDNN_FRONTEND_INCLUDE)
+    set(XMOE_CUDNN OFF)
+    set(XMOE_CUDNN_REASON "cuDNN frontend headers not found (scripts/install-deps.sh, or set XMOE_CUDNN_FRONTEND_DIR)")
+  endif()
+endif()
+
 set(XMOE_NCCL_REASON "")
 if(XMOE_NCCL)
   if(NOT XMOE_CUDA)

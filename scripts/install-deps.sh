@@ -27,25 +27,41 @@ else
   echo "[install-deps] all packages present"
 fi
 
-# CUTLASS headers (header-only; the sm90 grouped GEMM of the CUDA backend) from the nvidia-cutlass
-# wheel into .deps/cutlass, where CMake looks first. Downloaded, not installed: only the headers
-# are used. Without them (no PyPI) the CUDA build keeps cuBLAS for every GEMM.
-cutlass_version=4.2.0.0
-cutlass_dir="$(cd "$(dirname "$0")/.." && pwd)/.deps/cutlass"
-if [[ "$(cat "$cutlass_dir/VERSION" 2>/dev/null)" != "$cutlass_version" ]]; then
+# fetch_headers PACKAGE VERSION DEST WITHOUT SRC:DST...: downloads the wheel PACKAGE==VERSION (not
+# installed: only headers are used) and copies each SRC inside it to DEST/DST, once per version
+# (DEST/VERSION). WITHOUT says what the build does if the download fails (no PyPI).
+fetch_headers() {
+  local package=$1 version=$2 dest=$3 without=$4
+  shift 4
+  if [[ "$(cat "$dest/VERSION" 2>/dev/null)" == "$version" ]]; then
+    echo "[install-deps] $package $version headers present"
+    return 0
+  fi
+  local tmp pair
   tmp="$(mktemp -d)"
-  if python3 -m pip download --no-deps -q "nvidia-cutlass==$cutlass_version" -d "$tmp" &&
-     python3 -m zipfile -e "$tmp"/nvidia_cutlass-*.whl "$tmp/wheel"; then
-    rm -rf "$cutlass_dir"
-    mkdir -p "$cutlass_dir/tools/util"
-    cp -r "$tmp/wheel/cutlass_library/source/include" "$cutlass_dir/include"
-    cp -r "$tmp/wheel/cutlass_library/source/tools/util/include" "$cutlass_dir/tools/util/include"
-    echo "$cutlass_version" >"$cutlass_dir/VERSION"
-    echo "[install-deps] CUTLASS $cutlass_version headers in $cutlass_dir"
+  if python3 -m pip download --no-deps -q "$package==$version" -d "$tmp" &&
+     python3 -m zipfile -e "$tmp"/*.whl "$tmp/wheel"; then
+    rm -rf "$dest"
+    for pair in "$@"; do
+      mkdir -p "$(dirname "$dest/${pair#*:}")"
+      cp -r "$tmp/wheel/${pair%%:*}" "$dest/${pair#*:}"
+    done
+    echo "$version" >"$dest/VERSION"
+    echo "[install-deps] $package $version headers in $dest"
   else
-    echo "[install-deps] warning: could not fetch nvidia-cutlass $cutlass_version; the CUDA build uses cuBLAS only"
+    echo "[install-deps] warning: could not fetch $package $version; $without"
   fi
   rm -rf "$tmp"
-else
-  echo "[install-deps] CUTLASS $cutlass_version headers present"
-fi
+}
+deps_dir="$(cd "$(dirname "$0")/.." && pwd)/.deps"
+
+# CUTLASS headers (header-only; the sm90 grouped GEMM of the CUDA backend) into .deps/cutlass,
+# where CMake looks first.
+fetch_headers nvidia-cutlass 4.2.0.0 "$deps_dir/cutlass" "the CUDA build uses cuBLAS only" \
+  cutlass_library/source/include:include \
+  cutlass_library/source/tools/util/include:tools/util/include
+
+# cuDNN frontend headers (header-only C++ API over cuDNN's graph backend: the fused attention of
+# the CUDA backend) into .deps/cudnn-frontend. cuDNN itself comes with the CUDA toolkit.
+fetch_headers nvidia-cudnn-frontend 1.32.0 "$deps_dir/cudnn-frontend" \
+  "the CUDA build uses its own attention only" include:include

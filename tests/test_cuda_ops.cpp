@@ -440,6 +440,63 @@ TEST(CudaDeterminism, ScatterAttentionNormAreBitwiseRepeatable) {
   EXPECT_EQ(dweight(), dweight());
 }
 
+// ---- attention: cuDNN and xmoe's kernels ----------------------------------------------------
+
+/// Switches the bf16 attention backend for one scope.
+struct AttentionBackendScope {
+  explicit AttentionBackendScope(cuda::AttentionBackend b) : saved(cuda::attention_backend()) {
+    cuda::set_attention_backend(b);
+  }
+  ~AttentionBackendScope() { cuda::set_attention_backend(saved); }
+  cuda::AttentionBackend saved;
+};
+
+// Both implementations of bf16 attention give the same outputs (to bf16 rounding), the lse of
+// either one's forward drives the other's backward (the same natural-log convention), and
+// cuDNN's backward is bitwise repeatable. The parity cases above check cuDNN against the CPU.
+TEST(CudaAttention, CudnnAndXmoeKernelsAgree) {
+  XMOE_REQUIRE_CUDA();
+  if (!cuda::cudnn_attention_available()) GTEST_SKIP() << "this build or machine has no cuDNN";
+  struct Shape {
+    int64_t b, s, h, hkv, hd;
+    bool causal;
+  };
+  for (const Shape a : {Shape{2, 200, 4, 2, 64, true}, Shape{1, 129, 2, 2, 64, false},
+                        Shape{1, 150, 8, 2, 128, true}, Shape{2, 96, 4, 1, 128, false}}) {
+    SCOPED_TRACE(fmt::format("B={} S={} H={} Hkv={} hd={} causal={}", a.b, a.s, a.h, a.hkv, a.hd,
+                             a.causal));
+    EXPECT_STREQ(cuda::attention_impl(DType::bf16, a.b, a.s, a.h, a.hkv, a.hd, a.causal), "cudnn");
+    const DType bf = DType::bf16;
+    const Tensor q = ops::cast(randn({a.b, a.s, a.h, a.hd}, 80).to(kCuda), bf);
+    const Tensor k = ops::cast(randn({a.b, a.s, a.hkv, a.hd}, 81).to(kCuda), bf);
+    const Tensor v = ops::cast(randn({a.b, a.s, a.hkv, a.hd}, 82).to(kCuda), bf);
+    const Tensor dout = ops::cast(randn({a.b, a.s, a.h, a.hd}, 83).to(kCuda), bf);
+    auto forward = [&](cuda::AttentionBackend b) {
+      AttentionBackendScope scope(b);
+      return ops::attention(q, k, v, a.causal);
+    };
+    auto backward = [&](cuda::AttentionBackend b, const AttentionResult& f) {
+      AttentionBackendScope scope(b);
+      return ops::attention_backward(q, k, v, f.out, f.lse, dout, a.causal);
+    };
+    const auto cudnn = cuda::AttentionBackend::cudnn, native = cuda::AttentionBackend::native;
+    const AttentionResult fc = forward(cudnn), fn = forward(native);
+    EXPECT_LE(normalised_error(fc.out, fn.out), 1e-2);
+    EXPECT_LE(normalised_error(fc.lse, fn.lse), 1e-3);
+    const ops::AttentionGrads gc = backward(cudnn, fc), gn = backward(native, fn);
+    const ops::AttentionGrads mixed = backward(native, fc), mixed2 = backward(cudnn, fn);
+    for (const auto* g : {&gn, &mixed, &mixed2}) {
+      EXPECT_LE(normalised_error(g->dq, gc.dq), 2e-2);
+      EXPECT_LE(normalised_error(g->dk, gc.dk), 2e-2);
+      EXPECT_LE(normalised_error(g->dv, gc.dv), 2e-2);
+    }
+    const ops::AttentionGrads again = backward(cudnn, fc);
+    EXPECT_EQ(host_f32(again.dq).to_vector<float>(), host_f32(gc.dq).to_vector<float>());
+    EXPECT_EQ(host_f32(again.dk).to_vector<float>(), host_f32(gc.dk).to_vector<float>());
+    EXPECT_EQ(host_f32(again.dv).to_vector<float>(), host_f32(gc.dv).to_vector<float>());
+  }
+}
+
 // ---- allocator, copies, zero fill -----------------------------------------------------------
 
 TEST(CudaAllocator, ReusesFreedBlocksAndCounts) {

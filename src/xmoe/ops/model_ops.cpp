@@ -160,8 +160,13 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
                            k.data<float>(), v.data<float>(), d.b, d.s, d.h, d.hkv, d.hd, scale,
                            causal);
   } else {
+    const size_t bytes =
+        cuda::attention_forward_workspace_bytes(q.dtype(), d.b, d.s, d.h, d.hkv, d.hd, causal);
+    Tensor ws = bytes > 0 ? Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, q.device())
+                          : Tensor();
     cuda::attention_forward(r.out.raw(), r.lse.data<float>(), q.raw(), k.raw(), v.raw(),
-                            q.dtype(), d.b, d.s, d.h, d.hkv, d.hd, scale, causal, stream_of(q));
+                            q.dtype(), d.b, d.s, d.h, d.hkv, d.hd, scale, causal,
+                            bytes > 0 ? ws.raw() : nullptr, stream_of(q));
   }
   return r;
 }
@@ -188,7 +193,8 @@ AttentionGrads attention_backward(const Tensor& q, const Tensor& k, const Tensor
                             scale, causal);
   } else {
     const cuda::Stream s = stream_of(q);
-    const size_t bytes = cuda::attention_backward_workspace_bytes(d.b, d.s, d.h);
+    const size_t bytes =
+        cuda::attention_backward_workspace_bytes(q.dtype(), d.b, d.s, d.h, d.hkv, d.hd, causal);
     Tensor ws = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, q.device());
     cuda::attention_backward(g.dq.raw(), g.dk.raw(), g.dv.raw(), q.raw(), k.raw(), v.raw(),
                              out.raw(), lse.data<float>(), dout.raw(), q.dtype(), d.b, d.s, d.h,

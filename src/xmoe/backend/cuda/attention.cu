@@ -12,9 +12,14 @@
 //      ds_ij = p_ij (dout_i.v_j - D_i) scale, dq_i = sum_j ds_ij k_j.
 //   3. dk, dv: a warp per key row j of a kv head; query rows of every head of its group stream
 //      through shared memory in tiles of 32: dv_j = sum p_ij dout_i, dk_j = sum ds_ij q_i.
-// Math is f32 (storage f32 or bf16). bf16 with head_dim 64 or 128 goes to the tensor-core
-// kernels of flash_attention.cu instead; these take f32 (the CPU-parity path) and other shapes.
+// Math is f32 (storage f32 or bf16). bf16 goes to cuDNN's fused attention where the build has
+// it and it takes the shape (cudnn/attention.cpp), else with head_dim 64 or 128 to the
+// tensor-core kernels of flash_attention.cu; these take f32 (the CPU-parity path) and the rest.
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <initializer_list>
+#include <string>
 
 #include "xmoe/backend/cuda/common.cuh"
 
@@ -301,12 +306,73 @@ bool aligned16(std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+
+AttentionBackend backend_from_env() {
+  const char* v = std::getenv("XMOE_ATTENTION");
+  const std::string value = v ? v : "";
+  if (value.empty() || value == "cudnn") return AttentionBackend::cudnn;
+  if (value == "native") return AttentionBackend::native;
+  const std::string message = "[attention] XMOE_ATTENTION = '" + value + "': expected cudnn or native";
+  fail(message.c_str());
+}
+
+std::atomic<AttentionBackend>& backend_setting() {
+  static std::atomic<AttentionBackend> backend{backend_from_env()};
+  return backend;
+}
+
+// cuDNN takes bf16 with head_dim a multiple of 8 up to 128 (its fused kernels' limit).
+bool cudnn_candidate(DType dt, int64_t head_dim) {
+  return attention_backend() == AttentionBackend::cudnn && dt == DType::bf16 &&
+         head_dim % 8 == 0 && head_dim <= 128 && cudnn_attention_available();
+}
+
+CudnnAttentionShape cudnn_shape(int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                                int64_t head_dim, float scale, bool causal) {
+  return CudnnAttentionShape{batch, seq, heads, kv_heads, head_dim, scale, causal};
+}
+
+// The scale the ops pass (1 / sqrt(head_dim)): workspace queries come before the call.
+float default_scale(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+
 }  // namespace
+
+AttentionBackend attention_backend() { return backend_setting().load(); }
+void set_attention_backend(AttentionBackend backend) { backend_setting().store(backend); }
+
+const char* attention_impl(DType dt, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, bool causal) {
+  size_t bytes = 0;
+  if (cudnn_candidate(dt, head_dim) &&
+      cudnn_attention_forward_ready(cudnn_shape(batch, seq, heads, kv_heads, head_dim,
+                                                default_scale(head_dim), causal),
+                                    &bytes))
+    return "cudnn";
+  return flash_attention_supported(dt, head_dim) ? "flash" : "cuda-core";
+}
+
+size_t attention_forward_workspace_bytes(DType dt, int64_t batch, int64_t seq, int64_t heads,
+                                         int64_t kv_heads, int64_t head_dim, bool causal) {
+  size_t bytes = 0;
+  if (batch * seq * heads > 0 && cudnn_candidate(dt, head_dim))
+    cudnn_attention_forward_ready(
+        cudnn_shape(batch, seq, heads, kv_heads, head_dim, default_scale(head_dim), causal),
+        &bytes);
+  return bytes;
+}
 
 void attention_forward(void* out, float* lse, const void* q, const void* k, const void* v, DType dt,
                        int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
-                       int64_t head_dim, float scale, bool causal, Stream stream) {
+                       int64_t head_dim, float scale, bool causal, void* workspace,
+                       Stream stream) {
   if (batch * seq * heads == 0) return;
+  if (cudnn_candidate(dt, head_dim) && aligned16({out, q, k, v})) {
+    const CudnnAttentionShape shape =
+        cudnn_shape(batch, seq, heads, kv_heads, head_dim, scale, causal);
+    size_t bytes = 0;
+    if (cudnn_attention_forward_ready(shape, &bytes) && (bytes == 0 || workspace != nullptr))
+      return cudnn_attention_forward(shape, out, lse, q, k, v, workspace, stream);
+  }
   if (flash_attention_supported(dt, head_dim) && aligned16({out, q, k, v}))
     return flash_attention_forward(out, lse, q, k, v, batch, seq, heads, kv_heads, head_dim,
                                    scale, causal, stream);
@@ -322,8 +388,16 @@ void attention_forward(void* out, float* lse, const void* q, const void* k, cons
   });
 }
 
-size_t attention_backward_workspace_bytes(int64_t batch, int64_t seq, int64_t heads) {
-  return static_cast<size_t>(batch * heads * seq) * sizeof(float);
+size_t attention_backward_workspace_bytes(DType dt, int64_t batch, int64_t seq, int64_t heads,
+                                          int64_t kv_heads, int64_t head_dim, bool causal) {
+  const size_t native = static_cast<size_t>(batch * heads * seq) * sizeof(float);  // D (B, H, S)
+  size_t bytes = 0;
+  if (batch * seq * heads > 0 && cudnn_candidate(dt, head_dim) &&
+      cudnn_attention_backward_ready(
+          cudnn_shape(batch, seq, heads, kv_heads, head_dim, default_scale(head_dim), causal),
+          &bytes))
+    return std::max(native, bytes);
+  return native;
 }
 
 void attention_backward(void* dq, void* dk, void* dv, const void* q, const void* k, const void* v,
@@ -332,6 +406,14 @@ void attention_backward(void* dq, void* dk, void* dv, const void* q, const void*
                         int64_t head_dim, float scale, bool causal, void* workspace,
                         Stream stream) {
   if (batch * seq * heads == 0) return;
+  if (cudnn_candidate(dt, head_dim) && aligned16({dq, dk, dv, q, k, v, out, dout})) {
+    const CudnnAttentionShape shape =
+        cudnn_shape(batch, seq, heads, kv_heads, head_dim, scale, causal);
+    size_t bytes = 0;
+    if (cudnn_attention_backward_ready(shape, &bytes) && (bytes == 0 || workspace != nullptr))
+      return cudnn_attention_backward(shape, dq, dk, dv, q, k, v, out, lse, dout, workspace,
+                                      stream);
+  }
   if (flash_attention_supported(dt, head_dim) && aligned16({dq, dk, dv, q, k, v, out, dout}))
     return flash_attention_backward(dq, dk, dv, q, k, v, out, lse, dout, batch, seq, heads,
                                     kv_heads, head_dim, scale, causal, workspace, stream);

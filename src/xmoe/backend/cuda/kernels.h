@@ -133,19 +133,54 @@ void rope_apply(void* x, DType dt, const float* cos_table, const float* sin_tabl
 
 // Largest head_dim the attention kernels take.
 constexpr int64_t kAttentionMaxHeadDim = 256;
-// out (B, S, H, hd), lse (B, H, S) f32; q (B, S, H, hd), k, v (B, S, Hkv, hd). Flash-style: the
-// keys stream through shared memory in tiles with an online softmax; nothing of size S x S.
+// out (B, S, H, hd), lse (B, H, S) f32 (natural log); q (B, S, H, hd), k, v (B, S, Hkv, hd).
+// bf16 runs on cuDNN's fused attention where it takes the shape (see below), everything else on
+// xmoe's kernels: flash-style, the keys stream through shared memory in tiles with an online
+// softmax; nothing of size S x S. `workspace` holds attention_forward_workspace_bytes.
+size_t attention_forward_workspace_bytes(DType dt, int64_t batch, int64_t seq, int64_t heads,
+                                         int64_t kv_heads, int64_t head_dim, bool causal);
 void attention_forward(void* out, float* lse, const void* q, const void* k, const void* v, DType dt,
                        int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
-                       int64_t head_dim, float scale, bool causal, Stream stream);
-size_t attention_backward_workspace_bytes(int64_t batch, int64_t seq, int64_t heads);
+                       int64_t head_dim, float scale, bool causal, void* workspace, Stream stream);
+size_t attention_backward_workspace_bytes(DType dt, int64_t batch, int64_t seq, int64_t heads,
+                                          int64_t kv_heads, int64_t head_dim, bool causal);
 // dq (B, S, H, hd), dk, dv (B, S, Hkv, hd) overwritten; probabilities recomputed from lse.
-// Deterministic: every gradient element is summed by one thread in a fixed order.
+// Deterministic: xmoe's kernels sum every gradient element in one thread in a fixed order, and
+// cuDNN runs its deterministic algorithm (unless XMOE_ATTENTION_DETERMINISTIC=0).
 void attention_backward(void* dq, void* dk, void* dv, const void* q, const void* k, const void* v,
                         const void* out, const float* lse, const void* dout, DType dt,
                         int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
                         int64_t head_dim, float scale, bool causal, void* workspace,
                         Stream stream);
+
+// Which implementation runs bf16 attention. XMOE_ATTENTION=cudnn (the default where the build
+// has cuDNN) or native (xmoe's kernels) sets the starting value; tests switch it to compare.
+enum class AttentionBackend : uint8_t { cudnn, native };
+AttentionBackend attention_backend();
+void set_attention_backend(AttentionBackend backend);
+// The implementation attention_forward / attention_backward take for these arguments:
+// "cudnn", "flash" (tensor-core kernels) or "cuda-core".
+const char* attention_impl(DType dt, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, bool causal);
+
+// cuDNN's fused attention (cudnn/attention.cpp; cudnn/unavailable.cpp declines everything in a
+// build without cuDNN). One graph per shape, built on first use and cached. A shape cuDNN
+// cannot run is declined (false, once, with a warning) and the caller uses its own kernels.
+struct CudnnAttentionShape {
+  int64_t batch, seq, heads, kv_heads, head_dim;
+  float scale;
+  bool causal;
+};
+bool cudnn_attention_available();  // built with cuDNN and a cuDNN library is loadable
+bool cudnn_attention_forward_ready(const CudnnAttentionShape& shape, size_t* workspace_bytes);
+bool cudnn_attention_backward_ready(const CudnnAttentionShape& shape, size_t* workspace_bytes);
+void cudnn_attention_forward(const CudnnAttentionShape& shape, void* out, float* lse,
+                             const void* q, const void* k, const void* v, void* workspace,
+                             Stream stream);
+void cudnn_attention_backward(const CudnnAttentionShape& shape, void* dq, void* dk, void* dv,
+                              const void* q, const void* k, const void* v, const void* out,
+                              const float* lse, const void* dout, void* workspace,
+                              Stream stream);
 // The tensor-core kernels (flash_attention.cu) behind the two above: bf16 with head_dim 64 or
 // 128 and 16-byte aligned rows go there, everything else to the CUDA-core kernels.
 bool flash_attention_supported(DType dt, int64_t head_dim);

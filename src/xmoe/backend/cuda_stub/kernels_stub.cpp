@@ -99,16 +99,38 @@ void rope_apply(void*, DType, const float*, const float*, int64_t, int64_t, int6
                 Stream) {
   no_cuda("rope");
 }
-void attention_forward(void*, float*, const void*, const void*, const void*, DType, int64_t,
-                       int64_t, int64_t, int64_t, int64_t, float, bool, Stream) {
+size_t attention_forward_workspace_bytes(DType, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                         bool) {
   no_cuda("attention");
 }
-size_t attention_backward_workspace_bytes(int64_t, int64_t, int64_t) {
+void attention_forward(void*, float*, const void*, const void*, const void*, DType, int64_t,
+                       int64_t, int64_t, int64_t, int64_t, float, bool, void*, Stream) {
+  no_cuda("attention");
+}
+size_t attention_backward_workspace_bytes(DType, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                          bool) {
   no_cuda("attention_backward");
 }
 void attention_backward(void*, void*, void*, const void*, const void*, const void*, const void*,
                         const float*, const void*, DType, int64_t, int64_t, int64_t, int64_t,
                         int64_t, float, bool, void*, Stream) {
+  no_cuda("attention_backward");
+}
+AttentionBackend attention_backend() { return AttentionBackend::native; }
+void set_attention_backend(AttentionBackend) {}
+const char* attention_impl(DType, int64_t, int64_t, int64_t, int64_t, int64_t, bool) {
+  return "none";
+}
+bool cudnn_attention_available() { return false; }
+bool cudnn_attention_forward_ready(const CudnnAttentionShape&, size_t*) { return false; }
+bool cudnn_attention_backward_ready(const CudnnAttentionShape&, size_t*) { return false; }
+void cudnn_attention_forward(const CudnnAttentionShape&, void*, float*, const void*, const void*,
+                             const void*, void*, Stream) {
+  no_cuda("attention");
+}
+void cudnn_attention_backward(const CudnnAttentionShape&, void*, void*, void*, const void*,
+                              const void*, const void*, const void*, const float*, const void*,
+                              void*, Stream) {
   no_cuda("attention_backward");
 }
 void cross_entropy_forward(float*, float*, const void*, DType, const int32_t*, int64_t, int64_t,
