@@ -5,7 +5,9 @@
 #      expert gradients) and PyTorch (bench/peers/moe_layer_torch.py: torch._grouped_mm, padded
 #      bmm cf 1.0)
 #   3. moe-1b training step: xmoe (bench_train_step) and PyTorch (bench/peers/train_torch.py)
-#   4. a summary table with the xmoe/peer ratios (bench/peers/summarize.py)
+#   4. causal attention: xmoe on cuDNN and on its own kernels (bench_attention) and SDPA
+#      (bench/peers/attention_torch.py)
+#   5. a summary table with the xmoe/peer ratios (bench/peers/summarize.py)
 # JSON lines go to ${OUT:-/tmp}/gpu-bench.jsonl, everything to ${OUT:-/tmp}/gpu-bench.log
 # (written as it runs, so a timeout still leaves them). About 5-6 minutes on one H200 (most of it
 # initialising the 11 G expert parameters of the second MoE shape on the host).
@@ -66,12 +68,13 @@ if [[ "${XMOE_GPU_BENCH_BUILD:-1}" != 0 ]]; then
         -DXMOE_NCCL=OFF || status=1
     fi
   fi
-  step build cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_moe_layer bench_train_step ||
+  step build cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_moe_layer bench_train_step \
+    bench_attention ||
     status=1
 fi
 BIN="$BUILD_DIR/bin"
 have_xmoe=1
-for b in bench_moe_layer bench_train_step; do
+for b in bench_moe_layer bench_train_step bench_attention; do
   [[ -x "$BIN/$b" ]] || { log "missing $BIN/$b: the xmoe side is skipped"; have_xmoe=0; status=1; }
 done
 
@@ -97,6 +100,12 @@ if [[ "${XMOE_BENCH_COMPILE:-0}" != 0 ]]; then
   step torch-compile "$PY" bench/peers/train_torch.py --preset moe-1b --warmup 3 --steps 8 \
     --compile || status=1
 fi
+
+# 4. attention: both xmoe backends, then PyTorch's SDPA
+if [[ $have_xmoe == 1 ]]; then
+  step xmoe-attention "$BIN/bench_attention" --backends cudnn,native || status=1
+fi
+step torch-attention "$PY" bench/peers/attention_torch.py || status=1
 
 log "== summary"
 for r in "${RESULTS[@]}"; do log "  $r"; done

@@ -6,9 +6,13 @@
 MoE layer (per shape T, d, f, E, k): xmoe's "moe_layer" (impl xmoe_pft; f32 expert gradients,
 and bf16 ones where a run has expert_grad_dtype bf16) against the "moe_layer_peer" lines
 (grouped_mm, padded); ratio = xmoe TFLOP/s / peer TFLOP/s (> 1: xmoe is
-faster), memory ratio = xmoe peak_extra_bytes / peer peak_extra_bytes. Training step:
+faster), memory ratio = xmoe peak_extra_bytes / peer peak_extra_bytes, and the same with the
+peer's bf16 parameter gradients (param_grad_bytes) added to xmoe's bf16-gradient peak, as the
+pass creates them on the peer's side (xmoe allocates its gradients before the pass). Training step:
 "train_step_summary" (bench_train_step) against "train_step_peer_summary"; ratio = xmoe
-tokens/s / peer tokens/s. Lines that are not JSON are ignored; error lines are listed.
+tokens/s / peer tokens/s. Attention ("attention" lines of bench_attention and
+attention_torch.py): forward + backward ms per implementation and shape, ratio = SDPA ms / xmoe
+ms. Lines that are not JSON are ignored; error lines are listed.
 """
 import json
 import sys
@@ -41,6 +45,12 @@ def ratio(a, b, spec=".2f"):
     return "—"
 
 
+def counted(xmoe_bf16, peer):
+    """xmoe's peak with its bf16 gradients counted (they equal the peer's in size)."""
+    a, b = xmoe_bf16.get("peak_extra_bytes"), peer.get("param_grad_bytes")
+    return a + b if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
+
+
 def main():
     rows = load(open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin)
     for r in rows:
@@ -67,7 +77,7 @@ def main():
         print("\nMoE layer, forward + backward, bf16 (TFLOP/s; ms; peak extra GiB)")
         head = ("| T, d, f, E, k | xmoe pft | xmoe pft, bf16 expert grads | torch grouped_mm "
                 "| torch padded cf1 (dropped) | xmoe / grouped_mm (f32; bf16 grads) "
-                "| xmoe / padded | mem xmoe / grouped_mm |")
+                "| xmoe / padded | mem xmoe / grouped_mm | mem, bf16 grads counted |")
         print(head)
         print("|" + "---|" * (head.count("|") - 1))
         for s in shapes:
@@ -81,7 +91,25 @@ def main():
                   f"| {ratio(x.get('tflops'), g.get('tflops'))}; "
                   f"{ratio(xb.get('tflops'), g.get('tflops'))} "
                   f"| {ratio(x.get('tflops'), p.get('tflops'))} "
-                  f"| {ratio(x.get('peak_extra_bytes'), g.get('peak_extra_bytes'))} |")
+                  f"| {ratio(x.get('peak_extra_bytes'), g.get('peak_extra_bytes'))} "
+                  f"| {ratio(counted(xb, g), g.get('peak_extra_bytes'))} |")
+
+    # ---- attention ----
+    attn = {}
+    for r in rows:
+        if r.get("bench") == "attention" and r.get("pass") == "forward+backward":
+            key = (r["B"], r["S"], r["H"], r["Hkv"], r["hd"])
+            attn.setdefault(key, {})[r["impl"]] = r["median_ms"]
+    if attn:
+        impls = sorted({i for v in attn.values() for i in v if i != "torch_sdpa"})
+        print("\nAttention, causal, forward + backward (ms; SDPA ms / xmoe ms)")
+        print("| B, S, H, Hkv, hd | " + " | ".join(impls) + " | torch_sdpa |")
+        print("|" + "---|" * (len(impls) + 2))
+        for key, v in sorted(attn.items()):
+            sdpa = v.get("torch_sdpa")
+            cells = [f"{fmt(v.get(i), '.3f')} ({ratio(sdpa, v.get(i))})" for i in impls]
+            print(f"| {', '.join(map(str, key))} | " + " | ".join(cells) +
+                  f" | {fmt(sdpa, '.3f')} |")
 
     # ---- training step ----
     xt = [r for r in rows if r.get("bench") == "train_step_summary"]
