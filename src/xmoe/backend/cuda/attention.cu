@@ -306,7 +306,6 @@ bool aligned16(std::initializer_list<const void*> ptrs) {
   return true;
 }
 
-
 AttentionBackend backend_from_env() {
   const char* v = std::getenv("XMOE_ATTENTION");
   const std::string value = v ? v : "";

@@ -121,18 +121,6 @@ void set_attention_backend(AttentionBackend) {}
 const char* attention_impl(DType, int64_t, int64_t, int64_t, int64_t, int64_t, bool) {
   return "none";
 }
-bool cudnn_attention_available() { return false; }
-bool cudnn_attention_forward_ready(const CudnnAttentionShape&, size_t*) { return false; }
-bool cudnn_attention_backward_ready(const CudnnAttentionShape&, size_t*) { return false; }
-void cudnn_attention_forward(const CudnnAttentionShape&, void*, float*, const void*, const void*,
-                             const void*, void*, Stream) {
-  no_cuda("attention");
-}
-void cudnn_attention_backward(const CudnnAttentionShape&, void*, void*, void*, const void*,
-                              const void*, const void*, const void*, const float*, const void*,
-                              void*, Stream) {
-  no_cuda("attention_backward");
-}
 void cross_entropy_forward(float*, float*, const void*, DType, const int32_t*, int64_t, int64_t,
                            Stream) {
   no_cuda("cross_entropy");

@@ -1,5 +1,5 @@
-// A build without cuDNN (XMOE_CUDNN off): cuDNN's attention declines every shape, so xmoe's own
-// kernels run all of it.
+// A build without cuDNN (XMOE_CUDNN off, or no CUDA at all): cuDNN's attention declines every
+// shape, so xmoe's own kernels run all of it.
 #include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/core/error.h"
 
