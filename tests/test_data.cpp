@@ -1,8 +1,12 @@
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "xmoe/core/error.h"
 #include "xmoe/data/data_loader.h"
@@ -21,7 +25,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-
 void write(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
 }
@@ -37,6 +40,38 @@ std::string make_tokens(const TempDir& dir, int64_t n, int mod = 256,
   const std::string path = dir / name;
   write(path, bytes);
   return path;
+}
+
+// Every file of `dir` (name -> bytes): what a call must leave untouched.
+std::map<std::string, std::string> snapshot(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    files[e.path().filename().string()] = io::read_file(e.path().string());
+  return files;
+}
+
+// Collects what spdlog's default logger prints while alive.
+class LogCapture {
+ public:
+  LogCapture() : previous_(spdlog::default_logger()) {
+    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(text_);
+    spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
+  }
+  ~LogCapture() { spdlog::set_default_logger(previous_); }
+  std::string text() const { return text_.str(); }
+
+ private:
+  std::shared_ptr<spdlog::logger> previous_;
+  std::ostringstream text_;
+};
+
+DataConfig data_config(const std::string& corpus, const std::string& dir,
+                       float val_fraction = 0.1f) {
+  DataConfig d;
+  d.corpus = corpus;
+  d.dir = dir;
+  d.val_fraction = val_fraction;
+  return d;
 }
 
 }  // namespace
@@ -215,4 +250,206 @@ TEST(Data, DefaultCorpusListsOnlyTextFiles) {
     EXPECT_NE(fs::path(f).extension(), ".dat") << f;
     EXPECT_FALSE(fs::is_symlink(f)) << f;
   }
+}
+
+// ---- data folders are never written over (issue 38) -------------------------------------
+
+TEST(Data, PrepareRefusesToWriteOverTokenFiles) {
+  TempDir tmp;
+  write(tmp / "a.txt", std::string(200, 'a'));
+  write(tmp / "b.txt", std::string(300, 'b'));
+  const std::string out = tmp / "prepared";
+  prepare(tmp / "a.txt", out, 0.1);
+  const auto before = snapshot(out);
+
+  const std::string e = error_of([&] { prepare(tmp / "b.txt", out, 0.1); });
+  EXPECT_CONTAINS(e, out);
+  EXPECT_CONTAINS(e, "train.bin, val.bin, meta.json");
+  EXPECT_CONTAINS(e, "--overwrite");
+  EXPECT_CONTAINS(e, "another folder");
+  EXPECT_EQ(snapshot(out), before);
+
+  // Any one of the three is enough to refuse, and the error lists just what is there.
+  const std::string only_meta = tmp / "only_meta";
+  fs::create_directories(only_meta);
+  write(only_meta + "/meta.json", "{}");
+  const std::string e2 = error_of([&] { prepare(tmp / "b.txt", only_meta, 0.1); });
+  EXPECT_CONTAINS(e2, only_meta + " already holds meta.json;");
+  EXPECT_EQ(io::read_file(only_meta + "/meta.json"), "{}");
+  EXPECT_FALSE(fs::exists(only_meta + "/train.bin"));
+}
+
+TEST(Data, PrepareWithOverwriteReplacesTheTokens) {
+  TempDir tmp;
+  write(tmp / "a.txt", std::string(200, 'a'));
+  write(tmp / "b.txt", std::string(300, 'b'));
+  const std::string out = tmp / "prepared";
+  prepare(tmp / "a.txt", out, 0.1);
+  const PrepareResult r = prepare(tmp / "b.txt", out, 0.1, /*overwrite=*/true);
+  EXPECT_EQ(r.train_tokens + r.val_tokens, 300);
+  const TokenFile train = TokenFile::open(out + "/train.bin");  // meta.json's CRC matches
+  EXPECT_EQ(train.size(), 270);
+  EXPECT_EQ(train[0], static_cast<uint32_t>('b'));
+  const auto meta = nlohmann::json::parse(io::read_file(out + "/meta.json"));
+  EXPECT_EQ(meta["source"], tmp / "b.txt");
+  EXPECT_EQ(meta["val"]["tokens"], 30);
+  for (const auto& e : fs::directory_iterator(out))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+}
+
+TEST(Data, PrepareRefusesAnEmptyCorpus) {
+  TempDir tmp;
+  const fs::path corpus = tmp.path() / "corpus";
+  fs::create_directories(corpus);
+  write((corpus / "one.txt").string(), "");
+  write((corpus / "two.txt").string(), "");
+  EXPECT_CONTAINS(
+      error_of([&] { prepare(corpus.string(), tmp / "out", 0.1); }),
+      fmt::format("[data] corpus {} holds no text (0 bytes in 2 files)", corpus.string()));
+  EXPECT_CONTAINS(error_of([&] { prepare((corpus / "one.txt").string(), tmp / "out", 0.0); }),
+                  "holds no text (0 bytes in 1 file)");
+  EXPECT_FALSE(fs::exists(tmp / "out"));  // nothing written, not even the folder
+}
+
+TEST(Data, PrepareRefusesAnEmptyValidationSplit) {
+  TempDir tmp;
+  write(tmp / "short.txt", "ten bytes!");
+  const std::string e = error_of([&] { prepare(tmp / "short.txt", tmp / "out", 0.05); });
+  EXPECT_CONTAINS(e, tmp / "short.txt");
+  EXPECT_CONTAINS(e, "has only 10 tokens");
+  EXPECT_CONTAINS(e, "val_fraction = 0.05 leaves the validation split empty");
+  EXPECT_CONTAINS(e, "at least 20 tokens");
+  EXPECT_FALSE(fs::exists(tmp / "out"));
+  // No validation split asked for: 10 tokens are fine.
+  EXPECT_EQ(prepare(tmp / "short.txt", tmp / "out", 0.0).train_tokens, 10);
+}
+
+TEST(Data, EnsurePreparedPreparesAnEmptyFolderOnce) {
+  TempDir tmp;
+  write(tmp / "c.txt", std::string(400, 'x'));
+  const DataConfig d = data_config(tmp / "c.txt", tmp / "data", 0.25f);
+  const PreparedData first = ensure_prepared(d);
+  EXPECT_TRUE(first.prepared);
+  EXPECT_EQ(first.source, tmp / "c.txt");
+  EXPECT_EQ(first.train_tokens, 300);
+  EXPECT_EQ(first.val_tokens, 100);
+  EXPECT_EQ(first.vocab_size, 256);
+  EXPECT_EQ(first.dtype, "uint16");
+
+  const auto before = snapshot(tmp / "data");
+  const PreparedData again = ensure_prepared(d);
+  EXPECT_FALSE(again.prepared);
+  EXPECT_EQ(again.train_tokens, 300);
+  EXPECT_EQ(again.val_tokens, 100);
+  EXPECT_EQ(snapshot(tmp / "data"), before);
+
+  // An existing empty folder is prepared into too.
+  fs::create_directories(tmp / "empty");
+  EXPECT_TRUE(ensure_prepared(data_config(tmp / "c.txt", tmp / "empty")).prepared);
+}
+
+TEST(Data, EnsurePreparedUsesAForeignFolderAsIs) {
+  TempDir tmp;
+  write(tmp / "corpus.txt", std::string(1000, 'z'));  // must not be read
+  const std::string dir = tmp / "theirs";
+  fs::create_directories(dir);
+  // Someone else's uint32 tokens, with a hand-written meta.json naming another source.
+  std::string train, val;
+  for (uint32_t i = 0; i < 50; ++i) train.append(reinterpret_cast<const char*>(&i), 4);
+  for (uint32_t i = 0; i < 7; ++i) val.append(reinterpret_cast<const char*>(&i), 4);
+  write(dir + "/train.bin", train);
+  write(dir + "/val.bin", val);
+  write(dir + "/meta.json", R"({"vocab_size": 300, "dtype": "uint32", "source": "webtext"})");
+  const auto before = snapshot(dir);
+
+  PreparedData r;
+  {
+    LogCapture log;
+    r = ensure_prepared(data_config(tmp / "corpus.txt", dir));
+    EXPECT_CONTAINS(log.text(), "came from webtext");
+    EXPECT_CONTAINS(log.text(), dir);
+  }
+  EXPECT_FALSE(r.prepared);
+  EXPECT_EQ(r.source, "webtext");
+  EXPECT_EQ(r.train_tokens, 50);
+  EXPECT_EQ(r.val_tokens, 7);
+  EXPECT_EQ(r.vocab_size, 300);
+  EXPECT_EQ(r.dtype, "uint32");
+  EXPECT_EQ(snapshot(dir), before);  // same files, same bytes
+
+  // No "source" at all is fine too.
+  write(dir + "/meta.json", R"({"vocab_size": 300, "dtype": "uint32"})");
+  const auto before2 = snapshot(dir);
+  LogCapture log;
+  EXPECT_EQ(ensure_prepared(data_config(tmp / "corpus.txt", dir)).source, "");
+  EXPECT_CONTAINS(log.text(), "names no source corpus");
+  EXPECT_EQ(snapshot(dir), before2);
+}
+
+TEST(Data, EnsurePreparedRefusesTokenFilesWithoutMeta) {
+  TempDir tmp;
+  write(tmp / "corpus.txt", std::string(1000, 'z'));
+  const std::string dir = tmp / "tokens";
+  fs::create_directories(dir);
+  write(dir + "/train.bin", "abcdefgh");
+  write(dir + "/val.bin", "ijkl");
+  const auto before = snapshot(dir);
+  const std::string e = error_of([&] { ensure_prepared(data_config(tmp / "corpus.txt", dir)); });
+  EXPECT_CONTAINS(e, dir + " holds train.bin and val.bin but no meta.json");
+  EXPECT_CONTAINS(e, "will not prepare over them");
+  EXPECT_CONTAINS(e, "vocab_size");
+  EXPECT_CONTAINS(e, "dtype (uint16 or uint32)");
+  EXPECT_CONTAINS(e, "--overwrite");
+  EXPECT_EQ(snapshot(dir), before);  // no meta.json appeared, the tokens are untouched
+}
+
+TEST(Data, EnsurePreparedRefusesAPartialFolder) {
+  TempDir tmp;
+  write(tmp / "corpus.txt", std::string(1000, 'z'));
+  const std::string dir = tmp / "partial";
+  fs::create_directories(dir);
+  auto err = [&] {
+    return error_of([&] { ensure_prepared(data_config(tmp / "corpus.txt", dir)); });
+  };
+
+  write(dir + "/train.bin", "abcd");
+  std::string e = err();
+  EXPECT_CONTAINS(e, dir + " holds train.bin but no val.bin");
+  EXPECT_EQ(snapshot(dir).size(), 1u);
+
+  fs::remove(dir + "/train.bin");
+  write(dir + "/val.bin", "abcd");
+  EXPECT_CONTAINS(err(), dir + " holds val.bin but no train.bin");
+
+  fs::remove(dir + "/val.bin");
+  write(dir + "/meta.json", "{}");
+  e = err();
+  EXPECT_CONTAINS(e, dir + " holds meta.json but neither train.bin nor val.bin");
+  EXPECT_EQ(snapshot(dir), (std::map<std::string, std::string>{{"meta.json", "{}"}}));
+}
+
+TEST(Data, EnsurePreparedChecksMetaJson) {
+  TempDir tmp;
+  const std::string dir = tmp / "d";
+  fs::create_directories(dir);
+  write(dir + "/train.bin", "abcd");
+  write(dir + "/val.bin", "ab");
+  const DataConfig d = data_config(tmp / "nothing.txt", dir);
+  const std::string meta = dir + "/meta.json";
+
+  write(meta, "{not json");
+  std::string e = error_of([&] { ensure_prepared(d); });
+  EXPECT_CONTAINS(e, meta);
+  EXPECT_CONTAINS(e, "invalid JSON");
+  write(meta, R"({"dtype": "uint16"})");
+  e = error_of([&] { ensure_prepared(d); });
+  EXPECT_CONTAINS(e, meta + ": vocab_size is missing");
+  write(meta, R"({"vocab_size": "big", "dtype": "uint16"})");
+  EXPECT_CONTAINS(error_of([&] { ensure_prepared(d); }), "vocab_size is \"big\"");
+  write(meta, R"({"vocab_size": 256})");
+  EXPECT_CONTAINS(error_of([&] { ensure_prepared(d); }), meta + ": dtype is missing");
+  write(meta, R"({"vocab_size": 256, "dtype": "int8"})");
+  EXPECT_CONTAINS(error_of([&] { ensure_prepared(d); }), meta + ": dtype is \"int8\"");
+  write(meta, R"({"vocab_size": 256, "dtype": "uint16"})");
+  EXPECT_EQ(ensure_prepared(d).train_tokens, 2);
 }
