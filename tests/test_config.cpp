@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,8 +13,15 @@
 
 using namespace xmoe;
 using xmoe::testing::error_of;
+using xmoe::testing::TempDir;
 
 namespace {
+
+// The error of `--set key=value` on the default config.
+std::string set_error(const std::string& key_eq_value) {
+  Config c;
+  return error_of([&] { apply_override(c, key_eq_value); });
+}
 
 }  // namespace
 
@@ -103,7 +111,7 @@ TEST(Config, TypeErrorsNameKeyAndValue) {
   EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  tie_embeddings: maybe\n"); }),
                   "model.tie_embeddings = 'maybe' is not a valid bool");
   EXPECT_CONTAINS(error_of([] { load_config_string("train:\n  seed: -1\n"); }),
-                  "train.seed = '-1' is not a valid uint64");
+                  "train.seed = '-1' is negative; train.seed is a uint64");
   EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  d_model: [1, 2]\n"); }),
                   "model.d_model");
   EXPECT_CONTAINS(error_of([] { load_config_string("model: 3\n"); }), "'model' is a section");
@@ -265,4 +273,129 @@ TEST(Config, ShippedConfigFilesLoadAndValidate) {
         ++n;
       }
   if (n == 0) GTEST_SKIP() << "no configs/*.yaml";
+}
+
+// ---- config input a careless user trips on (issue 38) ------------------------------------
+
+TEST(Config, LoadFileRefusesADirectory) {
+  TempDir tmp;
+  const std::string e = error_of([&] { load_config_file(tmp.str()); });
+  EXPECT_CONTAINS(e, "[config] " + tmp.str() + " is a directory, not a YAML file");
+}
+
+TEST(Config, LoadFileRefusesAnEmptyFile) {
+  TempDir tmp;
+  for (const char* text : {"", "   \n\n\t\n", "# all commented out\n#train:\n#  steps: 5\n"}) {
+    SCOPED_TRACE(text);
+    const std::string path = tmp / "run.yaml";
+    std::ofstream(path) << text;
+    EXPECT_CONTAINS(error_of([&] { load_config_file(path); }), "[config] " + path + " is empty");
+  }
+  // Internal YAML text (e.g. a checkpoint's) may still be empty: the defaults.
+  EXPECT_TRUE(load_config_string("") == Config{});
+}
+
+TEST(Config, DuplicateKeysAreRefused) {
+  // A repeated section.
+  EXPECT_CONTAINS(
+      error_of([] { load_config_string("train: {steps: 1}\ntrain: {steps: 2}\n", "a.yaml"); }),
+      "[config] a.yaml: key 'train' appears twice (lines 1 and 2)");
+  // A repeated key inside one map, named by its dotted path.
+  EXPECT_CONTAINS(
+      error_of([] { load_config_string("train:\n  steps: 1\n  lr: 0.1\n  steps: 2\n"); }),
+      "key 'train.steps' appears twice (lines 2 and 4)");
+  EXPECT_CONTAINS(
+      error_of([] { load_config_string("model:\n  moe:\n    top_k: 1\n    top_k: 2\n"); }),
+      "key 'model.moe.top_k' appears twice (lines 3 and 4)");
+  EXPECT_CONTAINS(error_of([] { load_config_string("model: {moe: {top_k: 1, top_k: 2}}\n"); }),
+                  "key 'model.moe.top_k' appears twice (both on line 1)");
+  EXPECT_CONTAINS(error_of([] { load_config_string("preset: tiny\npreset: moe-1b\n"); }),
+                  "key 'preset' appears twice");
+  // From a file, the error names the file.
+  TempDir tmp;
+  const std::string path = tmp / "dup.yaml";
+  std::ofstream(path) << "parallel:\n  ep: 2\nparallel:\n  ep: 4\n";
+  EXPECT_CONTAINS(error_of([&] { load_config_file(path); }),
+                  path + ": key 'parallel' appears twice (lines 1 and 3)");
+  // The same leaf name in different sections is not a duplicate.
+  EXPECT_NO_THROW(
+      load_config_string("model: {vocab_size: 256}\ntrain: {steps: 3}\nparallel: {ep: 1}\n"));
+}
+
+TEST(Config, UnsignedKeysRefuseNegativeValues) {
+  for (const char* v : {"-1", "-18446744073709551615", " -5"}) {
+    SCOPED_TRACE(v);
+    const std::string e = set_error(fmt::format("train.seed={}", v));
+    EXPECT_CONTAINS(e, fmt::format("train.seed = '{}' is negative", v));
+    EXPECT_CONTAINS(e, "a whole number from 0 to 2^64 - 1 = 18446744073709551615");
+  }
+  Config c;
+  apply_override(c, "train.seed=18446744073709551615");
+  EXPECT_EQ(c.train.seed, 18446744073709551615ull);
+}
+
+TEST(Config, NumbersRefuseGarbageAndOutOfRangeValues) {
+  // Trailing garbage, fractions and other notations are refused, naming the key and value.
+  for (const char* v : {"12abc", "1.5", "1e3", "0x10", "", "12 34", "--1"}) {
+    SCOPED_TRACE(v);
+    EXPECT_CONTAINS(set_error(fmt::format("model.d_model={}", v)),
+                    fmt::format("model.d_model = '{}' is not a valid int", v));
+    EXPECT_CONTAINS(set_error(fmt::format("train.seed={}", v)),
+                    fmt::format("train.seed = '{}' is not a valid uint64", v));
+  }
+  EXPECT_CONTAINS(set_error("train.lr=0.1x"), "train.lr = '0.1x' is not a valid float");
+  EXPECT_CONTAINS(set_error("train.lr=nan"), "train.lr = 'nan' is not a valid float");
+
+  // Out of the type's range: the range in words, not wrapped or clamped.
+  std::string e = set_error("model.d_model=99999999999");
+  EXPECT_CONTAINS(e, "model.d_model = '99999999999' is too large for an int");
+  EXPECT_CONTAINS(e, "a whole number from -2147483648 to 2147483647");
+  EXPECT_CONTAINS(set_error("model.d_model=-99999999999"),
+                  "model.d_model = '-99999999999' is too small for an int");
+  EXPECT_CONTAINS(set_error("model.d_model=2147483648"), "is too large for an int");
+  EXPECT_CONTAINS(set_error("train.seed=18446744073709551616"),
+                  "train.seed = '18446744073709551616' is too large for a uint64");
+  EXPECT_CONTAINS(set_error("train.lr=1e39"),
+                  "train.lr = '1e39' is too large in magnitude for a float");
+  EXPECT_CONTAINS(set_error("train.lr=1e999"), "train.lr = '1e999' is too large");
+  EXPECT_CONTAINS(set_error("train.lr=inf"), "train.lr = 'inf' is not finite");
+  EXPECT_CONTAINS(set_error("train.adam_eps=1e-50"),
+                  "train.adam_eps = '1e-50' is too small for a float: it would be stored as 0");
+  // A huge value is echoed shortened, and no bound in any message is a long run of digits.
+  const std::string huge(300, '9');
+  e = set_error("model.d_model=" + huge);
+  EXPECT_CONTAINS(e, "model.d_model = '999999999999999999999999...' (300 characters) is too large");
+  EXPECT_LT(e.size(), 200u) << e;
+  for (const std::string& m : {e, set_error("train.seed=" + huge), set_error("train.lr=" + huge),
+                               set_error("train.lr=1e-999")}) {
+    size_t run = 0, longest = 0;
+    for (char ch : m)
+      longest = std::max(longest, run = std::isdigit(static_cast<unsigned char>(ch)) ? run + 1 : 0);
+    EXPECT_LE(longest, 24u) << m;
+  }
+  // The same checks apply to YAML values.
+  EXPECT_CONTAINS(error_of([] { load_config_string("model: {d_model: 12abc}\n"); }),
+                  "model.d_model = '12abc' is not a valid int");
+  EXPECT_CONTAINS(error_of([] { load_config_string("train: {lr: 1e39}\n"); }),
+                  "train.lr = '1e39' is too large in magnitude for a float");
+  // Values at the edges still load.
+  Config c;
+  apply_override(c, "train.warmup_steps=2147483647");
+  apply_override(c, "train.lr=3e38");
+  apply_override(c, "train.adam_eps=1e-40");  // a subnormal float, not 0
+  EXPECT_EQ(c.train.warmup_steps, 2147483647);
+  EXPECT_GT(c.train.adam_eps, 0.0f);
+}
+
+TEST(Config, TensorParallelMustBeOne) {
+  Config c;
+  apply_override(c, "parallel.tp=2");
+  const std::string e = error_of([&] { validate(c); });
+  EXPECT_CONTAINS(e,
+                  "[config] parallel.tp = 2: tensor parallelism is not implemented yet; set "
+                  "parallel.tp = 1");
+  c.parallel.tp = 0;
+  EXPECT_CONTAINS(error_of([&] { validate(c); }), "parallel.tp = 0 is outside [1, inf)");
+  for (const ConfigKeyInfo& k : config_keys())
+    if (k.name == "parallel.tp") EXPECT_CONTAINS(k.doc, "must be 1 until tensor parallelism");
 }

@@ -6,9 +6,11 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
@@ -163,7 +165,8 @@ const std::vector<Key>& table() {
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},
-               "tensor-parallel degree of attention and dense layers (turns on SSMB)"),
+               "tensor-parallel degree; must be 1 until tensor parallelism (of attention and "
+               "dense layers, with SSMB) lands"),
       XMOE_KEY(parallel.ranks_per_node, at_least(0), {},
                "ranks per node: 0 = detect, >0 declares simulated nodes"),
       XMOE_KEY(parallel.expert_placement, any(), {"none", "affinity"},
@@ -279,8 +282,58 @@ std::vector<std::string> split_list(std::string v) {
   return out;
 }
 
-[[noreturn]] void type_error(const Key& k, ConfigType t, const std::string& value) {
-  XMOE_FAIL("[config] {} = '{}' is not a valid {}", k.name, value, type_name(t));
+// What each numeric type holds, in words, for the errors below.
+const char* type_words(ConfigType t) {
+  switch (t) {
+    case ConfigType::int_:
+      return "a whole number from -2147483648 to 2147483647";
+    case ConfigType::uint64:
+      return "a whole number from 0 to 2^64 - 1 = 18446744073709551615";
+    case ConfigType::float_:
+      return "a finite number of magnitude below about 3.4e38";
+    case ConfigType::bool_:
+      return "true or false";
+    default:
+      return "";
+  }
+}
+
+const char* with_article(ConfigType t) {
+  return t == ConfigType::int_ ? "an int" : t == ConfigType::uint64 ? "a uint64" : "a float";
+}
+
+// "key = 'value'", the value shortened when long: a 300-digit number is not worth echoing.
+std::string key_equals(const Key& k, const std::string& value) {
+  if (value.size() <= 40) return fmt::format("{} = '{}'", k.name, value);
+  return fmt::format("{} = '{}...' ({} characters)", k.name, value.substr(0, 24), value.size());
+}
+
+// "[config] train.seed = '-1' is negative; train.seed is a uint64 (a whole number from 0 to
+// ...)": the key, the value as given and what the type holds, in words.
+[[noreturn]] void type_error(const Key& k, ConfigType t, const std::string& value,
+                             const std::string& problem = {}) {
+  const char* words = type_words(t);
+  XMOE_FAIL("[config] {} {}{}", key_equals(k, value),
+            problem.empty() ? fmt::format("is not a valid {}", type_name(t)) : problem,
+            *words ? fmt::format(" ({})", words) : "");
+}
+
+// Whole numbers: from_chars reads no sign for unsigned types and stops at the first non-digit,
+// so a negative seed or "12abc" is refused here rather than wrapped or cut.
+template <typename T>
+T parse_whole(const Key& k, ConfigType t, const std::string& raw, const std::string& v) {
+  T x{};
+  const char* end = v.data() + v.size();
+  const auto [p, ec] = std::from_chars(v.data(), end, x);
+  const bool negative = !v.empty() && v[0] == '-';
+  if (std::is_unsigned_v<T> && negative && v.size() > 1 &&
+      std::all_of(v.begin() + 1, v.end(), [](char ch) { return ch >= '0' && ch <= '9'; }))
+    type_error(k, t, raw, fmt::format("is negative; {} is {}", k.name, with_article(t)));
+  if (ec == std::errc::result_out_of_range && p == end)
+    type_error(k, t, raw,
+               fmt::format("is too {} for {}", negative ? "small" : "large", with_article(t)));
+  if (v.empty() || ec != std::errc() || p != end) type_error(k, t, raw);
+  return x;
 }
 
 void set_from_text(Config& c, const Key& k, const std::string& raw) {
@@ -288,20 +341,26 @@ void set_from_text(Config& c, const Key& k, const std::string& raw) {
   const ConfigType t = type_of(r);
   const std::string v = trim(raw);
   switch (t) {
-    case ConfigType::int_: {
-      long long x = 0;
-      const char* end = v.data() + v.size();
-      auto [p, ec] = std::from_chars(v.data(), end, x);
-      if (v.empty() || ec != std::errc() || p != end || x < std::numeric_limits<int>::min() ||
-          x > std::numeric_limits<int>::max())
-        type_error(k, t, raw);
-      *std::get<int*>(r) = static_cast<int>(x);
+    case ConfigType::int_:
+      *std::get<int*>(r) = parse_whole<int>(k, t, raw, v);
       return;
-    }
     case ConfigType::float_: {
       char* end = nullptr;
+      errno = 0;
       const double x = v.empty() ? 0 : std::strtod(v.c_str(), &end);
-      if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(x)) type_error(k, t, raw);
+      const bool range_error = errno == ERANGE;
+      if (v.empty() || end != v.c_str() + v.size() || std::isnan(x)) type_error(k, t, raw);
+      // strtod accepts "inf"; a double beyond float's range would become inf when stored.
+      if (std::isinf(x) && !range_error)
+        type_error(k, t, raw, fmt::format("is not finite; {} is a float", k.name));
+      if (std::fabs(x) > std::numeric_limits<float>::max())
+        type_error(k, t, raw, "is too large in magnitude for a float");
+      // Nonzero text that rounds to 0 (1e-50) would silently turn off whatever it sets.
+      if ((x == 0 && range_error) || (x != 0 && static_cast<float>(x) == 0))
+        XMOE_FAIL(
+            "[config] {} is too small for a float: it would be stored as 0 (nonzero "
+            "floats need a magnitude of at least about 1.4e-45)",
+            key_equals(k, raw));
       *std::get<float*>(r) = static_cast<float>(x);
       return;
     }
@@ -321,14 +380,9 @@ void set_from_text(Config& c, const Key& k, const std::string& raw) {
     case ConfigType::string:
       *std::get<std::string*>(r) = v;
       return;
-    case ConfigType::uint64: {
-      uint64_t x = 0;
-      const char* end = v.data() + v.size();
-      auto [p, ec] = std::from_chars(v.data(), end, x);
-      if (v.empty() || ec != std::errc() || p != end) type_error(k, t, raw);
-      *std::get<uint64_t*>(r) = x;
+    case ConfigType::uint64:
+      *std::get<uint64_t*>(r) = parse_whole<uint64_t>(k, t, raw, v);
       return;
-    }
     case ConfigType::string_list:
       *std::get<std::vector<std::string>*>(r) = split_list(v);
       return;
@@ -426,6 +480,32 @@ std::string node_text(const YAML::Node& n) {
   return e.c_str();
 }
 
+// yaml-cpp keeps both entries of a repeated key when a map is iterated, and load_node would let
+// the last one win silently; a config that says two things is refused instead, at any depth.
+void check_duplicate_keys(const YAML::Node& node, const std::string& prefix,
+                          const std::string& src) {
+  if (node.IsSequence()) {
+    for (const auto& e : node) check_duplicate_keys(e, prefix, src);
+    return;
+  }
+  if (!node.IsMap()) return;
+  std::map<std::string, int> line_of;  // key -> 1-based line of its first occurrence
+  for (const auto& item : node) {
+    const std::string k = item.first.IsScalar() ? item.first.Scalar() : node_text(item.first);
+    const std::string name = prefix.empty() ? k : prefix + "." + k;
+    const int line = item.first.Mark().line + 1;  // Mark() is 0-based, -1 when unknown
+    const auto [it, fresh] = line_of.emplace(k, line);
+    if (!fresh) {
+      const std::string where = it->second <= 0 || line <= 0 ? ""
+                                : it->second == line
+                                    ? fmt::format(" (both on line {})", line)
+                                    : fmt::format(" (lines {} and {})", it->second, line);
+      XMOE_FAIL("[config] {}: key '{}' appears twice{}; keep one", src, name, where);
+    }
+    check_duplicate_keys(item.second, name, src);
+  }
+}
+
 void load_node(Config& c, const YAML::Node& map, const std::string& prefix,
                const std::string& src) {
   const std::string where = src + ": ";
@@ -509,15 +589,20 @@ void apply_override(Config& config, const std::string& key_eq_value) {
   config_set(config, trim(key_eq_value.substr(0, eq)), key_eq_value.substr(eq + 1));
 }
 
-Config load_config_string(const std::string& yaml, const std::string& source) {
-  YAML::Node root;
+namespace {
+
+YAML::Node parse_yaml(const std::string& yaml, const std::string& source) {
   try {
-    root = YAML::Load(yaml);
+    return YAML::Load(yaml);
   } catch (const YAML::Exception& e) {
     XMOE_FAIL("[config] {}: invalid YAML: {}", source, e.what());
   }
+}
+
+Config load_root(const YAML::Node& root, const std::string& source) {
   if (root.IsNull()) return Config{};
   XMOE_CHECK(root.IsMap(), "[config] {}: expected a map of keys at the top level", source);
+  check_duplicate_keys(root, "", source);
   Config c;
   if (const YAML::Node p = root["preset"]) {
     XMOE_CHECK(p.IsScalar(), "[config] {}: preset = {} is not a name", source, node_text(p));
@@ -527,7 +612,16 @@ Config load_config_string(const std::string& yaml, const std::string& source) {
   return c;
 }
 
+}  // namespace
+
+Config load_config_string(const std::string& yaml, const std::string& source) {
+  return load_root(parse_yaml(yaml, source), source);
+}
+
 Config load_config_file(const std::string& path) {
+  std::error_code ec;
+  XMOE_CHECK(!std::filesystem::is_directory(path, ec),
+             "[config] {} is a directory, not a YAML file", path);
   std::string text;
   {
     FILE* f = std::fopen(path.c_str(), "rb");
@@ -537,7 +631,11 @@ Config load_config_file(const std::string& path) {
     while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
     std::fclose(f);
   }
-  return load_config_string(text, path);
+  const YAML::Node root = parse_yaml(text, path);
+  // A file that sets nothing would silently run every default: most likely a wrong path or an
+  // unsaved editor buffer.
+  XMOE_CHECK(!root.IsNull(), "[config] {} is empty (no keys, only whitespace or comments)", path);
+  return load_root(root, path);
 }
 
 void validate(const Config& c) {
@@ -562,10 +660,9 @@ void validate(const Config& c) {
   if (c.parallel.ep > 0 && moe.num_experts % c.parallel.ep != 0)
     fail("model.moe.num_experts = {} is not divisible by parallel.ep = {}", moe.num_experts,
          c.parallel.ep);
-  if (c.parallel.tp > 0 && m.num_heads % c.parallel.tp != 0)
-    fail("model.num_heads = {} is not divisible by parallel.tp = {}", m.num_heads, c.parallel.tp);
-  if (c.parallel.tp > 0 && m.num_kv_heads % c.parallel.tp != 0)
-    fail("model.num_kv_heads = {} is not divisible by parallel.tp = {}", m.num_kv_heads,
+  // One clear rule until tensor parallelism lands (then: heads divisible by tp).
+  if (c.parallel.tp > 1)
+    fail("parallel.tp = {}: tensor parallelism is not implemented yet; set parallel.tp = 1",
          c.parallel.tp);
   if (moe.gate == "xmoe" && moe.router_dtype != "f32")
     fail("model.moe.router_dtype = \"{}\" applies to the linear routers; the xmoe cosine "
@@ -647,14 +744,16 @@ std::string config_reference_markdown() {
       "A run is configured by a YAML file of nested maps that mirror the dotted key names\n"
       "(`model: {moe: {top_k: 6}}` sets `model.moe.top_k`), optionally starting from a preset\n"
       "(`preset: moe-1b` at the top level), then by `--set key=value` overrides (lists are\n"
-      "comma-separated: `--set model.recompute=attention,moe`). Unknown keys and values of the\n"
-      "wrong type are errors. `validate()` checks every range below and these cross-key rules:\n\n"
+      "comma-separated: `--set model.recompute=attention,moe`). Unknown keys, a key given twice,\n"
+      "values of the wrong type or beyond it (an int past 2147483647, a negative `uint64`) and an\n"
+      "empty config file are errors. `validate()` checks every range below and these cross-key\n"
+      "rules:\n\n"
       "- `model.moe.top_k <= model.moe.num_experts`; `switch` gate needs `top_k == 1`;\n"
       "  `model.moe.router_dtype: bf16` needs a linear router (not the `xmoe` gate)\n"
       "- `model.d_model % model.num_heads == 0`, the head dimension is even (RoPE),\n"
       "  `model.num_heads % model.num_kv_heads == 0`\n"
-      "- `model.moe.num_experts % parallel.ep == 0`; `model.num_heads` and `model.num_kv_heads`\n"
-      "  divisible by `parallel.tp`\n"
+      "- `model.moe.num_experts % parallel.ep == 0`; `parallel.tp == 1` (tensor parallelism is\n"
+      "  not implemented yet)\n"
       "- `sigmoid` gate: `num_experts % num_groups == 0`, `topk_groups <= num_groups`,\n"
       "  `top_k <= topk_groups * num_experts / num_groups`\n"
       "- `model.first_dense_layers <= model.num_layers`; `train.seq_len <= model.max_seq_len`;\n"
