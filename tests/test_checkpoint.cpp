@@ -10,10 +10,12 @@
 #include "xmoe/io/safetensors.h"
 #include "xmoe/train/checkpoint.h"
 
+#include "file_size_limit.h"
 #include "testing.h"
 
 using namespace xmoe;
 using xmoe::testing::error_of;
+using xmoe::testing::FileSizeLimit;
 using xmoe::testing::TempDir;
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -243,4 +245,102 @@ TEST(Checkpoint, MultiRankProtocol) {
   EXPECT_EQ(ck.tensors.size(), 3u);
   EXPECT_EQ(train::load_checkpoint_rank(dir, 1).tensors.count("expert.0"), 0u);
   EXPECT_CONTAINS(error_of([&] { train::save_checkpoint(dir, r0, {}, 0, 2); }), "needs a barrier");
+}
+
+namespace {
+
+// Names in `dir` that a failed save must not leave: `*.tmp-*` and `*.old`.
+std::vector<std::string> leftovers(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.find(".tmp-") != std::string::npos || name.ends_with(".old")) out.push_back(name);
+  }
+  return out;
+}
+
+// free_bytes answers `bytes` while alive.
+struct FakeFreeBytes {
+  explicit FakeFreeBytes(uint64_t bytes) { io::set_free_bytes_for_testing(bytes); }
+  ~FakeFreeBytes() { io::set_free_bytes_for_testing(std::nullopt); }
+};
+
+const std::string efbig = fmt::format("write failed ({})", std::strerror(EFBIG));
+
+}  // namespace
+
+TEST(Checkpoint, FullDiskRemovesTmpAndKeepsPreviousCheckpoint) {
+  TempDir tmp;
+  const std::string prev = tmp / "step-100", next = tmp / "step-200";
+  train::save_checkpoint(prev, sample_tensors(), {{"step", 100}});
+  io::TensorMap big;
+  big["w"] = Tensor::zeros({64 * 1024});  // 262 kB, far over the 16 kB limit
+  std::string msg, msg_overwrite, msg_rank1;
+  {
+    FileSizeLimit limit(16 * 1024);
+    msg = error_of([&] { train::save_checkpoint(next, big, {{"step", 200}}); });
+    msg_overwrite = error_of([&] { train::save_checkpoint(prev, big, {{"step", 100}}); });
+    // Rank 1 of 2 whose write fails after rank 0 created the tmp folder: it removes the folder.
+    fs::create_directories(train::checkpoint_tmp_dir(next));
+    msg_rank1 = error_of([&] { train::save_checkpoint(next, big, {}, 1, 2, [] {}); });
+  }
+  EXPECT_CONTAINS(msg, "[checkpoint] saving " + next + " failed: [io] " +
+                           train::checkpoint_tmp_dir(next) + "/model-rank0.safetensors: " + efbig);
+  EXPECT_CONTAINS(msg, "it needs about 262.1 kB, ");
+  EXPECT_CONTAINS(msg, " free on that filesystem. The previous checkpoints are intact.");
+  EXPECT_CONTAINS(msg_overwrite, "[checkpoint] saving " + prev + " failed: ");
+  EXPECT_CONTAINS(msg_rank1, "model-rank1.safetensors: " + efbig);
+  EXPECT_CONTAINS(msg_rank1, "it needs about 524.3 kB");  // world 2 x this rank's share
+  EXPECT_EQ(leftovers(tmp.str()), std::vector<std::string>{});
+  EXPECT_FALSE(fs::exists(next));
+  EXPECT_EQ(train::latest_checkpoint(tmp.str()), prev);
+  const train::Checkpoint ck = train::load_checkpoint(prev);
+  EXPECT_EQ(ck.state["step"], 100);
+  expect_same(sample_tensors(), ck.tensors);
+}
+
+TEST(Checkpoint, FailedCommitKeepsPreviousCheckpoint) {
+  // The shard fits but the manifest does not: the failure is in the commit step.
+  TempDir tmp;
+  const std::string dir = tmp / "step-5";
+  train::save_checkpoint(dir, sample_tensors(), {{"v", 1}});
+  const json huge = {{"v", 2}, {"config", std::string(64 * 1024, 'c')}};
+  std::string msg;
+  {
+    FileSizeLimit limit(16 * 1024);
+    msg = error_of([&] { train::save_checkpoint(dir, sample_tensors(), huge); });
+  }
+  EXPECT_CONTAINS(msg, "[checkpoint] saving " + dir + " failed: [io] " +
+                           train::checkpoint_tmp_dir(dir) + "/manifest.json: " + efbig);
+  EXPECT_EQ(leftovers(tmp.str()), std::vector<std::string>{});
+  EXPECT_EQ(train::load_checkpoint(dir).state["v"], 1);
+  EXPECT_EQ(train::latest_checkpoint(tmp.str()), dir);
+}
+
+TEST(Checkpoint, NotEnoughFreeSpaceFailsBeforeWriting) {
+  TempDir tmp;
+  const std::string prev = tmp / "step-1", next = tmp / "step-2";
+  train::save_checkpoint(prev, sample_tensors(), {{"step", 1}});
+  io::TensorMap t;
+  t["w"] = Tensor::zeros({1000});  // 4000 bytes
+  std::string msg, msg_world2;
+  {
+    FakeFreeBytes free(900);
+    msg = error_of([&] { train::save_checkpoint(next, t, {{"step", 2}}); });
+    msg_world2 = error_of([&] { train::save_checkpoint(next, t, {{"step", 2}}, 0, 2, [] {}); });
+  }
+  EXPECT_CONTAINS(msg, "[checkpoint] saving " + next +
+                           " failed: not enough free space; it needs about 4.0 kB, 900 B free on "
+                           "that filesystem. The previous checkpoints are intact.");
+  EXPECT_CONTAINS(msg_world2, "it needs about 8.0 kB, 900 B free");
+  // Nothing was written: the run folder holds the previous checkpoint alone.
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(tmp.str())) names.push_back(e.path().filename());
+  EXPECT_EQ(names, std::vector<std::string>{"step-1"});
+  EXPECT_EQ(train::latest_checkpoint(tmp.str()), prev);
+  {
+    FakeFreeBytes free(4000);  // exactly enough
+    train::save_checkpoint(next, t, {{"step", 2}});
+  }
+  EXPECT_EQ(train::latest_checkpoint(tmp.str()), next);
 }

@@ -1,14 +1,18 @@
 #include "xmoe/io/file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <utility>
 #include <vector>
 
 #include "xmoe/core/error.h"
@@ -39,6 +43,23 @@ const Crc32cTables& tables() {
 std::string errno_str() {
   return std::strerror(errno);
 }
+
+// Writes all of `data`, retrying short writes; 0 or the errno of the call that failed. A write
+// that fills the disk writes what fits and fails on the next call, which reports why.
+int write_all(int fd, const void* data, size_t size) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::write(fd, p, std::min(size, size_t{1} << 30));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    if (n == 0) return EIO;
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+std::atomic<int64_t> free_bytes_override{-1};
 
 }  // namespace
 
@@ -99,22 +120,150 @@ void write_file_atomic(const std::string& path, std::string_view contents) {
   namespace fs = std::filesystem;
   const std::string tmp = fmt::format("{}.tmp-{}", path, ::getpid());
   {
-    std::FILE* f = std::fopen(tmp.c_str(), "wb");
-    XMOE_CHECK(f, "[io] {}: cannot open for writing ({})", tmp, errno_str());
-    const size_t n = std::fwrite(contents.data(), 1, contents.size(), f);
-    const bool ok = n == contents.size() && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
-    std::fclose(f);
-    if (!ok) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      XMOE_FAIL("[io] {}: write failed ({})", tmp, errno_str());
-    }
+    OutputFile f(tmp, path);
+    f.write(contents);
+    f.close();
   }
   std::error_code ec;
   fs::rename(tmp, path, ec);
-  XMOE_CHECK(!ec, "[io] rename {} -> {} failed: {}", tmp, path, ec.message());
+  if (ec) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    XMOE_FAIL("[io] {}: rename from {} failed ({})", path, tmp, ec.message());
+  }
   const fs::path parent = fs::path(path).parent_path();
   fsync_path(parent.empty() ? "." : parent.string());
+}
+
+std::optional<uint64_t> free_bytes(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (const int64_t o = free_bytes_override.load(); o >= 0) return static_cast<uint64_t>(o);
+  std::error_code ec;
+  fs::path p = fs::absolute(path.empty() ? "." : path, ec);
+  if (ec) return std::nullopt;
+  while (!fs::exists(p, ec)) {
+    if (p == p.parent_path()) return std::nullopt;
+    p = p.parent_path();
+  }
+  const fs::space_info info = fs::space(p, ec);
+  if (ec || info.available == static_cast<uintmax_t>(-1)) return std::nullopt;
+  return static_cast<uint64_t>(info.available);
+}
+
+void set_free_bytes_for_testing(std::optional<uint64_t> bytes) {
+  free_bytes_override.store(bytes ? static_cast<int64_t>(*bytes) : -1);
+}
+
+std::string format_bytes(uint64_t bytes) {
+  if (bytes < 1000) return fmt::format("{} B", bytes);
+  static const char* const units[] = {"kB", "MB", "GB", "TB", "PB", "EB"};
+  double v = static_cast<double>(bytes) / 1000;
+  int u = 0;
+  while (v >= 999.95 && u < 5) {
+    v /= 1000;
+    ++u;
+  }
+  return fmt::format("{:.1f} {}", v, units[u]);
+}
+
+// ---- OutputFile ----
+
+OutputFile::OutputFile(std::string path, std::string name)
+    : path_(std::move(path)), name_(name.empty() ? path_ : std::move(name)) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  XMOE_CHECK(fd_ >= 0, "[io] {}: cannot open for writing ({})", name_, errno_str());
+}
+
+OutputFile::~OutputFile() {
+  if (fd_ < 0) return;  // closed, or already removed by fail()
+  ::close(fd_);
+  ::unlink(path_.c_str());
+}
+
+void OutputFile::fail(const char* what, int err) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  ::unlink(path_.c_str());
+  XMOE_FAIL("[io] {}: {} failed ({})", name_, what, std::strerror(err));
+}
+
+void OutputFile::write(const void* data, size_t size) {
+  XMOE_CHECK(fd_ >= 0, "[io] {}: write after close", name_);
+  if (const int err = write_all(fd_, data, size)) fail("write", err);
+}
+
+void OutputFile::close(bool sync) {
+  XMOE_CHECK(fd_ >= 0, "[io] {}: closed twice", name_);
+  if (sync && ::fsync(fd_) != 0) fail("fsync", errno);
+  const int rc = ::close(fd_);
+  const int err = errno;
+  fd_ = -1;
+  if (rc != 0) {
+    ::unlink(path_.c_str());
+    XMOE_FAIL("[io] {}: close failed ({})", name_, std::strerror(err));
+  }
+}
+
+// ---- AppendFile ----
+
+AppendFile::AppendFile(const std::string& path) : path_(path) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666);
+  XMOE_CHECK(fd_ >= 0, "[io] {}: cannot open for appending ({})", path_, errno_str());
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    XMOE_FAIL("[io] {}: fstat failed ({})", path_, std::strerror(err));
+  }
+  size_ = static_cast<int64_t>(st.st_size);
+}
+
+AppendFile::~AppendFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+AppendFile::AppendFile(AppendFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      fd_(std::exchange(other.fd_, -1)),
+      size_(std::exchange(other.size_, 0)) {}
+
+AppendFile& AppendFile::operator=(AppendFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(other.path_);
+    fd_ = std::exchange(other.fd_, -1);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+void AppendFile::write_line(std::string_view line) {
+  XMOE_CHECK(fd_ >= 0, "[io] {}: write after close", path_);
+  std::string buf;
+  buf.reserve(line.size() + 1);
+  buf.append(line).push_back('\n');
+  const int err = write_all(fd_, buf.data(), buf.size());
+  if (err == 0) {
+    size_ += static_cast<int64_t>(buf.size());
+    return;
+  }
+  // Part of the line may be on disk; cut it off so the log stays whole lines.
+  if (::ftruncate(fd_, size_) != 0)
+    XMOE_FAIL("[io] {}: write failed ({}), and removing the partial line failed too ({})", path_,
+              std::strerror(err), errno_str());
+  XMOE_FAIL("[io] {}: write failed ({})", path_, std::strerror(err));
+}
+
+void AppendFile::sync() {
+  XMOE_CHECK(fd_ >= 0, "[io] {}: sync after close", path_);
+  XMOE_CHECK(::fsync(fd_) == 0, "[io] {}: fsync failed ({})", path_, errno_str());
+}
+
+void AppendFile::close() {
+  XMOE_CHECK(fd_ >= 0, "[io] {}: closed twice", path_);
+  const int rc = ::close(std::exchange(fd_, -1));
+  XMOE_CHECK(rc == 0, "[io] {}: close failed ({})", path_, errno_str());
 }
 
 }  // namespace xmoe::io

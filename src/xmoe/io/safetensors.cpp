@@ -1,13 +1,12 @@
 #include "xmoe/io/safetensors.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <vector>
+
+#include "xmoe/io/file.h"
 
 namespace xmoe::io {
 
@@ -64,19 +63,17 @@ void save_safetensors(const std::string& path, const TensorMap& tensors, const M
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
 
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  XMOE_CHECK(f, "[safetensors] {}: cannot open for writing ({})", path, std::strerror(errno));
-  bool ok = std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, n, f) == n;
+  // OutputFile checks every write and removes the file if any step (a device copy included)
+  // throws, so a failed save leaves no truncated file that looks like a tensor file.
+  OutputFile f(path);
+  f.write(len, 8);
+  f.write(text);
   for (const auto& [name, t] : tensors) {
-    if (!ok) break;
     if (t.nbytes() == 0) continue;  // raw() of an empty tensor may be null
     const Tensor host = t.is_cpu() ? t : t.to(Device::cpu());
-    ok = std::fwrite(host.raw(), 1, host.nbytes(), f) == host.nbytes();
+    f.write(host.raw(), host.nbytes());
   }
-  ok = std::fflush(f) == 0 && ok;
-  const int err = errno;
-  std::fclose(f);
-  XMOE_CHECK(ok, "[safetensors] {}: write failed ({})", path, std::strerror(err));
+  f.close();
 }
 
 SafetensorsFile load_safetensors(const std::string& path) {

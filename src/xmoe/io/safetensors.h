@@ -17,7 +17,8 @@ using Metadata = std::map<std::string, std::string>;
 
 /// Writes `tensors` (any device; copied to the host) with optional string metadata. Tensors are
 /// laid out in name order; the header is padded with spaces to a multiple of 8 bytes.
-/// Writes `path` directly: callers that need atomicity write into a temporary folder.
+/// Writes `path` directly and fsyncs it: callers that need atomicity write into a temporary
+/// folder. A failed write throws "[io] <path>: write failed (<strerror>)" and removes the file.
 void save_safetensors(const std::string& path, const TensorMap& tensors,
                       const Metadata& metadata = {});
 

@@ -104,11 +104,14 @@ void write_checkpoint_shard(const std::string& tmp_dir,
   XMOE_CHECK(fs::is_directory(tmp_dir), "[checkpoint] {}: tmp folder does not exist", tmp_dir);
   const std::string path = join(tmp_dir, checkpoint_rank_file(rank));
   io::save_safetensors(path, tensors, {{"format", kFormat}, {"rank", std::to_string(rank)}});
-  io::fsync_path(path);
 }
 
-void commit_checkpoint(const std::string& tmp_dir, const std::string& dir_in,
-                       const json& manifest_extra, int world) {
+namespace {
+
+// commit_checkpoint's work; sets `in_place` once the new checkpoint has its final name, after
+// which a failure (fsync, removing `.old`) no longer threatens it.
+void commit_impl(const std::string& tmp_dir, const std::string& dir_in, const json& manifest_extra,
+                 int world, bool& in_place) {
   const std::string dir = strip_slash(dir_in);
   json files = json::array();
   for (int r = 0; r < world; ++r) {
@@ -136,9 +139,30 @@ void commit_checkpoint(const std::string& tmp_dir, const std::string& dir_in,
     remove_all_or_throw(old);
     rename_or_throw(dir, old);
   }
-  rename_or_throw(tmp_dir, dir);
+  std::error_code ec;
+  fs::rename(tmp_dir, dir, ec);
+  if (ec) {
+    std::error_code ignored;
+    if (had_old) fs::rename(old, dir, ignored);  // the previous checkpoint back under its name
+    XMOE_FAIL("[checkpoint] cannot rename {} -> {}: {}", tmp_dir, dir, ec.message());
+  }
+  in_place = true;
   io::fsync_path(parent_of(dir));
   remove_all_or_throw(old);  // also a `.old` left by a save that crashed between the renames
+}
+
+uint64_t shard_bytes(const std::map<std::string, Tensor>& tensors) {
+  uint64_t n = 0;
+  for (const auto& [name, t] : tensors) n += t.defined() ? t.nbytes() : 0;
+  return n;
+}
+
+}  // namespace
+
+void commit_checkpoint(const std::string& tmp_dir, const std::string& dir,
+                       const json& manifest_extra, int world) {
+  bool in_place = false;
+  commit_impl(tmp_dir, dir, manifest_extra, world, in_place);
 }
 
 void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tensor>& tensors,
@@ -150,21 +174,53 @@ void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tens
              "[checkpoint] save with world {} needs a barrier to coordinate the ranks", world);
   const std::string dir = strip_slash(dir_in);
   const std::string tmp = checkpoint_tmp_dir(dir);
+  const std::string parent = parent_of(dir);
+  // Every rank writes into the same folder (rank 0 checksums all files), so the save needs about
+  // world times this rank's share.
+  const uint64_t needed = shard_bytes(tensors) * static_cast<uint64_t>(world);
   auto sync = [&] {
     if (barrier) barrier();
   };
-  if (rank == 0) {
-    std::error_code ec;
-    fs::create_directories(parent_of(dir), ec);
-    XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", parent_of(dir), ec.message());
-    remove_all_or_throw(tmp);  // leftover of a crashed save
-    fs::create_directory(tmp, ec);
-    XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", tmp, ec.message());
+  bool in_place = false;
+  try {
+    if (rank == 0) {
+      std::error_code ec;
+      fs::create_directories(parent, ec);
+      XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", parent, ec.message());
+      remove_all_or_throw(tmp);  // leftover of a crashed save
+    }
+    // Measured before the first barrier, while no rank of this save has written anything. The
+    // message is completed below, as for every failure.
+    const std::optional<uint64_t> free = io::free_bytes(parent);
+    const bool fits = !free || *free >= needed;
+    // Rank 0 stops before creating the tmp folder; the others only after the barrier, so that
+    // the folder they remove is not created after they removed it.
+    if (rank == 0) {
+      XMOE_CHECK(fits, "not enough free space");
+      std::error_code ec;
+      fs::create_directory(tmp, ec);
+      XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", tmp, ec.message());
+    }
+    sync();
+    XMOE_CHECK(fits, "not enough free space");
+    write_checkpoint_shard(tmp, tensors, rank);
+    sync();
+    if (rank == 0) commit_impl(tmp, dir, manifest_extra, world, in_place);
+  } catch (const std::exception& e) {
+    if (in_place)
+      XMOE_FAIL("[checkpoint] {} is saved, but finishing the save failed: {}", dir, e.what());
+    // Any rank may get here; the folder goes whichever rank removes it (another rank's removal
+    // racing with ours is harmless), so a full disk is not kept full by a half checkpoint. A
+    // rank still creating its file can make one removal fail (folder not empty): try again.
+    std::error_code ignored;
+    for (int i = 0; i < 3 && fs::exists(tmp, ignored); ++i) fs::remove_all(tmp, ignored);
+    const std::optional<uint64_t> free = io::free_bytes(parent);
+    XMOE_FAIL(
+        "[checkpoint] saving {} failed: {}; it needs about {}, {} free on that filesystem. The "
+        "previous checkpoints are intact.",
+        dir, e.what(), io::format_bytes(needed),
+        free ? io::format_bytes(*free) : std::string("an unknown amount"));
   }
-  sync();
-  write_checkpoint_shard(tmp, tensors, rank);
-  sync();
-  if (rank == 0) commit_checkpoint(tmp, dir, manifest_extra, world);
   sync();
 }
 

@@ -4,7 +4,8 @@
 // `<dir>.tmp-XXXXXXXX/` and renamed into place, so a folder named `dir` is always complete.
 //
 // Multi-rank protocol (save_checkpoint with world > 1 and a barrier):
-//   1. rank 0 removes a stale tmp folder and creates it;            barrier
+//   1. every rank measures the free space; rank 0 removes a stale tmp folder and, if the save
+//      fits, creates it;                                             barrier
 //   2. every rank r writes model-rank{r}.safetensors into it;        barrier
 //   3. rank 0 checksums the rank files, writes manifest.json, fsyncs and renames;  barrier
 // The tmp folder's name is derived from `dir` alone, so all ranks agree on it without talking.
@@ -32,6 +33,12 @@ std::string checkpoint_tmp_dir(const std::string& dir);
 /// renamed to `<dir>.old`, the new one renamed in, then the old one deleted.
 /// With world > 1 every rank calls this with the same dir and `barrier` must synchronise all
 /// ranks (see the protocol above); with world == 1 `barrier` may be empty.
+/// A save that fails on any rank (a full disk, a quota, an I/O error) removes the tmp folder and
+/// throws "[checkpoint] saving <dir> failed: <reason>; it needs about <bytes>, <bytes> free on
+/// that filesystem. The previous checkpoints are intact." (needed = this rank's tensor bytes x
+/// world); the previous `dir`, if any, is kept. If io::free_bytes shows less than needed, it
+/// fails that way before writing anything. A failure after the new checkpoint has its name
+/// (fsync of the run folder, removing `<dir>.old`) throws "[checkpoint] <dir> is saved, but ...".
 void save_checkpoint(const std::string& dir, const std::map<std::string, Tensor>& tensors,
                      const nlohmann::json& manifest_extra, int rank = 0, int world = 1,
                      const std::function<void()>& barrier = {});
