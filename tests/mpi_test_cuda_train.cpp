@@ -34,6 +34,7 @@
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/config/config.h"
+#include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/trainer.h"
 
@@ -102,7 +103,7 @@ class CudaNcclTrain : public ::testing::Test {
       data.corpus = (root_ / "corpus").string();
       data.dir = (root_ / "data").string();
       data.val_fraction = 0.1f;
-      train::ensure_prepared_data(data);  // before any rank's reference run needs it
+      data::ensure_prepared(data);  // before any rank's reference run needs it
     }
     world_->barrier();
   }

@@ -9,7 +9,9 @@
 #include "xmoe/comm/group.h"
 #include "testing.h"
 #include "xmoe/config/config.h"
+#include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
+#include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -31,7 +33,7 @@ fs::path shared_root() {
     data.corpus = (root / "corpus").string();
     data.dir = (root / "data").string();
     data.val_fraction = 0.1f;
-    train::ensure_prepared_data(data);  // before any rank's reference run needs it
+    data::ensure_prepared(data);  // before any rank's reference run needs it
   }
   world()->barrier();
   return root;
@@ -178,5 +180,33 @@ TEST(DistributedTraining, RbdWithAffinityPlacementMatchesOneProcess) {
   c.model.moe.dispatch = "rbd";
   const auto got = run(c, (root / "rbd").string(), world());
   expect_same_losses(ref, got, 0, "rbd + affinity placement");
+  world()->barrier();
+}
+
+// Ranks started with different configs (here the last rank's train.steps or model width) stop
+// together before the first step, every rank naming the rank and the key, instead of hanging
+// in a collective or training diverged replicas.
+TEST(DistributedTraining, RanksWithDifferentConfigsStopNamingTheKey) {
+  const int n = world()->size(), r = world()->rank();
+  Config c = preset("tiny");
+  EXPECT_NO_THROW(train::check_ranks_agree(*world(), c));
+  for (const std::string key : {"train.steps", "model.d_model"}) {
+    Config mine = c;
+    if (r == n - 1) config_set(mine, key, key == "train.steps" ? "11" : "128");
+    const std::string e = xmoe::testing::error_of([&] { train::check_ranks_agree(*world(), mine); });
+    EXPECT_CONTAINS(e, "ranks were started with different configs");
+    EXPECT_CONTAINS(e, fmt::format("rank {} ({})", n - 1, key));
+    if (r == n - 1)
+      EXPECT_CONTAINS(e, fmt::format("{} = {} on rank 0, {} on rank {}", key,
+                                     config_get(c, key), config_get(mine, key), r));
+  }
+  // A config that reaches train() is checked there too: every rank refuses to start.
+  const fs::path root = shared_root();
+  Config bad = micro_config(root, "softmax_topk");
+  if (r == n - 1) bad.train.seed += 1;
+  const std::string e =
+      xmoe::testing::error_of([&] { run(bad, (root / "disagree").string(), world()); });
+  EXPECT_CONTAINS(e, fmt::format("rank {} (train.seed)", n - 1));
+  EXPECT_FALSE(fs::exists(root / "disagree")) << "nothing may be written before the ranks agree";
   world()->barrier();
 }

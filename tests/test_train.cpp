@@ -3,15 +3,20 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "testing.h"
 #include "xmoe/config/config.h"
+#include "xmoe/io/file.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
+#include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace xmoe;
+using xmoe::testing::error_of;
 
 namespace {
 
@@ -131,30 +136,101 @@ TEST_F(TrainTest, NonFiniteStepsAreSkippedThenStopTheRun) {
   c.train.warmup_steps = 0;
   c.train.save_every = 1;
   c.train.max_bad_steps = 3;
+  std::string message;
   try {
     train::train(c, quiet());
     FAIL() << "the run should have stopped";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("consecutive steps with a non-finite"), std::string::npos)
-        << e.what();
+    message = e.what();
   }
-  // The checkpoints written before the failure are complete and load.
+  EXPECT_CONTAINS(message, "consecutive steps with a non-finite");
+  // No checkpoint is written while the last step was not finite: the newest one is the one
+  // the message calls the last good checkpoint, and it loads.
   const auto latest = train::latest_checkpoint(c.train.out_dir);
   ASSERT_TRUE(latest.has_value());
+  EXPECT_CONTAINS(message, "The last good checkpoint is " + *latest);
   EXPECT_NO_THROW(train::load_checkpoint(*latest));
+  const auto contents = train::inspect_run_folder(c.train.out_dir);
+  EXPECT_EQ(contents.checkpoints.back(), fs::path(*latest).filename().string());
+  // The steps after the newest checkpoint were all skipped.
+  const int good = std::stoi(contents.checkpoints.back().substr(5));
+  std::istringstream metrics(xmoe::io::read_file(c.train.out_dir + "/metrics.jsonl"));
+  std::string line;
+  while (std::getline(metrics, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss") && j["step"].get<int>() > good) EXPECT_TRUE(j["skipped"].get<bool>());
+  }
 }
 
 TEST_F(TrainTest, ResumeWithoutCheckpointOrWithOtherModelFails) {
   Config c = micro_config();
   auto o = quiet();
   o.resume = true;
-  EXPECT_THROW(train::train(c, o), Error);
+  EXPECT_CONTAINS(error_of([&] { train::train(c, o); }), "no checkpoint in train.out_dir");
   c.train.steps = 2;
   c.train.save_every = 2;
-  train::train(c, quiet());
+  train::train(c, quiet());  // the failed resume left nothing that looks like a run
   c.model.d_model = 64;
   c.train.steps = 4;
-  EXPECT_THROW(train::train(c, o), Error);
+  EXPECT_CONTAINS(error_of([&] { train::train(c, o); }), "model.d_model: 32 -> 64");
+}
+
+// A run folder belongs to one run: training into it again is refused, naming --resume and
+// --overwrite; --overwrite starts over.
+TEST_F(TrainTest, AFolderWithARunIsNotWrittenOver) {
+  Config c = micro_config();
+  c.train.steps = 4;
+  c.train.save_every = 2;
+  train::train(c, quiet());
+  const std::string before = xmoe::io::read_file(c.train.out_dir + "/metrics.jsonl");
+  c.model.moe.gate = "sigmoid";
+  const std::string e = error_of([&] { train::train(c, quiet()); });
+  EXPECT_CONTAINS(e, "already holds a run");
+  EXPECT_CONTAINS(e, "--resume");
+  EXPECT_CONTAINS(e, "--overwrite");
+  EXPECT_EQ(xmoe::io::read_file(c.train.out_dir + "/metrics.jsonl"), before);
+  EXPECT_TRUE(fs::exists(c.train.out_dir + "/step-4"));
+
+  auto o = quiet();
+  o.overwrite = true;
+  c.train.steps = 2;
+  const auto r = train::train(c, o);
+  EXPECT_EQ(r.last_step, 2);
+  EXPECT_FALSE(fs::exists(c.train.out_dir + "/step-4"));  // the old run's checkpoints went
+  EXPECT_CONTAINS(xmoe::io::read_file(c.train.out_dir + "/config.yaml"), "gate: \"sigmoid\"");
+  EXPECT_FALSE(fs::exists(c.train.out_dir + "/" + train::kRunLockFile));  // released
+  o.resume = true;
+  EXPECT_CONTAINS(error_of([&] { train::train(c, o); }), "give one");
+}
+
+// A resume after a crash logs each step once: the lines written past the checkpoint go.
+// A resume at train.steps trains nothing; past it, it is refused naming train.steps.
+TEST_F(TrainTest, ResumeLogsEveryStepOnceAndStopsAtTrainSteps) {
+  Config c = micro_config();
+  c.train.steps = 12;
+  c.train.save_every = 4;
+  auto first = quiet();
+  first.stop_after = 6;  // checkpoints step-4 and step-6
+  train::train(c, first);
+  fs::remove_all(c.train.out_dir + "/step-6");  // as if the run died between step 6 and 8
+  auto o = quiet();
+  o.resume = true;
+  const auto r = train::train(c, o);
+  EXPECT_EQ(r.first_step, 4);
+  std::istringstream metrics(xmoe::io::read_file(c.train.out_dir + "/metrics.jsonl"));
+  std::vector<int> steps;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) steps.push_back(j["step"].get<int>());
+  }
+  std::vector<int> want(12);
+  for (int i = 0; i < 12; ++i) want[static_cast<size_t>(i)] = i + 1;
+  EXPECT_EQ(steps, want);
+
+  const auto again = train::train(c, o);  // at step 12 = train.steps
+  EXPECT_TRUE(again.steps.empty());
+  c.train.steps = 8;
+  EXPECT_CONTAINS(error_of([&] { train::train(c, o); }), "past train.steps = 8");
 }
 
 TEST_F(TrainTest, GenerationIsDeterministicForASeed) {

@@ -1,13 +1,15 @@
 // xmoe: the command-line entry point.
-//   xmoe train     [--preset P | --config F] [--set key=value ...] [--resume]
+//   xmoe train     [--preset P | --config F] [--set key=value ...] [--resume | --overwrite]
 //   xmoe generate  --checkpoint DIR --prompt TEXT
-//   xmoe prepare   [--corpus PATH] [--out DIR]
+//   xmoe prepare   [--corpus PATH] [--out DIR] [--overwrite]
 //   xmoe config    show | presets | keys
 //   xmoe inspect   CHECKPOINT
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -19,11 +21,68 @@
 #include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
+#include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
 
 namespace {
 
 using namespace xmoe;
+namespace fs = std::filesystem;
+
+/// The commands with one example each: `xmoe`, `xmoe --help` and a misspelt command show them.
+constexpr const char* kCommands = R"(Commands (xmoe COMMAND --help lists a command's flags and their defaults):
+  train      Train a model (default: the tiny preset on the built-in English corpus, CPU)
+               xmoe train --set train.steps=200 --set train.out_dir=runs/short
+  generate   Sample text from a checkpoint
+               xmoe generate --checkpoint runs/default --prompt "The meaning of life"
+  prepare    Tokenise a text corpus into train.bin / val.bin
+               xmoe prepare --corpus my_texts/ --out data/mine
+  config     Show the resolved config, the presets, or every key
+               xmoe config show --preset moe-1b
+  inspect    Verify a checkpoint and list its tensors
+               xmoe inspect runs/default/step-600
+Docs: README.md, docs/training.md, docs/config.md)";
+
+const std::vector<std::string> kCommandNames = {"train", "generate", "prepare", "config",
+                                                "inspect"};
+
+/// Edit distance, for "did you mean".
+size_t distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+/// A whole number in [lo, hi], checked with a message in plain words (CLI11's own range check
+/// prints the double limits of the type).
+CLI::Validator whole_number(long long lo, long long hi) {
+  const std::string desc =
+      hi == std::numeric_limits<long long>::max() ? fmt::format("INT >= {}", lo)
+                                                  : fmt::format("INT in [{}, {}]", lo, hi);
+  return CLI::Validator(
+      [lo, hi](std::string& s) -> std::string {
+        long long v = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (ec != std::errc() || end != s.data() + s.size())
+          return fmt::format("'{}' is not a whole number", s);
+        if (v < lo) return fmt::format("{} is below the smallest allowed value, {}", v, lo);
+        if (v > hi) return fmt::format("{} is above the largest allowed value, {}", v, hi);
+        return "";
+      },
+      desc);
+}
+CLI::Validator at_least(long long lo) {
+  return whole_number(lo, std::numeric_limits<long long>::max());
+}
 
 /// --preset / --config / --set, shared by the commands that take a configuration.
 struct ConfigArgs {
@@ -32,7 +91,8 @@ struct ConfigArgs {
   std::vector<std::string> overrides;
 
   void add_to(CLI::App* cmd) {
-    cmd->add_option("--preset", preset_name, "Start from a named preset (xmoe config presets)");
+    cmd->add_option("--preset", preset_name, "Start from a named preset (xmoe config presets)")
+        ->default_str("tiny");
     cmd->add_option("--config", config_file, "YAML config file (may name a preset itself)");
     cmd->add_option("--set", overrides, "Override a key: --set model.moe.top_k=4 (repeatable)");
   }
@@ -71,39 +131,137 @@ void inspect(const std::string& dir) {
   std::printf("%zu tensors, %.1f MB\n", ckpt.tensors.size(), total / 1e6);
 }
 
+/// Makes data paths absolute, so that the run's config (config.yaml, the checkpoints) names
+/// the same data from any directory a later --resume or generate starts in.
+void absolute_data_paths(Config& c) {
+  c.data.dir = fs::absolute(c.data.dir).lexically_normal().string();
+  c.data.corpus = fs::absolute(c.data.corpus).lexically_normal().string();
+}
+
+/// `xmoe train`: a fresh run from the command line's config, or (--resume) the run's own
+/// config with the --set overrides as changes.
+void run_train(const ConfigArgs& args, const train::TrainOptions& opts) {
+  Config config = args.resolve();
+  const bool leader = comm::world()->rank() == 0;
+  // A rank's stdout is a pseudo-terminal under mpirun/srun, wherever the job's output goes:
+  // log without colour codes there.
+  if (comm::launched_by_mpi()) {
+    auto plain =
+        std::make_shared<spdlog::logger>("xmoe", std::make_shared<spdlog::sinks::stdout_sink_mt>());
+    plain->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");  // spdlog's default, without colour
+    spdlog::set_default_logger(std::move(plain));
+  }
+  // Under mpirun/srun only rank 0 talks; the others log warnings and errors.
+  if (!leader) spdlog::set_level(spdlog::level::warn);
+  absolute_data_paths(config);
+  if (opts.resume) {
+    // --preset/--config name a model the run must have; without them the defaults name none.
+    const bool names_model = !args.preset_name.empty() || !args.config_file.empty();
+    const train::ResumeConfig r = train::resume_config(config, args.overrides, names_model);
+    config = r.config;
+    if (leader) {
+      for (const std::string& c : r.changes) spdlog::info("--resume: changed {}", c);
+      if (names_model)
+        for (const std::string& c : r.ignored)
+          spdlog::warn("--resume keeps the run's {} (run -> {}); give it with --set to change it",
+                       c, args.config_file.empty() ? "--preset" : "--config");
+    }
+  }
+  const ParamCount n = count_parameters(config.model);
+  spdlog::info("model: {:.2f}M parameters ({:.2f}M active), {} layers, {} experts top-{}, run "
+               "folder {}",
+               n.total / 1e6, n.active / 1e6, config.model.num_layers,
+               config.model.moe.num_experts, config.model.moe.top_k, config.train.out_dir);
+  const train::TrainResult r = train::train(config, opts);
+  if (!r.evals.empty())
+    spdlog::info("final validation loss {:.4f} nats/token after {} steps ({:.1f} s); checkpoint {}",
+                 r.evals.back().val_loss, r.last_step, r.seconds, r.last_checkpoint);
+  // XMOE_PROFILE=1: the regions of the whole run (evaluation passes included), rank 0's.
+  if (profiling::enabled() && leader)
+    std::fprintf(stderr, "xmoe: profile (XMOE_PROFILE)\n%s", profiling::report_table().c_str());
+}
+
+/// A first argument that is no command and no flag: name it and the closest command.
+bool unknown_command(int argc, char** argv) {
+  if (argc < 2 || argv[1][0] == '-') return false;
+  const std::string given = argv[1];
+  if (std::find(kCommandNames.begin(), kCommandNames.end(), given) != kCommandNames.end())
+    return false;
+  std::string best = kCommandNames.front();
+  for (const std::string& c : kCommandNames)
+    if (distance(given, c) < distance(given, best)) best = c;
+  std::fprintf(stderr, "xmoe: error: unknown command '%s'%s\n\n%s\n", given.c_str(),
+               distance(given, best) <= 3 ? fmt::format(" (did you mean '{}'?)", best).c_str()
+                                          : "",
+               kCommands);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"xmoe: training fine-grained Mixture-of-Experts language models"};
+  CLI::App app{"xmoe " XMOE_VERSION
+               ": training fine-grained Mixture-of-Experts language models, from one CPU to GPU "
+               "clusters"};
+  app.set_version_flag("--version", "xmoe " XMOE_VERSION);
+  app.option_defaults()->always_capture_default();  // every --help shows the defaults
+  app.footer(kCommands);
   app.require_subcommand(1);
-  app.set_version_flag("--version", "xmoe 0.1.0");
+  if (argc == 1) {
+    std::printf("%s\n", app.help().c_str());
+    return 0;
+  }
+  if (unknown_command(argc, argv)) return 2;
 
   ConfigArgs train_cfg;
-  bool resume = false, quiet = false;
-  int stop_after = -1;
+  train::TrainOptions train_opts;
+  bool quiet = false;
   auto* train_cmd = app.add_subcommand(
       "train", "Train a model (default: the tiny preset on the built-in English corpus, CPU)");
   train_cfg.add_to(train_cmd);
-  train_cmd->add_flag("--resume", resume, "Continue from the latest checkpoint in train.out_dir");
+  train_cmd->add_flag("--resume", train_opts.resume,
+                      "Continue the run in train.out_dir from its latest checkpoint, with its "
+                      "own config (--set changes keys)");
+  train_cmd->add_flag("--overwrite", train_opts.overwrite,
+                      "Start over in a train.out_dir that holds a run (deletes its checkpoints, "
+                      "metrics and config)");
   train_cmd->add_flag("--quiet", quiet, "No progress line");
-  train_cmd->add_option("--stop-after", stop_after,
-                        "Stop after this step (with a checkpoint), as if interrupted");
+  train_cmd->add_option("--stop-after", train_opts.stop_after,
+                        "Stop after this step (with a checkpoint), as if interrupted; -1 = "
+                        "train.steps")
+      ->check(at_least(-1));
+  train_cmd->footer(
+      "Examples:\n"
+      "  xmoe train                                         # tiny preset, runs/default\n"
+      "  xmoe train --resume                                # continue runs/default\n"
+      "  xmoe train --preset moe-1b --set train.device=cuda --set train.out_dir=runs/moe-1b\n"
+      "  mpirun -np 4 xmoe train --set parallel.ep=4 --set train.out_dir=runs/ep4");
 
   train::GenerateOptions gen;
   std::string gen_checkpoint;
   auto* gen_cmd = app.add_subcommand("generate", "Sample text from a checkpoint");
   gen_cmd->add_option("--checkpoint", gen_checkpoint, "Checkpoint folder or run folder")->required();
   gen_cmd->add_option("--prompt", gen.prompt, "Text to continue");
-  gen_cmd->add_option("--tokens", gen.max_new_tokens, "Tokens to sample")->check(CLI::Range(1, 1 << 20));
+  gen_cmd->add_option("--tokens", gen.max_new_tokens, "Tokens to sample")
+      ->check(whole_number(1, 1 << 20));
   gen_cmd->add_option("--temperature", gen.temperature, "0 = greedy")->check(CLI::Range(0.0, 10.0));
-  gen_cmd->add_option("--top-k", gen.top_k, "Sample from the k most likely (0 = all)")->check(CLI::NonNegativeNumber);
-  gen_cmd->add_option("--seed", gen.seed, "Sampling seed");
+  gen_cmd->add_option("--top-k", gen.top_k, "Sample from the k most likely (0 = all)")
+      ->check(at_least(0));
+  gen_cmd->add_option("--seed", gen.seed, "Sampling seed")->check(at_least(0));
+  gen_cmd->footer("Example:\n  xmoe generate --checkpoint runs/default --prompt \"The meaning of "
+                  "life\" --tokens 200");
 
   DataConfig prep = Config{}.data;
+  bool prep_overwrite = false;
   auto* prep_cmd = app.add_subcommand("prepare", "Tokenise a text corpus into train.bin/val.bin");
   prep_cmd->add_option("--corpus", prep.corpus, "Text file or folder of text files");
   prep_cmd->add_option("--out", prep.dir, "Output folder");
-  prep_cmd->add_option("--val-fraction", prep.val_fraction)->check(CLI::Range(0.0, 0.5));
+  prep_cmd->add_option("--val-fraction", prep.val_fraction, "Last fraction of tokens for validation")
+      ->check(CLI::Range(0.0, 0.5));
+  prep_cmd->add_flag("--overwrite", prep_overwrite,
+                     "Replace token files already in the output folder");
+  prep_cmd->footer("Example:\n  xmoe prepare --corpus my_texts/ --out data/mine\n"
+                   "  xmoe train --set data.dir=data/mine --set train.out_dir=runs/mine");
 
   ConfigArgs show_cfg;
   auto* config_cmd = app.add_subcommand("config", "Show configurations, presets and keys");
@@ -112,10 +270,13 @@ int main(int argc, char** argv) {
   show_cfg.add_to(show_cmd);
   auto* presets_cmd = config_cmd->add_subcommand("presets", "List the presets");
   auto* keys_cmd = config_cmd->add_subcommand("keys", "Print the config reference (Markdown)");
+  config_cmd->footer("Examples:\n  xmoe config show --preset moe-1b --set model.moe.top_k=8\n"
+                     "  xmoe config presets\n  xmoe config keys > keys.md");
 
   std::string inspect_dir;
   auto* inspect_cmd = app.add_subcommand("inspect", "Verify a checkpoint and list its contents");
   inspect_cmd->add_option("checkpoint", inspect_dir, "Checkpoint folder")->required();
+  inspect_cmd->footer("Example:\n  xmoe inspect runs/default/step-600");
 
   try {
     app.parse(argc, argv);
@@ -125,29 +286,12 @@ int main(int argc, char** argv) {
 
   try {
     if (*train_cmd) {
-      const Config config = train_cfg.resolve();
-      // Under mpirun/srun only rank 0 talks; the others log warnings and errors.
-      if (comm::world()->rank() != 0)
-        spdlog::set_level(spdlog::level::warn);
-      const ParamCount n = count_parameters(config.model);
-      spdlog::info("model: {:.2f}M parameters ({:.2f}M active), {} layers, {} experts top-{}, run folder {}",
-                   n.total / 1e6, n.active / 1e6, config.model.num_layers,
-                   config.model.moe.num_experts, config.model.moe.top_k, config.train.out_dir);
-      train::TrainOptions opts;
-      opts.resume = resume;
-      opts.progress = !quiet;
-      opts.stop_after = stop_after;
-      const train::TrainResult r = train::train(config, opts);
-      if (!r.evals.empty())
-        spdlog::info("final validation loss {:.4f} nats/token after {} steps ({:.1f} s); checkpoint {}",
-                     r.evals.back().val_loss, r.last_step, r.seconds, r.last_checkpoint);
-      // XMOE_PROFILE=1: the regions of the whole run (evaluation passes included), rank 0's.
-      if (profiling::enabled() && comm::world()->rank() == 0)
-        std::fprintf(stderr, "xmoe: profile (XMOE_PROFILE)\n%s", profiling::report_table().c_str());
+      train_opts.progress = !quiet;
+      run_train(train_cfg, train_opts);
     } else if (*gen_cmd) {
       std::printf("%s\n", train::generate(gen_checkpoint, gen).c_str());
     } else if (*prep_cmd) {
-      const auto r = data::prepare(prep.corpus, prep.dir, prep.val_fraction);
+      const auto r = data::prepare(prep.corpus, prep.dir, prep.val_fraction, prep_overwrite);
       std::printf("prepared %lld train and %lld validation tokens from %zu files into %s\n",
                   static_cast<long long>(r.train_tokens), static_cast<long long>(r.val_tokens),
                   r.files.size(), prep.dir.c_str());
@@ -163,18 +307,21 @@ int main(int argc, char** argv) {
     }
   } catch (const std::exception& e) {
     const bool ours = dynamic_cast<const xmoe::Error*>(&e) != nullptr;
+    // A filesystem error names the operation and the path; say it is one.
+    const bool fs_error = dynamic_cast<const fs::filesystem_error*>(&e) != nullptr;
+    const char* kind = ours ? "error: " : fs_error ? "file system error: " : "unexpected error: ";
     if (comm::launched_by_mpi()) {
       // One failing rank stops the whole job at once: the others may be waiting in a
       // collective and would otherwise hang. Checkpoints are written atomically, so the last
       // complete one stays intact.
       auto world = comm::world();
       std::fprintf(stderr, "xmoe: rank %d of %d: %s%s\nxmoe: stopping all ranks\n", world->rank(),
-                   world->size(), ours ? "error: " : "unexpected error: ", e.what());
+                   world->size(), kind, e.what());
       std::fflush(stderr);
       world->abort(1);
     }
-    std::fprintf(stderr, "xmoe: %s%s\n", ours ? "error: " : "unexpected error: ", e.what());
-    return ours ? 1 : 2;
+    std::fprintf(stderr, "xmoe: %s%s\n", kind, e.what());
+    return ours || fs_error ? 1 : 2;
   }
   comm::finalize();
   return 0;

@@ -6,14 +6,16 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
-#include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "xmoe/backend/device_api.h"
 #include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/data/data_loader.h"
 #include "xmoe/data/prepare.h"
+#include "xmoe/io/file.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/moe/placement.h"
@@ -25,31 +27,14 @@
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/flops.h"
 #include "xmoe/train/progress.h"
+#include "xmoe/train/run_folder.h"
 #include "xmoe/train/state.h"
 
 namespace fs = std::filesystem;
 
 namespace xmoe::train {
 
-void ensure_prepared_data(const DataConfig& data) {
-  const fs::path dir(data.dir);
-  if (fs::exists(dir / "train.bin") && fs::exists(dir / "val.bin") && fs::exists(dir / "meta.json"))
-    return;
-  spdlog::info("preparing corpus {} into {}", data.corpus, data.dir);
-  const auto r = data::prepare(data.corpus, data.dir, data.val_fraction);
-  spdlog::info("prepared {} train / {} validation tokens from {} files", r.train_tokens,
-               r.val_tokens, r.files.size());
-}
-
 namespace {
-
-/// True when two configs describe the same model (training, data and layout may differ).
-bool same_model(const Config& a, Config b) {
-  b.train = a.train;
-  b.data = a.data;
-  b.parallel = a.parallel;
-  return a == b;
-}
 
 /// Mean of a per-rank value over the world (every rank gets the same double).
 double world_mean(comm::Group& world, double v) {
@@ -230,6 +215,228 @@ DType compute_dtype(const TrainConfig& tc, Device device) {
   return device.is_cuda() ? DType::bf16 : DType::f32;
 }
 
+/// The state of one training run. The steps of train() are its methods: open the run folder,
+/// resume, train a step, log it, evaluate, save.
+class Run {
+ public:
+  Run(const Config& config, const TrainOptions& options, const parallel::Layout& layout,
+      Device device)
+      : config_(config), tc_(config.train), options_(options), layout_(layout), device_(device),
+        leader_(layout.world_rank == 0) {}
+
+  /// Rank 0 takes the run folder (the lock; for a fresh run, the refusal to write over a run
+  /// unless --overwrite) and the token files (prepared on first use). Others wait.
+  void open_folder_and_data() {
+    if (leader_) {
+      lock_.emplace(tc_.out_dir);
+      if (!options_.resume) start_fresh_run(tc_.out_dir, options_.overwrite);
+      data::ensure_prepared(config_.data);
+    }
+    layout_.world->barrier();
+  }
+
+  void build() {
+    data::TokenFile::Options topt;
+    topt.vocab_size = config_.model.vocab_size;
+    topt.min_tokens = tc_.seq_len + 1;
+    const fs::path dir(config_.data.dir);
+    auto loader = [&](const char* file) {
+      return data::DataLoader(data::TokenFile::open((dir / file).string(), topt), tc_.batch_size,
+                              tc_.seq_len, tc_.seed, layout_.world_rank, layout_.world_size);
+    };
+    train_loader_.emplace(loader("train.bin"));
+    val_loader_.emplace(loader("val.bin"));
+
+    // Built and initialised on the host (the same weights on any device), then moved.
+    model_ = std::make_unique<model::Transformer>(config_.model, tc_.seed, &layout_);
+    model_->to(device_);
+    model_->set_compute_dtype(compute_dtype(tc_, device_));
+    params_ = model_->parameters();
+    moe_layers_ = model_->moe_layers();
+    opt_ = std::make_unique<optim::AdamW>(params_, optim::AdamWConfig::from(tc_));
+    schedule_.emplace(optim::LrSchedule::from(tc_));
+    grad_sync_ = std::make_unique<parallel::GradientSync>(params_, layout_);
+    tokens_per_step_ = static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum *
+                       layout_.world_size;
+    result.out_dir = tc_.out_dir;
+  }
+
+  /// --resume: restores the latest checkpoint; returns its step.
+  int resume() {
+    const auto latest = latest_checkpoint(tc_.out_dir);
+    XMOE_CHECK(latest.has_value(), "[train] --resume: no checkpoint in train.out_dir = {} ({})",
+               tc_.out_dir, inspect_run_folder(tc_.out_dir).describe());
+    const Checkpoint ckpt = load_checkpoint(*latest);
+    const Config saved = load_config_string(ckpt.state.at("config").get<std::string>(),
+                                            *latest + "/manifest.json");
+    const std::vector<std::string> differ = config_differences(saved, config_, "model.");
+    XMOE_CHECK(differ.empty(),
+               "[train] --resume: the model of {} differs from the configured model in {} "
+               "(checkpoint -> configured)",
+               *latest, fmt::join(differ, "; "));
+    restore_checkpoint_tensors(ckpt.tensors, params_, *opt_, moe_layers_, *latest);
+    model_->refresh_compute_weights();
+    const int step = ckpt.state.at("step").get<int>();
+    XMOE_CHECK(step <= tc_.steps,
+               "[train] --resume: {} is at step {}, past train.steps = {}; give a larger "
+               "train.steps to continue (--set train.steps=N)",
+               *latest, step, tc_.steps);
+    train_loader_->set_position(ckpt.state.at("data_position").get<uint64_t>());
+    result.last_checkpoint = *latest;
+    if (leader_) {
+      truncate_metrics(tc_.out_dir, step);
+      if (step == tc_.steps)
+        spdlog::info("{} is at step {} = train.steps: nothing to train (to continue, give a "
+                     "larger train.steps: --set train.steps=N)", *latest, step);
+      else
+        spdlog::info("resumed from {} at step {}", *latest, step);
+    }
+    return step;
+  }
+
+  /// Once the run is known good to start (a resume restored): config.yaml, written
+  /// atomically, and metrics.jsonl opened for appending.
+  void write_config_and_open_metrics() {
+    if (!leader_) return;
+    io::write_file_atomic((fs::path(tc_.out_dir) / "config.yaml").string(), to_yaml(config_));
+    metrics_.emplace((fs::path(tc_.out_dir) / "metrics.jsonl").string());
+  }
+
+  /// parallel.expert_placement = affinity (after a resume: the placement moves what it loaded).
+  void place() {
+    if (config_.parallel.expert_placement == "affinity")
+      place_experts(*model_, *opt_, *train_loader_, layout_, config_.parallel.placement_batches,
+                    leader_);
+  }
+
+  /// One optimizer step (grad_accum micro-batches); skipped, all ranks alike, when the loss or
+  /// the gradient is not finite. Throws after train.max_bad_steps such steps in a row.
+  StepMetrics step(int step) {
+    Timer step_timer;
+    maybe_inject_fault(layout_.world_rank, step);
+    model_->zero_grad();
+    double loss = 0, aux = 0;
+    std::vector<int64_t> load;
+    for (int micro = 0; micro < tc_.grad_accum; ++micro) {
+      const data::Batch b = on_device(train_loader_->next(), device_);
+      loss += model_->forward_loss(b.inputs, b.targets) / tc_.grad_accum;
+      aux += model_->aux_loss() / tc_.grad_accum;
+      model_->backward(1.0f / static_cast<float>(tc_.grad_accum));
+      for (const moe::MoELayer* layer : moe_layers_) {
+        const auto& tpe = layer->expert_load();
+        if (load.empty()) load.assign(tpe.size(), 0);
+        for (size_t e = 0; e < tpe.size() && e < load.size(); ++e) load[e] += tpe[e];
+      }
+    }
+    grad_sync_->sync();
+    StepMetrics m;
+    m.step = step;
+    m.loss = world_mean(*layout_.world, loss);
+    m.aux_loss = aux;
+    m.lr = schedule_->at(step - 1);
+    m.grad_norm = std::sqrt(grad_sync_->global_grad_sum_squares());
+    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
+      // Every rank sees the same global loss and norm, so all skip (or stop) together.
+      m.skipped = true;
+      ++bad_in_a_row_;
+      if (leader_)
+        spdlog::warn("step {}: non-finite {} ({}); update skipped ({} in a row, limit {}); no "
+                     "checkpoint is saved until a step is finite again",
+                     step, std::isfinite(m.loss) ? "gradient norm" : "loss",
+                     std::isfinite(m.loss) ? m.grad_norm : m.loss, bad_in_a_row_,
+                     tc_.max_bad_steps);
+      XMOE_CHECK(bad_in_a_row_ < tc_.max_bad_steps,
+                 "[train] {} consecutive steps with a non-finite loss or gradient (last at step "
+                 "{}); stopping. The last good checkpoint is {}",
+                 bad_in_a_row_, step,
+                 result.last_checkpoint.empty() ? std::string("(none yet)")
+                                                : result.last_checkpoint);
+    } else {
+      bad_in_a_row_ = 0;
+      // The clip factor rides on the update (no pass of its own over the gradients).
+      opt_->step(static_cast<float>(m.lr), optim::clip_factor(m.grad_norm, tc_.grad_clip));
+      for (moe::MoELayer* layer : moe_layers_) layer->update_routing_bias();
+    }
+    if (!load.empty()) {
+      m.max_expert_load = *std::max_element(load.begin(), load.end());
+      m.min_expert_load = *std::min_element(load.begin(), load.end());
+    }
+    m.seconds = step_timer.seconds();
+    m.tokens_per_s = static_cast<double>(tokens_per_step_) / m.seconds;
+    if (device_.is_cuda())
+      m.mfu = mfu(config_.model, tc_.seq_len, m.tokens_per_s, layout_.world_size);
+    result.steps.push_back(m);
+    return m;
+  }
+
+  /// A metrics.jsonl line (rank 0; every write checked).
+  void log(const StepMetrics& m) {
+    if (!metrics_) return;
+    nlohmann::json line{{"step", m.step},           {"loss", m.loss},
+                        {"aux_loss", m.aux_loss},   {"lr", m.lr},
+                        {"grad_norm", m.grad_norm}, {"tokens_per_s", m.tokens_per_s},
+                        {"max_expert_load", m.max_expert_load},
+                        {"min_expert_load", m.min_expert_load},
+                        {"skipped", m.skipped}};
+    if (device_.is_cuda()) line["mfu"] = m.mfu;
+    metrics_->write_line(line.dump());
+  }
+
+  double evaluate_and_log(int step) {
+    const double val = evaluate(*model_, *val_loader_, tc_.eval_batches, *layout_.world);
+    result.evals.push_back({step, val});
+    if (metrics_) metrics_->write_line(nlohmann::json{{"step", step}, {"val_loss", val}}.dump());
+    return val;
+  }
+
+  /// Saves checkpoint step-N, unless the last step was not finite (the weights it would save
+  /// are not known to be good): "the last good checkpoint" is always one saved after a finite
+  /// step.
+  void save(int step) {
+    if (bad_in_a_row_ > 0) {
+      if (leader_)
+        spdlog::warn("step {}: checkpoint not saved (the step was not finite); the last good "
+                     "checkpoint stays {}",
+                     step, result.last_checkpoint.empty() ? "(none yet)" : result.last_checkpoint);
+      return;
+    }
+    nlohmann::json state;
+    state["config"] = to_yaml(config_);
+    state["step"] = step;
+    state["data_position"] = train_loader_->position();
+    state["seed"] = tc_.seed;
+    state["layout"] = {{"world", layout_.world_size}, {"ep", layout_.ep}, {"dp", layout_.dp}};
+    const std::string dir = (fs::path(tc_.out_dir) / fmt::format("step-{}", step)).string();
+    save_checkpoint(dir, checkpoint_tensors(params_, *opt_, moe_layers_, layout_), state,
+                    layout_.world_rank, layout_.world_size, [&] { layout_.world->barrier(); });
+    result.last_checkpoint = dir;
+    if (metrics_) metrics_->sync();  // the log on disk reaches at least the checkpoint
+  }
+
+  bool leader() const { return leader_; }
+
+  TrainResult result;
+
+ private:
+  const Config& config_;
+  const TrainConfig& tc_;
+  const TrainOptions& options_;
+  const parallel::Layout& layout_;
+  const Device device_;
+  const bool leader_;
+  std::optional<RunLock> lock_;  // rank 0 holds the run folder while the run lives
+  std::optional<data::DataLoader> train_loader_, val_loader_;
+  std::unique_ptr<model::Transformer> model_;
+  std::vector<Parameter*> params_;
+  std::vector<moe::MoELayer*> moe_layers_;
+  std::unique_ptr<optim::AdamW> opt_;
+  std::optional<optim::LrSchedule> schedule_;
+  std::unique_ptr<parallel::GradientSync> grad_sync_;
+  std::optional<io::AppendFile> metrics_;
+  int64_t tokens_per_step_ = 0;
+  int bad_in_a_row_ = 0;
+};
+
 }  // namespace
 
 TrainResult train(const Config& config, const TrainOptions& options) {
@@ -238,7 +445,11 @@ TrainResult train(const Config& config, const TrainOptions& options) {
              "[train] parallel.tp = {}: tensor parallelism (sequence-sharded MoE blocks) is not "
              "implemented yet; use parallel.tp = 1",
              config.parallel.tp);
+  XMOE_CHECK(!(options.resume && options.overwrite),
+             "[train] --resume continues the run in {} and --overwrite deletes it: give one",
+             tc.out_dir);
   auto world_group = options.world ? options.world : comm::world();
+  check_ranks_agree(*world_group, config);
   const Device device = training_device(tc, *world_group);
   if (config.parallel.ranks_per_node > 0)
     world_group = world_group->with_declared_nodes(config.parallel.ranks_per_node);
@@ -247,158 +458,30 @@ TrainResult train(const Config& config, const TrainOptions& options) {
   // train() returns: before comm::finalize(), in the same order on every rank.
   const parallel::Layout layout = parallel::Layout::create(world_group, config.parallel.ep);
   const AbandonOnError abandon_on_error(layout);
-  comm::Group& world = *layout.world;
-  const bool leader = layout.world_rank == 0;
 
-  if (leader) ensure_prepared_data(config.data);
-  world.barrier();
-
-  data::TokenFile::Options topt;
-  topt.vocab_size = config.model.vocab_size;
-  topt.min_tokens = tc.seq_len + 1;
-  const fs::path data_dir(config.data.dir);
-  data::DataLoader train_loader(data::TokenFile::open((data_dir / "train.bin").string(), topt),
-                                tc.batch_size, tc.seq_len, tc.seed, layout.world_rank,
-                                layout.world_size);
-  data::DataLoader val_loader(data::TokenFile::open((data_dir / "val.bin").string(), topt),
-                              tc.batch_size, tc.seq_len, tc.seed, layout.world_rank,
-                              layout.world_size);
-
-  // Built and initialised on the host (the same weights on any device), then moved.
-  model::Transformer model(config.model, tc.seed, &layout);
-  model.to(device);
-  model.set_compute_dtype(compute_dtype(tc, device));
-  const std::vector<Parameter*> params = model.parameters();
-  const std::vector<moe::MoELayer*> moe_layers = model.moe_layers();
-  optim::AdamW opt(params, optim::AdamWConfig::from(tc));
-  const optim::LrSchedule schedule = optim::LrSchedule::from(tc);
-  parallel::GradientSync grad_sync(params, layout);
-
-  TrainResult result;
-  result.out_dir = tc.out_dir;
-  if (leader) {
-    fs::create_directories(tc.out_dir);
-    std::ofstream(fs::path(tc.out_dir) / "config.yaml") << to_yaml(config);
-  }
-
-  int step = 0;
-  if (options.resume) {
-    const auto latest = latest_checkpoint(tc.out_dir);
-    XMOE_CHECK(latest.has_value(), "[train] --resume: no checkpoint in {}", tc.out_dir);
-    const Checkpoint ckpt = load_checkpoint(*latest);
-    const Config saved = load_config_string(ckpt.state.at("config").get<std::string>(),
-                                            *latest + "/manifest.json");
-    XMOE_CHECK(same_model(saved, config),
-               "[train] --resume: the model in {} differs from the configured model", *latest);
-    restore_checkpoint_tensors(ckpt.tensors, params, opt, moe_layers, *latest);
-    model.refresh_compute_weights();
-    step = ckpt.state.at("step").get<int>();
-    train_loader.set_position(ckpt.state.at("data_position").get<uint64_t>());
-    if (leader) spdlog::info("resumed from {} at step {}", *latest, step);
-  }
-  if (config.parallel.expert_placement == "affinity")
-    place_experts(model, opt, train_loader, layout, config.parallel.placement_batches, leader);
-  result.first_step = step;
+  Run run(config, options, layout, device);
+  run.open_folder_and_data();
+  run.build();
+  int step = options.resume ? run.resume() : 0;
+  run.place();
+  run.write_config_and_open_metrics();
+  run.result.first_step = step;
   const int last = options.stop_after >= 0 ? std::min(options.stop_after, tc.steps) : tc.steps;
 
-  std::ofstream metrics;
-  if (leader) metrics.open(fs::path(tc.out_dir) / "metrics.jsonl", std::ios::app);
-  auto save = [&](int at_step) {
-    nlohmann::json state;
-    state["config"] = to_yaml(config);
-    state["step"] = at_step;
-    state["data_position"] = train_loader.position();
-    state["seed"] = tc.seed;
-    state["layout"] = {{"world", layout.world_size}, {"ep", layout.ep}, {"dp", layout.dp}};
-    const std::string dir = (fs::path(tc.out_dir) / fmt::format("step-{}", at_step)).string();
-    save_checkpoint(dir, checkpoint_tensors(params, opt, moe_layers, layout), state,
-                    layout.world_rank, layout.world_size, [&] { world.barrier(); });
-    result.last_checkpoint = dir;
-  };
-
-  Progress progress(options.progress && leader, step, last);
-  const int64_t tokens_per_step = static_cast<int64_t>(tc.batch_size) * tc.seq_len *
-                                  tc.grad_accum * layout.world_size;
-  int bad_in_a_row = 0;
+  Progress progress(options.progress && run.leader(), step, last);
   Timer run_timer;
   while (step < last) {
-    Timer step_timer;
-    maybe_inject_fault(layout.world_rank, step + 1);
-    model.zero_grad();
-    double loss = 0, aux = 0;
-    std::vector<int64_t> load;
-    for (int micro = 0; micro < tc.grad_accum; ++micro) {
-      const data::Batch b = on_device(train_loader.next(), device);
-      loss += model.forward_loss(b.inputs, b.targets) / tc.grad_accum;
-      aux += model.aux_loss() / tc.grad_accum;
-      model.backward(1.0f / static_cast<float>(tc.grad_accum));
-      for (const moe::MoELayer* layer : moe_layers) {
-        const auto& tpe = layer->expert_load();
-        if (load.empty()) load.assign(tpe.size(), 0);
-        for (size_t e = 0; e < tpe.size() && e < load.size(); ++e) load[e] += tpe[e];
-      }
-    }
-    grad_sync.sync();
-    ++step;
-    StepMetrics m;
-    m.step = step;
-    m.loss = world_mean(world, loss);
-    m.aux_loss = aux;
-    m.lr = schedule.at(step - 1);
-    m.grad_norm = std::sqrt(grad_sync.global_grad_sum_squares());
-    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
-      // Every rank sees the same global loss and norm, so all skip (or stop) together.
-      m.skipped = true;
-      ++bad_in_a_row;
-      if (leader)
-        spdlog::warn("step {}: non-finite {} ({}); update skipped ({} in a row, limit {})", step,
-                     std::isfinite(m.loss) ? "gradient norm" : "loss",
-                     std::isfinite(m.loss) ? m.grad_norm : m.loss, bad_in_a_row, tc.max_bad_steps);
-      XMOE_CHECK(bad_in_a_row < tc.max_bad_steps,
-                 "[train] {} consecutive steps with a non-finite loss or gradient (last at step "
-                 "{}); stopping. The last good checkpoint is {}",
-                 bad_in_a_row, step,
-                 result.last_checkpoint.empty() ? std::string("(none yet)") : result.last_checkpoint);
-    } else {
-      bad_in_a_row = 0;
-      // The clip factor rides on the update (no pass of its own over the gradients).
-      opt.step(static_cast<float>(m.lr), optim::clip_factor(m.grad_norm, tc.grad_clip));
-      for (moe::MoELayer* layer : moe_layers) layer->update_routing_bias();
-    }
-    if (!load.empty()) {
-      m.max_expert_load = *std::max_element(load.begin(), load.end());
-      m.min_expert_load = *std::min_element(load.begin(), load.end());
-    }
-    m.seconds = step_timer.seconds();
-    m.tokens_per_s = static_cast<double>(tokens_per_step) / m.seconds;
-    if (device.is_cuda())
-      m.mfu = mfu(config.model, tc.seq_len, m.tokens_per_s, layout.world_size);
-    result.steps.push_back(m);
-    if (leader) {
-      nlohmann::json line{{"step", m.step},           {"loss", m.loss},
-                          {"aux_loss", m.aux_loss},   {"lr", m.lr},
-                          {"grad_norm", m.grad_norm}, {"tokens_per_s", m.tokens_per_s},
-                          {"max_expert_load", m.max_expert_load},
-                          {"min_expert_load", m.min_expert_load},
-                          {"skipped", m.skipped}};
-      if (device.is_cuda()) line["mfu"] = m.mfu;
-      metrics << line.dump() << "\n";
-    }
+    const StepMetrics m = run.step(++step);
+    run.log(m);
     progress.on_step(m, step % tc.log_every == 0 || step == last);
-
-    if (tc.eval_every > 0 && (step % tc.eval_every == 0 || step == last)) {
-      const double val = evaluate(model, val_loader, tc.eval_batches, world);
-      result.evals.push_back({step, val});
-      if (leader) metrics << nlohmann::json{{"step", step}, {"val_loss", val}}.dump() << "\n";
-      progress.on_eval(step, val);
-    }
-    if (leader) metrics.flush();
-    if ((tc.save_every > 0 && step % tc.save_every == 0) || step == last) save(step);
+    if (tc.eval_every > 0 && (step % tc.eval_every == 0 || step == last))
+      progress.on_eval(step, run.evaluate_and_log(step));
+    if ((tc.save_every > 0 && step % tc.save_every == 0) || step == last) run.save(step);
   }
-  result.last_step = step;
-  result.seconds = run_timer.seconds();
-  progress.finish(result.seconds);
-  return result;
+  run.result.last_step = step;
+  run.result.seconds = run_timer.seconds();
+  progress.finish(run.result.seconds);
+  return std::move(run.result);
 }
 
 }  // namespace xmoe::train

@@ -32,6 +32,7 @@ struct EvalMetrics {
 
 struct TrainOptions {
   bool resume = false;        ///< continue from the latest checkpoint of train.out_dir
+  bool overwrite = false;     ///< start over in a train.out_dir that holds a run (deletes it)
   bool progress = true;       ///< print the live progress line
   int stop_after = -1;        ///< stop (with a checkpoint) after this step; -1 = train.steps
   /// The processes to train on; null = comm::world() (MPI under mpirun/srun, else one process).
@@ -48,10 +49,9 @@ struct TrainResult {
   std::string last_checkpoint;
 };
 
-/// Trains `config` (already validated). Prepares the corpus into data.dir on first use.
+/// Trains `config` (already validated; for a resume, train::resume_config's). Prepares the
+/// corpus into data.dir on first use. All ranks must pass the same config (checked). The run
+/// folder rules are those of train/run_folder.h.
 TrainResult train(const Config& config, const TrainOptions& options = {});
-
-/// Makes sure data.dir holds train.bin/val.bin for data.corpus; prepares them if missing.
-void ensure_prepared_data(const DataConfig& data);
 
 }  // namespace xmoe::train
