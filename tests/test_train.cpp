@@ -2,15 +2,19 @@
 // non-finite steps are skipped and then stop the run, generation is deterministic.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "file_size_limit.h"
 #include "testing.h"
 #include "xmoe/config/config.h"
+#include "xmoe/data/prepare.h"
 #include "xmoe/io/file.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
+#include "xmoe/train/progress.h"
 #include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
 
@@ -233,6 +237,54 @@ TEST_F(TrainTest, ResumeLogsEveryStepOnceAndStopsAtTrainSteps) {
   EXPECT_CONTAINS(error_of([&] { train::train(c, o); }), "past train.steps = 8");
 }
 
+// A disk that fills up mid-run: the failed save says so and leaves no temporary folder; the
+// config and metrics written before are whole; a metrics line that does not fit stops the run
+// naming the file, and the log keeps only whole lines.
+TEST_F(TrainTest, AFullDiskStopsTheRunAndLosesNothing) {
+  Config c = micro_config();
+  c.train.steps = 6;
+  c.train.save_every = 2;
+  c.train.eval_every = 0;
+  data::ensure_prepared(c.data);  // the token files are written before the disk fills
+  std::string save_error;
+  {
+    xmoe::testing::FileSizeLimit limit(64 * 1024);  // config and metrics fit, a checkpoint not
+    save_error = error_of([&] { train::train(c, quiet()); });
+  }
+  EXPECT_CONTAINS(save_error, "[checkpoint] saving " + c.train.out_dir + "/step-2 failed");
+  EXPECT_CONTAINS(save_error, "File too large");
+  const auto contents = train::inspect_run_folder(c.train.out_dir);
+  EXPECT_TRUE(contents.checkpoints.empty());
+  for (const auto& e : fs::directory_iterator(c.train.out_dir))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+  EXPECT_CONTAINS(xmoe::io::read_file(c.train.out_dir + "/config.yaml"), "steps: 6");
+  const std::string logged = xmoe::io::read_file(c.train.out_dir + "/metrics.jsonl");
+  EXPECT_EQ(std::count(logged.begin(), logged.end(), '\n'), 2);  // steps 1 and 2, whole
+
+  // With room for the checkpoints, then a metrics file (30 lines, larger than config.yaml) that
+  // cannot grow by a whole line.
+  c.train.steps = 40;
+  c.train.save_every = 30;
+  auto o = quiet();
+  o.overwrite = true;
+  o.stop_after = 30;
+  train::train(c, o);
+  const std::string metrics = c.train.out_dir + "/metrics.jsonl";
+  const auto size = fs::file_size(metrics);
+  ASSERT_GT(size, fs::file_size(c.train.out_dir + "/config.yaml") + 200);
+  std::string log_error;
+  {
+    xmoe::testing::FileSizeLimit limit(size + 100);  // a part of one more line fits
+    auto resume = quiet();
+    resume.resume = true;
+    log_error = error_of([&] { train::train(c, resume); });
+  }
+  EXPECT_CONTAINS(log_error, "[io] " + metrics + ": write failed (File too large)");
+  const std::string text = xmoe::io::read_file(metrics);
+  EXPECT_EQ(text, text.substr(0, text.rfind('\n') + 1)) << "a partial line was left";
+  EXPECT_EQ(fs::file_size(metrics), size);
+}
+
 TEST_F(TrainTest, GenerationIsDeterministicForASeed) {
   Config c = micro_config();
   c.train.steps = 10;
@@ -251,4 +303,32 @@ TEST_F(TrainTest, GenerationIsDeterministicForASeed) {
   const std::string d = train::generate(c.train.out_dir, g);
   g.seed = 7;
   EXPECT_NE(d, train::generate(c.train.out_dir, g));
+}
+
+// The progress line with nothing to divide: an expert that got no token, and no finite step yet
+// (so no rate). Not a terminal here: plain text, no escape codes.
+TEST(Progress, IdleExpertsAndSkippedStepsReadPlainly) {
+  train::Progress progress(/*enabled=*/true, 0, 10);
+  train::StepMetrics m;
+  m.step = 1;
+  m.loss = std::nan("");
+  m.skipped = true;
+  m.tokens_per_s = 1000;
+  m.max_expert_load = 12;
+  m.min_expert_load = 0;
+  ::testing::internal::CaptureStdout();
+  progress.on_step(m, /*print=*/true);
+  m.step = 2;
+  m.skipped = false;
+  m.loss = 3.0;
+  m.min_expert_load = 4;
+  progress.on_step(m, true);
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_CONTAINS(out, "      - tok/s");
+  EXPECT_CONTAINS(out, "load max/min 12/0 (an expert idle)");
+  EXPECT_CONTAINS(out, "| SKIPPED");
+  EXPECT_CONTAINS(out, "   1000 tok/s");
+  EXPECT_CONTAINS(out, "load max/min 12/4 (3.00x)");
+  EXPECT_EQ(out.find("-1 tok/s"), std::string::npos) << out;
+  EXPECT_EQ(out.find('\033'), std::string::npos) << out;
 }
