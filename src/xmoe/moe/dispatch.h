@@ -37,7 +37,6 @@ struct DispatchConfig {
   /// group's topology (comm::world(ranks_per_node) / parallel.ranks_per_node), which is also
   /// what the byte counters classify links by; set it only to simulate other nodes (tests).
   int ranks_per_node = 0;
-  int64_t chunk_rows = 0;           ///< rows per message chunk for pipelining (0 = one message)
 };
 
 /// Everything combine needs to reverse a dispatch.
