@@ -6,7 +6,8 @@
 //   counters), for all_to_all and rbd, next to the analytic inter-node bytes:
 //     all_to_all rows: 2 x sum_t (experts of t on remote nodes) x d x 4
 //     rbd rows:        2 x sum_t (distinct remote nodes of t)   x d x 4  (pilots, then partials)
-//     rbd metadata:    16 bytes per routed row to a remote node (stage 1 only)
+//     rbd metadata:    12 bytes per routed row to a remote node (stage 1 only: int32 expert
+//                      key, source row, weight bits)
 //   (the counts exchanges are a separate counter kind and not included); and the time of
 //   dispatch + combine (median over iterations of the slowest rank).
 // Routing per token: k distinct experts, uniform, or skewed: Gumbel top-k of b_e + n_te with
@@ -129,7 +130,7 @@ void run(comm::Group& g, const Args& a, int64_t k, bool skewed) {
   remote_rows = all_sum(g, remote_rows);
   remote_pilots = all_sum(g, remote_pilots);
   const int64_t a2a_expect = 2 * remote_rows * d * 4;
-  const int64_t rbd_rows_expect = 2 * remote_pilots * d * 4, rbd_meta_expect = remote_rows * 16;
+  const int64_t rbd_rows_expect = 2 * remote_pilots * d * 4, rbd_meta_expect = remote_rows * 12;
 
   moe::DispatchConfig dc;
   dc.num_experts = E;

@@ -180,10 +180,10 @@ void check_rbd(Routing kind, int rpn, int64_t k) {
   }
   for (int32_t e : idx[q]) remote_rows += node_of_expert(e) != my_node;
   ASSERT_EQ(h.group_tokens.numel(), groups);
-  // Stage-1 bytes leaving this node = pilots to remote nodes x d x 4 + 16 per remote row (the
-  // metadata). The world group has the detected topology (one node here), so its counters put
+  // Stage-1 bytes leaving this node = pilots to remote nodes x d x 4 + 12 per remote row (the
+  // int32 metadata). The world group has the detected topology (one node here), so its counters put
   // every byte in one class: check that at least that much moved (exact per class: bench_rbd).
-  const int64_t stage1_remote = remote_groups * kCols * 4 + remote_rows * 16;
+  const int64_t stage1_remote = remote_groups * kCols * 4 + remote_rows * 12;
   const int64_t moved = g->counters().of(comm::ByteCounters::all_to_all, comm::LinkClass::intra_node) +
                         g->counters().of(comm::ByteCounters::all_to_all, comm::LinkClass::inter_node);
   EXPECT_GE(moved, stage1_remote);
@@ -311,7 +311,7 @@ TEST(MoeDispatchRbd, StageOneRowBytesMatchTheAnalyticCount) {
     DispatchResult r = disp->dispatch(Tensor::zeros({N, 8}), p.tpe,
                                       RowInfo{Tensor::from_vector(p.token, {N}),
                                               Tensor::from_vector(w, {N}), T});
-    const RbdPlan& plan = *r.handle.rbd;
+    const RbdSourcePlan& plan = r.handle.rbd->plan.source;
     const comm::Topology topo = comm::Topology::uniform(W, rpn);
     const int64_t El = kE / W;
     int64_t pilots_remote = 0, expected = 0;

@@ -37,8 +37,9 @@ struct DispatchConfig {
   /// group's topology (comm::world(ranks_per_node) / parallel.ranks_per_node), which is also
   /// what the byte counters classify links by; set it only to simulate other nodes (tests).
   int ranks_per_node = 0;
-  int64_t chunk_rows = 0;           ///< rows per message chunk for pipelining (0 = one message)
 };
+
+struct RbdState;  // dispatch_rbd.h
 
 /// Everything combine needs to reverse a dispatch.
 ///
@@ -47,8 +48,6 @@ struct DispatchConfig {
 /// arrival row that becomes expert-order row j (expert_rows = arrival[recv_layout]);
 /// arrival_layout is its inverse (arrival = expert_rows[arrival_layout]), which combine uses.
 /// Both are undefined when no permutation is needed (local, or one rank).
-struct RbdPlan;  // dispatch_rbd.h
-
 struct DispatchHandle {
   std::vector<int64_t> send_counts;  ///< [ep_size] rows sent to each rank
   std::vector<int64_t> recv_counts;  ///< [ep_size] rows received from each rank
@@ -63,9 +62,9 @@ struct DispatchHandle {
   Tensor arrival_layout;  ///< i32 [N_recv]: expert-order row of arrival row i (the inverse)
   /// Dispatchers that reduce in combine (rbd): i32 [G], the token of each row combine returns.
   Tensor group_tokens;
-  /// rbd: the exchange plan of all three roles (source, pilot, expert owner) and what combine
-  /// saved for backward (dispatch_rbd.h). Shared, so copies of the handle see one plan.
-  std::shared_ptr<RbdPlan> rbd;
+  /// rbd: the plan of all three roles (source, pilot, expert owner; rbd_plan.h) and what
+  /// combine saved for backward (dispatch_rbd.h). Shared, so copies of the handle see one plan.
+  std::shared_ptr<RbdState> rbd;
 };
 
 /// Per-row facts the layer knows besides the rows; only dispatchers that reduce in combine

@@ -12,27 +12,33 @@
 //           token once for that node (the pilot row) with the pilot->replica map;
 //   owner   the rank owning an expert: receives a replica of the row from the pilot.
 //
-//   dispatch  source: group rows by (token, node of the row's expert) -> G groups; the group's
-//                     first row is the pilot, sent to the owner of its expert (the group's
-//                     lowest expert: rows are grouped by expert).
-//             stage 1 all_to_all_v over the ep group: pilots [G, d] + member metadata
-//                     [N, 4] = (group index in the message, expert, source row, weight);
-//             pilot:  one replica per member, sorted by owner;
-//             stage 2 all_to_all_v over the node's sub-group: replicas + [*, 3] = (local expert,
-//                     source rank, source row);
-//             owner:  sort by (local expert, source rank, source row): exactly all_to_all's
+// dispatch = plan, then exchanges. The plan (rbd_plan.h: pure functions on int32 metadata,
+// testable in one process) needs two metadata exchanges, which dispatch runs first:
+//   plan_rbd_source   groups rows by (token, node of the row's expert): G groups, each with its
+//                     pilot (first row, lowest expert) for the owner of that expert;
+//   exchange          all_to_all_counts (groups, members per peer) and all_to_all_v of the
+//                     stage-1 metadata, int32 [N, 3] = (expert * 2 + pilot flag, source row,
+//                     weight bits), over the ep group;
+//   plan_rbd_pilot    one replica per member, sorted by owner; the replica -> group map;
+//   exchange          all_to_all_counts and all_to_all_v of the stage-2 metadata, int32
+//                     [M, 3] = (local expert, source rank, source row), over the node group;
+//   plan_rbd_owner    sort by (local expert, source rank, source row): exactly all_to_all's
 //                     expert-major order, so the experts see the same rows in the same order.
-//   combine   owner -> pilot (stage 2 reversed); pilot: partial[g] = sum_i w_i * out_i over the
-//             group's members in expert order (saves out for backward); pilot -> source
-//             (stage 1 reversed): the partial sum [G, d] crosses the inter-node link once.
-//             The layer adds the partials into their tokens (handle.group_tokens).
-//   combine_backward  source -> pilot: d_partial; pilot: d_out_i = w_i d_partial[g],
-//             d_w_i = out_i . d_partial[g]; pilot -> owners: d_out; pilot -> source: d_w [N].
-//   dispatch_backward owners -> pilot: d_in; pilot: sum over the group; pilot -> source: one
-//             row per group, put on the group's pilot row of d_rows [N, d] (others zero).
+// Then the rows move as the plan says:
+//   stage 1   all_to_all_v over the ep group: the pilots [G, d] (rows[pilot_rows]);
+//   stage 2   all_to_all_v over the node's sub-group: replicas = pilots[replica_group];
+//   owner     expert_in = arrival[expert_order].
+// combine    owner -> pilot (stage 2 reversed); pilot: partial[g] = sum_i w_i * out_i over the
+//            group's members in expert order (saves out for backward); pilot -> source
+//            (stage 1 reversed): the partial sum [G, d] crosses the inter-node link once.
+//            The layer adds the partials into their tokens (handle.group_tokens).
+// combine_backward  source -> pilot: d_partial; pilot: d_out_i = w_i d_partial[g],
+//            d_w_i = out_i . d_partial[g]; pilot -> owners: d_out; pilot -> source: d_w [N].
+// dispatch_backward owners -> pilot: d_in; pilot: sum over the group; pilot -> source: one
+//            row per group, put on the group's pilot row of d_rows [N, d] (others zero).
 //
 // Bytes over the inter-node link per direction: (sum over the source's tokens of the number of
-// distinct remote nodes among its experts) x d x 4 for the rows, plus 16 bytes per routed row
+// distinct remote nodes among its experts) x d x 4 for the rows, plus 12 bytes per routed row
 // to a remote node for the stage-1 metadata (dispatch only) and 2 x 8 bytes per peer for the
 // counts. combine_backward sends 4 bytes per routed row back (d_w).
 //
@@ -45,6 +51,7 @@
 
 #include "xmoe/comm/topology.h"
 #include "xmoe/moe/dispatch.h"
+#include "xmoe/moe/rbd_plan.h"
 
 namespace xmoe::moe {
 
@@ -55,24 +62,15 @@ int rbd_num_nodes(const DispatchConfig& config);
 /// Collective: splits the ep group into node groups.
 std::unique_ptr<Dispatcher> make_rbd_dispatcher(const DispatchConfig& config);
 
-/// What one rbd dispatch planned, for combine and both backwards (DispatchHandle::rbd).
-struct RbdPlan {
-  // ---- source: this rank's rows ----
-  int64_t num_rows = 0;               ///< N
-  std::vector<int64_t> group_send;    ///< [P] pilots (groups) sent to each rank
-  std::vector<int64_t> member_send;   ///< [P] rows (members of those groups) sent to each rank
-  Tensor pilot_rows;                  ///< i32 [G] row of each group's pilot, in send order
-  std::vector<int32_t> member_rows;   ///< [N] source row of each member, in send order
-  // ---- pilot: the groups this rank received ----
-  std::vector<int64_t> group_recv, member_recv;  ///< [P]
-  Tensor member_group;   ///< i32 [M] arrival index of each member's group, in stage-2 order
-  Tensor member_weight;  ///< f32 [M] each member's combine weight, in stage-2 order
-  std::vector<int32_t> stage2_to_arrival;  ///< [M] stage-1 arrival position of stage-2 row j
-  std::vector<int64_t> replica_send, replica_recv;  ///< [ranks on the node] stage-2 counts
-  Tensor member_out;     ///< [M, d] the members' expert outputs (combine saves; for d_w)
-  // ---- combine_backward's result ----
-  Tensor d_combine_weights;  ///< f32 [N] (RowInfo order)
-  int64_t num_groups() const { return pilot_rows.defined() ? pilot_rows.numel() : 0; }
+/// What an rbd dispatch leaves for combine and both backwards (DispatchHandle::rbd): its plan,
+/// the plan's index tensors for the row kernels, and what combine saved for backward.
+struct RbdState {
+  RbdPlan plan;
+  Tensor pilot_rows;      ///< i32 [G] plan.source.pilot_rows
+  Tensor replica_group;   ///< i32 [M] plan.pilot.replica_group
+  Tensor replica_weight;  ///< f32 [M] plan.pilot.replica_weight
+  Tensor member_out;      ///< [M, d] the replicas' expert outputs (combine saves; for d_w)
+  Tensor d_combine_weights;  ///< f32 [N] (RowInfo order), combine_backward's result
 };
 
 }  // namespace xmoe::moe
