@@ -51,8 +51,8 @@ int main(int argc, char** argv) {
     std::vector<std::vector<int32_t>> fit(layers.size()), held(layers.size());
     bool fitting = true;
     for (size_t l = 0; l < layers.size(); ++l)
-      layers[l]->hooks().after(Stage::gate, [&, l](StageContext& ctx) {
-        const auto v = ctx.get("topk_idx").to_vector<int32_t>();
+      layers[l]->hooks().on<GateOut>([&, l](GateOut& g) {
+        const auto v = g.topk_idx.to_vector<int32_t>();
         auto& dst = fitting ? fit[l] : held[l];
         dst.insert(dst.end(), v.begin(), v.end());
       });

@@ -16,6 +16,7 @@
 //   (1/W) sum_{dp_group} g_r          == g_single[local experts]  (routed experts)
 //   aux_loss(), aux_terms()           == single-process values (on every rank)
 //   routing_bias() after update       == single-process bias (bitwise)
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -193,7 +194,21 @@ TEST(MoeDispatchAllToAll, BadConfigurationsRaiseClearErrors) {
   c.top_k = 2;
   c.dispatch = "local";
   parallel::Layout par = parallel::Layout::create(g, g->size());
-  EXPECT_THROW(MoELayer(c, 8, "m", 1, 0.1f, std::nullopt, &par), Error);
+  const LayerGroups groups{par.world, par.ep_group};
+  EXPECT_THROW(MoELayer(c, 8, "m", 1, 0.1f, std::nullopt, groups), Error);
+  // 2W + 1 experts cannot be split over ep = W (checked before any group is used).
+  c.dispatch = "all_to_all";
+  c.num_experts = 2 * g->size() + 1;
+  try {
+    MoELayer l(c, 8, "m", 1, 0.1f, std::nullopt, groups);
+    ADD_FAILURE() << "expected an xmoe::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fmt::format(
+                  "moe.num_experts = {} is not divisible by parallel.ep = {}", c.num_experts,
+                  g->size())),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // ---- (b) equality with one process --------------------------------------------------------------
@@ -242,11 +257,11 @@ Tensor scaled(const Tensor& t, float s) {
 
 /// Routes every token to experts {0, 1, 2}: with ep = W only ep rank 0 receives rows.
 HookId skew_routing(MoELayer& layer) {
-  return layer.hooks().after(Stage::gate, [](StageContext& ctx) {
-    Tensor idx = ctx.get("topk_idx").clone();
+  return layer.hooks().on<GateOut>([](GateOut& g) {
+    Tensor idx = g.topk_idx.clone();
     int32_t* p = idx.data<int32_t>();
     for (int64_t i = 0; i < idx.numel(); ++i) p[i] = static_cast<int32_t>(i % idx.size(1));
-    ctx.replace("topk_idx", idx);
+    g.topk_idx = idx;
   });
 }
 
@@ -268,7 +283,7 @@ void check_equal_to_one_process(const std::string& gate, int ep, bool skewed) {
   const int64_t Tg = kT * W;
   const MoeConfig c = layer_config(gate);
   parallel::Layout par = parallel::Layout::create(g, ep);
-  MoELayer multi(c, kD, "moe", 42, 0.5f, 0.3f, &par);
+  MoELayer multi(c, kD, "moe", 42, 0.5f, 0.3f, {par.world, par.ep_group});
   MoELayer single(c, kD, "moe", 42, 0.5f, 0.3f);  // Layout::single(): the whole batch here
   if (skewed) {
     skew_routing(multi);

@@ -362,8 +362,8 @@ double rel_err(const Tensor& a, const Tensor& b) {
 /// Replaces the routing: skewed = experts {0, 1, 2} (ep rank 0) for every token; one_node =
 /// all three experts of token t on node (t % nodes).
 HookId force_routing(MoELayer& layer, Routing kind, int nodes) {
-  return layer.hooks().after(Stage::gate, [kind, nodes](StageContext& ctx) {
-    Tensor idx = ctx.get("topk_idx").clone();
+  return layer.hooks().on<GateOut>([kind, nodes](GateOut& g) {
+    Tensor idx = g.topk_idx.clone();
     int32_t* p = idx.data<int32_t>();
     const int64_t k = idx.size(1), per_node = kE / nodes;
     for (int64_t t = 0; t < idx.size(0); ++t)
@@ -371,7 +371,7 @@ HookId force_routing(MoELayer& layer, Routing kind, int nodes) {
         p[t * k + j] = kind == Routing::skewed
                            ? static_cast<int32_t>(j)
                            : static_cast<int32_t>((t % nodes) * per_node + (t * 5 + j * 7) % per_node);
-    ctx.replace("topk_idx", idx);
+    g.topk_idx = idx;
   });
 }
 
@@ -381,8 +381,9 @@ void check_layer(const std::string& gate, int rpn, Routing kind) {
   auto g = world();
   const int W = g->size(), r = g->rank();
   parallel::Layout par = parallel::Layout::create(g, W);
-  MoELayer ref(layer_config(gate, "all_to_all"), kD, "moe", 42, 0.5f, 0.3f, &par);
-  MoELayer rbd(layer_config(gate, "rbd"), kD, "moe", 42, 0.5f, 0.3f, &par);
+  const LayerGroups groups{par.world, par.ep_group};
+  MoELayer ref(layer_config(gate, "all_to_all"), kD, "moe", 42, 0.5f, 0.3f, groups);
+  MoELayer rbd(layer_config(gate, "rbd"), kD, "moe", 42, 0.5f, 0.3f, groups);
   rbd.set_ranks_per_node(rpn);
   if (kind != Routing::uniform) {
     force_routing(ref, kind, W / rpn);
@@ -433,8 +434,9 @@ TEST(MoeLayerRbd, AllExpertsOfATokenOnOneNode) {
 TEST(MoeLayerRbd, OneNodeIsAllToAll) {
   auto g = world();
   parallel::Layout par = parallel::Layout::create(g, g->size());
-  MoELayer ref(layer_config("softmax_topk", "all_to_all"), kD, "moe", 42, 0.5f, 0.3f, &par);
-  MoELayer rbd(layer_config("softmax_topk", "rbd"), kD, "moe", 42, 0.5f, 0.3f, &par);
+  const LayerGroups groups{par.world, par.ep_group};
+  MoELayer ref(layer_config("softmax_topk", "all_to_all"), kD, "moe", 42, 0.5f, 0.3f, groups);
+  MoELayer rbd(layer_config("softmax_topk", "rbd"), kD, "moe", 42, 0.5f, 0.3f, groups);
   rbd.set_ranks_per_node(g->size());
   const Tensor x = randn({kT, kD}, 500 + g->rank());
   EXPECT_EQ(rbd.forward(x, kSeq).to_vector<float>(), ref.forward(x, kSeq).to_vector<float>());
@@ -448,8 +450,9 @@ TEST(MoeLayerRbd, PermuteExpertsUnderExpertParallelism) {
   auto g = world();
   const int W = g->size();
   parallel::Layout par = parallel::Layout::create(g, W);
-  MoELayer a(layer_config("softmax_topk", "rbd"), kD, "moe", 42, 0.5f, 0.3f, &par);
-  MoELayer b(layer_config("softmax_topk", "rbd"), kD, "moe", 42, 0.5f, 0.3f, &par);
+  const LayerGroups groups{par.world, par.ep_group};
+  MoELayer a(layer_config("softmax_topk", "rbd"), kD, "moe", 42, 0.5f, 0.3f, groups);
+  MoELayer b(layer_config("softmax_topk", "rbd"), kD, "moe", 42, 0.5f, 0.3f, groups);
   a.set_ranks_per_node(std::max(1, W / 2));
   b.set_ranks_per_node(std::max(1, W / 2));
   std::vector<int> perm(kE);
@@ -461,14 +464,13 @@ TEST(MoeLayerRbd, PermuteExpertsUnderExpertParallelism) {
   b.zero_grad();
   b.forward(x, kSeq);
   b.backward(dy);
-  b.permute_experts(perm);
-  std::map<std::string, Tensor> state;
-  for (Parameter* p : b.parameters()) state[p->name + ".adam_m"] = p->grad.clone();
-  b.permute_parameter_state(state, perm);
+  // Riders (here: copies of the gradients) move across ranks exactly as the gradients do.
+  std::vector<ExpertRider> riders;
+  for (Parameter* p : b.parameters()) riders.push_back({p, p->grad.clone()});
+  b.permute_experts(perm, riders);
   auto pa = a.parameters(), pb = b.parameters();
-  for (size_t i = 0; i < pa.size(); ++i)  // the state keeps its shapes (values: test_moe_placement)
-    EXPECT_EQ(state[pb[i]->name + ".adam_m"].to_vector<float>().size(),
-              pb[i]->grad.to_vector<float>().size());
+  for (size_t i = 0; i < pb.size(); ++i)
+    EXPECT_EQ(riders[i].tensor.to_vector<float>(), pb[i]->grad.to_vector<float>()) << pb[i]->name;
   a.zero_grad();
   b.zero_grad();
   Tensor ya = a.forward(x, kSeq), yb = b.forward(x, kSeq);

@@ -201,9 +201,7 @@ TEST(MoePadded, CapacityOneDropsSkewedRoutingAndCountsIt) {
   // Skew: every token goes to experts 0 and 1 (a hook replaces the gate's choice).
   std::vector<int32_t> forced;
   for (int64_t t = 0; t < T; ++t) forced.insert(forced.end(), {0, 1});
-  layer.hooks().after(Stage::gate, [&](StageContext& ctx) {
-    ctx.replace("topk_idx", Tensor::from_vector(forced, {T, k}));
-  });
+  layer.hooks().on<GateOut>([&](GateOut& g) { g.topk_idx = Tensor::from_vector(forced, {T, k}); });
   Tensor y = layer.forward(randn({T, d}, 1), 6);
   EXPECT_EQ(padded_capacity(1.0f, T, k, E), 4);
   EXPECT_EQ(layer.layout().capacity, 4);
@@ -230,9 +228,8 @@ TEST(MoePadded, BuffersAreAllocatedAsECd) {
   MoELayer layer(c, d, "m", 3, 0.5f);
   const int64_t C = padded_capacity(2.0f, T, c.top_k, c.num_experts);
   int64_t rows_bytes = 0;
-  layer.hooks().after(Stage::order, [&](StageContext& ctx) {
-    rows_bytes = static_cast<int64_t>(ctx.get("rows").nbytes());
-  });
+  layer.hooks().on<OrderOut>(
+      [&](OrderOut& o) { rows_bytes = static_cast<int64_t>(o.rows.nbytes()); });
   layer.forward(randn({T, d}, 1), 16);
   EXPECT_EQ(rows_bytes, c.num_experts * C * d * 4);
 }
@@ -434,56 +431,74 @@ TEST(MoeGate, RegistryListsKnownGates) {
 
 // ---- Hooks ------------------------------------------------------------------------------------
 
-TEST(MoeHooks, ObserversSeeEachStagesTensors) {
+/// Adds to `trace` the name of each boundary in Bs as the layer hands it on.
+template <class... Bs> void trace_boundaries(Hooks& hooks, std::vector<std::string>& trace) {
+  (hooks.on<Bs>([&trace](Bs&) { trace.emplace_back(Bs::kName); }), ...);
+}
+
+TEST(MoeHooks, ObserversSeeEachBoundary) {
   const int64_t T = 12, d = 8;
   MoeConfig c = small_config();
   c.num_shared_experts = 1;
   MoELayer layer(c, d, "layers.1.moe", 3, 0.5f);
   std::vector<std::string> trace;
-  for (int s = 0; s < kNumStages; ++s)
-    for (Phase p : {Phase::forward, Phase::backward}) {
-      layer.hooks().before(static_cast<Stage>(s), [&](StageContext& ctx) {
-        trace.push_back(fmt::format("{}:{}:before", phase_name(ctx.phase()), stage_name(ctx.stage())));
-      }, p);
-    }
-  Tensor seen_idx, seen_w, seen_rows, seen_tpe, seen_out;
-  layer.hooks().after(Stage::gate, [&](StageContext& ctx) {
-    EXPECT_EQ(ctx.layer(), "layers.1.moe");
-    seen_idx = ctx.get("topk_idx");
-    seen_w = ctx.get("topk_weight");
-    EXPECT_TRUE(ctx.has_scalar("aux_loss"));
+  trace_boundaries<LayerIn, GateOut, OrderOut, DispatchOut, ExpertOut, CombineOut, IOrderOut,
+                   SharedOut, LayerOutGrad, SharedGrad, IOrderGrad, CombineGrad, ExpertGrad,
+                   DispatchGrad, OrderGrad, GateGrad>(layer.hooks(), trace);
+  Tensor seen_idx, seen_w, seen_rows, seen_out, seen_dw;
+  std::vector<int64_t> seen_tpe;
+  double seen_aux = -1;
+  layer.hooks().on<GateOut>([&](GateOut& g) {
+    seen_idx = g.topk_idx;
+    seen_w = g.topk_weight;
+    seen_aux = g.aux->weighted();
   });
-  layer.hooks().after(Stage::order, [&](StageContext& ctx) {
-    seen_rows = ctx.get("rows");
-    seen_tpe = ctx.get("tokens_per_expert");
+  layer.hooks().on<OrderOut>([&](OrderOut& o) {
+    seen_rows = o.rows;
+    seen_tpe = o.layout->tokens_per_expert;
   });
-  layer.hooks().after(Stage::expert, [&](StageContext& ctx) { seen_out = ctx.get("expert_out"); });
+  layer.hooks().on<ExpertOut>([&](ExpertOut& e) { seen_out = e.expert_out; });
+  layer.hooks().on<OrderGrad>([&](OrderGrad& g) { seen_dw = g.d_topk_weight; });
   Tensor x = randn({T, d}, 1);
   layer.forward(x, 6);
   EXPECT_EQ(seen_idx.shape(), (Shape{T, 2}));
   EXPECT_EQ(seen_idx.dtype(), DType::i32);
   EXPECT_EQ(seen_w.shape(), (Shape{T, 2}));
+  EXPECT_EQ(seen_aux, layer.aux_terms().weighted());
   EXPECT_EQ(seen_rows.shape(), (Shape{T * 2, d}));
   EXPECT_EQ(seen_out.shape(), (Shape{T * 2, d}));
-  EXPECT_EQ(seen_tpe.to_vector<int64_t>(), layer.tokens_per_expert());
+  EXPECT_EQ(seen_tpe, layer.tokens_per_expert());
   // The observed rows are the gathered tokens, in PFT order.
   auto tok = layer.layout().token_ids.to_vector<int32_t>();
   EXPECT_EQ(seen_rows.rows(0, 1).to_vector<float>(), x.rows(tok[0], tok[0] + 1).to_vector<float>());
   layer.backward(randn({T, d}, 2));
+  EXPECT_EQ(seen_dw.shape(), (Shape{T, 2}));
   const std::vector<std::string> expect = {
-      "forward:gate:before",     "forward:order:before",   "forward:dispatch:before",
-      "forward:expert:before",   "forward:combine:before", "forward:iorder:before",
-      "forward:shared:before",   "backward:shared:before", "backward:iorder:before",
-      "backward:combine:before", "backward:expert:before", "backward:dispatch:before",
-      "backward:order:before",   "backward:gate:before"};
+      "LayerIn",      "GateOut",    "OrderOut",    "DispatchOut",  "ExpertOut", "CombineOut",
+      "IOrderOut",    "SharedOut",  "LayerOutGrad", "SharedGrad",  "IOrderGrad", "CombineGrad",
+      "ExpertGrad", "DispatchGrad", "OrderGrad",   "GateGrad"};
   EXPECT_EQ(trace, expect);
-  try {
-    StageContext ctx("m", Phase::forward);
-    ctx.get("nope");
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_TRUE(contains(e.what(), "no tensor 'nope'"));
-  }
+}
+
+TEST(MoeHooks, ReplacementsMustKeepShapeAndDtype) {
+  const int64_t T = 12, d = 8;
+  MoELayer layer(small_config(), d, "m", 3, 0.5f);
+  Tensor x = randn({T, d}, 1);
+  HookId id = layer.hooks().on<GateOut>([](GateOut& g) { g.topk_weight = Tensor::zeros({3, 2}); });
+  std::string err = error_of([&] { layer.forward(x, 6); });
+  EXPECT_TRUE(contains(err, "[moe hooks] GateOut.topk_weight replaced by f32[3, 2]")) << err;
+  layer.hooks().remove(id);
+  id = layer.hooks().on<ExpertGrad>([](ExpertGrad& g) { g.d_expert_in = Tensor(); });
+  layer.forward(x, 6);
+  err = error_of([&] { layer.backward(randn({T, d}, 2)); });
+  EXPECT_TRUE(contains(err, "ExpertGrad.d_expert_in replaced by an undefined tensor")) << err;
+  layer.hooks().remove(id);
+  layer.release();
+  layer.hooks().on<OrderOut>(
+      [](OrderOut& o) { o.combine_weights = o.combine_weights.to(DType::bf16); });
+  err = error_of([&] { layer.forward(x, 6); });
+  EXPECT_TRUE(contains(err, "OrderOut.combine_weights replaced by bf16")) << err;
+  EXPECT_THROW(layer.hooks().on<GateOut>(Hook<GateOut>()), Error);
 }
 
 TEST(MoeHooks, ReplacingHookChangesTheOutput) {
@@ -496,9 +511,9 @@ TEST(MoeHooks, ReplacingHookChangesTheOutput) {
   // Force every token onto experts (4, 5) with equal weights.
   std::vector<int32_t> idx;
   for (int64_t t = 0; t < T; ++t) idx.insert(idx.end(), {4, 5});
-  const HookId id = layer.hooks().after(Stage::gate, [&](StageContext& ctx) {
-    ctx.replace("topk_idx", Tensor::from_vector(idx, {T, 2}));
-    ctx.replace("topk_weight", Tensor::full({T, 2}, 0.5f));
+  const HookId id = layer.hooks().on<GateOut>([&](GateOut& g) {
+    g.topk_idx = Tensor::from_vector(idx, {T, 2});
+    g.topk_weight = Tensor::full({T, 2}, 0.5f);
   });
   const auto y1 = layer.forward(x, 6).to_vector<float>();
   EXPECT_EQ(layer.tokens_per_expert(), (std::vector<int64_t>{0, 0, 0, 0, T, T}));
@@ -507,18 +522,40 @@ TEST(MoeHooks, ReplacingHookChangesTheOutput) {
   Tensor dx = layer.backward(randn({T, d}, 2));
   EXPECT_TRUE(xmoe::ops::all_finite(dx));
   layer.hooks().remove(id);
+  EXPECT_TRUE(layer.hooks().empty());
   EXPECT_EQ(layer.forward(x, 6).to_vector<float>(), y0);
 }
 
-TEST(MoeHooks, BeforeHookCanReplaceTheStageInput) {
+TEST(MoeHooks, HookCanReplaceTheExpertsInput) {
   const int64_t T = 12, d = 8;
   MoELayer layer(small_config(), d, "m", 3, 0.5f);
   Tensor x = randn({T, d}, 1);
-  layer.hooks().before(Stage::expert, [&](StageContext& ctx) {
-    ctx.replace("expert_in", Tensor::zeros(ctx.get("expert_in").shape()));
+  layer.hooks().on<DispatchOut>([&](DispatchOut& dsp) {
+    dsp.expert_in = Tensor::zeros(dsp.expert_in.shape());
   });
   // Zero expert inputs give zero SwiGLU outputs, so y (no shared experts) is zero.
   EXPECT_EQ(xmoe::ops::sum_squares(layer.forward(x, 6)), 0.0);
+  // Backward uses the replaced rows (zeros), not rows gathered again from x: no weight gradient
+  // for gate_up reaches it.
+  layer.zero_grad();
+  layer.backward(randn({T, d}, 2));
+  EXPECT_EQ(xmoe::ops::sum_squares(layer.parameters()[1]->grad), 0.0);
+}
+
+// A backward hook replaces a gradient: every later stage reads it.
+TEST(MoeHooks, BackwardHookCanReplaceAGradient) {
+  const int64_t T = 12, d = 8;
+  MoELayer layer(small_config(), d, "m", 3, 0.5f);
+  Tensor x = randn({T, d}, 1);
+  layer.hooks().on<CombineGrad>([](CombineGrad& g) {
+    g.d_expert_out = Tensor::zeros(g.d_expert_out.shape());
+    g.d_combine_weights = Tensor::zeros(g.d_combine_weights.shape());
+  });
+  layer.forward(x, 6);
+  layer.zero_grad();
+  layer.backward(randn({T, d}, 2));  // no gradient reaches the experts
+  for (Parameter* p : layer.parameters())
+    if (p->kind == ParamKind::expert) EXPECT_EQ(xmoe::ops::sum_squares(p->grad), 0.0) << p->name;
 }
 
 // ---- Layer ------------------------------------------------------------------------------------
@@ -603,9 +640,9 @@ TEST(MoeLayer, RoutedOutputIsTheWeightedSumOfExpertOutputs) {
   MoELayer layer(c, d, "m", 3, 0.5f);
   Tensor x = randn({T, d}, 1);
   Tensor idx_seen, w_seen;
-  layer.hooks().after(Stage::gate, [&](StageContext& ctx) {
-    idx_seen = ctx.get("topk_idx");
-    w_seen = ctx.get("topk_weight");
+  layer.hooks().on<GateOut>([&](GateOut& g) {
+    idx_seen = g.topk_idx;
+    w_seen = g.topk_weight;
   });
   auto y = layer.forward(x, 5).to_vector<float>();
   auto ps = layer.parameters();
@@ -637,8 +674,8 @@ TEST(MoeLayer, AllToAllWithOneRankIsExactlyLocal) {
     c.z_loss_weight = 0.01f;
     MoELayer local(c, 8, "m", 3, 0.3f);
     c.dispatch = "all_to_all";
-    parallel::Layout single = parallel::Layout::single();
-    MoELayer a2a(c, 8, "m", 3, 0.3f, std::nullopt, &single);
+    const auto single = comm::make_single_group();
+    MoELayer a2a(c, 8, "m", 3, 0.3f, std::nullopt, LayerGroups{single, single});
     Tensor x = randn({12, 8}, 4), dy = randn({12, 8}, 5);
     EXPECT_EQ(a2a.forward(x, 6).to_vector<float>(), local.forward(x, 6).to_vector<float>());
     EXPECT_EQ(a2a.aux_loss(), local.aux_loss());
@@ -656,16 +693,6 @@ TEST(MoeLayer, AllToAllWithOneRankIsExactlyLocal) {
     EXPECT_EQ(r.handle.recv_tokens_per_expert, tpe);
     EXPECT_EQ(d->combine(r.rows, r.handle).to_vector<float>(), x.rows(0, 6).to_vector<float>());
   }
-  MoeConfig c = small_config();
-  c.dispatch = "all_to_all";
-  c.num_experts = 7;
-  // 7 experts cannot be split over ep = 2 (checked before any group is touched).
-  parallel::Layout two;
-  two.ep = 2;
-  two.dp = 1;
-  two.world_size = 2;
-  EXPECT_TRUE(contains(error_of([&] { MoELayer l(c, 8, "m", 1, 0.1f, std::nullopt, &two); }),
-                       "moe.num_experts = 7 is not divisible by parallel.ep = 2"));
 }
 
 // The I-Order backward op in place: the reference's values (gather, dot, scale), written over

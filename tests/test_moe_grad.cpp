@@ -217,18 +217,67 @@ TEST(MoeGrad, RecomputeGivesTheSameGradients) {
 }
 
 // The experts keep no copy of their input rows [N, d]: backward gathers them again from x by
-// the PFT indices, with the same bits. A hook (which may read any stage's tensors) keeps them.
+// the PFT indices, with the same bits. A hook that replaces the rows makes the experts keep them.
 TEST(MoeGrad, ExpertRowsAreGatheredAgainNotKept) {
   for (const char* impl : {"pft", "padded"}) {
     const MoeConfig c = impl_config(impl);
     const Pass gathered = run_pass(c, [](MoELayer&) {});
-    const Pass kept =
-        run_pass(c, [](MoELayer& l) { l.hooks().after(Stage::combine, [](StageContext&) {}); });
+    const Pass kept = run_pass(c, [](MoELayer& l) {
+      l.hooks().on<DispatchOut>([](DispatchOut& d) { d.expert_in = d.expert_in.clone(); });
+    });
     EXPECT_EQ(gathered.grads, kept.grads) << impl;
     EXPECT_EQ(gathered.y, kept.y) << impl;
     EXPECT_GE(kept.saved - gathered.saved, gathered.routed_rows * kD * 4)
         << impl << ": " << kept.saved << " vs " << gathered.saved;
     EXPECT_LE(gathered.forward_peak, kept.forward_peak) << impl;  // the rows go once h is made
+  }
+}
+
+/// Registers on every boundary Bs a hook that reads each of its tensors (host copies, which the
+/// allocator does not count) and replaces nothing; counts the calls.
+template <class... Bs> void observe(Hooks& hooks, int& calls, double& sum) {
+  (hooks.on<Bs>([&calls, &sum](Bs& b) {
+    ++calls;
+    for (const TensorField& f : b.tensors()) {
+      if (!f.tensor->defined()) continue;
+      if (f.tensor->dtype() == DType::f32)
+        for (float v : f.tensor->to_vector<float>()) sum += v;
+      else
+        sum += static_cast<double>(f.tensor->numel());
+    }
+  }), ...);
+}
+
+// An observing hook changes nothing, memory included: the same bits, the same bytes kept for
+// backward and the same peaks, with a hook reading every tensor of every boundary.
+TEST(MoeGrad, ObservingHooksChangeNothing) {
+  struct Case {
+    const char* impl;
+    const char* dispatch;
+    bool recompute;
+  };
+  for (const Case& cs : {Case{"pft", "local", false}, Case{"pft", "local", true},
+                         Case{"pft", "all_to_all", false}, Case{"padded", "local", false}}) {
+    SCOPED_TRACE(std::string(cs.impl) + " " + cs.dispatch + (cs.recompute ? " recompute" : ""));
+    MoeConfig c = impl_config(cs.impl);
+    c.dispatch = cs.dispatch;
+    c.aux_loss_weight = 0.01f;
+    const Pass plain = run_pass(c, [&](MoELayer& l) { l.set_recompute(cs.recompute); });
+    int calls = 0;
+    double sum = 0;
+    const Pass observed = run_pass(c, [&](MoELayer& l) {
+      l.set_recompute(cs.recompute);
+      observe<LayerIn, GateOut, OrderOut, DispatchOut, ExpertOut, CombineOut, IOrderOut,
+              SharedOut, LayerOutGrad, SharedGrad, IOrderGrad, CombineGrad, ExpertGrad,
+              DispatchGrad, OrderGrad, GateGrad>(l.hooks(), calls, sum);
+    });
+    EXPECT_EQ(calls, 16);  // every boundary, shared experts included
+    EXPECT_TRUE(std::isfinite(sum));
+    EXPECT_EQ(observed.y, plain.y);
+    EXPECT_EQ(observed.grads, plain.grads);
+    EXPECT_EQ(observed.saved, plain.saved);
+    EXPECT_EQ(observed.forward_peak, plain.forward_peak);
+    EXPECT_EQ(observed.backward_peak, plain.backward_peak);
   }
 }
 

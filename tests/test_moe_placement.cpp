@@ -1,8 +1,9 @@
 // Expert placement (moe/placement.h): co-activation recording, the placement optimiser on a
-// planted partition, and permute_experts / permute_parameter_state keeping the layer's function
-// and the optimizer's trajectory (permuted). The last test measures, on the routing of the
-// trained default model (runs/default/step-600, when present), how many inter-node pilots RBD
-// sends with and without an optimised placement (the figures in docs/moe.md).
+// planted partition, and permute_experts (moe/expert_permutation.h) keeping the layer's function
+// and, with the optimizer's moments as riders, the optimizer's trajectory (permuted). The last
+// test measures, on the routing of the trained default model (runs/default/step-600, when
+// present), how many inter-node pilots RBD sends with and without an optimised placement (the
+// figures in docs/moe.md).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <numeric>
 
 #include "gradcheck.h"
+#include "testing.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/data/data_loader.h"
@@ -234,6 +236,46 @@ TEST(PermuteExperts, RejectsBadPermutationsAndGroupSplits) {
   EXPECT_NO_THROW(g.permute_experts({5, 4, 7, 6, 1, 0, 3, 2}));      // moves whole groups
 }
 
+// A rider moves exactly as its parameter; riders of parameters that hold no experts (xmoe's
+// projection, its temperature, the shared experts) or of another layer stay as they are.
+TEST(PermuteExperts, RidersMoveWithTheirParameters) {
+  MoELayer layer(config("xmoe"), 16, "m", 5, 0.5f), other(config("xmoe"), 16, "o", 6, 0.5f);
+  std::vector<ExpertRider> riders;
+  for (Parameter* p : layer.parameters()) riders.push_back({p, p->value.clone()});
+  for (Parameter* p : other.parameters()) riders.push_back({p, p->value.clone()});
+  std::vector<std::vector<float>> before;
+  for (const ExpertRider& r : riders) before.push_back(r.tensor.to_vector<float>());
+  const std::vector<int> perm = shuffled(8, 21);
+  layer.permute_experts(perm, riders);
+  const auto ps = layer.parameters();
+  int moved = 0;
+  for (size_t i = 0; i < riders.size(); ++i) {
+    const std::vector<float> now = riders[i].tensor.to_vector<float>();
+    if (i < ps.size()) EXPECT_EQ(now, ps[i]->value.to_vector<float>()) << ps[i]->name;
+    moved += now != before[i];
+  }
+  EXPECT_EQ(moved, 3);  // router.expert_embeddings, experts.gate_up, experts.down
+  const std::string err = xmoe::testing::error_of([&] {
+    layer.permute_experts(perm, std::vector<ExpertRider>{{ps[3], Tensor::zeros({2})}});
+  });
+  EXPECT_NE(err.find("a tensor riding with m.experts.gate_up is f32[2] on cpu, the parameter is"),
+            std::string::npos) << err;
+}
+
+namespace {
+
+/// AdamW's moments as riders of their parameters (what the trainer passes to permute_experts).
+std::vector<ExpertRider> moment_riders(const optim::AdamW& opt) {
+  std::vector<ExpertRider> riders;
+  for (size_t i = 0; i < opt.parameters().size(); ++i) {
+    riders.push_back({opt.parameters()[i], opt.m(i)});
+    riders.push_back({opt.parameters()[i], opt.v(i)});
+  }
+  return riders;
+}
+
+}  // namespace
+
 TEST(PermuteExperts, OptimizerTakesThePermutedSteps) {
   // Two identical layers + AdamW; after one step, b (and its optimizer state) is permuted;
   // three more steps on the same data: b's parameters stay a's, permuted.
@@ -243,7 +285,7 @@ TEST(PermuteExperts, OptimizerTakesThePermutedSteps) {
   optim::AdamW oa(a.parameters(), oc), ob(b.parameters(), oc);
   const std::vector<int> perm = shuffled(8, 77);
   for (int step = 0; step < 4; ++step) {
-    if (step == 1) apply_placement(b, perm, &ob);
+    if (step == 1) b.permute_experts(perm, moment_riders(ob));
     const Tensor x = randn({24, 16}, 40 + step), dy = randn({24, 16}, 50 + step, 0.1f);
     for (auto* l : {&a, &b}) {
       l->zero_grad();

@@ -1,16 +1,23 @@
 #include "xmoe/model/moe_ffn.h"
 
 #include "xmoe/moe/layer.h"
+#include "xmoe/parallel/layout.h"
 
 namespace xmoe::model {
 
 namespace {
 
+/// The groups the layer uses from a run's layout: the world and this rank's ep group.
+moe::LayerGroups groups_of(const parallel::Layout* layout) {
+  if (!layout) return {};
+  return {layout->world, layout->ep_group};
+}
+
 class MoEFFN : public FeedForward {
  public:
   MoEFFN(const MoeConfig& cfg, int64_t d_model, std::string prefix, uint64_t seed, float init_std,
          float out_std, const parallel::Layout* layout)
-      : layer_(cfg, d_model, std::move(prefix), seed, init_std, out_std, layout) {}
+      : layer_(cfg, d_model, std::move(prefix), seed, init_std, out_std, groups_of(layout)) {}
 
   Tensor forward(const Tensor& x, int64_t seq_len) override { return layer_.forward(x, seq_len); }
   Tensor backward(const Tensor& dy) override { return layer_.backward(dy); }

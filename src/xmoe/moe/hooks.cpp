@@ -6,64 +6,44 @@
 
 namespace xmoe::moe {
 
-std::string_view stage_name(Stage s) {
-  switch (s) {
-    case Stage::gate: return "gate";
-    case Stage::order: return "order";
-    case Stage::dispatch: return "dispatch";
-    case Stage::expert: return "expert";
-    case Stage::combine: return "combine";
-    case Stage::iorder: return "iorder";
-    case Stage::shared: return "shared";
+namespace detail {
+
+void check_hook(bool callable, std::string_view boundary) {
+  XMOE_CHECK(callable, "[moe hooks] empty hook on {}", boundary);
+}
+
+bool check_replacement(std::string_view boundary, std::string_view field, const Tensor& was,
+                       const Tensor& now) {
+  if (!was.defined()) {
+    XMOE_CHECK(!now.defined(), "[moe hooks] {}.{} holds no tensor here (rbd: see moe/stages.h); "
+               "a hook cannot set it", boundary, field);
+    return false;
   }
-  return "?";
+  XMOE_CHECK(now.defined(), "[moe hooks] {}.{} replaced by an undefined tensor", boundary, field);
+  if (now.shares_storage(was) && now.raw() == was.raw() && now.shape() == was.shape() &&
+      now.dtype() == was.dtype())
+    return false;
+  XMOE_CHECK(now.shape() == was.shape() && now.dtype() == was.dtype() &&
+                 now.device() == was.device(),
+             "[moe hooks] {}.{} replaced by {}, expected {} (a replacement keeps the shape, dtype "
+             "and device)", boundary, field, now.str(), was.str());
+  return true;
 }
 
-std::string_view phase_name(Phase p) { return p == Phase::forward ? "forward" : "backward"; }
-
-const Tensor& StageContext::get(const std::string& name) const {
-  auto it = tensors_.find(name);
-  if (it == tensors_.end()) {
-    std::string known;
-    for (const auto& n : names()) known += (known.empty() ? "" : ", ") + n;
-    XMOE_FAIL("[moe hooks] no tensor '{}' {} {} {} (available: {})", name,
-              when_ == When::before ? "before" : "after", stage_name(stage_), phase_name(phase_),
-              known);
-  }
-  return it->second;
-}
-
-void StageContext::replace(const std::string& name, Tensor t) {
-  XMOE_CHECK(t.defined(), "[moe hooks] replace('{}') with an undefined tensor", name);
-  tensors_[name] = std::move(t);
-  replaced_.insert(name);
-}
-
-std::vector<std::string> StageContext::names() const {
-  std::vector<std::string> out;
-  for (const auto& [n, t] : tensors_) out.push_back(n);
-  return out;
-}
-
-double StageContext::scalar(const std::string& name) const {
-  auto it = scalars_.find(name);
-  XMOE_CHECK(it != scalars_.end(), "[moe hooks] no scalar '{}'", name);
-  return it->second;
-}
-
-HookId Hooks::add(Stage stage, When when, Phase phase, HookFn fn) {
-  XMOE_CHECK(static_cast<bool>(fn), "[moe hooks] empty hook for stage {}", stage_name(stage));
-  hooks_.push_back({next_id_, stage, when, phase, std::move(fn)});
-  return next_id_++;
-}
+}  // namespace detail
 
 void Hooks::remove(HookId id) {
-  std::erase_if(hooks_, [id](const Entry& e) { return e.id == id; });
+  std::apply([id](auto&... lists) {
+    (std::erase_if(lists, [id](const auto& entry) { return entry.first == id; }), ...);
+  }, lists_);
 }
 
-void Hooks::run(StageContext& ctx) const {
-  for (const Entry& e : hooks_)
-    if (e.stage == ctx.stage() && e.when == ctx.when() && e.phase == ctx.phase()) e.fn(ctx);
+void Hooks::clear() {
+  std::apply([](auto&... lists) { (lists.clear(), ...); }, lists_);
+}
+
+bool Hooks::empty() const {
+  return std::apply([](const auto&... lists) { return (lists.empty() && ...); }, lists_);
 }
 
 }  // namespace xmoe::moe

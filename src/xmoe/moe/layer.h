@@ -1,51 +1,66 @@
 #pragma once
-// MoELayer: the six stages composed, FSMoE-style, with hooks around each.
+// MoELayer: the six stages composed, FSMoE-style, with hooks on what each hands the next.
 //
 //   forward:  gate -> order -> dispatch -> expert -> combine -> iorder   (+ shared experts)
 //   backward: shared, iorder, combine, expert, dispatch, order, gate     (reverse)
 //
 // Every stage is created by name (moe.gate, moe.impl, moe.dispatch) and owns what it saves for
-// backward; see docs/moe.md for the data layout and the options.
+// backward; what one stage hands the next is a struct of moe/stages.h. See docs/moe.md for the
+// data layout and the options.
 //
-// Parallel context (parallel::Layout, world = dp x ep): this rank holds experts
-// [first_expert, first_expert + E/ep); dispatch moves rows over layout.ep_group; the aux-loss
-// statistics and the sigmoid gate's expert load are summed over layout.world, so that W ranks
-// train like one process of the global batch. Gradient convention (docs/moe.md): backward gives
-// W x d(global objective)/d(local tensor) for this rank's activations; the trainer must
-//   dense params (router, shared experts): sum over layout.world, then / W;
-//   expert params:                         sum over layout.dp_group, then / W (not / dp).
+// Parallel context (LayerGroups, world = dp x ep): this rank holds experts
+// [first_expert, first_expert + E/ep) of the ep group; dispatch moves rows over the ep group;
+// the aux-loss statistics and the sigmoid gate's expert load are summed over the world, so that
+// W ranks train like one process of the global batch. Gradient convention (docs/moe.md):
+// backward gives W x d(global objective)/d(local tensor) for this rank's activations; the
+// trainer must
+//   dense params (router, shared experts): sum over the world, then / W;
+//   expert params:                         sum over the expert's replicas (dp), then / W.
 // Every forward/backward/update_routing_bias makes collectives: all ranks call them together.
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/parameter.h"
-#include "xmoe/parallel/layout.h"
 #include "xmoe/moe/dispatch.h"
 #include "xmoe/moe/expert.h"
+#include "xmoe/moe/expert_permutation.h"
 #include "xmoe/moe/gate.h"
 #include "xmoe/moe/hooks.h"
 #include "xmoe/moe/iorder.h"
 #include "xmoe/moe/order.h"
 #include "xmoe/moe/placement.h"
 #include "xmoe/moe/shared.h"
+#include "xmoe/moe/stages.h"
 
 namespace xmoe::moe {
+
+/// The communicators a MoELayer uses; null = one process. A run's parallel::Layout holds them:
+/// {layout.world, layout.ep_group}.
+struct LayerGroups {
+  /// Every rank: the aux-loss statistics, the sigmoid gate's expert load and the co-activation
+  /// counts are summed over it.
+  std::shared_ptr<comm::Group> world;
+  /// The ranks that split the experts (rank r holds experts [r E/ep, (r + 1) E/ep)): dispatch and
+  /// combine move rows over it, permute_experts moves experts.
+  std::shared_ptr<comm::Group> ep;
+};
 
 class MoELayer : public Module {
  public:
   /// Router and expert weights ~ N(0, init_std^2) from (seed, parameter name), so the same
   /// however experts are sharded; the down projections (routed and shared) use down_std when
   /// given (the model passes init_std / sqrt(2 * num_layers)). Parameter names start with prefix.
-  /// layout: the parallel context (copied; null = one process). With ep > 1, moe.dispatch must
-  /// be a comm dispatcher (all_to_all) and ep must divide moe.num_experts.
+  /// groups: the parallel context (none = one process). With an ep group of ep > 1 ranks,
+  /// moe.dispatch must be a comm dispatcher (all_to_all, rbd) and ep must divide
+  /// moe.num_experts.
   MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix, uint64_t seed,
-           float init_std, std::optional<float> down_std = std::nullopt,
-           const parallel::Layout* layout = nullptr);
+           float init_std, std::optional<float> down_std = std::nullopt, LayerGroups groups = {});
   ~MoELayer() override;
 
   /// x [T, d] -> y [T, d]; T must be a multiple of seq_len (sequences, for the sequence-level
@@ -69,7 +84,7 @@ class MoELayer : public Module {
   const AuxLossTerms& aux_terms() const { return aux_; }
 
   /// Sigmoid gate: bias_e += rate * sign(mean_load - load_e) from the load routed since the last
-  /// call (all micro-batches of the step), summed over layout.world first (one all_reduce), so
+  /// call (all micro-batches of the step), summed over the world group first (one all_reduce), so
   /// every rank applies the same bias. A no-op for other gates. Call after the optimizer step.
   void update_routing_bias();
 
@@ -86,8 +101,8 @@ class MoELayer : public Module {
   void set_frozen_routing(bool on) { frozen_routing_ = on; }
   bool frozen_routing() const { return frozen_routing_; }
   /// Recompute in backward instead of saving the experts' gate_up output h [N, 2f]. (Their
-  /// input rows are never kept where one process holds every expert and no hook is set: they
-  /// are gathered again from x by the saved layout.)
+  /// input rows are never kept where one process holds every expert and no hook replaced them:
+  /// they are gathered again from x by the saved layout.)
   void set_recompute(bool on) { experts_->set_recompute(on); }
 
   /// The experts' [N, f] activations in this many row chunks (moe.expert_chunks; 0: auto).
@@ -104,30 +119,26 @@ class MoELayer : public Module {
   void set_record_coactivation(bool on) { record_coactivation_ = on; }
   /// This rank's counts since the last reset (local: see global_coactivation()).
   const CoactivationMatrix& coactivation() const { return coactivation_; }
-  /// The counts summed over layout.world (an i64 all_reduce: collective, every rank calls it).
+  /// The counts summed over the world group (an i64 all_reduce: collective, every rank calls it).
   CoactivationMatrix global_coactivation() const;
   void reset_coactivation();
   /// Moves the experts: new expert s is old expert perm[s] (perm a permutation of [0, E), the
   /// same on every rank). Permutes the expert weights and their gradients (with ep > 1 the
   /// experts are all-gathered over the ep group, permuted, and this rank keeps its slice), the
   /// router's expert columns (router.weight [d, E]; xmoe: router.expert_embeddings [r, E]), the
-  /// sigmoid gate's bias [E] and the pending load, so the layer computes the same function (up
-  /// to float summation order). The sigmoid gate with num_groups > 1 accepts only permutations
-  /// that map whole groups onto groups. Collective over the ep group. Saved activations are
-  /// dropped (call between steps). Optimizer state: permute_parameter_state.
-  void permute_experts(const std::vector<int>& perm);
-  /// Applies the same permutation to per-parameter state keyed "<param name><suffix>" (AdamW's
-  /// export_state: suffixes ".adam_m", ".adam_v"), IN PLACE (export_state's tensors share the
-  /// optimizer's storage, so this permutes the optimizer). Entries of other parameters are left
-  /// alone; a missing entry is skipped. Collective over the ep group.
-  void permute_parameter_state(std::map<std::string, Tensor>& state, const std::vector<int>& perm,
-                               const std::vector<std::string>& suffixes = {".adam_m", ".adam_v"});
+  /// sigmoid gate's bias [E], the pending load and the co-activation counts, so the layer
+  /// computes the same function (up to float summation order); and, in place, each rider of one
+  /// of those parameters (e.g. the optimizer's moments; riders of other parameters are left
+  /// alone). The sigmoid gate with num_groups > 1 accepts only permutations that map whole
+  /// groups onto groups. Collective over the ep group (every rank passes riders of the same
+  /// parameters in the same order). Saved activations are dropped (call between steps).
+  void permute_experts(const std::vector<int>& perm, std::span<const ExpertRider> riders = {});
 
-  /// Callbacks before/after each stage (see hooks.h).
+  /// Callbacks on what each stage hands the next, forward and backward (see hooks.h).
   Hooks& hooks() { return hooks_; }
 
   const MoeConfig& config() const { return cfg_; }
-  const parallel::Layout& parallel_layout() const { return par_; }
+  const LayerGroups& groups() const { return groups_; }
   /// Rows this rank's experts processed in the last forward [E_local] (from every ep rank).
   const std::vector<int64_t>& local_expert_rows() const { return handle_.recv_tokens_per_expert; }
   const std::string& prefix() const { return prefix_; }
@@ -140,15 +151,12 @@ class MoELayer : public Module {
   void collect_parameters(std::vector<Parameter*>& out) override;
 
  private:
-  template <class Body> void run_stage(StageContext& ctx, Stage stage, Body&& body);
   void make_dispatcher_(int ranks_per_node);
   void record_coactivation_pairs(const Tensor& topk_idx);
-  /// Permutes one tensor by perm along `axis` (0 = experts rows, sharded when `sharded`; 1 =
-  /// columns of a [r, E] router tensor), in place.
-  void permute_tensor(Tensor& t, const std::vector<int>& perm, bool sharded, int axis);
 
   MoeConfig cfg_;
-  parallel::Layout par_;
+  LayerGroups groups_;
+  int ep_size_ = 1, ep_rank_ = 0;
   int64_t d_model_;
   std::string prefix_;
   std::unique_ptr<Gate> gate_;

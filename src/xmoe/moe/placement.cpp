@@ -1,12 +1,9 @@
 #include "xmoe/moe/placement.h"
 
 #include <algorithm>
-#include <map>
 #include <numeric>
 
 #include "xmoe/core/error.h"
-#include "xmoe/moe/layer.h"
-#include "xmoe/optim/adamw.h"
 
 namespace xmoe::moe {
 
@@ -202,15 +199,6 @@ double expected_internode_pilots(const CoactivationMatrix& c, std::span<const in
       if (node[e] == node[f]) distinct -= double(c.at(e, f));
   }
   return distinct * double(num_nodes - 1) / num_nodes;
-}
-
-void apply_placement(MoELayer& layer, const std::vector<int>& perm, optim::AdamW* opt) {
-  layer.permute_experts(perm);
-  if (opt) {
-    std::map<std::string, Tensor> state;
-    opt->export_state(state);  // shares the optimizer's storage: permuted in place
-    layer.permute_parameter_state(state, perm);
-  }
 }
 
 }  // namespace xmoe::moe

@@ -8,19 +8,13 @@
 //     sum_{i != j on one node} C_ij: greedy seeding, then best-improvement pairwise swaps
 //     (Kernighan-Lin style), deterministic;
 //   - pilot counts to evaluate a placement on a recorded routing.
-// Applying one: MoELayer::permute_experts + MoELayer::permute_parameter_state (or the one call
-// apply_placement below).
+// Applying one: MoELayer::permute_experts(perm, riders) (moe/expert_permutation.h), the
+// optimizer's moments among the riders.
 #include <cstdint>
 #include <span>
 #include <vector>
 
-namespace xmoe::optim {
-class AdamW;
-}
-
 namespace xmoe::moe {
-
-class MoELayer;
 
 /// Symmetric E x E counts: at(a, b) = tokens that chose both a and b (a != b); at(e, e) = tokens
 /// that chose e.
@@ -78,10 +72,5 @@ PilotCount count_pilots(std::span<const int32_t> topk_idx, int64_t top_k,
 /// exclusion to second order (exact for k <= 2, an estimate above): a proxy for ranking.
 double expected_internode_pilots(const CoactivationMatrix& c, std::span<const int> perm,
                                  int num_nodes, int experts_per_node);
-
-/// Permutes `layer` (weights, grads, router) and, when `opt` is given, its AdamW moments:
-/// layer.permute_experts(perm), then opt->export_state + layer.permute_parameter_state. Every
-/// rank calls it with the same perm (collective over the ep group).
-void apply_placement(MoELayer& layer, const std::vector<int>& perm, optim::AdamW* opt = nullptr);
 
 }  // namespace xmoe::moe

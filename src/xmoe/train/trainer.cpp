@@ -82,6 +82,13 @@ void place_experts(model::Transformer& model, optim::AdamW& opt, const data::Dat
     return;
   }
   const auto layers = model.moe_layers();
+  // AdamW's moments move with their parameters' experts (each layer takes its own parameters'
+  // riders). A Tensor shares its storage: the layer permutes the optimizer's m and v in place.
+  std::vector<moe::ExpertRider> riders;
+  for (size_t i = 0; i < opt.parameters().size(); ++i) {
+    riders.push_back({opt.parameters()[i], opt.m(i)});
+    riders.push_back({opt.parameters()[i], opt.v(i)});
+  }
   for (moe::MoELayer* l : layers) l->set_record_coactivation(true);
   for (int i = 0; i < batches; ++i) {
     const data::Batch b =
@@ -98,7 +105,7 @@ void place_experts(model::Transformer& model, optim::AdamW& opt, const data::Dat
       spdlog::info("expert placement {}: intra-node co-activation {} -> {}", l->prefix(),
                    moe::intra_node_coactivation(c, identity, per_node),
                    moe::intra_node_coactivation(c, perm, per_node));
-    moe::apply_placement(*l, perm, &opt);
+    l->permute_experts(perm, riders);
     l->set_record_coactivation(false);
     l->reset_coactivation();
   }
