@@ -30,8 +30,8 @@
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/moe/dispatch.h"
-#include "xmoe/moe/moe_ops.h"
 #include "xmoe/moe/padded.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 using namespace xmoe;
@@ -208,12 +208,12 @@ void run(comm::Group& g, const Args& a, int64_t E, int64_t k) {
     Tensor inv_t = Tensor::from_vector(inv, {P * El * C});
     const std::vector<int64_t> block(P, El * C);
     Measured pad = measure(g, a.iters, [&] {
-      Tensor buf = moe::gather_rows_masked(rows, pack_t);              // [E*C, d]
+      Tensor buf = xmoe::ops::gather_rows_masked(rows, pack_t);        // [E*C, d]
       Tensor arrival = g.all_to_all_v(buf, block, block);              // [P*El*C, d]
       Tensor expert_in = xmoe::ops::gather_rows(arrival, perm_t);      // expert-major
       Tensor back_arrival = xmoe::ops::gather_rows(expert_in, inv_t);  // identity experts
       Tensor back = g.all_to_all_v(back_arrival, block, block);        // [E*C, d]
-      Tensor out = moe::gather_rows_masked(back, unpack_t);            // [N, d], dropped = 0
+      Tensor out = xmoe::ops::gather_rows_masked(back, unpack_t);      // [N, d], dropped = 0
     });
     pad.dropped = all_sum(g, dropped);
     emit("padded", cf, pad, C);

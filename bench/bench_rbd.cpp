@@ -29,7 +29,7 @@
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/moe/dispatch.h"
-#include "xmoe/moe/order.h"
+#include "xmoe/ops/moe.h"
 
 using namespace xmoe;
 
@@ -106,15 +106,13 @@ void run(comm::Group& g, const Args& a, int64_t k, bool skewed) {
   const int64_t T = a.tokens, d = a.d, E = a.experts, El = E / P;
   const std::vector<int32_t> idx = route(T, E, k, skewed, rank);
   std::vector<float> w(static_cast<size_t>(T * k), 1.f / static_cast<float>(k));
-  std::vector<int32_t> token_ids(T * k), expert_ids(T * k), slot_to_row(T * k);
-  std::vector<float> cw(T * k);
-  std::vector<int64_t> tpe(E);
-  moe::pft_layout_kernel(idx.data(), w.data(), T, k, E, token_ids.data(), expert_ids.data(),
-                         cw.data(), slot_to_row.data(), tpe.data());
+  const ops::MoeLayout layout =
+      ops::moe_layout(Tensor::from_vector(idx, {T, k}), Tensor::from_vector(w, {T, k}), E, 0);
+  const std::vector<int64_t>& tpe = layout.load;  // PFT: every routed pair is processed
   const int64_t N = T * k;
   Tensor rows = Tensor::empty({N, d});
   fill_normal(rows, 7, static_cast<uint64_t>(rank), 1.0f);
-  moe::RowInfo info{Tensor::from_vector(token_ids, {N}), Tensor::from_vector(cw, {N}), T};
+  moe::RowInfo info{layout.token_ids, layout.combine_weights, T};
 
   // Analytic inter-node bytes of this rank (summed over ranks below).
   const int me = topo.node_of(rank);

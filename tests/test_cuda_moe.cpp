@@ -1,6 +1,6 @@
 // The MoE layer on CUDA against the CPU reference (names contain Cuda, so gpu-check runs them).
 //
-//   CudaMoeOps:    every op of moe/moe_ops.h, CPU vs CUDA (f32), padding indices included.
+//   CudaMoeOps:    the row ops of ops/moe.h, CPU vs CUDA (f32), padding indices included.
 //   CudaMoeOrder:  the device layout (stable counting sort, PFT and padded) equals the CPU's
 //                  exactly: token_ids, expert_ids, combine_weights, slot_to_row, counts, drops.
 //   CudaMoeAux:    two ranks' aux statistics, gathered and finalised on the device, give the
@@ -33,9 +33,9 @@
 #include "xmoe/core/rng.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/moe/losses.h"
-#include "xmoe/moe/moe_ops.h"
 #include "xmoe/moe/order.h"
 #include "xmoe/ops/dispatch.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 #include "cuda_testing.h"
@@ -48,6 +48,21 @@ using xmoe::testing::normalised_error;
 
 using namespace xmoe;
 using namespace xmoe::moe;
+using xmoe::ops::gather_rows_masked;
+using xmoe::ops::gather_sum_rows;
+using xmoe::ops::gather_weighted_rows_dot;
+using xmoe::ops::L2NormResult;
+using xmoe::ops::l2_normalize_rows;
+using xmoe::ops::l2_normalize_rows_backward;
+using xmoe::ops::put_along_rows_add;
+using xmoe::ops::renormalize_rows;
+using xmoe::ops::renormalize_rows_backward;
+using xmoe::ops::row_dot_f32;
+using xmoe::ops::scale_rows_;
+using xmoe::ops::scatter_add_rows_masked;
+using xmoe::ops::take_along_rows;
+using xmoe::ops::transpose;
+using xmoe::ops::WeightedGather;
 using xmoe::testing::randn;
 
 
@@ -316,11 +331,13 @@ TEST(CudaMoeAux, TwoRanksFinaliseToTheWholeBatch) {
   EXPECT_LE(rel(t[2], ref.z_loss()), 1e-12);
   EXPECT_LE(rel(t[3], ref.weighted()), 1e-12);
   const std::vector<float> f = frac.to_vector<float>();
-  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(f[e], static_cast<float>(ref_st.frac[e])) << e;
+  const std::vector<double> ref_frac = ref_st.frac.to_vector<double>();  // f64 on the CPU
+  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(f[e], static_cast<float>(ref_frac[e])) << e;
   // Two ranks: each rank's gradient is W times its share of the global one (moe/losses.h).
-  EXPECT_EQ(dn[0], ref_st.lb_denom / 2);
-  EXPECT_EQ(dn[1], ref_st.seq_denom / 2);
-  EXPECT_EQ(dn[2], ref_st.z_denom / 2);
+  const std::vector<double> ref_dn = ref_st.denoms.to_vector<double>();
+  EXPECT_EQ(dn[0], ref_dn[0] / 2);
+  EXPECT_EQ(dn[1], ref_dn[1] / 2);
+  EXPECT_EQ(dn[2], ref_dn[2] / 2);
 }
 
 // ---- the layer ---------------------------------------------------------------------------------

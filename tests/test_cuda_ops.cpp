@@ -30,7 +30,9 @@
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/ops/model_ops.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
+#include "xmoe/ops/optim.h"
 
 #include "cuda_testing.h"
 
@@ -93,6 +95,112 @@ std::function<Tensors(Tensors&)> weight_grad_both_ways(std::vector<int64_t> size
     ops::grouped_matmul_weight_grad(in[3], in[0], in[1], sizes, false);
     return Tensors{in[2], in[3]};
   };
+}
+
+/// An f32 copy (on the CPU) of an f64 tensor; f32 tensors as they are. The CPU keeps some MoE
+/// statistics in f64 where CUDA keeps f32 (ops::MoeAuxTerms::frac).
+Tensor f32_of(const Tensor& t) {
+  if (t.dtype() != DType::f64) return t;
+  const std::vector<double> v = t.to_vector<double>();
+  return Tensor::from_vector(std::vector<float>(v.begin(), v.end()), t.shape());
+}
+
+/// Each element of an f64 tensor as a scalar output.
+void push_scalars(Tensors& out, const Tensor& t) {
+  for (int64_t i = 0; i < t.numel(); ++i) out.push_back(scalar(t.item(i)));
+}
+
+// Router aux losses (moe/losses.h): T = 96 tokens in sequences of 16, E = 11, k = 3.
+constexpr int64_t kAuxT = 96, kAuxE = 11, kAuxK = 3, kAuxL = 16;
+constexpr float kAuxLb = 0.07f, kAuxSeq = 0.13f, kAuxZ = 0.011f;
+
+/// Inputs probs, topk_idx, z_logits, dprobs, dlogits.
+Tensors aux_inputs() {
+  return Tensors{ops::softmax(randn({kAuxT, kAuxE}, 80, 2.f)),
+                 rand_index(kAuxT * kAuxK, kAuxE, 81).reshape({kAuxT, kAuxK}),
+                 randn({kAuxT, kAuxE}, 82, 2.f), randn({kAuxT, kAuxE}, 83),
+                 randn({kAuxT, kAuxE}, 84)};
+}
+
+/// One process of the whole batch (stats, finalize, backward into in[3], in[4]), then the same
+/// batch as two ranks of half each: their stats gathered into [2, 2E + 4] and finalized (the
+/// sums added in rank order), and rank 0's backward with the two-rank denominators.
+Tensors aux_run(Tensors& in) {
+  const Device dev = device_of(in);
+  Tensors out;
+  const ops::MoeAuxStats s = ops::moe_aux_stats(in[0], in[1], in[2], kAuxL);
+  const ops::MoeAuxTerms t = ops::moe_aux_finalize(s.stats, kAuxK, kAuxL, kAuxLb, kAuxSeq, kAuxZ);
+  ops::moe_aux_backward(in[3], in[4], in[2], t.frac, s.seq_count, t.denoms, kAuxL, kAuxK, kAuxLb,
+                        kAuxSeq, kAuxZ);
+  push_scalars(out, t.terms);
+  push_scalars(out, t.denoms);
+  out.insert(out.end(), {f32_of(t.frac), s.seq_count, in[3], in[4]});
+
+  const int64_t half = kAuxT / 2;
+  Tensor all = Tensor::empty({2, 2 * kAuxE + 4}, DType::i64, dev);
+  Tensor seq_count0;
+  for (int64_t r = 0; r < 2; ++r) {
+    const ops::MoeAuxStats sr =
+        ops::moe_aux_stats(in[0].rows(r * half, (r + 1) * half),
+                           in[1].rows(r * half, (r + 1) * half),
+                           in[2].rows(r * half, (r + 1) * half), kAuxL);
+    all.rows(r, r + 1).copy_from(sr.stats);
+    if (r == 0) seq_count0 = sr.seq_count;
+  }
+  const ops::MoeAuxTerms t2 = ops::moe_aux_finalize(all, kAuxK, kAuxL, kAuxLb, kAuxSeq, kAuxZ);
+  Tensor dprobs = randn({half, kAuxE}, 85).to(dev), dlogits = randn({half, kAuxE}, 86).to(dev);
+  ops::moe_aux_backward(dprobs, dlogits, in[2].rows(0, half), t2.frac, seq_count0, t2.denoms,
+                        kAuxL, kAuxK, kAuxLb, kAuxSeq, kAuxZ);
+  push_scalars(out, t2.terms);
+  push_scalars(out, t2.denoms);
+  out.insert(out.end(), {f32_of(t2.frac), dprobs, dlogits});
+  return out;
+}
+
+// Optimizer ops over 50 tensors: more than one multi-tensor launch (48 per launch).
+constexpr int64_t kListLen = 50;
+
+int64_t list_numel(int64_t i) { return (i * 37) % 301 + 1; }
+
+/// 50 tensors of assorted sizes (inputs [first, first + 50)).
+Tensors rand_list(uint64_t seed, bool non_negative = false) {
+  Tensors xs;
+  for (int64_t i = 0; i < kListLen; ++i) {
+    Tensor x = randn({list_numel(i)}, seed + static_cast<uint64_t>(i));
+    if (non_negative)
+      for (float& v : x.span<float>()) v *= v;
+    xs.push_back(x);
+  }
+  return xs;
+}
+
+/// The tensors of a list flattened into one (the first one's device and dtype): one
+/// comparison per list.
+Tensor concat(const std::vector<Tensor>& xs) {
+  int64_t total = 0;
+  for (const Tensor& x : xs) total += x.numel();
+  Tensor out = Tensor::empty({total}, xs.at(0).dtype(), xs[0].device());
+  for (int64_t offset = 0; const Tensor& x : xs) {
+    out.rows(offset, offset + x.numel()).copy_from(x);
+    offset += x.numel();
+  }
+  return out;
+}
+
+/// Indices [first, first + 50).
+std::vector<int> list_indices(int first) {
+  std::vector<int> v;
+  for (int i = 0; i < kListLen; ++i) v.push_back(first + i);
+  return v;
+}
+
+/// keep_f32 of the AdamW case: params, m and v stay f32 (the bf16 run gets bf16 gradients).
+std::vector<int> adamw_kept() {
+  std::vector<int> v = list_indices(0), m = list_indices(2 * kListLen),
+                   w = list_indices(3 * kListLen);
+  v.insert(v.end(), m.begin(), m.end());
+  v.insert(v.end(), w.begin(), w.end());
+  return v;
 }
 
 std::vector<OpCase> parity_cases() {
@@ -348,6 +456,95 @@ std::vector<OpCase> parity_cases() {
                  ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
                  return Tensors{scalar(r.loss), r.lse, d, logits,
                                 scalar(static_cast<double>(r.count))};
+               }});
+  // MoE ops. The row ops and the layout have their cases in test_cuda_moe.cpp (CudaMoeOps,
+  // CudaMoeOrder); these are the rest. Routing tensors are f32 on both devices (all kept).
+  c.push_back({"moe_aux_losses", aux_inputs, aux_run, {0, 2, 3, 4}});
+  // Quarter-rounded scores and bias: many exact ties between group scores (ties go to the
+  // lower group); groups of 4, 2 and 1 expert(s), and one group (no limit).
+  c.push_back({"moe_group_limited_scores",
+               [] { return Tensors{rand_ties({37, 16}, 87), rand_ties({16}, 88)}; },
+               [](Tensors& in) {
+                 return Tensors{ops::moe_group_limited_scores(in[0], in[1], 4, 2),
+                                ops::moe_group_limited_scores(in[0], in[1], 8, 3),
+                                ops::moe_group_limited_scores(in[0], in[1], 16, 5),
+                                ops::moe_group_limited_scores(in[0], in[1], 1, 1)};
+               },
+               {0, 1}});
+  // The xmoe gate's temperature: a learned one, and one below the 0.01 clamp (no gradient).
+  c.push_back({"moe_temperature",
+               [] {
+                 return Tensors{randn({13, 9}, 89), randn({13, 9}, 90),
+                                Tensor::from_vector<float>({0.7f}, {1}),
+                                Tensor::from_vector<float>({0.001f}, {1}), randn({1}, 91)};
+               },
+               [](Tensors& in) {
+                 Tensor g = in[4].clone(), clamped = in[4].clone();
+                 ops::moe_temperature_grad(g, in[1], in[0], in[2], 0.01f);
+                 ops::moe_temperature_grad(clamped, in[1], in[0], in[3], 0.01f);
+                 return Tensors{ops::moe_div_temperature(in[0], in[2], 0.01f),
+                                ops::moe_div_temperature(in[0], in[3], 0.01f), g, clamped};
+               },
+               {0, 1, 2, 3, 4}});
+  // Optimizer ops. AdamW: inputs params, grads, m, v (50 each); two steps (the second with a
+  // clip factor), weight decay on every other tensor, bf16 copies of the params rewritten. The
+  // bf16 run gives it bf16 gradients.
+  c.push_back({"adamw_step",
+               [] {
+                 Tensors in = rand_list(100), g = rand_list(200), m = rand_list(300),
+                         v = rand_list(400, true);
+                 in.insert(in.end(), g.begin(), g.end());
+                 in.insert(in.end(), m.begin(), m.end());
+                 in.insert(in.end(), v.begin(), v.end());
+                 return in;
+               },
+               [](Tensors& in) {
+                 std::vector<ops::AdamWTensors> list;
+                 for (int64_t i = 0; i < kListLen; ++i)
+                   list.push_back({in[i], in[kListLen + i], in[2 * kListLen + i],
+                                   in[3 * kListLen + i], ops::cast(in[i], DType::bf16),
+                                   i % 2 == 0});
+                 ops::AdamWStep s{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.1f, 0.05f, 1.0f};
+                 ops::adamw_step(list, s);
+                 s.bc1 = 0.19f;
+                 s.bc2 = 0.0975f;
+                 s.grad_scale = 0.37f;
+                 ops::adamw_step(list, s);
+                 // The bf16 copy must be bf16(param) exactly, on each device (compared as
+                 // copy - bf16(param), zero on both sides: the params themselves may differ by
+                 // an f32 rounding, which can move a bf16 rounding by one bf16 ulp).
+                 std::vector<Tensor> p, m, v, copy_error;
+                 for (const ops::AdamWTensors& t : list) {
+                   p.push_back(t.param);
+                   m.push_back(t.m);
+                   v.push_back(t.v);
+                   copy_error.push_back(ops::cast(t.param_bf16, DType::f32));
+                   ops::add_(copy_error.back(),
+                             ops::cast(ops::cast(t.param, DType::bf16), DType::f32), -1.0f);
+                 }
+                 return Tensors{concat(p), concat(m), concat(v), concat(copy_error)};
+               },
+               adamw_kept(), 1e-6});
+  // The gradient-list ops: sum of squares, scale, then the gradient sync's pack into one f32
+  // buffer (kept f32) and scaled unpack. The bf16 run gives them bf16 tensors.
+  c.push_back({"multi_tensor",
+               [] { return rand_list(500); },
+               [](Tensors& in) {
+                 std::vector<Tensor> xs(in.begin(), in.begin() + kListLen);
+                 const double ss = ops::multi_sum_squares(xs).item();
+                 ops::multi_scale_(xs, 0.5f);
+                 int64_t total = 0;
+                 for (const Tensor& x : xs) total += x.numel();
+                 Tensor flat = Tensor::zeros({total}, DType::f32, device_of(in));
+                 std::vector<Tensor> views;
+                 for (int64_t offset = 0; const Tensor& x : xs) {
+                   views.push_back(flat.rows(offset, offset + x.numel()));
+                   offset += x.numel();
+                 }
+                 ops::multi_copy_scaled(views, xs, 1.0f);
+                 Tensor packed = flat.clone();
+                 ops::multi_copy_scaled(xs, views, 0.25f);
+                 return Tensors{scalar(ss), packed, concat(xs)};
                }});
   return c;
 }

@@ -11,12 +11,16 @@
 #include "gradcheck.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/moe/layer.h"
-#include "xmoe/moe/moe_ops.h"
 #include "xmoe/moe/padded.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 using namespace xmoe;
 using namespace xmoe::moe;
+using xmoe::ops::gather_sum_rows;
+using xmoe::ops::gather_weighted_rows_dot;
+using xmoe::ops::scatter_add_rows_masked;
+using xmoe::ops::WeightedGather;
 using xmoe::testing::randn;
 
 namespace {

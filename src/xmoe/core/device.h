@@ -21,5 +21,9 @@ struct Device {
 
 /// Parses "cpu", "cuda", "cuda:1"; throws on anything else.
 Device parse_device(const std::string& name);
+/// CUDA devices visible to this process: 0 when none is, or when xmoe was built without CUDA.
+int cuda_device_count();
+/// cuda_device_count() > 0.
+bool cuda_available();
 
 }  // namespace xmoe

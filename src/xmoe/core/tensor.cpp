@@ -215,4 +215,7 @@ Device parse_device(const std::string& name) {
   XMOE_FAIL("[device] unknown device '{}' (expected cpu, cuda or cuda:N)", name);
 }
 
+int cuda_device_count() { return backend::cuda_device_count(); }
+bool cuda_available() { return backend::cuda_available(); }
+
 }  // namespace xmoe

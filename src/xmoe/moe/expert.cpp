@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -38,8 +38,8 @@ class SwigluExperts final : public Experts {
     num_rows_ = rows.size(0);                                                       // [N, d]
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
     // where there are none), kept for backward; the weight gradients are f32 or bf16.
-    wgu_ = as_dtype(gate_up_.compute(), rows.dtype());
-    wd_ = as_dtype(down_.compute(), rows.dtype());
+    wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), rows.dtype());
+    wd_ = xmoe::ops::as_dtype(down_.compute(), rows.dtype());
     Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);                       // [N, 2f]
     rows_ = regather_ ? Tensor() : rows;
     rows = Tensor();  // gone here if the caller moved it in and backward can regather it
@@ -56,7 +56,7 @@ class SwigluExperts final : public Experts {
   Tensor backward(Tensor d_out) override {
     XMOE_CHECK(rows_.defined() || regather_, "[moe experts] backward without a forward");
     check_shape(d_out, {num_rows_, down_.value.size(2)}, "moe experts backward", "d_out");
-    Tensor dout = as_dtype(d_out, wgu_.dtype());  // the rows' dtype
+    Tensor dout = xmoe::ops::as_dtype(d_out, wgu_.dtype());  // the rows' dtype
     d_out = Tensor();
     // h [N, 2f] becomes dh in place, chunk by chunk: a and da [n_c, f] live for one chunk, one
     // at a time. d_out and the saved rows go as soon as they are used.

@@ -1,7 +1,7 @@
 #include "xmoe/moe/gate.h"
 
 #include "xmoe/moe/gates/gates.h"
-#include "xmoe/ops/dispatch.h"
+#include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
 
@@ -30,14 +30,13 @@ int64_t Gate::check_forward_args(const Tensor& x, int64_t seq_len, const Tensor&
   if (fixed_idx.defined()) {
     check_dtype(fixed_idx, DType::i32, op.c_str(), "fixed_idx");
     check_shape(fixed_idx, {T, top_k_}, op.c_str(), "fixed_idx");
-    xmoe::ops::detail::require_same_device(op.c_str(), "fixed_idx", fixed_idx, "x", x);
+    xmoe::ops::check_same_device(op.c_str(), "fixed_idx", fixed_idx, "x", x);
     if (fixed_idx.is_cpu()) {
       for (int32_t e : fixed_idx.span<int32_t>())
         XMOE_CHECK(e >= 0 && e < num_experts_, "[{}] fixed_idx holds expert {} outside [0, {})",
                    op, e, num_experts_);
     } else {  // a scan on the device and one copy back (frozen routing only)
-      xmoe::ops::detail::check_index_values(op.c_str(), "fixed_idx", fixed_idx, num_experts_,
-                                            false);
+      xmoe::ops::check_index_values(op.c_str(), "fixed_idx", fixed_idx, num_experts_, false);
     }
   }
   return T;

@@ -1,7 +1,6 @@
 #include "xmoe/moe/iorder.h"
 
-#include "xmoe/moe/moe_ops.h"
-#include "xmoe/ops/ops.h"
+#include "xmoe/ops/moe.h"
 
 namespace xmoe::moe {
 
@@ -16,8 +15,8 @@ Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
   token_ids_ = layout.token_ids;
   // Each token sums its own k rows (slot_to_row names them; dropped slots are -1, padding rows
   // are named by none). y has the rows' dtype: a bf16 token's sum is taken in f32, rounded once.
-  return gather_sum_rows(rows_out, layout.slot_to_row.reshape({layout.num_tokens, layout.top_k}),
-                         combine_weights);
+  return xmoe::ops::gather_sum_rows(
+      rows_out, layout.slot_to_row.reshape({layout.num_tokens, layout.top_k}), combine_weights);
 }
 
 IOrder::Grads IOrder::backward(const Tensor& dy) {
@@ -30,7 +29,8 @@ IOrder::Grads IOrder::backward(const Tensor& dy) {
   // thread overwrites it).
   Tensor rows = std::move(rows_out_);
   const bool in_place = rows.sole_owner();
-  WeightedGather r = gather_weighted_rows_dot(dy, rows, token_ids_, combine_weights_, in_place);
+  xmoe::ops::WeightedGather r =
+      xmoe::ops::gather_weighted_rows_dot(dy, rows, token_ids_, combine_weights_, in_place);
   Grads g;
   g.d_rows = std::move(r.d_rows);
   g.d_combine_weights = std::move(r.dot);

@@ -102,7 +102,7 @@ Tensor take(Tensor& t) { return std::exchange(t, Tensor()); }
 
 Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   // Activations: f32, or bf16 on CUDA (parameters stay f32; see docs/moe.md, "On CUDA").
-  xmoe::ops::detail::require_float("moe", "x", x_in);
+  xmoe::ops::check_float("moe", "x", x_in);
   check_shape(x_in, {-1, d_model_}, "moe", "x");
   const int64_t T = x_in.size(0);
   XMOE_CHECK(seq_len >= 1 && T % seq_len == 0,

@@ -53,8 +53,9 @@ class AuxLossTerms {
   AuxLossTerms() = default;
   AuxLossTerms(double load_balance, double seq_balance, double z_loss, double weighted)
       : values_{load_balance, seq_balance, z_loss, weighted} {}
-  /// f64 [4] on the device: load balance, sequence balance, z-loss, weighted sum.
-  explicit AuxLossTerms(Tensor on_device) : device_(std::move(on_device)) {}
+  /// f64 [4]: load balance, sequence balance, z-loss, weighted sum. A CPU tensor is read at
+  /// once (nothing is kept); a CUDA one on the first read.
+  explicit AuxLossTerms(Tensor terms);
 
   double load_balance() const { return value(0); }
   double seq_balance() const { return value(1); }
@@ -68,17 +69,15 @@ class AuxLossTerms {
   mutable Tensor device_;
 };
 
-/// What aux_losses_backward needs from the forward (the counted fractions).
+/// What aux_losses_backward needs from the forward, on the inputs' device (from
+/// ops::moe_aux_stats and ops::moe_aux_finalize).
 struct AuxLossState {
   int64_t tokens = 0, experts = 0, top_k = 0, seq_len = 0;  ///< this rank's T
-  std::vector<double> frac;      ///< [E] f_e over the global batch
-  std::vector<double> seq_frac;  ///< [S, E] f_{s,e} (this rank's sequences)
-  /// Gradient denominators: T_g / W, seq_len * S_g / W, T_g / W (T, seq_len * S, T alone).
-  double lb_denom = 1, seq_denom = 1, z_denom = 1;
-  /// CUDA inputs: everything stays on the device for backward: f_e (f32 [E]), the per-sequence
-  /// counts (f32 [S, E]) and the three denominators (f64 [3]); frac, seq_frac and the host
-  /// denominators are then unused.
-  Tensor frac_device, seq_count_device, denoms_device;
+  Tensor frac;       ///< [E] f_e over the global batch: f64 on the CPU, f32 on CUDA
+  Tensor seq_count;  ///< f32 [S, E] pairs of each of this rank's sequences routed to each expert
+  /// f64 [3] gradient denominators: T_g / W, seq_len * S_g / W, T_g / W (T, seq_len * S, T
+  /// alone).
+  Tensor denoms;
 };
 
 /// Sums `values` over the ranks of `group` in double, identically on every rank (the partial
@@ -91,10 +90,11 @@ void all_sum_f64(comm::Group* group, std::span<double> values);
 /// [T, k], z_logits [T, E] (the logits of the z-loss), seq_len dividing T. `world` (null = one
 /// process) is the group whose tokens form the global batch: one collective per call, which
 /// every rank of it must make.
-/// CUDA tensors (f32): the statistics are reduced on the device (backend/cuda/moe_losses.cu),
-/// gathered over `world` on the GPU where it is an NCCL group (an MPI group copies them through
-/// the host: one wait) and summed there in rank order; the terms, f_e and the denominators stay
-/// on the device, so a single process or an NCCL world makes no host wait.
+/// The statistics are reduced where the tensors live (ops::moe_aux_stats), gathered over
+/// `world` (on the GPU where it is an NCCL group; an MPI group copies CUDA statistics through
+/// the host: one wait) and summed in rank order (ops::moe_aux_finalize); the terms, f_e and the
+/// denominators stay on the inputs' device, so on CUDA a single process or an NCCL world makes
+/// no host wait.
 AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tensor& z_logits,
                         int64_t seq_len, const AuxLossWeights& w, AuxLossState& state,
                         comm::Group* world = nullptr);

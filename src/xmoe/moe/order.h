@@ -18,8 +18,8 @@ namespace xmoe::moe {
 
 /// Where each (token, slot) pair sits in the expert input buffer. N = rows of the buffer
 /// (PFT: T*k; padded: E*C). Index tensors live on the tensors' device; counts on the host
-/// (grouped GEMM and all-to-all-v need them there). With CUDA tensors the layout is built on the
-/// device (backend/cuda/moe_layout.cu) and only the [E] counts are copied back (one wait).
+/// (grouped GEMM and all-to-all-v need them there). Built by ops::moe_layout: with CUDA tensors
+/// on the device, and only the [E] counts are copied back (one wait).
 struct TokenLayout {
   int64_t num_tokens = 0, top_k = 0, num_experts = 0;
   Tensor token_ids;        ///< i32 [N] token of each row; -1 marks a padding row
@@ -34,13 +34,6 @@ struct TokenLayout {
   bool padded = false;   ///< token_ids may hold -1 (padding rows)
   int64_t num_rows() const { return token_ids.defined() ? token_ids.numel() : 0; }
 };
-
-/// Counting sort of the (token, slot) pairs by expert: the PFT on raw host pointers.
-/// topk_idx [T*k]; outputs token_ids, expert_ids, combine_weights, slot_to_row [T*k] and
-/// tokens_per_expert [E].
-void pft_layout_kernel(const int32_t* topk_idx, const float* topk_weight, int64_t tokens,
-                       int64_t top_k, int64_t experts, int32_t* token_ids, int32_t* expert_ids,
-                       float* combine_weights, int32_t* slot_to_row, int64_t* tokens_per_expert);
 
 class Order {
  public:
@@ -65,13 +58,12 @@ class Order {
   void release() { layout_ = {}; }
 
  protected:
-  /// topk_idx, topk_weight [T, k] on the host, ids checked to be in [0, num_experts_).
-  virtual TokenLayout make_layout(const Tensor& topk_idx, const Tensor& topk_weight) const = 0;
   /// Rows per expert of a padded layout for T tokens of k slots; 0 = none (PFT).
   virtual int64_t capacity_for(int64_t tokens, int64_t top_k) const { return 0; }
-  /// The same layout built on the device of CUDA topk_idx/topk_weight (a stable counting sort
-  /// with capacity_for(T, k) rows per expert); the [E] counts are the one copy to the host.
-  TokenLayout make_device_layout(const Tensor& topk_idx, const Tensor& topk_weight) const;
+  /// The layout of topk_idx/topk_weight [T, k] (a stable counting sort with capacity_for(T, k)
+  /// rows per expert, ops::moe_layout) on their device; on CUDA the [E] counts are the one copy
+  /// to the host.
+  TokenLayout make_layout(const Tensor& topk_idx, const Tensor& topk_weight) const;
 
   int64_t num_experts_;
 

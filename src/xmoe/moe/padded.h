@@ -13,14 +13,6 @@ namespace xmoe::moe {
 /// C = ceil(capacity_factor * tokens * top_k / experts), at least 1.
 int64_t padded_capacity(float capacity_factor, int64_t tokens, int64_t top_k, int64_t experts);
 
-/// Layout of the padded buffers on raw host pointers: token_ids, expert_ids, combine_weights
-/// [E * C] (token -1 and weight 0 for padding), slot_to_row [T * k] (-1 for dropped pairs),
-/// load and kept [E]. Returns the number of dropped pairs.
-int64_t padded_layout_kernel(const int32_t* topk_idx, const float* topk_weight, int64_t tokens,
-                             int64_t top_k, int64_t experts, int64_t capacity, int32_t* token_ids,
-                             int32_t* expert_ids, float* combine_weights, int32_t* slot_to_row,
-                             int64_t* load, int64_t* kept);
-
 std::unique_ptr<Order> make_padded_order(const MoeConfig& config);
 
 }  // namespace xmoe::moe

@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -19,15 +19,15 @@ SharedExperts::SharedExperts(const std::string& prefix, int64_t d_model, int64_t
 Tensor SharedExperts::forward(const Tensor& x) {
   x_ = x;
   // bf16 activations (CUDA): the weights' bf16 compute copies, kept for backward.
-  wgu_ = as_dtype(gate_up_.compute(), x.dtype());
-  wd_ = as_dtype(down_.compute(), x.dtype());
+  wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), x.dtype());
+  wd_ = xmoe::ops::as_dtype(down_.compute(), x.dtype());
   h_ = xmoe::ops::matmul(x, wgu_);                      // [T, 2Sf]
   return xmoe::ops::matmul(xmoe::ops::swiglu(h_), wd_);  // [T, d]
 }
 
 Tensor SharedExperts::backward(const Tensor& dy) {
   XMOE_CHECK(h_.defined(), "[moe shared] backward without a forward");
-  const Tensor g = as_dtype(dy, x_.dtype());
+  const Tensor g = xmoe::ops::as_dtype(dy, x_.dtype());
   Tensor a = xmoe::ops::swiglu(h_);                                          // [T, Sf]
   const auto beta = [](Parameter& p) { return p.take_grad_overwrite() ? 0.f : 1.f; };
   xmoe::ops::matmul_into(down_.grad, a, g, true, false, 1.f, beta(down_));   // dWd += a^T dy (f32)

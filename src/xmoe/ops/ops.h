@@ -101,4 +101,19 @@ bool all_finite(const Tensor& x);
 /// dtype is already `dtype`.
 Tensor cast(const Tensor& x, DType dtype);
 
+// ---- argument checks ------------------------------------------------------------------------
+// The ops' own rules and messages ("[op] name ..."), for the layers above that validate their
+// inputs. Shapes and exact dtypes: check_shape, check_dtype (core/tensor.h).
+
+/// A float operand: f32 on the CPU; f32 or bf16 on CUDA.
+void check_float(const char* op, const char* name, const Tensor& t);
+/// `t` is defined and on the device of `ref` (named ref_name).
+void check_same_device(const char* op, const char* name, const Tensor& t, const char* ref_name,
+                       const Tensor& ref);
+/// Throws "[op] name[i] = v out of range [0, limit)" for the first bad entry of the i32 tensor
+/// ids (negative entries allowed with allow_negative). On CUDA the scan runs on the device and
+/// its one result is copied back, which waits for the stream.
+void check_index_values(const char* op, const char* name, const Tensor& ids, int64_t limit,
+                        bool allow_negative);
+
 }  // namespace xmoe::ops

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <set>
 
-#include "xmoe/backend/cuda/optim_kernels.h"
 #include "xmoe/core/profile.h"
+#include "xmoe/ops/optim.h"
 
 namespace xmoe::optim {
 
@@ -41,82 +41,33 @@ void AdamW::step(float lr, float grad_scale) {
   ProfileScope scope("optim.adamw", device_);
   settle_grads(params_);
   ++step_;
-  const float b1 = cfg_.beta1, b2 = cfg_.beta2, eps = cfg_.eps;
   const double t = static_cast<double>(step_);
-  const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(b1), t));
-  const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(b2), t));
-  if (device_.is_cuda()) {
-    step_cuda(lr, bc1, bc2, grad_scale);
-    return;
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Parameter& p = *params_[i];
-    XMOE_CHECK(p.value.is_cpu() && p.grad.is_cpu(),
-               "[adamw] {} moved to {} after the optimizer was built on the CPU", p.name,
-               p.value.device().str());
-    const float decay = p.weight_decay ? 1.0f - lr * cfg_.weight_decay : 1.0f;
-    float* w = p.value.data<float>();
-    float* m = m_[i].data<float>();
-    float* v = v_[i].data<float>();
-    const int64_t n = p.value.numel();
-    auto update = [&](const auto* g) {
-#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
-      for (int64_t j = 0; j < n; ++j) {
-        const float gj = static_cast<float>(g[j]) * grad_scale;
-        m[j] = b1 * m[j] + (1.f - b1) * gj;
-        v[j] = b2 * v[j] + (1.f - b2) * gj * gj;
-        const float mhat = m[j] / bc1, vhat = v[j] / bc2;
-        w[j] = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
-      }
-    };
-    if (p.grad.dtype() == DType::bf16) {
-      update(p.grad.data<bf16>());
-    } else {
-      update(p.grad.data<float>());
-    }
-  }
-}
-
-void AdamW::step_cuda(float lr, float bc1, float bc2, float grad_scale) {
-  // One fused update of every parameter (a launch per kMultiTensorMax tensors), the same
-  // formula and operation order as the CPU loop above; bf16 copies are rewritten in passing.
-  cuda::AdamWScalars s;
+  ops::AdamWStep s;
   s.lr = lr;
   s.beta1 = cfg_.beta1;
   s.beta2 = cfg_.beta2;
   s.eps = cfg_.eps;
-  s.one_minus_beta1 = 1.f - cfg_.beta1;
-  s.one_minus_beta2 = 1.f - cfg_.beta2;
-  s.bc1 = bc1;
-  s.bc2 = bc2;
-  s.decay = 1.0f - lr * cfg_.weight_decay;
+  s.weight_decay = cfg_.weight_decay;
+  s.bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg_.beta1), t));
+  s.bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg_.beta2), t));
   s.grad_scale = grad_scale;
-  std::vector<cuda::AdamWTensor> list;
+  // One update of every parameter: on CUDA one fused multi-tensor kernel (a launch per 48
+  // tensors), the CPU loop's formula in its operation order; bf16 copies rewritten in passing.
+  std::vector<ops::AdamWTensors> list;
   list.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i];
     XMOE_CHECK(p.value.device() == device_ && p.grad.device() == device_,
                "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
-               p.value.device().str(), device_.str());
-    cuda::AdamWTensor t;
-    t.param = p.value.data<float>();
-    t.grad = p.grad.raw();
-    t.grad_bf16 = p.grad.dtype() == DType::bf16;
-    t.m = m_[i].data<float>();
-    t.v = v_[i].data<float>();
-    if (p.compute_copy.defined()) {
+               p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str());
+    if (p.compute_copy.defined())
       XMOE_CHECK(p.compute_copy.dtype() == DType::bf16 && p.compute_copy.device() == device_ &&
                      p.compute_copy.numel() == p.value.numel(),
                  "[adamw] {}: compute copy {} does not match value {}", p.name,
                  p.compute_copy.str(), p.value.str());
-      t.param_bf16 = p.compute_copy.raw();
-    }
-    t.n = p.value.numel();
-    t.decay = p.weight_decay;
-    list.push_back(t);
+    list.push_back({p.value, p.grad, m_[i], v_[i], p.compute_copy, p.weight_decay});
   }
-  cuda::adamw_step(list.data(), static_cast<int64_t>(list.size()), s,
-                   cuda::activate(device_.index));
+  ops::adamw_step(list, s);
 }
 
 void AdamW::zero_grad() {

@@ -31,10 +31,10 @@ class AdamW {
 
   /// One update of every parameter from grad * grad_scale with learning rate `lr`; step() += 1.
   /// grad_scale is the clip factor (clip_factor): applying it here instead of scale_grads saves
-  /// a pass over the gradients, with the same bits. Does not change or clear the grads. On
-  /// CUDA: one fused multi-tensor kernel (backend/cuda/optim.cu), the CPU's formula in the
-  /// CPU's operation order, which also rewrites each parameter's bf16 compute copy; nothing
-  /// waits for the device.
+  /// a pass over the gradients, with the same bits. Does not change or clear the grads. One
+  /// ops::adamw_step: on CUDA a fused multi-tensor kernel, the CPU's formula in the CPU's
+  /// operation order, which also rewrites each parameter's bf16 compute copy; nothing waits
+  /// for the device.
   void step(float lr, float grad_scale = 1.0f);
   /// Zeroes every parameter's grad.
   void zero_grad();
@@ -60,8 +60,6 @@ class AdamW {
   void import_state(const std::map<std::string, Tensor>& in);
 
  private:
-  void step_cuda(float lr, float bc1, float bc2, float grad_scale);
-
   std::vector<Parameter*> params_;
   AdamWConfig cfg_;
   Device device_ = Device::cpu();

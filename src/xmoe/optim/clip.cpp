@@ -2,9 +2,9 @@
 
 #include <cmath>
 
-#include "xmoe/backend/cuda/optim_kernels.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/ops/ops.h"
+#include "xmoe/ops/optim.h"
 
 namespace xmoe::optim {
 
@@ -23,11 +23,10 @@ Device grads_device(const std::vector<Parameter*>& params) {
   return d;
 }
 
-std::vector<cuda::FloatArray> grad_arrays(const std::vector<Parameter*>& params) {
-  std::vector<cuda::FloatArray> out;
+std::vector<Tensor> grads_of(const std::vector<Parameter*>& params) {
+  std::vector<Tensor> out;
   out.reserve(params.size());
-  for (const Parameter* p : params)
-    out.push_back({p->grad.raw(), p->grad.numel(), p->grad.dtype() == DType::bf16});
+  for (const Parameter* p : params) out.push_back(p->grad);
   return out;
 }
 
@@ -38,24 +37,14 @@ Tensor grad_sum_squares_device(const std::vector<Parameter*>& params) {
   const Device d = grads_device(params);
   XMOE_CHECK(d.is_cuda(), "[grad_norm] grad_sum_squares_device needs CUDA gradients, got {}",
              d.str());
-  const std::vector<cuda::FloatArray> xs = grad_arrays(params);
-  const int64_t n = static_cast<int64_t>(xs.size());
-  Tensor result = Tensor::empty({1}, DType::f64, d);
-  Tensor workspace = Tensor::empty(
-      {static_cast<int64_t>(cuda::multi_sum_squares_workspace_bytes(xs.data(), n))}, DType::u8, d);
-  cuda::multi_sum_squares(result.data<double>(), xs.data(), n, workspace.raw(),
-                          cuda::activate(d.index));
-  return result;
+  return ops::multi_sum_squares(grads_of(params));
 }
 
 double grad_sum_squares(const std::vector<Parameter*>& params) {
   settle_grads(params);
   const Device d = grads_device(params);
   ProfileScope scope("optim.grad_norm", d);
-  if (d.is_cuda()) return grad_sum_squares_device(params).item();
-  double s = 0.0;
-  for (const Parameter* p : params) s += ops::sum_squares(p->grad);
-  return s;
+  return ops::multi_sum_squares(grads_of(params)).item();  // CUDA: reduced there, read once
 }
 
 double grad_norm(const std::vector<Parameter*>& params) {
@@ -72,12 +61,8 @@ void scale_grads(const std::vector<Parameter*>& params, float s) {
   settle_grads(params);
   const Device d = grads_device(params);
   ProfileScope scope("optim.clip", d);
-  if (d.is_cuda()) {
-    const std::vector<cuda::FloatArray> xs = grad_arrays(params);
-    cuda::multi_scale(xs.data(), static_cast<int64_t>(xs.size()), s, cuda::activate(d.index));
-    return;
-  }
-  for (Parameter* p : params) ops::scale_(p->grad, s);
+  std::vector<Tensor> grads = grads_of(params);
+  ops::multi_scale_(grads, s);
 }
 
 double clip_grad_norm(const std::vector<Parameter*>& params, float max_norm) {

@@ -1,8 +1,6 @@
 #include "xmoe/parallel/grad_sync.h"
 
-#include <cstring>
-
-#include "xmoe/backend/cuda/optim_kernels.h"
+#include "xmoe/ops/optim.h"
 #include "xmoe/optim/clip.h"
 
 namespace xmoe::parallel {
@@ -28,26 +26,25 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
   }
 }
 
-void GradientSync::reduce_device(Bucket& b, comm::Group& group) {
-  // Pack the bucket's gradients into one f32 device buffer (one multi-tensor copy; bf16
-  // gradients are widened, so the sum is f32 whatever they are), all-reduce it where the
-  // group's tensors live (NCCL: on this device; MPI/single: staged through the host), and
-  // unpack with the 1/world scale. Nothing waits for the device except the staging copies.
+void GradientSync::reduce(Bucket& b) {
+  comm::Group& group = b.expert ? *layout_.dp_group : *layout_.world;
+  // Pack the bucket's gradients into one f32 buffer (bf16 gradients are widened, so the sum is
+  // f32 whatever they are; CUDA: one multi-tensor copy), all-reduce it where the group's tensors
+  // live (NCCL: on this device; MPI: on the host, CUDA buffers staged through it), and unpack
+  // with the 1/world scale (bf16 rounded once). Nothing waits for the device except staging.
   const Device d = b.params[0]->grad.device();
   const float scale = 1.0f / static_cast<float>(layout_.world_size);
   Tensor flat = Tensor::empty({b.numel}, DType::f32, d);
-  std::vector<cuda::FloatArray> grads, views;
+  std::vector<Tensor> grads, views;
   int64_t offset = 0;
   for (Parameter* p : b.params) {
     XMOE_CHECK(p->grad.device() == d, "[grad_sync] {} has its grad on {} but {} on {}", p->name,
                p->grad.device().str(), b.params[0]->name, d.str());
-    grads.push_back({p->grad.raw(), p->grad.numel(), p->grad.dtype() == DType::bf16});
-    views.push_back({flat.data<float>() + offset, p->grad.numel(), false});
+    grads.push_back(p->grad);
+    views.push_back(flat.rows(offset, offset + p->grad.numel()));
     offset += p->grad.numel();
   }
-  const int64_t n = static_cast<int64_t>(grads.size());
-  cuda::Stream stream = cuda::activate(d.index);
-  cuda::multi_copy_scaled(views.data(), grads.data(), n, 1.0f, stream);
+  ops::multi_copy_scaled(views, grads, 1.0f);
   if (group.size() > 1) {
     if (group.device() == d) {
       group.all_reduce(flat);
@@ -60,40 +57,7 @@ void GradientSync::reduce_device(Bucket& b, comm::Group& group) {
       flat.copy_from(host);
     }
   }
-  cuda::multi_copy_scaled(grads.data(), views.data(), n, scale, stream);
-}
-
-void GradientSync::reduce(Bucket& b) {
-  comm::Group& group = b.expert ? *layout_.dp_group : *layout_.world;
-  if (b.params[0]->grad.device().is_cuda()) {
-    reduce_device(b, group);
-    return;
-  }
-  // The CPU: the same f32 bucket, bf16 gradients widened into it and rounded back.
-  Tensor flat = Tensor::empty({b.numel});
-  float* dst = flat.data<float>();
-  for (Parameter* p : b.params) {
-    if (p->grad.dtype() == DType::bf16) {
-      const bf16* g = p->grad.data<bf16>();
-      for (int64_t i = 0; i < p->grad.numel(); ++i) dst[i] = static_cast<float>(g[i]);
-    } else {
-      std::memcpy(dst, p->grad.data<float>(), p->grad.nbytes());
-    }
-    dst += p->grad.numel();
-  }
-  if (group.size() > 1) group.all_reduce(flat);
-  const float scale = 1.0f / static_cast<float>(layout_.world_size);
-  const float* src = flat.data<float>();
-  for (Parameter* p : b.params) {
-    if (p->grad.dtype() == DType::bf16) {
-      bf16* g = p->grad.data<bf16>();
-      for (int64_t i = 0; i < p->grad.numel(); ++i) g[i] = bf16(src[i] * scale);
-    } else {
-      float* g = p->grad.data<float>();
-      for (int64_t i = 0; i < p->grad.numel(); ++i) g[i] = src[i] * scale;
-    }
-    src += p->grad.numel();
-  }
+  ops::multi_copy_scaled(grads, views, scale);
 }
 
 void GradientSync::sync() {

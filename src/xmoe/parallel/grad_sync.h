@@ -35,7 +35,6 @@ class GradientSync {
     bool expert = false;
   };
   void reduce(Bucket& b);
-  void reduce_device(Bucket& b, comm::Group& group);
 
   std::vector<Parameter*> params_;
   const Layout& layout_;

@@ -10,7 +10,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "xmoe/backend/device_api.h"
 #include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/data/data_loader.h"
@@ -130,11 +129,11 @@ void maybe_inject_fault(int rank, int step) {
 Device training_device(const TrainConfig& tc, comm::Group& hosts) {
   const Device d = parse_device(tc.device);
   if (d.is_cpu()) return d;
-  XMOE_CHECK(backend::cuda_available(),
+  XMOE_CHECK(cuda_available(),
              "[train] train.device = {}: no CUDA device is available (this xmoe was built without "
              "CUDA, or no GPU is visible)",
              tc.device);
-  const int count = backend::cuda_device_count();
+  const int count = cuda_device_count();
   if (tc.device == "cuda" && hosts.size() > 1)
     return Device::cuda(hosts.topology().local_rank(hosts.rank()) % count);
   XMOE_CHECK(d.index < count, "[train] train.device = {}: only {} CUDA device(s) visible",
@@ -168,7 +167,7 @@ std::shared_ptr<comm::Group> device_world(std::shared_ptr<comm::Group> world, De
     // NCCL takes one device per rank. Every rank learns the verdict before any communicator
     // exists, so none waits alone in ncclCommInitRank.
     const comm::nccl::HostRanks host = comm::nccl::host_ranks(*world);
-    const int devices = backend::cuda_device_count();
+    const int devices = cuda_device_count();
     std::string mine;
     if (host.local_size > devices)
       mine = fmt::format(

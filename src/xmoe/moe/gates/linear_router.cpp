@@ -1,6 +1,6 @@
 // The linear router's GEMMs, in f32 or with bf16 operands (gates.h).
 #include "xmoe/moe/gates/gates.h"
-#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -14,10 +14,10 @@ LinearRouter::LinearRouter(const GateArgs& a)
 }
 
 Tensor LinearRouter::operand(const Tensor& t) const {
-  if (!bf16_) return as_dtype(t, DType::f32);
-  if (!t.is_cpu()) return as_dtype(t, DType::bf16);
+  if (!bf16_) return xmoe::ops::as_dtype(t, DType::f32);
+  if (!t.is_cpu()) return xmoe::ops::as_dtype(t, DType::bf16);
   // The CPU has no bf16 kernels: round to bf16 values, keep them in f32.
-  return xmoe::ops::cast(as_dtype(t, DType::bf16), DType::f32);
+  return xmoe::ops::cast(xmoe::ops::as_dtype(t, DType::bf16), DType::f32);
 }
 
 Tensor LinearRouter::weight_operand() const {

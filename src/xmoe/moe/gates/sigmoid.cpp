@@ -3,14 +3,8 @@
 // limited to the best topk_groups of num_groups expert groups (group score = sum of its top-2
 // biased scores). The weights use the raw scores of the chosen experts, normalised over the k
 // and multiplied by routed_scaling. The balance losses use the normalised scores s / sum_e s.
-#include <algorithm>
-#include <cmath>
-#include <limits>
-
-#include "xmoe/backend/cuda/moe_kernels.h"
 #include "xmoe/moe/gates/gates.h"
-#include "xmoe/moe/moe_ops.h"
-#include "xmoe/ops/dispatch.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -37,8 +31,9 @@ class SigmoidGate final : public Gate {
     logits_ = router_.forward(x);           // [T, E] f32
     scores_ = xmoe::ops::sigmoid(logits_);  // [T, E]
     idx_ = fixed_idx.defined() ? fixed_idx : select(scores_);
-    weights_ = renormalize_rows(take_along_rows(scores_, idx_), cfg_.routed_scaling, wsums_);
-    probs_ = renormalize_rows(scores_, 1.0f, psums_);  // [T, E], rows sum to 1
+    weights_ = xmoe::ops::renormalize_rows(xmoe::ops::take_along_rows(scores_, idx_),
+                                           cfg_.routed_scaling, wsums_);
+    probs_ = xmoe::ops::renormalize_rows(scores_, 1.0f, psums_);  // [T, E], rows sum to 1
     GateOutput out{idx_, weights_, {}};
     out.aux = aux_losses(probs_, idx_, logits_, seq_len, aux_weights(), aux_state_, world_.get());
     return out;
@@ -50,13 +45,13 @@ class SigmoidGate final : public Gate {
     const int64_t T = scores_.size(0);
     const Device dev = scores_.device();
     Tensor dscores = Tensor::zeros({T, num_experts_}, DType::f32, dev);
-    put_along_rows_add(dscores, idx_,
-                       renormalize_rows_backward(weights_, wsums_, d_topk_weight,
-                                                 cfg_.routed_scaling));
+    xmoe::ops::put_along_rows_add(dscores, idx_,
+                                  xmoe::ops::renormalize_rows_backward(
+                                      weights_, wsums_, d_topk_weight, cfg_.routed_scaling));
     Tensor dprobs = Tensor::zeros({T, num_experts_}, DType::f32, dev);
     Tensor dlogits = Tensor::zeros({T, num_experts_}, DType::f32, dev);
     aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits);
-    xmoe::ops::add_(dscores, renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
+    xmoe::ops::add_(dscores, xmoe::ops::renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
     xmoe::ops::add_(dlogits, xmoe::ops::sigmoid_backward(scores_, dscores));
     return router_.backward(dlogits);
   }
@@ -73,12 +68,8 @@ class SigmoidGate final : public Gate {
       const double diff = mean - static_cast<double>(load[e]);
       step[e] = cfg_.bias_update_rate * static_cast<float>((diff > 0) - (diff < 0));
     }
-    if (bias_.is_cpu()) {
-      float* b = bias_.data<float>();
-      for (int64_t e = 0; e < num_experts_; ++e) b[e] += step[e];
-    } else {  // the load is a host value anyway: one small upload, then an add on the device
-      xmoe::ops::add_(bias_, Tensor::from_vector(step, {num_experts_}, bias_.device()));
-    }
+    // The load is a host value anyway: on CUDA one small upload, then an add on the device.
+    xmoe::ops::add_(bias_, Tensor::from_vector(step, {num_experts_}, bias_.device()));
   }
 
   Tensor* routing_bias() override { return &bias_; }
@@ -94,51 +85,10 @@ class SigmoidGate final : public Gate {
  private:
   /// Top-k of scores + bias, within the topk_groups best groups. Returns i32 [T, k].
   Tensor select(const Tensor& scores) {
-    const int64_t T = scores.size(0), E = num_experts_, G = cfg_.num_groups;
-    const int64_t per = E / G;
     // The bias is a buffer, not a parameter: it follows the scores to their device on first use.
     if (bias_.device() != scores.device()) bias_ = bias_.to(scores.device());
-    if (!scores.is_cpu()) {
-      Tensor biased = Tensor::empty({T, E}, DType::f32, scores.device());
-      cuda::moe_group_limited_scores(biased.data<float>(), scores.data<float>(),
-                                     bias_.data<float>(), T, E, G, cfg_.topk_groups,
-                                     xmoe::ops::detail::stream_of(scores));
-      return xmoe::ops::topk(biased, top_k_).indices;
-    }
-    Tensor biased = scores.clone();
-    float* b = biased.data<float>();
-    const float* bias = bias_.data<float>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t e = 0; e < E; ++e) b[t * E + e] += bias[e];
-    if (G > 1 && cfg_.topk_groups < G) {
-      std::vector<float> gscore(G);
-      std::vector<int64_t> order(G);
-      for (int64_t t = 0; t < T; ++t) {
-        float* row = b + t * E;
-        for (int64_t g = 0; g < G; ++g) {
-          // Sum of the group's top-2 biased scores (the one score for groups of one).
-          float first = -std::numeric_limits<float>::infinity(), second = first;
-          for (int64_t e = g * per; e < (g + 1) * per; ++e) {
-            if (row[e] > first) {
-              second = first;
-              first = row[e];
-            } else if (row[e] > second) {
-              second = row[e];
-            }
-          }
-          gscore[g] = per >= 2 ? first + second : first;
-          order[g] = g;
-        }
-        std::partial_sort(order.begin(), order.begin() + cfg_.topk_groups, order.end(),
-                          [&](int64_t a, int64_t c) {
-                            return gscore[a] > gscore[c] || (gscore[a] == gscore[c] && a < c);
-                          });
-        std::vector<char> keep(G, 0);
-        for (int64_t i = 0; i < cfg_.topk_groups; ++i) keep[order[i]] = 1;
-        for (int64_t e = 0; e < E; ++e)
-          if (!keep[e / per]) row[e] = -std::numeric_limits<float>::infinity();
-      }
-    }
+    Tensor biased =
+        xmoe::ops::moe_group_limited_scores(scores, bias_, cfg_.num_groups, cfg_.topk_groups);
     return xmoe::ops::topk(biased, top_k_).indices;
   }
 

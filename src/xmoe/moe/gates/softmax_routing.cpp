@@ -1,5 +1,5 @@
 #include "xmoe/moe/gates/gates.h"
-#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -11,11 +11,11 @@ GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len,
   GateOutput out;
   if (o_.softmax_before_topk) {
     idx_ = fixed_idx.defined() ? fixed_idx : xmoe::ops::topk(probs_, o_.top_k).indices;
-    Tensor v = take_along_rows(probs_, idx_);  // [T, k]
-    weights_ = o_.renormalize ? renormalize_rows(v, 1.0f, sums_) : v;
+    Tensor v = xmoe::ops::take_along_rows(probs_, idx_);  // [T, k]
+    weights_ = o_.renormalize ? xmoe::ops::renormalize_rows(v, 1.0f, sums_) : v;
   } else {
     idx_ = fixed_idx.defined() ? fixed_idx : xmoe::ops::topk(logits, o_.top_k).indices;
-    weights_ = xmoe::ops::softmax(take_along_rows(logits, idx_));  // [T, k], sums to 1
+    weights_ = xmoe::ops::softmax(xmoe::ops::take_along_rows(logits, idx_));  // [T, k], sums to 1
   }
   out.topk_idx = idx_;
   out.topk_weight = weights_;
@@ -31,11 +31,13 @@ Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale) {
   // direct contributions (Mixtral weights, z-loss)
   Tensor dlogits = Tensor::zeros({T, E}, DType::f32, probs_.device());
   if (o_.softmax_before_topk) {
-    Tensor dv = o_.renormalize ? renormalize_rows_backward(weights_, sums_, d_topk_weight, 1.0f)
-                               : d_topk_weight;
-    put_along_rows_add(dprobs, idx_, dv);
+    Tensor dv = o_.renormalize
+                    ? xmoe::ops::renormalize_rows_backward(weights_, sums_, d_topk_weight, 1.0f)
+                    : d_topk_weight;
+    xmoe::ops::put_along_rows_add(dprobs, idx_, dv);
   } else {
-    put_along_rows_add(dlogits, idx_, xmoe::ops::softmax_backward(weights_, d_topk_weight));
+    xmoe::ops::put_along_rows_add(dlogits, idx_,
+                                  xmoe::ops::softmax_backward(weights_, d_topk_weight));
   }
   aux_losses_backward(logits_, aux_state_, o_.aux.scaled(aux_scale), dprobs, dlogits);
   xmoe::ops::add_(dlogits, xmoe::ops::softmax_backward(probs_, dprobs));

@@ -4,10 +4,8 @@
 //                                    tau "<prefix>.router.temperature" [1], learned, >= 0.01
 // then softmax over E and top-k (renormalised per moe.renormalize). Both z and the expert
 // embeddings are L2-normalised, so routing depends on directions in a small space.
-#include "xmoe/backend/cuda/moe_kernels.h"
 #include "xmoe/moe/gates/gates.h"
-#include "xmoe/moe/moe_ops.h"
-#include "xmoe/ops/dispatch.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -40,51 +38,28 @@ class XmoeGate final : public Gate {
   GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
     check_forward_args(x, seq_len, fixed_idx);
     x_ = x;  // bf16 activations are cast again in backward: no f32 copy kept
-    zn_ = l2_normalize_rows(xmoe::ops::matmul(as_dtype(x, DType::f32), proj_.value));  // [T, r]
-    en_ = l2_normalize_rows(transpose(emb_.value));               // [E, r]
-    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);          // [T, E]
-    Tensor logits;
-    if (cos_.is_cpu()) {
-      tau_ = std::max(temp_.value.data<float>()[0], kMinTemperature);
-      logits = cos_.clone();
-      xmoe::ops::scale_(logits, 1.0f / tau_);
-    } else {  // the temperature is read on the device: no wait for its value
-      logits = Tensor::empty(cos_.shape(), DType::f32, cos_.device());
-      cuda::moe_div_temperature(logits.data<float>(), cos_.data<float>(),
-                                temp_.value.data<float>(), kMinTemperature, cos_.numel(),
-                                xmoe::ops::detail::stream_of(cos_));
-    }
+    zn_ = xmoe::ops::l2_normalize_rows(
+        xmoe::ops::matmul(xmoe::ops::as_dtype(x, DType::f32), proj_.value));  // [T, r]
+    en_ = xmoe::ops::l2_normalize_rows(xmoe::ops::transpose(emb_.value));  // [E, r]
+    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                   // [T, E]
+    // On CUDA the temperature is read on the device: no wait for its value.
+    Tensor logits = xmoe::ops::moe_div_temperature(cos_, temp_.value, kMinTemperature);
     return routing_.forward(logits, seq_len, fixed_idx, world_.get());
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
     Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);  // [T, E]
     // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
-    Tensor dcos = dlogits;
-    if (dlogits.is_cpu()) {
-      if (temp_.value.data<float>()[0] >= kMinTemperature) {
-        double dot = 0;
-        const float* g = dlogits.data<float>();
-        const float* c = cos_.data<float>();
-        for (int64_t i = 0; i < dlogits.numel(); ++i) dot += static_cast<double>(g[i]) * c[i];
-        temp_.grad.data<float>()[0] += static_cast<float>(-dot / (tau_ * tau_));
-      }
-      xmoe::ops::scale_(dcos, 1.0f / tau_);
-    } else {
-      const cuda::Stream s = xmoe::ops::detail::stream_of(dlogits);
-      cuda::moe_temperature_grad(temp_.grad.data<float>(), dlogits.data<float>(),
-                                 cos_.data<float>(), temp_.value.data<float>(), kMinTemperature,
-                                 dlogits.numel(), s);
-      dcos = Tensor::empty(dlogits.shape(), DType::f32, dlogits.device());
-      cuda::moe_div_temperature(dcos.data<float>(), dlogits.data<float>(),
-                                temp_.value.data<float>(), kMinTemperature, dlogits.numel(), s);
-    }
+    xmoe::ops::moe_temperature_grad(temp_.grad, dlogits, cos_, temp_.value, kMinTemperature);
+    Tensor dcos = xmoe::ops::moe_div_temperature(dlogits, temp_.value, kMinTemperature);
     Tensor dzn = xmoe::ops::matmul(dcos, en_.y);              // [T, r]
     Tensor den = xmoe::ops::matmul(dcos, zn_.y, true, false); // [E, r]
-    Tensor demb = transpose(l2_normalize_rows_backward(en_.y, en_.norm, den));  // [r, E]
+    Tensor demb = xmoe::ops::transpose(
+        xmoe::ops::l2_normalize_rows_backward(en_.y, en_.norm, den));  // [r, E]
     xmoe::ops::add_(emb_.grad, demb);
-    Tensor dz = l2_normalize_rows_backward(zn_.y, zn_.norm, dzn);  // [T, r]
-    xmoe::ops::matmul_into(proj_.grad, as_dtype(x_, DType::f32), dz, true, false, 1.f, 1.f);
+    Tensor dz = xmoe::ops::l2_normalize_rows_backward(zn_.y, zn_.norm, dzn);  // [T, r]
+    xmoe::ops::matmul_into(proj_.grad, xmoe::ops::as_dtype(x_, DType::f32), dz, true, false, 1.f,
+                           1.f);
     return xmoe::ops::matmul(dz, proj_.value, false, true);
   }
 
@@ -104,8 +79,7 @@ class XmoeGate final : public Gate {
   SoftmaxRouting routing_;
   Parameter proj_, emb_, temp_;
   Tensor x_, cos_;
-  L2NormResult zn_, en_;
-  float tau_ = 1.0f;
+  xmoe::ops::L2NormResult zn_, en_;
 };
 
 }  // namespace
