@@ -4,7 +4,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/comm/mpi/mpi_group.h"
 
 namespace xmoe::comm {

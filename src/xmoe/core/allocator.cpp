@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <new>
 
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/error.h"
 
 namespace xmoe {

@@ -8,7 +8,7 @@
 
 // Like tensor.cpp and allocator.cpp, core reaches the device through the narrow interface that
 // backends implement (a CPU-only build links the stub, whose synchronize is a no-op for cpu).
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 
 namespace xmoe::profiling {
 

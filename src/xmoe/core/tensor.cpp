@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/allocator.h"
 
 namespace xmoe {

@@ -2,7 +2,7 @@
 
 #include <numeric>
 
-#include "xmoe/moe/moe_ops.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {
@@ -212,7 +212,7 @@ Tensor RbdDispatcher::combine_backward(const Tensor& d_partial, const DispatchHa
   // pilot: the group's gradient to each member, d_w = out . d_partial, d_out = w d_partial.
   Tensor d_out = xmoe::ops::gather_rows(d_groups, st.replica_group);  // [M, d]
   const std::vector<float> d_w = xmoe::ops::row_dot(st.member_out, d_out).to_vector<float>();
-  scale_rows_(d_out, st.replica_weight);
+  ops::scale_rows_(d_out, st.replica_weight);
   // pilot -> owners.
   Tensor d_arrival = node_group_->all_to_all_v(d_out, pl.pilot.replica_send, pl.owner.replica_recv);
   Tensor d_expert_out = xmoe::ops::gather_rows(d_arrival, h.recv_layout);

@@ -4,7 +4,6 @@
 #include <string>
 
 #include "xmoe/core/error.h"
-#include "xmoe/ops/dispatch.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {

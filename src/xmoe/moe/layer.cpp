@@ -6,8 +6,7 @@
 #include <utility>
 
 #include "xmoe/core/profile.h"
-#include "xmoe/moe/moe_ops.h"
-#include "xmoe/ops/dispatch.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::moe {

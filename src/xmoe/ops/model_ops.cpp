@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "xmoe/backend/cpu/model_kernels.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/ops/dispatch.h"
 
 namespace xmoe::ops {

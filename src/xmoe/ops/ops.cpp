@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "xmoe/backend/cpu/kernels.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/ops/dispatch.h"
 
 namespace xmoe::ops {

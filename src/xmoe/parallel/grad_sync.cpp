@@ -1,9 +1,23 @@
 #include "xmoe/parallel/grad_sync.h"
 
+#include "xmoe/core/profile.h"
 #include "xmoe/ops/optim.h"
-#include "xmoe/optim/clip.h"
 
 namespace xmoe::parallel {
+
+namespace {
+
+/// Σ grad² of `params` as an f64 [1] tensor on their device (the CPU for none): one
+/// deterministic multi-tensor reduction; nothing waits.
+Tensor grad_sum_squares(const std::vector<Parameter*>& params) {
+  settle_grads(params);
+  std::vector<Tensor> grads;
+  grads.reserve(params.size());
+  for (const Parameter* p : params) grads.push_back(p->grad);
+  return ops::multi_sum_squares(grads);
+}
+
+}  // namespace
 
 GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
                            int64_t bucket_bytes)
@@ -69,21 +83,17 @@ void GradientSync::sync() {
 double GradientSync::global_grad_sum_squares() const {
   std::vector<Parameter*> dense, expert;
   for (Parameter* p : params_) (p->kind == ParamKind::expert ? expert : dense).push_back(p);
-  double total = optim::grad_sum_squares(dense);
+  ProfileScope scope("optim.grad_norm", params_.empty() ? Device::cpu() : params_[0]->grad.device());
+  const double total = grad_sum_squares(dense).item();
+  Tensor t = grad_sum_squares(expert);
   if (layout_.ep > 1) {
-    // Each ep rank holds different experts: their squares add up over the ep group.
+    // Each ep rank holds different experts: their squares add up over the ep group (on the
+    // device where the group lives there: NCCL; else through the host).
     comm::Group& ep = *layout_.ep_group;
-    const bool device_grads = !expert.empty() && expert[0]->grad.device().is_cuda();
-    Tensor t;
-    if (device_grads && ep.device() == expert[0]->grad.device()) {
-      t = optim::grad_sum_squares_device(expert);  // reduced on the device, read once below
-    } else {
-      t = Tensor::from_vector<double>({optim::grad_sum_squares(expert)}, {1}, ep.device());
-    }
+    if (t.device() != ep.device()) t = t.to(ep.device());
     ep.all_reduce(t);
-    return total + t.item();
   }
-  return total + optim::grad_sum_squares(expert);
+  return total + t.item();
 }
 
 }  // namespace xmoe::parallel

@@ -20,7 +20,7 @@
 #include "xmoe/backend/cuda/check.h"
 #include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/cuda/sm90/grouped_gemm.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 
 /// CUBLAS_CHECK(cublasGemmEx(...)): throws xmoe::Error naming the call and the status.
 #define CUBLAS_CHECK(call)                                                                 \

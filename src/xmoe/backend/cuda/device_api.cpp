@@ -18,7 +18,7 @@
 #include "xmoe/backend/cuda/check.h"
 #include "xmoe/backend/cuda/cuda_check.cuh"
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 
 namespace xmoe::cuda {
 

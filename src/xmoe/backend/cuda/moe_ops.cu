@@ -1,4 +1,4 @@
-// Row helpers of the MoE stages (moe/moe_ops.h on CUDA): row scaling, take/put along rows,
+// Row helpers of the MoE stages (ops/moe.h on CUDA): row scaling, take/put along rows,
 // transpose, row L2-normalisation and row renormalisation with their backwards. Each row is
 // summed by one warp (or one thread for the short routing rows), so results do not depend on
 // timing; f32 math on f32 or bf16 storage.

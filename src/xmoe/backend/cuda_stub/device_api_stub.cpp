@@ -1,7 +1,7 @@
 // Linked when xmoe is built without CUDA: every CUDA entry point says so clearly.
 #include <cstring>
 
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/error.h"
 
 namespace xmoe::backend {

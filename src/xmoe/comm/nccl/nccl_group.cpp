@@ -29,7 +29,7 @@
 
 #include "xmoe/backend/cuda/check.h"
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/comm/nccl/check.h"
 
 namespace xmoe::comm::nccl {

@@ -1,6 +1,7 @@
 #pragma once
-// What core needs from a device backend. The CUDA backend implements it in backend/cuda;
-// a build without CUDA links backend/cuda_stub, whose functions throw a clear error.
+// The device runtime core needs (memory, copies, synchronisation), declared here and
+// implemented by a backend: backend/cuda/device_api.cpp, or backend/cuda_stub in a build
+// without CUDA, whose functions throw a clear error. So core includes nothing above it.
 #include <cstddef>
 
 #include "xmoe/core/allocator.h"
