@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "xmoe/backend/cuda/kernels.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/ops/model_ops.h"

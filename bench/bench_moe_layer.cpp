@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/error.h"
 #include "xmoe/core/profile.h"

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/profile.h"

@@ -10,7 +10,7 @@
 
 #include <string>
 
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/core/tensor.h"

@@ -30,7 +30,7 @@
 
 #include "testing.h"
 #include "cuda_testing.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/config/config.h"

@@ -15,7 +15,7 @@
 #include <random>
 
 #include "cuda_testing.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/ops/ops.h"

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "testing.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/model/transformer.h"

@@ -29,7 +29,7 @@
 
 #include "gradcheck.h"
 #include "xmoe/backend/cuda/moe_kernels.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/moe/losses.h"

@@ -25,7 +25,7 @@
 #include "gradcheck.h"
 #include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/backend/device_api.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
