@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "xmoe/core/env.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/moe/layer.h"
@@ -83,8 +84,7 @@ void train_step(model::Transformer& m, optim::AdamW& opt, const std::vector<Para
 // First in the file: no test has called enable() yet. ctest runs it once more under
 // XMOE_PROFILE=1 (tests/CMakeLists.txt).
 TEST(ProfileEnv, DefaultFollowsXmoeProfile) {
-  const char* v = std::getenv("XMOE_PROFILE");
-  const bool on = v && *v && std::string(v) != "0";
+  const bool on = env::flag("XMOE_PROFILE");
   EXPECT_EQ(profiling::enabled(), on);
   profiling::reset();
   { ProfileScope scope("region", Device::cpu()); }

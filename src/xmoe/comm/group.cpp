@@ -171,6 +171,7 @@ std::shared_ptr<Group> world_group;
 
 std::shared_ptr<Group> make_single_group() { return std::make_shared<SingleGroup>(); }
 
+// The launcher's own variables, not xmoe knobs: those are declared in core/env.cpp.
 bool launched_by_mpi() {
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
                         "SLURM_NTASKS"}) {

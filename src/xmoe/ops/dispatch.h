@@ -10,6 +10,7 @@
 
 #include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/cuda/runtime.h"
+#include "xmoe/core/env.h"
 #include "xmoe/core/tensor.h"
 
 namespace xmoe::ops::detail {
@@ -117,10 +118,7 @@ inline void check_index_values(const char* op, const char* name, const Tensor& i
 /// the host (one wait per call). Off by default: out-of-range rows are then zero (gather) or
 /// skipped (scatter) on the device instead of throwing.
 inline bool cuda_check_indices() {
-  static const bool on = [] {
-    const char* v = std::getenv("XMOE_CUDA_CHECK_INDICES");
-    return v && *v && std::string(v) != "0";
-  }();
+  static const bool on = env::flag("XMOE_CUDA_CHECK_INDICES");
   return on;
 }
 
