@@ -40,11 +40,6 @@ inline void require_float(const char* op, const char* name, const Tensor& t) {
   }
 }
 
-/// The CPU-era name: an f32 tensor on the CPU, or a float tensor on CUDA.
-inline void require_f32(const char* op, const char* name, const Tensor& t) {
-  require_float(op, name, t);
-}
-
 /// `t` is on the same device as `ref` (named `ref_name`).
 inline void require_same_device(const char* op, const char* name, const Tensor& t,
                                 const char* ref_name, const Tensor& ref) {
