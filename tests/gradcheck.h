@@ -1,7 +1,8 @@
 #pragma once
-// Finite-difference gradient checks shared by the tests.
+// Finite-difference gradient checks and tensor comparisons shared by the tests.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -40,6 +41,19 @@ inline void expect_gradient_close(Tensor& x, const Tensor& analytic,
     EXPECT_NEAR(g[i], numeric, tol * scale + 1e-4)
         << what << " element " << i << " analytic " << g[i] << " numeric " << numeric;
   }
+}
+
+/// max |a - b| / max |b| over two f32 tensors of one shape (0 when b is all zero and a equals
+/// it): how far a tensor is from its reference, relative to the reference's scale.
+inline double rel_err(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.shape(), b.shape());
+  const auto x = a.to_vector<float>(), y = b.to_vector<float>();
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    diff = std::max(diff, std::abs(double(x[i]) - double(y[i])));
+    scale = std::max(scale, std::abs(double(y[i])));
+  }
+  return scale > 0 ? diff / scale : diff;
 }
 
 /// sum(out * weights) in double: the scalar loss whose gradient w.r.t. out is `weights`.

@@ -3,11 +3,13 @@
 
 #include <numeric>
 
+#include "testing.h"
 #include "xmoe/comm/group.h"
 
 using namespace xmoe;
 using comm::ByteCounters;
 using comm::LinkClass;
+using xmoe::testing::error_of;
 
 namespace {
 std::shared_ptr<comm::Group> world() { return comm::world(); }
@@ -116,4 +118,47 @@ TEST(Comm, SplitAndDeclaredTopology) {
     if (n > 2) EXPECT_EQ(topo.link(0, 2), LinkClass::inter_node);
   }
   EXPECT_THROW(comm::Topology::uniform(n, n + 1), Error);
+}
+
+// The checks live in comm::Group, ahead of every backend's transport: the MPI and the
+// single-process group refuse the same arguments in the same words, before any communication
+// (every rank fails alike, nobody waits) and without counting anything.
+TEST(Comm, EveryBackendRefusesBadArgumentsAlike) {
+  for (const auto& g : {world(), comm::make_single_group()}) {
+    SCOPED_TRACE(g->backend_name());
+    const int n = g->size();
+    g->counters().reset();
+    Tensor d = Tensor::zeros({3, 2});
+    std::vector<int64_t> wrong(n + 1, 0), rows(n, 0), negative(n, 0);
+    rows[0] = 2;
+    negative[n - 1] = -1;
+    EXPECT_CONTAINS(error_of([&] { g->all_to_all_v(d, wrong, wrong); }),
+                    fmt::format("[all_to_all_v] need {} send and recv counts, got {} and {}", n,
+                                n + 1, n + 1));
+    EXPECT_CONTAINS(error_of([&] { g->all_to_all_v(d, rows, rows); }),
+                    "[all_to_all_v] send counts sum to 2 but send has 3 rows");
+    EXPECT_CONTAINS(error_of([&] { g->all_to_all_v(d, rows, negative); }),
+                    fmt::format("[all_to_all_v] negative count for rank {}: send", n - 1));
+    EXPECT_CONTAINS(error_of([&] { g->all_gather(Tensor::zeros({})); }),
+                    "[all_gather] needs at least 1-d tensors");
+    EXPECT_CONTAINS(error_of([&] { g->broadcast(d, n); }),
+                    fmt::format("[broadcast] root {} outside a group of {}", n, n));
+    EXPECT_CONTAINS(error_of([&] { g->split(-1, 0); }), "[split] color -1 must be >= 0");
+    if (n > 1) {
+      EXPECT_CONTAINS(error_of([&] { g->reduce_scatter(Tensor::zeros({int64_t(n) + 1})); }),
+                      "[reduce_scatter] dim 0 of");
+      EXPECT_CONTAINS(error_of([&] { g->all_to_all_counts(wrong); }),
+                      fmt::format("[all_to_all_counts] {} values do not split over {} ranks", n + 1,
+                                  n));
+    }
+    for (int k = 0; k < ByteCounters::num_kinds; ++k) {
+      EXPECT_EQ(g->counters().calls[k], 0) << "kind " << k;
+      EXPECT_EQ(g->counters().bytes[k][0] + g->counters().bytes[k][1], 0) << "kind " << k;
+    }
+    // Still usable, and a collective that runs is counted once.
+    Tensor t = Tensor::from_vector<float>({1.f}, {1});
+    g->all_reduce(t);
+    EXPECT_EQ(t.data<float>()[0], float(n));
+    EXPECT_EQ(g->counters().calls[ByteCounters::all_reduce], 1);
+  }
 }

@@ -29,6 +29,7 @@
 #include <functional>
 
 #include "testing.h"
+#include "training_fixture.h"
 #include "cuda_testing.h"
 #include "xmoe/core/device_api.h"
 #include "xmoe/comm/group.h"
@@ -94,18 +95,8 @@ class CudaNcclTrain : public ::testing::Test {
     world_ = comm::world();
     skip_ = skip_reason();
     if (!skip_.empty()) return;
-    root_ = fs::temp_directory_path() / ("xmoe-mpi-cuda-train-" + std::to_string(world_->size()));
-    if (world_->rank() == 0) {
-      fs::remove_all(root_);
-      fs::create_directories(root_ / "corpus");
-      xmoe::testing::write_proverbs(root_ / "corpus" / "text.txt", 800, 7);
-      DataConfig data;
-      data.corpus = (root_ / "corpus").string();
-      data.dir = (root_ / "data").string();
-      data.val_fraction = 0.1f;
-      data::ensure_prepared(data);  // before any rank's reference run needs it
-    }
-    world_->barrier();
+    root_ = xmoe::testing::shared_corpus(*world_,
+                                         "xmoe-mpi-cuda-train-" + std::to_string(world_->size()));
   }
   static void TearDownTestSuite() {
     if (skip_.empty()) {
@@ -126,49 +117,20 @@ class CudaNcclTrain : public ::testing::Test {
 
   static int world_size() { return world_->size(); }
 
-  /// mpi_test_train.cpp's micro model; 24 experts divide over ep = 1, 2, 3, 4, 6, 8 GPUs.
+  /// mpi_test_train.cpp's micro run (training_fixture.h) on the rank's GPU; 24 experts divide
+  /// over ep = 1, 2, 3, 4, 6, 8 GPUs.
   static Config micro_config(const std::string& gate = "softmax_topk",
                              const std::string& dtype = "f32") {
-    Config c = preset("tiny");
-    c.model.d_model = 32;
-    c.model.num_layers = 2;
-    c.model.num_heads = 2;
-    c.model.num_kv_heads = 1;
-    c.model.dense_hidden = 48;
-    c.model.max_seq_len = 16;
-    c.model.moe.num_experts = 24;
-    c.model.moe.top_k = 3;
-    c.model.moe.expert_hidden = 16;
-    c.model.moe.gate = gate;
-    c.model.moe.aux_loss_weight = 0.01f;
-    c.model.moe.z_loss_weight = 0.001f;
-    c.data.corpus = (root_ / "corpus").string();
-    c.data.dir = (root_ / "data").string();
-    c.data.val_fraction = 0.1f;
-    c.train.device = "cuda";  // under mpirun: the rank's position on its host
-    c.train.dtype = dtype;
-    c.train.steps = 8;
-    c.train.batch_size = 2;
-    c.train.seq_len = 16;
-    c.train.warmup_steps = 2;
-    c.train.eval_every = 4;
-    c.train.eval_batches = 1;
-    c.train.save_every = 4;
-    c.train.log_every = 100;
-    validate(c);
-    return c;
+    // device "cuda" under mpirun: the rank's position on its host
+    return xmoe::testing::micro_parallel_config(
+        root_, {.gate = gate, .experts = 24, .device = "cuda", .dtype = dtype});
   }
 
-  static train::TrainResult run(Config c, const std::string& tag,
+  static train::TrainResult run(const Config& c, const std::string& tag,
                                 std::shared_ptr<comm::Group> group, bool resume = false,
                                 int stop_after = -1) {
-    c.train.out_dir = (root_ / tag).string();
-    train::TrainOptions o;
-    o.progress = false;
-    o.world = std::move(group);
-    o.resume = resume;
-    o.stop_after = stop_after;
-    return train::train(c, o);
+    return xmoe::testing::run_training(c, (root_ / tag).string(), std::move(group), resume,
+                                       stop_after);
   }
 
   /// Over the whole job: the trainer makes the NCCL world from the MPI one.
@@ -179,9 +141,9 @@ class CudaNcclTrain : public ::testing::Test {
 
   /// The one-process run of the same global batch, by every rank for itself: on its own GPU
   /// (device "cuda") or on the CPU (device "cpu", f32).
-  static train::TrainResult reference(Config c, const std::string& device, const std::string& tag) {
-    c.train.batch_size *= world_->size();
-    c.parallel = ParallelConfig{};
+  static train::TrainResult reference(const Config& global, const std::string& device,
+                                      const std::string& tag) {
+    Config c = xmoe::testing::one_process(global, world_->size());
     if (device == "cpu") {
       c.train.device = "cpu";
       c.train.dtype = "f32";

@@ -23,6 +23,7 @@
 #include <numeric>
 
 #include "gradcheck.h"
+#include "training_fixture.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/ops/ops.h"
@@ -31,6 +32,7 @@
 using namespace xmoe;
 using namespace xmoe::moe;
 using xmoe::testing::randn;
+using xmoe::testing::rel_err;
 
 namespace {
 
@@ -217,36 +219,9 @@ namespace {
 
 constexpr int64_t kD = 16, kT = 16, kSeq = 4;  // per rank: 16 tokens = 4 sequences of 4
 
+// All three aux losses on (training_fixture.h).
 MoeConfig layer_config(const std::string& gate) {
-  MoeConfig c;
-  c.num_experts = kE;
-  c.top_k = 3;
-  c.expert_hidden = 8;
-  c.num_shared_experts = 1;
-  c.gate = gate;
-  c.dispatch = "all_to_all";
-  // All three aux losses on, weighted heavily enough that their gradients matter.
-  c.aux_loss_weight = 0.1f;
-  c.seq_aux_loss_weight = 0.05f;
-  c.z_loss_weight = 0.01f;
-  if (gate == "sigmoid") {
-    c.num_groups = 4;
-    c.topk_groups = 2;
-    c.bias_update_rate = 0.01f;
-  }
-  return c;
-}
-
-/// max |a - b| / max |b| (0 when b is all zero and a equals it).
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const auto x = a.to_vector<float>(), y = b.to_vector<float>();
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    diff = std::max(diff, std::abs(double(x[i]) - double(y[i])));
-    scale = std::max(scale, std::abs(double(y[i])));
-  }
-  return scale > 0 ? diff / scale : diff;
+  return xmoe::testing::micro_moe_layer(gate, "all_to_all", kE, /*seq_aux=*/0.05f);
 }
 
 Tensor scaled(const Tensor& t, float s) {

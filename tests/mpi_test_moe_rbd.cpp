@@ -15,6 +15,7 @@
 #include <set>
 
 #include "gradcheck.h"
+#include "training_fixture.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/moe/dispatch_rbd.h"
@@ -25,6 +26,7 @@
 using namespace xmoe;
 using namespace xmoe::moe;
 using xmoe::testing::randn;
+using xmoe::testing::rel_err;
 
 namespace {
 
@@ -336,27 +338,7 @@ namespace {
 constexpr int64_t kD = 16, kT = 16, kSeq = 4;
 
 MoeConfig layer_config(const std::string& gate, const std::string& dispatch) {
-  MoeConfig c;
-  c.num_experts = kE;
-  c.top_k = 3;
-  c.expert_hidden = 8;
-  c.num_shared_experts = 1;
-  c.gate = gate;
-  c.dispatch = dispatch;
-  c.aux_loss_weight = 0.1f;
-  c.z_loss_weight = 0.01f;
-  return c;
-}
-
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const auto x = a.to_vector<float>(), y = b.to_vector<float>();
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    diff = std::max(diff, std::abs(double(x[i]) - double(y[i])));
-    scale = std::max(scale, std::abs(double(y[i])));
-  }
-  return scale > 0 ? diff / scale : diff;
+  return xmoe::testing::micro_moe_layer(gate, dispatch, kE);  // softmax_topk and xmoe gates
 }
 
 /// Replaces the routing: skewed = experts {0, 1, 2} (ep rank 0) for every token; one_node =

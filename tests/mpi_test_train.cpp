@@ -8,6 +8,7 @@
 
 #include "xmoe/comm/group.h"
 #include "testing.h"
+#include "training_fixture.h"
 #include "xmoe/config/config.h"
 #include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
@@ -16,6 +17,7 @@
 
 namespace fs = std::filesystem;
 using namespace xmoe;
+using xmoe::testing::run_training;
 
 namespace {
 
@@ -23,68 +25,20 @@ auto world() { return comm::world(); }
 
 /// A corpus and a scratch folder shared by all ranks (created by rank 0).
 fs::path shared_root() {
-  const fs::path root = fs::temp_directory_path() /
-                        ("xmoe-mpi-train-" + std::to_string(world()->size()));
-  if (world()->rank() == 0) {
-    fs::remove_all(root);
-    fs::create_directories(root / "corpus");
-    xmoe::testing::write_proverbs(root / "corpus" / "text.txt", 800, 7);
-    DataConfig data;
-    data.corpus = (root / "corpus").string();
-    data.dir = (root / "data").string();
-    data.val_fraction = 0.1f;
-    data::ensure_prepared(data);  // before any rank's reference run needs it
-  }
-  world()->barrier();
-  return root;
+  return xmoe::testing::shared_corpus(*world(),
+                                      "xmoe-mpi-train-" + std::to_string(world()->size()));
 }
 
+/// The distributed micro run (training_fixture.h); 12 experts divide over ep = 1, 2, 3, 4.
 Config micro_config(const fs::path& root, const std::string& gate) {
-  Config c = preset("tiny");
-  c.model.d_model = 32;
-  c.model.num_layers = 2;
-  c.model.num_heads = 2;
-  c.model.num_kv_heads = 1;
-  c.model.dense_hidden = 48;
-  c.model.max_seq_len = 16;
-  c.model.moe.num_experts = 12;  // divisible by ep = 1, 2, 3, 4
-  c.model.moe.top_k = 3;
-  c.model.moe.expert_hidden = 16;
-  c.model.moe.gate = gate;
-  c.model.moe.aux_loss_weight = 0.01f;
-  c.model.moe.z_loss_weight = 0.001f;
-  c.data.corpus = (root / "corpus").string();
-  c.data.dir = (root / "data").string();
-  c.data.val_fraction = 0.1f;
-  c.train.steps = 8;
-  c.train.batch_size = 2;
-  c.train.seq_len = 16;
-  c.train.warmup_steps = 2;
-  c.train.eval_every = 4;
-  c.train.eval_batches = 1;
-  c.train.save_every = 4;
-  c.train.log_every = 100;
-  validate(c);
-  return c;
-}
-
-train::TrainResult run(Config c, const std::string& out, std::shared_ptr<comm::Group> group,
-                       bool resume = false, int stop_after = -1) {
-  c.train.out_dir = out;
-  train::TrainOptions o;
-  o.progress = false;
-  o.world = std::move(group);
-  o.resume = resume;
-  o.stop_after = stop_after;
-  return train::train(c, o);
+  return xmoe::testing::micro_parallel_config(root, {.gate = gate, .experts = 12});
 }
 
 /// The one-process run of the same global batch, done by every rank for itself.
-train::TrainResult reference(Config c, const fs::path& root, const std::string& tag) {
-  c.train.batch_size *= world()->size();
-  c.parallel = ParallelConfig{};
-  return run(c, (root / ("ref-" + tag + "-rank" + std::to_string(world()->rank()))).string(),
-             comm::make_single_group());
+train::TrainResult reference(const Config& c, const fs::path& root, const std::string& tag) {
+  return run_training(xmoe::testing::one_process(c, world()->size()),
+                      (root / ("ref-" + tag + "-rank" + std::to_string(world()->rank()))).string(),
+                      comm::make_single_group());
 }
 
 void expect_same_losses(const train::TrainResult& ref, const train::TrainResult& got,
@@ -111,7 +65,7 @@ TEST(DistributedTraining, MatchesOneProcessForEveryLayout) {
     for (int ep : eps) {
       c.parallel.ep = ep;
       const std::string tag = gate + "-ep" + std::to_string(ep);
-      const auto got = run(c, (root / tag).string(), world());
+      const auto got = run_training(c, (root / tag).string(), world());
       ASSERT_EQ(got.steps.size(), ref.steps.size());
       expect_same_losses(ref, got, 0, tag);
       ASSERT_EQ(got.evals.size(), ref.evals.size());
@@ -134,7 +88,7 @@ TEST(DistributedTraining, Bf16ExpertGradientsFollowOneProcess) {
   for (int ep : {world()->size(), 1}) {
     c.parallel.ep = ep;
     const std::string tag = "bf16-grads-ep" + std::to_string(ep);
-    const auto got = run(c, (root / tag).string(), world());
+    const auto got = run_training(c, (root / tag).string(), world());
     ASSERT_EQ(got.steps.size(), ref.steps.size());
     for (size_t i = 0; i < got.steps.size(); ++i) {
       EXPECT_NEAR(got.steps[i].loss, ref.steps[i].loss, 2e-3 * ref.steps[i].loss) << tag << i;
@@ -153,9 +107,9 @@ TEST(DistributedTraining, ResumesWithAnotherLayout) {
   // Saved with ep = world at step 4, resumed with ep = 1 (pure data parallelism).
   c.parallel.ep = n;
   const std::string out = (root / "resume").string();
-  run(c, out, world(), false, 4);
+  run_training(c, out, world(), false, 4);
   c.parallel.ep = 1;
-  const auto rest = run(c, out, world(), true);
+  const auto rest = run_training(c, out, world(), true);
   ASSERT_EQ(rest.first_step, 4);
   expect_same_losses(ref, rest, 4, "resumed with ep=1");
   // A checkpoint saved by several ranks is complete and loads in one process too.
@@ -178,7 +132,7 @@ TEST(DistributedTraining, RbdWithAffinityPlacementMatchesOneProcess) {
   c.parallel.expert_placement = "affinity";
   c.parallel.placement_batches = 2;
   c.model.moe.dispatch = "rbd";
-  const auto got = run(c, (root / "rbd").string(), world());
+  const auto got = run_training(c, (root / "rbd").string(), world());
   expect_same_losses(ref, got, 0, "rbd + affinity placement");
   world()->barrier();
 }
@@ -205,7 +159,7 @@ TEST(DistributedTraining, RanksWithDifferentConfigsStopNamingTheKey) {
   Config bad = micro_config(root, "softmax_topk");
   if (r == n - 1) bad.train.seed += 1;
   const std::string e =
-      xmoe::testing::error_of([&] { run(bad, (root / "disagree").string(), world()); });
+      xmoe::testing::error_of([&] { run_training(bad, (root / "disagree").string(), world()); });
   EXPECT_CONTAINS(e, fmt::format("rank {} (train.seed)", n - 1));
   EXPECT_FALSE(fs::exists(root / "disagree")) << "nothing may be written before the ranks agree";
   world()->barrier();

@@ -38,6 +38,24 @@ TEST(Config, EveryPresetValidates) {
   }
 }
 
+// Every preset's whole config against tests/data/presets.yaml, recorded from the presets as
+// they were written before they became one table (config/presets.cpp): a preset that changes
+// any value, a default it inherits included, fails here. After an intended change, copy the
+// file this test writes (named in the failure) over tests/data/presets.yaml.
+TEST(Config, PresetsAreTheRecordedConfigs) {
+  std::string got;
+  for (const std::string& name : preset_names())
+    got += "# preset: " + name + "\n" + to_yaml(preset(name));
+  const auto path = std::filesystem::path(XMOE_SOURCE_DIR) / "tests" / "data" / "presets.yaml";
+  std::ifstream in(path);
+  const std::string recorded((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+  if (got == recorded) return;
+  const auto actual = std::filesystem::temp_directory_path() / "xmoe_presets.yaml";
+  std::ofstream(actual) << got;
+  ADD_FAILURE() << "the presets differ from " << path << " (now: " << actual << ")";
+}
+
 TEST(Config, YamlRoundTrip) {
   for (const std::string& name : preset_names()) {
     SCOPED_TRACE(name);

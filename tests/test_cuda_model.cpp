@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "testing.h"
+#include "training_fixture.h"
 #include "xmoe/core/device_api.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/rng.h"
@@ -50,6 +51,7 @@ namespace {
 using xmoe::testing::host_f32;
 using xmoe::testing::kCuda;
 using xmoe::testing::normalised_error;
+using xmoe::testing::quiet;
 
 using namespace xmoe;
 namespace fs = std::filesystem;
@@ -291,51 +293,14 @@ TEST(CudaModel, GradNormScaleAndNonFinite) {
 
 // ---- the trainer ----------------------------------------------------------------------------
 
-class CudaTrainTest : public ::testing::Test {
+class CudaTrainTest : public xmoe::testing::MicroCorpusTest {
  protected:
-  void SetUp() override {
-    root_ = fs::temp_directory_path() /
-            ("xmoe-cuda-train-" +
-             std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(root_);
-    fs::create_directories(root_ / "corpus");
-    xmoe::testing::write_proverbs(root_ / "corpus" / "text.txt", 600);
-  }
-  void TearDown() override { fs::remove_all(root_); }
+  CudaTrainTest() : MicroCorpusTest("xmoe-cuda-train-") {}
 
-  /// The `tiny` preset at micro size (test_train.cpp's), dense only unless `moe`.
+  /// test_train.cpp's micro run (training_fixture.h) for 10 steps into root/<run>, dense only
+  /// unless `moe`.
   Config micro_config(const std::string& run, bool moe = false) const {
-    Config c = preset("tiny");
-    c.model.d_model = 32;
-    c.model.num_layers = 2;
-    c.model.num_heads = 2;
-    c.model.num_kv_heads = 1;
-    c.model.dense_hidden = 64;
-    c.model.max_seq_len = 32;
-    c.model.first_dense_layers = moe ? 1 : 2;
-    c.model.moe.num_experts = 4;
-    c.model.moe.top_k = 2;
-    c.model.moe.expert_hidden = 16;
-    c.data.corpus = (root_ / "corpus").string();
-    c.data.dir = (root_ / "data").string();
-    c.data.val_fraction = 0.1f;
-    c.train.steps = 10;
-    c.train.batch_size = 4;
-    c.train.seq_len = 32;
-    c.train.warmup_steps = 5;
-    c.train.eval_every = 5;
-    c.train.eval_batches = 2;
-    c.train.save_every = 5;
-    c.train.log_every = 5;
-    c.train.out_dir = (root_ / run).string();
-    validate(c);
-    return c;
-  }
-
-  static train::TrainOptions quiet() {
-    train::TrainOptions o;
-    o.progress = false;
-    return o;
+    return xmoe::testing::micro_config(root_, {.moe = moe, .steps = 10, .every = 5, .run = run});
   }
 
   /// `c` trained on CUDA in compute `dtype` into root/<tag>-<dtype>: every step's loss within
@@ -355,8 +320,6 @@ class CudaTrainTest : public ::testing::Test {
     }
     return r;
   }
-
-  fs::path root_;
 };
 
 TEST_F(CudaTrainTest, LossesFollowTheCpu) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gradcheck.h"
+#include "training_fixture.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/ops/ops.h"
@@ -17,27 +18,13 @@ using xmoe::testing::expect_gradient_close;
 
 namespace {
 
-// vocab 11, d = 8, 2 layers, 2 heads sharing 1 kv head (head_dim 4).
+// The shared micro model (training_fixture.h: vocab 11, d = 8, 2 layers, layer 1 MoE in the
+// MoE variant) with rope_theta 100 and large weights, so that every path carries a gradient
+// well above f32 rounding.
 ModelConfig micro_config(bool moe) {
-  ModelConfig c;
-  c.vocab_size = 11;
-  c.d_model = 8;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.max_seq_len = 8;
-  c.dense_hidden = 12;
-  c.first_dense_layers = moe ? 1 : 2;  // layer 1 is MoE in the MoE variant
+  ModelConfig c = xmoe::testing::micro_model(moe);
   c.rope_theta = 100.f;
-  // Large weights so that every path carries a gradient well above f32 rounding.
   c.init_std = 0.4f;
-  c.moe.num_experts = 4;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 6;
-  c.moe.num_shared_experts = 1;
-  c.moe.gate = "softmax_topk";
-  c.moe.aux_loss_weight = 0.05f;
-  c.moe.z_loss_weight = 0.01f;
   return c;
 }
 

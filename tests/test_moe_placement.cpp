@@ -26,19 +26,9 @@
 using namespace xmoe;
 using namespace xmoe::moe;
 using xmoe::testing::randn;
+using xmoe::testing::rel_err;
 
 namespace {
-
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const auto x = a.to_vector<float>(), y = b.to_vector<float>();
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    diff = std::max(diff, std::abs(double(x[i]) - double(y[i])));
-    scale = std::max(scale, std::abs(double(y[i])));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
 
 std::vector<int> shuffled(int n, uint64_t seed) {
   std::vector<int> p(n);

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "training_fixture.h"
+#include "xmoe/core/env.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/moe/layer.h"
@@ -36,28 +38,6 @@ std::map<std::string, profiling::Region> by_path() {
   return m;
 }
 
-// Two layers: layer 0 dense, layer 1 MoE with a shared expert and aux losses (so that every
-// stage of the MoE layer runs).
-ModelConfig micro_config() {
-  ModelConfig c;
-  c.vocab_size = 11;
-  c.d_model = 8;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.max_seq_len = 8;
-  c.dense_hidden = 12;
-  c.first_dense_layers = 1;
-  c.moe.num_experts = 4;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 6;
-  c.moe.num_shared_experts = 1;
-  c.moe.gate = "softmax_topk";
-  c.moe.aux_loss_weight = 0.05f;
-  c.moe.z_loss_weight = 0.01f;
-  return c;
-}
-
 Tensor make_ids(int64_t b, int64_t s, int64_t vocab, int32_t offset) {
   std::vector<int32_t> v(static_cast<size_t>(b * s));
   for (size_t i = 0; i < v.size(); ++i)
@@ -83,8 +63,7 @@ void train_step(model::Transformer& m, optim::AdamW& opt, const std::vector<Para
 // First in the file: no test has called enable() yet. ctest runs it once more under
 // XMOE_PROFILE=1 (tests/CMakeLists.txt).
 TEST(ProfileEnv, DefaultFollowsXmoeProfile) {
-  const char* v = std::getenv("XMOE_PROFILE");
-  const bool on = v && *v && std::string(v) != "0";
+  const bool on = env::flag("XMOE_PROFILE");
   EXPECT_EQ(profiling::enabled(), on);
   profiling::reset();
   { ProfileScope scope("region", Device::cpu()); }
@@ -155,7 +134,7 @@ TEST_F(Profile, ScopeOpenWhenTurnedOffStillRecordsItsEnd) {
 }
 
 TEST_F(Profile, OffRecordsNothing) {
-  model::Transformer m(micro_config(), 7);
+  model::Transformer m(xmoe::testing::micro_model(), 7);
   const auto params = m.parameters();
   optim::AdamW opt(params, {});
   train_step(m, opt, params);
@@ -163,7 +142,8 @@ TEST_F(Profile, OffRecordsNothing) {
 }
 
 TEST_F(Profile, TrainingStepReportsEveryModuleAndStage) {
-  model::Transformer m(micro_config(), 7);
+  // Layer 0 dense, layer 1 MoE with a shared expert and aux losses: every stage of it runs.
+  model::Transformer m(xmoe::testing::micro_model(), 7);
   const auto params = m.parameters();
   optim::AdamW opt(params, {});
   profiling::enable(true);

@@ -9,6 +9,7 @@
 
 #include "file_size_limit.h"
 #include "testing.h"
+#include "training_fixture.h"
 #include "xmoe/config/config.h"
 #include "xmoe/data/prepare.h"
 #include "xmoe/io/file.h"
@@ -24,53 +25,15 @@ using xmoe::testing::error_of;
 
 namespace {
 
-/// A temp folder with a small English corpus and a micro MoE config that trains in seconds.
-class TrainTest : public ::testing::Test {
+/// A temp folder with a small English corpus and a micro MoE config that trains in seconds
+/// (training_fixture.h).
+class TrainTest : public xmoe::testing::MicroCorpusTest {
  protected:
-  void SetUp() override {
-    root_ = fs::temp_directory_path() /
-            ("xmoe-train-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    fs::remove_all(root_);
-    fs::create_directories(root_ / "corpus");
-    xmoe::testing::write_proverbs(root_ / "corpus" / "text.txt", 600);
-  }
-  void TearDown() override { fs::remove_all(root_); }
-
-  Config micro_config() const {
-    Config c = preset("tiny");
-    c.model.d_model = 32;
-    c.model.num_layers = 2;
-    c.model.num_heads = 2;
-    c.model.num_kv_heads = 1;
-    c.model.dense_hidden = 64;
-    c.model.max_seq_len = 32;
-    c.model.moe.num_experts = 4;
-    c.model.moe.top_k = 2;
-    c.model.moe.expert_hidden = 16;
-    c.data.corpus = (root_ / "corpus").string();
-    c.data.dir = (root_ / "data").string();
-    c.data.val_fraction = 0.1f;
-    c.train.steps = 30;
-    c.train.batch_size = 4;
-    c.train.seq_len = 32;
-    c.train.warmup_steps = 5;
-    c.train.eval_every = 10;
-    c.train.eval_batches = 2;
-    c.train.save_every = 10;
-    c.train.log_every = 10;
-    c.train.out_dir = (root_ / "run").string();
-    validate(c);
-    return c;
-  }
-
-  fs::path root_;
+  TrainTest() : MicroCorpusTest("xmoe-train-") {}
+  Config micro_config() const { return xmoe::testing::micro_config(root_); }
 };
 
-train::TrainOptions quiet() {
-  train::TrainOptions o;
-  o.progress = false;
-  return o;
-}
+using xmoe::testing::quiet;
 
 }  // namespace
 

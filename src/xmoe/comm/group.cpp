@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 
 #include "xmoe/core/device_api.h"
 #include "xmoe/comm/mpi/mpi_group.h"
@@ -27,6 +28,103 @@ void Group::count(ByteCounters::Kind kind, int peer, int64_t bytes) {
   counters_.bytes[kind][static_cast<int>(topology_.link(rank(), peer))] += bytes;
 }
 
+int64_t Group::row_bytes(const Tensor& t) {
+  int64_t n = static_cast<int64_t>(dtype_size(t.dtype()));
+  for (int64_t i = 1; i < t.dim(); ++i) n *= t.size(i);
+  return n;
+}
+
+std::shared_ptr<Group> Group::split(int color, int key) {
+  XMOE_CHECK(color >= 0, "[split] color {} must be >= 0", color);
+  return do_split(color, key);
+}
+
+std::unique_ptr<Work> Group::all_reduce_async(Tensor& t, ReduceOp op) {
+  check_tensor(t, "all_reduce");
+  std::unique_ptr<Work> work = do_all_reduce(t, op);
+  ++counters_.calls[ByteCounters::all_reduce];
+  // reduce_scatter + all_gather of this rank's 1/size of the tensor
+  const int64_t block = static_cast<int64_t>(t.nbytes()) / size();
+  for (int p = 0; p < size(); ++p) count(ByteCounters::all_reduce, p, 2 * block);
+  return work;
+}
+
+Tensor Group::all_gather(const Tensor& t) {
+  check_tensor(t, "all_gather");
+  XMOE_CHECK(t.dim() >= 1, "[all_gather] needs at least 1-d tensors, got {}", t.str());
+  Shape shape = t.shape();
+  shape[0] *= size();
+  Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+  do_all_gather(t, out);
+  ++counters_.calls[ByteCounters::all_gather];
+  for (int p = 0; p < size(); ++p)
+    count(ByteCounters::all_gather, p, static_cast<int64_t>(t.nbytes()));
+  return out;
+}
+
+Tensor Group::reduce_scatter(const Tensor& t) {
+  check_tensor(t, "reduce_scatter");
+  XMOE_CHECK(t.dim() >= 1 && t.size(0) % size() == 0,
+             "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(),
+             size());
+  Shape shape = t.shape();
+  shape[0] /= size();
+  Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+  do_reduce_scatter(t, out);
+  ++counters_.calls[ByteCounters::reduce_scatter];
+  for (int p = 0; p < size(); ++p)
+    count(ByteCounters::reduce_scatter, p, static_cast<int64_t>(out.nbytes()));
+  return out;
+}
+
+std::unique_ptr<Work> Group::all_to_all_v_async(const Tensor& send,
+                                                std::span<const int64_t> send_rows,
+                                                std::span<const int64_t> recv_rows, Tensor& recv) {
+  check_tensor(send, "all_to_all_v");
+  const int n = size();
+  XMOE_CHECK(static_cast<int>(send_rows.size()) == n && static_cast<int>(recv_rows.size()) == n,
+             "[all_to_all_v] need {} send and recv counts, got {} and {}", n, send_rows.size(),
+             recv_rows.size());
+  for (int p = 0; p < n; ++p)
+    XMOE_CHECK(send_rows[p] >= 0 && recv_rows[p] >= 0,
+               "[all_to_all_v] negative count for rank {}: send {} recv {}", p, send_rows[p],
+               recv_rows[p]);
+  const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
+  XMOE_CHECK(send.dim() >= 1 && sent == send.size(0),
+             "[all_to_all_v] send counts sum to {} but send has {} rows", sent,
+             send.dim() ? send.size(0) : 0);
+  Shape shape = send.shape();
+  shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+  recv = Tensor::empty(shape, send.dtype(), send.device());
+  std::unique_ptr<Work> work = do_all_to_all_v(send, send_rows, recv_rows, recv);
+  ++counters_.calls[ByteCounters::all_to_all];
+  const int64_t rb = row_bytes(send);
+  for (int p = 0; p < n; ++p) count(ByteCounters::all_to_all, p, send_rows[p] * rb);
+  return work;
+}
+
+std::vector<int64_t> Group::all_to_all_counts(std::span<const int64_t> send) {
+  const auto n = static_cast<size_t>(size());
+  XMOE_CHECK(send.size() % n == 0, "[all_to_all_counts] {} values do not split over {} ranks",
+             send.size(), n);
+  std::vector<int64_t> out = do_all_to_all_counts(send);
+  const auto per = static_cast<int64_t>(send.size() / n);
+  for (int p = 0; p < size(); ++p)
+    count(ByteCounters::counts, p, per * static_cast<int64_t>(sizeof(int64_t)));
+  return out;
+}
+
+void Group::broadcast(Tensor& t, int root) {
+  check_tensor(t, "broadcast");
+  XMOE_CHECK(root >= 0 && root < size(), "[broadcast] root {} outside a group of {}", root,
+             size());
+  do_broadcast(t, root);
+  ++counters_.calls[ByteCounters::broadcast];
+  if (rank() == root)
+    for (int p = 0; p < size(); ++p)
+      count(ByteCounters::broadcast, p, static_cast<int64_t>(t.nbytes()));
+}
+
 namespace {
 
 class DoneWork final : public Work {
@@ -34,48 +132,36 @@ class DoneWork final : public Work {
   void wait() override {}
 };
 
-/// Size-1 group: every collective is the identity (or a copy).
+/// Size-1 group: every collective is the identity (or a copy); tensors on any device.
 class SingleGroup final : public Group {
  public:
   SingleGroup() : Group("single", Topology()) {}
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  std::shared_ptr<Group> split(int, int) override { return std::make_shared<SingleGroup>(); }
-  void all_reduce(Tensor&, ReduceOp) override { ++counters_.calls[ByteCounters::all_reduce]; }
-  std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op) override {
-    all_reduce(t, op);
-    return std::make_unique<DoneWork>();
-  }
-  Tensor all_gather(const Tensor& t) override { return t.clone(); }
-  Tensor reduce_scatter(const Tensor& t) override { return t.clone(); }
-  Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                      std::span<const int64_t> recv_rows) override {
-    check_counts(send, send_rows, recv_rows);
-    ++counters_.calls[ByteCounters::all_to_all];
-    return send.clone();
-  }
-  std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,
-                                           std::span<const int64_t> recv_rows,
-                                           Tensor& recv) override {
-    recv = all_to_all_v(send, send_rows, recv_rows);
-    return std::make_unique<DoneWork>();
-  }
-  std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send) override {
-    return {send.begin(), send.end()};
-  }
-  void broadcast(Tensor&, int root) override {
-    XMOE_CHECK(root == 0, "[comm] broadcast root {} in a group of size 1", root);
-  }
   void barrier() override {}
   [[noreturn]] void abort(int code) override { std::_Exit(code); }
 
- private:
-  static void check_counts(const Tensor& send, std::span<const int64_t> s,
-                           std::span<const int64_t> r) {
-    XMOE_CHECK(s.size() == 1 && r.size() == 1 && s[0] == r[0] && s[0] == send.size(0),
-               "[all_to_all_v] single-process group: counts must be [{}], got send {} recv {}",
-               send.size(0), s.size() ? s[0] : -1, r.size() ? r[0] : -1);
+ protected:
+  void check_tensor(const Tensor&, const char*) const override {}
+  std::shared_ptr<Group> do_split(int, int) override { return std::make_shared<SingleGroup>(); }
+  std::unique_ptr<Work> do_all_reduce(Tensor&, ReduceOp) override {
+    return std::make_unique<DoneWork>();
   }
+  void do_all_gather(const Tensor& t, Tensor& out) override { out.copy_from(t); }
+  void do_reduce_scatter(const Tensor& t, Tensor& out) override { out.copy_from(t); }
+  std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
+                                        std::span<const int64_t> recv_rows,
+                                        Tensor& recv) override {
+    XMOE_CHECK(recv_rows[0] == send_rows[0],
+               "[all_to_all_v] single-process group: counts must be [{}], got send {} recv {}",
+               send.size(0), send_rows[0], recv_rows[0]);
+    recv.copy_from(send);
+    return std::make_unique<DoneWork>();
+  }
+  std::vector<int64_t> do_all_to_all_counts(std::span<const int64_t> send) override {
+    return {send.begin(), send.end()};
+  }
+  void do_broadcast(Tensor&, int) override {}
 };
 
 std::mutex world_mutex;
@@ -85,6 +171,7 @@ std::shared_ptr<Group> world_group;
 
 std::shared_ptr<Group> make_single_group() { return std::make_shared<SingleGroup>(); }
 
+// The launcher's own variables, not xmoe knobs: those are declared in core/env.cpp.
 bool launched_by_mpi() {
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
                         "SLURM_NTASKS"}) {

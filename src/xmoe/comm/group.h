@@ -1,6 +1,6 @@
 #pragma once
 // Communication groups. One abstract Group (rank, size, split, collectives) with backends:
-// single-process (comm/single_group.cpp), MPI for CPU buffers (comm/mpi/), and NCCL for device
+// single-process (in comm/group.cpp), MPI for CPU buffers (comm/mpi/), and NCCL for device
 // buffers (comm/nccl/, with the CUDA backend). Collectives work on contiguous tensors; the
 // *_async variants return a Work handle so communication can overlap compute.
 #include <array>
@@ -40,14 +40,19 @@ class Work {
   virtual void wait() = 0;
 };
 
+/// A group of processes and its collectives. The public collectives are the same for every
+/// backend: they check their arguments, allocate the outputs and count the payload bytes, then
+/// call the backend's transport (the protected do_* functions), so a backend holds only what
+/// moves the data. Errors name the collective: "[all_to_all_v] need 4 send and recv counts...".
 class Group {
  public:
   virtual ~Group() = default;
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  /// Ranks with the same color form a new group, ordered by key (then by old rank).
-  virtual std::shared_ptr<Group> split(int color, int key) = 0;
+  /// Ranks with the same color (>= 0) form a new group, ordered by key (then by old rank).
+  /// Collective.
+  std::shared_ptr<Group> split(int color, int key);
   /// Which node each rank of this group is on.
   const Topology& topology() const { return topology_; }
   /// The same ranks (a new communicator) with declared nodes of `ranks_per_node` consecutive
@@ -56,30 +61,29 @@ class Group {
   /// Where the tensors this group moves live: the CPU (single, MPI) or cuda:i (NCCL).
   virtual Device device() const { return Device::cpu(); }
 
-  /// In-place reduction over all ranks (f32, i32, i64).
-  /// In-place reduction; by default the async variant, waited for.
-  virtual void all_reduce(Tensor& t, ReduceOp op = ReduceOp::sum) { all_reduce_async(t, op)->wait(); }
-  virtual std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op = ReduceOp::sum) = 0;
+  /// In-place reduction over all ranks (f32, i32, i64; NCCL also bf16). The async variant
+  /// returns a Work whose wait() makes the result valid.
+  void all_reduce(Tensor& t, ReduceOp op = ReduceOp::sum) { all_reduce_async(t, op)->wait(); }
+  std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op = ReduceOp::sum);
   /// Concatenation of every rank's `t` along dim 0 (all ranks give the same shape).
-  virtual Tensor all_gather(const Tensor& t) = 0;
+  Tensor all_gather(const Tensor& t);
   /// Sum over ranks of `t`, scattered along dim 0: rank r gets rows [r·n/size, (r+1)·n/size).
-  virtual Tensor reduce_scatter(const Tensor& t) = 0;
+  Tensor reduce_scatter(const Tensor& t);
   /// Uneven all-to-all over dim 0: rows [o_p, o_p + send_rows[p]) of `send` go to rank p; the
   /// result holds, in rank order, recv_rows[p] rows from each rank p. Zero rows are fine.
-  virtual Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                              std::span<const int64_t> recv_rows) {
+  Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
+                      std::span<const int64_t> recv_rows) {
     Tensor recv;
     all_to_all_v_async(send, send_rows, recv_rows, recv)->wait();
     return recv;
   }
-  virtual std::unique_ptr<Work> all_to_all_v_async(const Tensor& send,
-                                                   std::span<const int64_t> send_rows,
-                                                   std::span<const int64_t> recv_rows,
-                                                   Tensor& recv) = 0;
+  /// all_to_all_v into `recv` (allocated here), valid after the Work's wait().
+  std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,
+                                           std::span<const int64_t> recv_rows, Tensor& recv);
   /// Every rank gets `count` int64 values from every rank: out[p * count + i] (metadata
   /// exchange before all_to_all_v).
-  virtual std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send) = 0;
-  virtual void broadcast(Tensor& t, int root) = 0;
+  std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send);
+  void broadcast(Tensor& t, int root);
   virtual void barrier() = 0;
   /// Stops every process of the job (after an unrecoverable error on this rank).
   [[noreturn]] virtual void abort(int code) = 0;
@@ -91,11 +95,43 @@ class Group {
  protected:
   Group(std::string backend, Topology topology)
       : backend_(std::move(backend)), topology_(std::move(topology)) {}
-  void count(ByteCounters::Kind kind, int peer, int64_t bytes);
+
+  // The transport of each backend. Arguments arrive checked (check_tensor included) and
+  // outputs allocated; the bytes are counted after the call returns.
+
+  /// Throws, naming `op`, unless this backend moves `t` (where it lives, group still usable).
+  virtual void check_tensor(const Tensor& t, const char* op) const = 0;
+  virtual std::shared_ptr<Group> do_split(int color, int key) = 0;
+  virtual std::unique_ptr<Work> do_all_reduce(Tensor& t, ReduceOp op) = 0;
+  /// `out`: [size·n, ...] for `t` [n, ...].
+  virtual void do_all_gather(const Tensor& t, Tensor& out) = 0;
+  /// `out`: [n/size, ...] for `t` [n, ...]; the reduction is a sum.
+  virtual void do_reduce_scatter(const Tensor& t, Tensor& out) = 0;
+  /// `recv`: [sum(recv_rows), ...]; counts are >= 0, one per rank, and send_rows sum to the
+  /// rows of `send`.
+  virtual std::unique_ptr<Work> do_all_to_all_v(const Tensor& send,
+                                                std::span<const int64_t> send_rows,
+                                                std::span<const int64_t> recv_rows,
+                                                Tensor& recv) = 0;
+  /// `send.size()` is a multiple of size().
+  virtual std::vector<int64_t> do_all_to_all_counts(std::span<const int64_t> send) = 0;
+  virtual void do_broadcast(Tensor& t, int root) = 0;
+
+  /// all_to_all_counts over `other` without touching its counters: for a backend that carries
+  /// its host-side exchanges over another group and counts them as its own.
+  static std::vector<int64_t> uncounted_all_to_all_counts(Group& other,
+                                                          std::span<const int64_t> send) {
+    return other.do_all_to_all_counts(send);
+  }
+  /// Bytes of one dim-0 row (defined by the trailing dims, also when there are no rows).
+  static int64_t row_bytes(const Tensor& t);
 
   std::string backend_;
   Topology topology_;
   ByteCounters counters_;
+
+ private:
+  void count(ByteCounters::Kind kind, int peer, int64_t bytes);
 };
 
 /// The single-process group (size 1): collectives are copies.

@@ -9,16 +9,11 @@
 // Like tensor.cpp and allocator.cpp, core reaches the device through the narrow interface that
 // backends implement (a CPU-only build links the stub, whose synchronize is a no-op for cpu).
 #include "xmoe/core/device_api.h"
+#include "xmoe/core/env.h"
 
 namespace xmoe::profiling {
 
 namespace {
-
-/// XMOE_PROFILE: the default of profiling::enabled() (docs/training.md, "Environment variables").
-bool env_enabled() {
-  const char* v = std::getenv("XMOE_PROFILE");
-  return v && *v && std::string(v) != "0";
-}
 
 struct Node {
   std::string name;
@@ -76,11 +71,20 @@ double children_ms(const std::vector<Node>& nodes, int id) {
 }  // namespace
 
 namespace detail {
-std::atomic<bool> enabled{env_enabled()};
+std::atomic<int8_t> enabled{-1};
+
+/// XMOE_PROFILE: the default of profiling::enabled() (docs/training.md, "Environment variables").
+bool enabled_from_env() {
+  int8_t unknown = -1;
+  // An enable() that came first wins.
+  enabled.compare_exchange_strong(unknown, env::flag("XMOE_PROFILE") ? 1 : 0,
+                                  std::memory_order_relaxed);
+  return enabled.load(std::memory_order_relaxed) != 0;
+}
 }  // namespace detail
 
 void enable(bool on) {
-  detail::enabled.store(on, std::memory_order_relaxed);
+  detail::enabled.store(on ? 1 : 0, std::memory_order_relaxed);
 }
 
 void reset() {

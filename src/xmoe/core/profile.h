@@ -31,13 +31,15 @@ namespace xmoe {
 namespace profiling {
 
 namespace detail {
-extern std::atomic<bool> enabled;  // initialised from XMOE_PROFILE
+extern std::atomic<int8_t> enabled;  // -1 until XMOE_PROFILE is read, then 0 or 1
+bool enabled_from_env();
 }  // namespace detail
 
-/// Whether scopes record. Initially true iff the environment variable XMOE_PROFILE is set to
-/// anything but "" or "0" (read once, at program start).
+/// Whether scopes record. Initially XMOE_PROFILE (0 or 1, default 0; core/env.h), read once, at
+/// the first call: a bad value is an error there, not a crash before main().
 inline bool enabled() {
-  return detail::enabled.load(std::memory_order_relaxed);
+  const int8_t on = detail::enabled.load(std::memory_order_relaxed);
+  return on >= 0 ? on != 0 : detail::enabled_from_env();
 }
 /// Turns recording on or off; scopes already open when it is turned off still record their end.
 void enable(bool on);

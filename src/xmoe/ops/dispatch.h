@@ -10,6 +10,7 @@
 
 #include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/cuda/runtime.h"
+#include "xmoe/core/env.h"
 #include "xmoe/core/tensor.h"
 
 namespace xmoe::ops::detail {
@@ -37,11 +38,6 @@ inline void require_float(const char* op, const char* name, const Tensor& t) {
     XMOE_CHECK(is_float(t.dtype()), "[{}] {} has dtype {}, expected f32 or bf16", op, name,
                dtype_name(t.dtype()));
   }
-}
-
-/// The CPU-era name: an f32 tensor on the CPU, or a float tensor on CUDA.
-inline void require_f32(const char* op, const char* name, const Tensor& t) {
-  require_float(op, name, t);
 }
 
 /// `t` is on the same device as `ref` (named `ref_name`).
@@ -117,10 +113,7 @@ inline void check_index_values(const char* op, const char* name, const Tensor& i
 /// the host (one wait per call). Off by default: out-of-range rows are then zero (gather) or
 /// skipped (scatter) on the device instead of throwing.
 inline bool cuda_check_indices() {
-  static const bool on = [] {
-    const char* v = std::getenv("XMOE_CUDA_CHECK_INDICES");
-    return v && *v && std::string(v) != "0";
-  }();
+  static const bool on = env::flag("XMOE_CUDA_CHECK_INDICES");
   return on;
 }
 

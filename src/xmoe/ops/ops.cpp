@@ -13,7 +13,6 @@ namespace xmoe::ops {
 
 using detail::require_2d;
 using detail::require_defined;
-using detail::require_f32;
 using detail::require_float;
 using detail::require_like;
 using detail::require_like_or_f32;

@@ -26,8 +26,6 @@ class GradientSync {
   /// Global gradient norm² after sync: dense counted once, each expert shard once.
   double global_grad_sum_squares() const;
 
-  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
-
  private:
   struct Bucket {
     std::vector<Parameter*> params;

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "xmoe/comm/nccl/nccl_group.h"
+#include "xmoe/core/env.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/data/data_loader.h"
 #include "xmoe/data/prepare.h"
@@ -114,7 +115,7 @@ void place_experts(model::Transformer& model, optim::AdamW& opt, const data::Dat
 /// XMOE_INJECT_FAULT=<rank>:<step> makes that rank throw at that step: the test of how a job
 /// stops when one process fails (docs/training.md).
 void maybe_inject_fault(int rank, int step) {
-  static const char* spec = std::getenv("XMOE_INJECT_FAULT");
+  static const char* spec = env::text("XMOE_INJECT_FAULT");
   if (!spec) return;
   int fault_rank = -1, fault_step = -1;
   if (std::sscanf(spec, "%d:%d", &fault_rank, &fault_step) == 2 && fault_rank == rank &&

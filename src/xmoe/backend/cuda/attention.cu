@@ -22,6 +22,7 @@
 #include <string>
 
 #include "xmoe/backend/cuda/common.cuh"
+#include "xmoe/core/env.h"
 
 namespace xmoe::cuda {
 
@@ -307,12 +308,8 @@ bool aligned16(std::initializer_list<const void*> ptrs) {
 }
 
 AttentionBackend backend_from_env() {
-  const char* v = std::getenv("XMOE_ATTENTION");
-  const std::string value = v ? v : "";
-  if (value.empty() || value == "cudnn") return AttentionBackend::cudnn;
-  if (value == "native") return AttentionBackend::native;
-  const std::string message = "[attention] XMOE_ATTENTION = '" + value + "': expected cudnn or native";
-  fail(message.c_str());
+  return env::choice("XMOE_ATTENTION") == "native" ? AttentionBackend::native
+                                                   : AttentionBackend::cudnn;
 }
 
 std::atomic<AttentionBackend>& backend_setting() {

@@ -21,6 +21,7 @@
 #include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/cuda/sm90/grouped_gemm.h"
 #include "xmoe/core/device_api.h"
+#include "xmoe/core/env.h"
 
 /// CUBLAS_CHECK(cublasGemmEx(...)): throws xmoe::Error naming the call and the status.
 #define CUBLAS_CHECK(call)                                                                 \
@@ -208,13 +209,7 @@ const char* byte_ptr(const void* p) { return static_cast<const char*>(p); }
 /// XMOE_GROUPED_GEMM: `cutlass` (default) runs the expert GEMMs on the sm90 kernels where they
 /// apply; `cublas` keeps them on cuBLAS (a comparison, or a GPU where CUTLASS misbehaves).
 bool cutlass_grouped_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("XMOE_GROUPED_GEMM");
-    const std::string value = v ? v : "";
-    XMOE_CHECK(value.empty() || value == "cutlass" || value == "cublas",
-               "[grouped_matmul] XMOE_GROUPED_GEMM = '{}': expected cutlass or cublas", value);
-    return value != "cublas";
-  }();
+  static const bool on = env::choice("XMOE_GROUPED_GEMM") != "cublas";
   return on;
 }
 
@@ -228,10 +223,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 /// Returns the piece length, or 0 for no cutting.
 int64_t weight_grad_piece_rows(const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
                                int device) {
-  static const int64_t forced = [] {
-    const char* v = std::getenv("XMOE_WEIGHT_GRAD_PIECE_ROWS");
-    return v != nullptr && *v != '\0' ? std::max<int64_t>(0, std::atoll(v)) : int64_t{-1};
-  }();
+  static const int64_t forced = env::integer("XMOE_WEIGHT_GRAD_PIECE_ROWS").value_or(-1);
   if (forced >= 0) return forced;
   constexpr int64_t kTileM = 128, kTileN = 256, kMinPiece = 256;
   const int64_t tiles = ((k + kTileM - 1) / kTileM) * ((m + kTileN - 1) / kTileN);

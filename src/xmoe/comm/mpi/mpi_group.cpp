@@ -4,7 +4,6 @@
 
 #include <mpi.h>
 
-#include <numeric>
 
 namespace xmoe::comm::mpi {
 
@@ -41,18 +40,6 @@ MPI_Op mpi_op(ReduceOp op) {
   return MPI_SUM;
 }
 
-void require_cpu(const Tensor& t, const char* op) {
-  XMOE_CHECK(t.is_cpu(), "[{}] the MPI backend moves CPU tensors; got {} (use NCCL for GPU tensors)",
-             op, t.str());
-}
-
-/// Bytes of one dim-0 row (defined by the trailing dims, also when there are no rows).
-int64_t row_bytes(const Tensor& t) {
-  int64_t n = static_cast<int64_t>(dtype_size(t.dtype()));
-  for (int64_t i = 1; i < t.dim(); ++i) n *= t.size(i);
-  return n;
-}
-
 /// A datatype of one row (freed with the object).
 class RowType {
  public:
@@ -69,10 +56,11 @@ class RowType {
   MPI_Datatype type_;
 };
 
+/// MPI counts are int: rows (of one row's datatype) up to INT32_MAX per peer.
 std::vector<int> to_int_counts(std::span<const int64_t> rows, const char* what) {
   std::vector<int> out(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) {
-    XMOE_CHECK(rows[i] >= 0 && rows[i] <= INT32_MAX, "[all_to_all_v] {}[{}] = {} out of range",
+    XMOE_CHECK(rows[i] <= INT32_MAX, "[all_to_all_v] {}[{}] = {} out of range",
                what, i, rows[i]);
     out[i] = static_cast<int>(rows[i]);
   }
@@ -118,7 +106,21 @@ class MpiGroup final : public Group {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  std::shared_ptr<Group> split(int color, int key) override {
+  void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+
+  [[noreturn]] void abort(int code) override {
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::_Exit(code);
+  }
+
+ protected:
+  void check_tensor(const Tensor& t, const char* op) const override {
+    XMOE_CHECK(t.is_cpu(),
+               "[{}] the MPI backend moves CPU tensors; got {} (use NCCL for GPU tensors)", op,
+               t.str());
+  }
+
+  std::shared_ptr<Group> do_split(int color, int key) override {
     MPI_Comm sub;
     MPI_CHECK(MPI_Comm_split(comm_, color, key, &sub));
     int sub_size = 0;
@@ -128,11 +130,7 @@ class MpiGroup final : public Group {
     return std::make_shared<MpiGroup>(sub, topology_.subset(parent_ranks), true);
   }
 
-  std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op) override {
-    require_cpu(t, "all_reduce");
-    ++counters_.calls[ByteCounters::all_reduce];
-    const int64_t block = static_cast<int64_t>(t.nbytes()) / size_;
-    for (int p = 0; p < size_; ++p) count(ByteCounters::all_reduce, p, 2 * block);
+  std::unique_ptr<Work> do_all_reduce(Tensor& t, ReduceOp op) override {
     MPI_Request req;
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.raw(), static_cast<int>(t.numel()),
                              mpi_type(t.dtype()), mpi_op(op), comm_, &req));
@@ -140,55 +138,22 @@ class MpiGroup final : public Group {
                                      std::vector<std::vector<int>>{});
   }
 
-  Tensor all_gather(const Tensor& t) override {
-    require_cpu(t, "all_gather");
-    ++counters_.calls[ByteCounters::all_gather];
-    Shape shape = t.shape();
-    XMOE_CHECK(!shape.empty(), "[all_gather] needs at least 1-d tensors");
-    shape[0] *= size_;
-    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
-    for (int p = 0; p < size_; ++p) count(ByteCounters::all_gather, p, static_cast<int64_t>(t.nbytes()));
+  void do_all_gather(const Tensor& t, Tensor& out) override {
     MPI_CHECK(MPI_Allgather(t.raw(), static_cast<int>(t.nbytes()), MPI_BYTE, out.raw(),
                             static_cast<int>(t.nbytes()), MPI_BYTE, comm_));
-    return out;
   }
 
-  Tensor reduce_scatter(const Tensor& t) override {
-    require_cpu(t, "reduce_scatter");
-    XMOE_CHECK(t.dim() >= 1 && t.size(0) % size_ == 0,
-               "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(), size_);
-    ++counters_.calls[ByteCounters::reduce_scatter];
-    Shape shape = t.shape();
-    shape[0] /= size_;
-    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
-    for (int p = 0; p < size_; ++p)
-      count(ByteCounters::reduce_scatter, p, static_cast<int64_t>(out.nbytes()));
+  void do_reduce_scatter(const Tensor& t, Tensor& out) override {
     MPI_CHECK(MPI_Reduce_scatter_block(t.raw(), out.raw(), static_cast<int>(out.numel()),
                                        mpi_type(t.dtype()), MPI_SUM, comm_));
-    return out;
   }
 
-  std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,
-                                           std::span<const int64_t> recv_rows,
-                                           Tensor& recv) override {
-    require_cpu(send, "all_to_all_v");
-    XMOE_CHECK(static_cast<int>(send_rows.size()) == size_ &&
-                   static_cast<int>(recv_rows.size()) == size_,
-               "[all_to_all_v] need {} send and recv counts, got {} and {}", size_,
-               send_rows.size(), recv_rows.size());
-    const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
-    XMOE_CHECK(send.dim() >= 1 && sent == send.size(0),
-               "[all_to_all_v] send counts sum to {} but send has {} rows", sent,
-               send.dim() ? send.size(0) : 0);
-    ++counters_.calls[ByteCounters::all_to_all];
-    const int64_t rb = row_bytes(send);
-    Shape shape = send.shape();
-    shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
-    recv = Tensor::empty(shape, send.dtype(), send.device());
-    for (int p = 0; p < size_; ++p) count(ByteCounters::all_to_all, p, send_rows[p] * rb);
+  std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
+                                        std::span<const int64_t> recv_rows,
+                                        Tensor& recv) override {
     auto sc = to_int_counts(send_rows, "send_rows"), rc = to_int_counts(recv_rows, "recv_rows");
     auto sd = displacements(sc), rd = displacements(rc);
-    auto type = std::make_unique<RowType>(rb);
+    auto type = std::make_unique<RowType>(row_bytes(send));
     MPI_Request req;
     MPI_CHECK(MPI_Ialltoallv(send.raw(), sc.data(), sd.data(), type->get(), recv.raw(), rc.data(),
                              rd.data(), type->get(), comm_, &req));
@@ -196,31 +161,15 @@ class MpiGroup final : public Group {
                                      std::vector<std::vector<int>>{sc, rc, sd, rd});
   }
 
-  std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send) override {
-    XMOE_CHECK(send.size() % static_cast<size_t>(size_) == 0,
-               "[all_to_all_counts] {} values do not split over {} ranks", send.size(), size_);
+  std::vector<int64_t> do_all_to_all_counts(std::span<const int64_t> send) override {
     const int per = static_cast<int>(send.size() / static_cast<size_t>(size_));
-    for (int p = 0; p < size_; ++p)
-      count(ByteCounters::counts, p, per * static_cast<int64_t>(sizeof(int64_t)));
     std::vector<int64_t> out(send.size());
     MPI_CHECK(MPI_Alltoall(send.data(), per, MPI_INT64_T, out.data(), per, MPI_INT64_T, comm_));
     return out;
   }
 
-  void broadcast(Tensor& t, int root) override {
-    require_cpu(t, "broadcast");
-    XMOE_CHECK(root >= 0 && root < size_, "[broadcast] root {} outside a group of {}", root, size_);
-    ++counters_.calls[ByteCounters::broadcast];
-    if (rank_ == root)
-      for (int p = 0; p < size_; ++p) count(ByteCounters::broadcast, p, static_cast<int64_t>(t.nbytes()));
+  void do_broadcast(Tensor& t, int root) override {
     MPI_CHECK(MPI_Bcast(t.raw(), static_cast<int>(t.nbytes()), MPI_BYTE, root, comm_));
-  }
-
-  void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
-
-  [[noreturn]] void abort(int code) override {
-    MPI_Abort(MPI_COMM_WORLD, code);
-    std::_Exit(code);
   }
 
  private:

@@ -24,7 +24,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <numeric>
 #include <vector>
 
 #include "xmoe/backend/cuda/check.h"
@@ -65,13 +64,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
       return ncclMin;
   }
   return ncclSum;
-}
-
-/// Bytes of one dim-0 row (defined by the trailing dims, also when there are no rows).
-int64_t row_bytes(const Tensor& t) {
-  int64_t n = static_cast<int64_t>(dtype_size(t.dtype()));
-  for (int64_t i = 1; i < t.dim(); ++i) n *= t.size(i);
-  return n;
 }
 
 /// Setup traffic (the id broadcast, host discovery) is not payload: keep it off the counters.
@@ -207,8 +199,33 @@ class NcclGroup final : public Group {
   int size() const override { return size_; }
   Device device() const override { return Device::cuda(device_); }
 
-  std::shared_ptr<Group> split(int color, int key) override {
-    XMOE_CHECK(color >= 0, "[split] color {} must be >= 0", color);
+  void barrier() override {
+    // Everything queued on this device (compute and communication) is done, then the ranks meet.
+    CUDA_CHECK(cudaStreamSynchronize(cuda::activate(device_)));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cpu_->barrier();
+  }
+
+  [[noreturn]] void abort(int code) override {
+    // Unblocks NCCL kernels that wait for peers, then stops the job through the CPU group.
+    if (comm_) ncclCommAbort(comm_);
+    comm_ = nullptr;
+    cpu_->abort(code);
+    std::_Exit(code);
+  }
+
+ protected:
+  void check_tensor(const Tensor& t, const char* op) const override {
+    require_live(op);
+    XMOE_CHECK(t.device().is_cuda(),
+               "[{}] the NCCL backend moves CUDA tensors; got {} (copy it to cuda:{}, or use the "
+               "MPI group for CPU tensors)",
+               op, t.str(), device_);
+    XMOE_CHECK(t.device().index == device_, "[{}] {} is not on this group's device cuda:{}", op,
+               t.str(), device_);
+  }
+
+  std::shared_ptr<Group> do_split(int color, int key) override {
     // Both splits order the new ranks by key, then by old rank, so their rank numbers agree
     // (the constructor checks it).
     require_live("split");
@@ -219,12 +236,8 @@ class NcclGroup final : public Group {
     return adopt(std::move(sub_cpu), device_, sub);
   }
 
-  std::unique_ptr<Work> all_reduce_async(Tensor& t, ReduceOp op) override {
-    require_device(t, "all_reduce");
+  std::unique_ptr<Work> do_all_reduce(Tensor& t, ReduceOp op) override {
     const ncclDataType_t type = reduce_type(t.dtype(), "all_reduce");
-    ++counters_.calls[ByteCounters::all_reduce];
-    const int64_t block = static_cast<int64_t>(t.nbytes()) / size_;
-    for (int p = 0; p < size_; ++p) count(ByteCounters::all_reduce, p, 2 * block);
     cudaStream_t s = begin();
     if (t.numel() > 0)
       NCCL_CHECK(ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()), type, nccl_op(op),
@@ -232,65 +245,26 @@ class NcclGroup final : public Group {
     return finish({t});
   }
 
-  Tensor all_gather(const Tensor& t) override {
-    require_device(t, "all_gather");
-    XMOE_CHECK(t.dim() >= 1, "[all_gather] needs at least 1-d tensors, got {}", t.str());
-    ++counters_.calls[ByteCounters::all_gather];
-    Shape shape = t.shape();
-    shape[0] *= size_;
-    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
-    for (int p = 0; p < size_; ++p)
-      count(ByteCounters::all_gather, p, static_cast<int64_t>(t.nbytes()));
+  void do_all_gather(const Tensor& t, Tensor& out) override {
     cudaStream_t s = begin();
     if (t.nbytes() > 0)
       NCCL_CHECK(ncclAllGather(t.raw(), out.raw(), t.nbytes(), ncclUint8, comm_, s));
     finish({t, out})->wait();
-    return out;
   }
 
-  Tensor reduce_scatter(const Tensor& t) override {
-    require_device(t, "reduce_scatter");
-    XMOE_CHECK(t.dim() >= 1 && t.size(0) % size_ == 0,
-               "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(),
-               size_);
+  void do_reduce_scatter(const Tensor& t, Tensor& out) override {
     const ncclDataType_t type = reduce_type(t.dtype(), "reduce_scatter");
-    ++counters_.calls[ByteCounters::reduce_scatter];
-    Shape shape = t.shape();
-    shape[0] /= size_;
-    Tensor out = Tensor::empty(shape, t.dtype(), t.device());
-    for (int p = 0; p < size_; ++p)
-      count(ByteCounters::reduce_scatter, p, static_cast<int64_t>(out.nbytes()));
     cudaStream_t s = begin();
     if (out.numel() > 0)
       NCCL_CHECK(ncclReduceScatter(t.raw(), out.raw(), static_cast<size_t>(out.numel()), type,
                                    ncclSum, comm_, s));
     finish({t, out})->wait();
-    return out;
   }
 
-  std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,
-                                           std::span<const int64_t> recv_rows,
-                                           Tensor& recv) override {
-    require_device(send, "all_to_all_v");
-    XMOE_CHECK(
-        static_cast<int>(send_rows.size()) == size_ && static_cast<int>(recv_rows.size()) == size_,
-        "[all_to_all_v] need {} send and recv counts, got {} and {}", size_, send_rows.size(),
-        recv_rows.size());
-    for (int p = 0; p < size_; ++p)
-      XMOE_CHECK(send_rows[p] >= 0 && recv_rows[p] >= 0,
-                 "[all_to_all_v] negative count for rank {}: send {} recv {}", p, send_rows[p],
-                 recv_rows[p]);
-    const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
-    XMOE_CHECK(send.dim() >= 1 && sent == send.size(0),
-               "[all_to_all_v] send counts sum to {} but send has {} rows", sent,
-               send.dim() ? send.size(0) : 0);
-    ++counters_.calls[ByteCounters::all_to_all];
+  std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
+                                        std::span<const int64_t> recv_rows,
+                                        Tensor& recv) override {
     const int64_t rb = row_bytes(send);
-    Shape shape = send.shape();
-    shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
-    recv = Tensor::empty(shape, send.dtype(), send.device());
-    for (int p = 0; p < size_; ++p) count(ByteCounters::all_to_all, p, send_rows[p] * rb);
-
     cudaStream_t s = begin();
     // One group of point-to-point calls (the self pair included); a peer with zero rows each
     // way gets no call, but every rank opens and closes the group. The first failure is kept
@@ -322,42 +296,17 @@ class NcclGroup final : public Group {
     return finish({send, recv});
   }
 
-  std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send) override {
-    // Counts are small and needed on the host: they travel over the CPU group.
-    XMOE_CHECK(send.size() % static_cast<size_t>(size_) == 0,
-               "[all_to_all_counts] {} values do not split over {} ranks", send.size(), size_);
-    const auto per = static_cast<int64_t>(send.size() / static_cast<size_t>(size_));
-    for (int p = 0; p < size_; ++p)
-      count(ByteCounters::counts, p, per * static_cast<int64_t>(sizeof(int64_t)));
-    return cpu_->all_to_all_counts(send);
+  std::vector<int64_t> do_all_to_all_counts(std::span<const int64_t> send) override {
+    // Counts are small and needed on the host: they travel over the CPU group, counted here
+    // (as this group's traffic) and not again on the CPU group's counters.
+    return uncounted_all_to_all_counts(*cpu_, send);
   }
 
-  void broadcast(Tensor& t, int root) override {
-    require_device(t, "broadcast");
-    XMOE_CHECK(root >= 0 && root < size_, "[broadcast] root {} outside a group of {}", root, size_);
-    ++counters_.calls[ByteCounters::broadcast];
-    if (rank_ == root)
-      for (int p = 0; p < size_; ++p)
-        count(ByteCounters::broadcast, p, static_cast<int64_t>(t.nbytes()));
+  void do_broadcast(Tensor& t, int root) override {
     cudaStream_t s = begin();
     if (t.nbytes() > 0)
       NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), t.nbytes(), ncclUint8, root, comm_, s));
     finish({t})->wait();
-  }
-
-  void barrier() override {
-    // Everything queued on this device (compute and communication) is done, then the ranks meet.
-    CUDA_CHECK(cudaStreamSynchronize(cuda::activate(device_)));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    cpu_->barrier();
-  }
-
-  [[noreturn]] void abort(int code) override {
-    // Unblocks NCCL kernels that wait for peers, then stops the job through the CPU group.
-    if (comm_) ncclCommAbort(comm_);
-    comm_ = nullptr;
-    cpu_->abort(code);
-    std::_Exit(code);
   }
 
  private:
@@ -365,16 +314,6 @@ class NcclGroup final : public Group {
     XMOE_CHECK(comm_ != nullptr,
                "[{}] this NCCL group was abandoned after an error (nccl::abandon); make a new one",
                op);
-  }
-
-  void require_device(const Tensor& t, const char* op) const {
-    require_live(op);
-    XMOE_CHECK(t.device().is_cuda(),
-               "[{}] the NCCL backend moves CUDA tensors; got {} (copy it to cuda:{}, or use the "
-               "MPI group for CPU tensors)",
-               op, t.str(), device_);
-    XMOE_CHECK(t.device().index == device_, "[{}] {} is not on this group's device cuda:{}", op,
-               t.str(), device_);
   }
 
   /// Makes the communication stream wait for the work queued so far on the compute stream.

@@ -22,6 +22,7 @@
 
 #include "xmoe/backend/cuda/check.h"
 #include "xmoe/backend/cuda/kernels.h"
+#include "xmoe/core/env.h"
 #include "xmoe/core/error.h"
 
 namespace xmoe::cuda {
@@ -36,10 +37,7 @@ enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV };
 /// XMOE_ATTENTION_DETERMINISTIC=0 lets cuDNN's backward accumulate dq with atomics (faster on
 /// some shapes, not bitwise repeatable). Default 1: the same bits every run, as xmoe's kernels.
 bool deterministic_backward() {
-  static const bool on = [] {
-    const char* v = std::getenv("XMOE_ATTENTION_DETERMINISTIC");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = env::flag("XMOE_ATTENTION_DETERMINISTIC");
   return on;
 }
 

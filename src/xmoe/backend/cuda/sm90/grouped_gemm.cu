@@ -9,6 +9,7 @@
 
 #include "xmoe/backend/cuda/cuda_check.cuh"
 #include "xmoe/backend/cuda/sm90/grouped_gemm.h"
+#include "xmoe/core/env.h"
 
 namespace xmoe::cuda::sm90 {
 
@@ -27,19 +28,8 @@ int sm_count(int device) {
 TileOrder tile_order() {
   static const TileOrder order = [] {
     TileOrder o;
-    if (const char* v = std::getenv("XMOE_SM90_RASTER")) {
-      const std::string s = v;
-      if (s != "m" && s != "n")
-        throw_message("[grouped_matmul] XMOE_SM90_RASTER: expected m or n", __FILE__, __LINE__);
-      o.raster = s == "n" ? 1 : 0;
-    }
-    if (const char* v = std::getenv("XMOE_SM90_SWIZZLE")) {
-      const std::string s = v;
-      if (s != "1" && s != "2" && s != "4" && s != "8")
-        throw_message("[grouped_matmul] XMOE_SM90_SWIZZLE: expected 1, 2, 4 or 8", __FILE__,
-                      __LINE__);
-      o.swizzle = s[0] - '0';
-    }
+    o.raster = env::choice("XMOE_SM90_RASTER") == "n" ? 1 : 0;
+    o.swizzle = std::stoi(env::choice("XMOE_SM90_SWIZZLE"));
     return o;
   }();
   return order;
