@@ -19,6 +19,7 @@ xmoe_summary_line("NCCL communication (XMOE_NCCL)" "${XMOE_NCCL}" "${XMOE_NCCL_R
 xmoe_summary_line("tests (XMOE_TESTS)" "${XMOE_TESTS}" "${XMOE_TESTS_REASON}")
 xmoe_summary_line("benchmarks (XMOE_BENCH)" "${XMOE_BENCH}" "${XMOE_BENCH_REASON}")
 xmoe_summary_line("sanitizers (XMOE_SANITIZE)" "${XMOE_SANITIZE}" "")
+xmoe_summary_line("warnings as errors (XMOE_WERROR)" "${XMOE_WERROR}" "")
 if(CCACHE_PROGRAM)
   message(STATUS "  [x] ccache ${CCACHE_PROGRAM}")
 else()

@@ -115,7 +115,7 @@ TEST(Comm, SplitAndDeclaredTopology) {
     EXPECT_EQ(topo.node_of(r), r / 2);
     EXPECT_EQ(topo.local_rank(r), r % 2);
     EXPECT_EQ(topo.link(0, 1), LinkClass::intra_node);
-    if (n > 2) EXPECT_EQ(topo.link(0, 2), LinkClass::inter_node);
+    if (n > 2) { EXPECT_EQ(topo.link(0, 2), LinkClass::inter_node); }
   }
   EXPECT_THROW(comm::Topology::uniform(n, n + 1), Error);
 }

@@ -67,10 +67,10 @@ void expect_close(const train::TrainResult& ref, const train::TrainResult& got, 
     EXPECT_FALSE(b.skipped) << what << " step " << b.step;
     EXPECT_LE(std::fabs(a.loss - b.loss), tol.loss * std::fabs(a.loss))
         << what << " step " << b.step << ": loss " << b.loss << ", reference " << a.loss;
-    if (tol.grad_norm >= 0)
+    if (tol.grad_norm >= 0) {
       EXPECT_LE(std::fabs(a.grad_norm - b.grad_norm), tol.grad_norm * std::fabs(a.grad_norm))
           << what << " step " << b.step << ": grad norm " << b.grad_norm << ", reference "
-          << a.grad_norm;
+          << a.grad_norm; }
   }
 }
 

@@ -43,7 +43,7 @@ std::string error_of(const std::function<void()>& f) {
 void expect_same_counters(const ByteCounters& nccl, const ByteCounters& mpi, bool calls) {
   for (int k = 0; k < ByteCounters::num_kinds; ++k) {
     for (int l = 0; l < 2; ++l) EXPECT_EQ(nccl.bytes[k][l], mpi.bytes[k][l]) << "kind " << k;
-    if (calls) EXPECT_EQ(nccl.calls[k], mpi.calls[k]) << "kind " << k;
+    if (calls) { EXPECT_EQ(nccl.calls[k], mpi.calls[k]) << "kind " << k; }
   }
 }
 

@@ -150,9 +150,9 @@ TEST(DistributedTraining, RanksWithDifferentConfigsStopNamingTheKey) {
     const std::string e = xmoe::testing::error_of([&] { train::check_ranks_agree(*world(), mine); });
     EXPECT_CONTAINS(e, "ranks were started with different configs");
     EXPECT_CONTAINS(e, fmt::format("rank {} ({})", n - 1, key));
-    if (r == n - 1)
+    if (r == n - 1) {
       EXPECT_CONTAINS(e, fmt::format("{} = {} on rank 0, {} on rank {}", key,
-                                     config_get(c, key), config_get(mine, key), r));
+                                     config_get(c, key), config_get(mine, key), r)); }
   }
   // A config that reaches train() is checked there too: every rank refuses to start.
   const fs::path root = shared_root();

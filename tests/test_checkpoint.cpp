@@ -43,7 +43,7 @@ void expect_same(const io::TensorMap& a, const io::TensorMap& b) {
     const Tensor& u = b.at(name);
     EXPECT_EQ(t.shape(), u.shape());
     EXPECT_EQ(t.dtype(), u.dtype());
-    if (t.nbytes() > 0) EXPECT_EQ(0, std::memcmp(t.raw(), u.raw(), t.nbytes()));
+    if (t.nbytes() > 0) { EXPECT_EQ(0, std::memcmp(t.raw(), u.raw(), t.nbytes())); }
   }
 }
 

@@ -415,5 +415,5 @@ TEST(Config, TensorParallelMustBeOne) {
   c.parallel.tp = 0;
   EXPECT_CONTAINS(error_of([&] { validate(c); }), "parallel.tp = 0 is outside [1, inf)");
   for (const ConfigKeyInfo& k : config_keys())
-    if (k.name == "parallel.tp") EXPECT_CONTAINS(k.doc, "must be 1 until tensor parallelism");
+    if (k.name == "parallel.tp") { EXPECT_CONTAINS(k.doc, "must be 1 until tensor parallelism"); }
 }

@@ -481,7 +481,7 @@ TEST_P(CudaMoeLayer, F32MatchesCpu) {
   const std::vector<Tensor> dys = {randn({kT, kD}, 103), randn({kT, kD}, 104)};
   const LayerRun ref = run_layer(lc.config, Device::cpu(), DType::f32, xs, dys);
   const LayerRun got = run_layer(lc.config, kCuda, DType::f32, xs, dys);
-  if (lc.config.impl == "padded") EXPECT_GT(ref.dropped[0], 0);  // the case exercises drops
+  if (lc.config.impl == "padded") { EXPECT_GT(ref.dropped[0], 0); }  // the case exercises drops
   compare_runs(got, ref, 1e-5, lc.name + " f32");
 }
 

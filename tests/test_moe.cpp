@@ -95,7 +95,7 @@ TEST(MoeOrder, PftInvariants) {
   for (int64_t e = 0; e < E; ++e)
     for (int64_t i = 0; i < l.tokens_per_expert[e]; ++i, ++row) {
       EXPECT_EQ(exp[row], e);
-      if (i > 0) EXPECT_LT(tok[row - 1], tok[row]) << "expert " << e;
+      if (i > 0) { EXPECT_LT(tok[row - 1], tok[row]) << "expert " << e; }
     }
   // slot_to_row is the inverse map, and a permutation of the rows.
   std::set<int32_t> seen;
@@ -255,7 +255,7 @@ TEST(MoeGate, WeightsFollowTheGateOptions) {
     c.softmax_before_topk = cs.before;
     c.renormalize = cs.renorm;
     c.routed_scaling = cs.scaling;
-    auto gate = make_gate({c, d, "g", 1, 0.5f});
+    auto gate = make_gate({c, d, "g", 1, 0.5f, nullptr});
     GateOutput g = gate->forward(x, 8);
     ASSERT_EQ(g.topk_idx.shape(), (Shape{T, 2}));
     ASSERT_EQ(g.topk_weight.shape(), (Shape{T, 2}));
@@ -266,7 +266,7 @@ TEST(MoeGate, WeightsFollowTheGateOptions) {
       const float s = w[t * 2] + w[t * 2 + 1];
       if (cs.renorm || !cs.before) EXPECT_NEAR(s, cs.scaling, 1e-5) << cs.gate;
       else EXPECT_LT(s, 1.0f);
-      if (cs.gate != "sigmoid") EXPECT_GE(w[t * 2], w[t * 2 + 1]) << cs.gate;  // descending
+      if (cs.gate != "sigmoid") { EXPECT_GE(w[t * 2], w[t * 2 + 1]) << cs.gate; }  // descending
     }
   }
 }
@@ -277,7 +277,7 @@ TEST(MoeGate, AuxLossValuesMatchTheirDefinitions) {
   c.aux_loss_weight = 0.5f;
   c.seq_aux_loss_weight = 0.25f;
   c.z_loss_weight = 0.125f;
-  auto gate = make_gate({c, d, "g", 1, 0.5f});
+  auto gate = make_gate({c, d, "g", 1, 0.5f, nullptr});
   Tensor x = randn({T, d}, 2);
   GateOutput g = gate->forward(x, L);
   Tensor logits = xmoe::ops::matmul(x, gate->parameters()[0]->value);
@@ -355,7 +355,7 @@ TEST(MoeGate, GroupLimitedRoutingStaysInsideTheKeptGroups) {
   c.top_k = k;
   c.num_groups = G;
   c.topk_groups = K;
-  auto gate = make_gate({c, d, "g", 1, 0.7f});
+  auto gate = make_gate({c, d, "g", 1, 0.7f, nullptr});
   // A non-zero bias, so the group scores must use the biased scores.
   Tensor* bias = gate->routing_bias();
   for (int64_t e = 0; e < E; ++e) bias->data<float>()[e] = 0.05f * static_cast<float>(e % 5);
@@ -397,8 +397,8 @@ TEST(MoeGate, Bf16RouterIsTheF32RouterOnRoundedOperands) {
     c.z_loss_weight = 0.05f;
     MoeConfig cb = c;
     cb.router_dtype = "bf16";
-    auto ref = make_gate({c, d, "g", 3, 0.5f});
-    auto bf = make_gate({cb, d, "g", 3, 0.5f});
+    auto ref = make_gate({c, d, "g", 3, 0.5f, nullptr});
+    auto bf = make_gate({cb, d, "g", 3, 0.5f, nullptr});
     std::vector<Parameter*> pr, pb;
     ref->collect_parameters(pr);
     bf->collect_parameters(pb);
@@ -420,11 +420,11 @@ TEST(MoeGate, Bf16RouterIsTheF32RouterOnRoundedOperands) {
   }
   MoeConfig cosine = small_config("xmoe");
   cosine.router_dtype = "bf16";
-  EXPECT_TRUE(contains(error_of([&] { make_gate({cosine, d, "g", 3, 0.5f}); }),
+  EXPECT_TRUE(contains(error_of([&] { make_gate({cosine, d, "g", 3, 0.5f, nullptr}); }),
                        "moe.router_dtype = \"bf16\" applies to the linear routers"));
   MoeConfig bad = small_config();
   bad.router_dtype = "f16";
-  EXPECT_TRUE(contains(error_of([&] { make_gate({bad, d, "g", 3, 0.5f}); }),
+  EXPECT_TRUE(contains(error_of([&] { make_gate({bad, d, "g", 3, 0.5f, nullptr}); }),
                        "moe.router_dtype = \"f16\" is not f32 or bf16"));
 }
 
@@ -559,7 +559,7 @@ TEST(MoeHooks, BackwardHookCanReplaceAGradient) {
   layer.zero_grad();
   layer.backward(randn({T, d}, 2));  // no gradient reaches the experts
   for (Parameter* p : layer.parameters())
-    if (p->kind == ParamKind::expert) EXPECT_EQ(xmoe::ops::sum_squares(p->grad), 0.0) << p->name;
+    if (p->kind == ParamKind::expert) { EXPECT_EQ(xmoe::ops::sum_squares(p->grad), 0.0) << p->name; }
 }
 
 // ---- Layer ------------------------------------------------------------------------------------

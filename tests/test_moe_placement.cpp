@@ -177,9 +177,9 @@ void check_permuted_function(const std::string& gate) {
     EXPECT_LE(rel_err(gb, pa[i]->grad), 1e-5) << pa[i]->name;
     EXPECT_EQ(vb.to_vector<float>(), pa[i]->value.to_vector<float>()) << pa[i]->name;
   }
-  if (Tensor* bias = b.gate().routing_bias())
+  if (Tensor* bias = b.gate().routing_bias()) {
     EXPECT_EQ(unpermute(*bias, perm, 1).to_vector<float>(),
-              a.gate().routing_bias()->to_vector<float>());
+              a.gate().routing_bias()->to_vector<float>()); }
 }
 
 }  // namespace
@@ -241,7 +241,7 @@ TEST(PermuteExperts, RidersMoveWithTheirParameters) {
   int moved = 0;
   for (size_t i = 0; i < riders.size(); ++i) {
     const std::vector<float> now = riders[i].tensor.to_vector<float>();
-    if (i < ps.size()) EXPECT_EQ(now, ps[i]->value.to_vector<float>()) << ps[i]->name;
+    if (i < ps.size()) { EXPECT_EQ(now, ps[i]->value.to_vector<float>()) << ps[i]->name; }
     moved += now != before[i];
   }
   EXPECT_EQ(moved, 3);  // router.expert_embeddings, experts.gate_up, experts.down

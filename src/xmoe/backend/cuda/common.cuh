@@ -27,6 +27,21 @@ template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
+/// The sum of every thread's `acc` over the block, in a fixed tree (so its bits do not depend
+/// on scheduling), for blocks of `Block` threads; valid in thread 0.
+template <int Block>
+__device__ __forceinline__ double block_tree_sum(double acc) {
+  __shared__ double sh[Block];
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+    __syncthreads();
+  }
+  return sh[0];
+}
+
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);

@@ -114,16 +114,8 @@ __global__ void __launch_bounds__(kOptimBlock)
 }
 
 // Tree sum of sh[0 .. blockDim.x) (a power of two) into sh[0].
-__device__ __forceinline__ void tree_sum(double* sh) {
-  for (int st = blockDim.x / 2; st > 0; st >>= 1) {
-    if (threadIdx.x < st) sh[threadIdx.x] += sh[threadIdx.x + st];
-    __syncthreads();
-  }
-}
-
 __global__ void __launch_bounds__(kOptimBlock)
     sum_squares_partial_kernel(TensorBatch t, double* partial) {
-  __shared__ double sh[kOptimBlock];
   const int ti = find_tensor(t, blockIdx.x);
   const int64_t n = t.n[ti];
   const int64_t begin = (blockIdx.x - t.first_block[ti]) * kChunk;
@@ -137,21 +129,16 @@ __global__ void __launch_bounds__(kOptimBlock)
       acc += xj * xj;
     }
   });
-  sh[threadIdx.x] = acc;
-  __syncthreads();
-  tree_sum(sh);
-  if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+  const double sum = block_tree_sum<kOptimBlock>(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = sum;
 }
 
 __global__ void __launch_bounds__(kOptimBlock)
     sum_partials_kernel(double* result, const double* partial, int64_t count) {
-  __shared__ double sh[kOptimBlock];
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
-  sh[threadIdx.x] = acc;
-  __syncthreads();
-  tree_sum(sh);
-  if (threadIdx.x == 0) *result = sh[0];
+  const double sum = block_tree_sum<kOptimBlock>(acc);
+  if (threadIdx.x == 0) *result = sum;
 }
 
 // a[j] = b[j] * s (b = a for scaling in place), each f32 or bf16

@@ -17,17 +17,9 @@ int reduce_blocks(int64_t n) {
 }
 
 // Tree sum of sh[0 .. blockDim.x) (a power of two) into sh[0].
-__device__ __forceinline__ void tree_sum(double* sh) {
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
-    __syncthreads();
-  }
-}
-
 template <class T>
 __global__ void __launch_bounds__(kReduceBlock)
     reduce_partial_kernel(double* partial, const T* x, int64_t n, Reduction kind) {
-  __shared__ double sh[kReduceBlock];
   double acc = 0.0;
   XMOE_GRID_STRIDE(i, n) {
     const float v = to_float(x[i]);
@@ -35,21 +27,16 @@ __global__ void __launch_bounds__(kReduceBlock)
     else if (kind == Reduction::sum_squares) acc += static_cast<double>(v) * v;
     else acc += isfinite(v) ? 0.0 : 1.0;
   }
-  sh[threadIdx.x] = acc;
-  __syncthreads();
-  tree_sum(sh);
-  if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+  const double sum = block_tree_sum<kReduceBlock>(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = sum;
 }
 
 __global__ void __launch_bounds__(kReduceBlock)
     reduce_final_kernel(double* result, const double* partial, int count) {
-  __shared__ double sh[kReduceBlock];
   double acc = 0.0;
   for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
-  sh[threadIdx.x] = acc;
-  __syncthreads();
-  tree_sum(sh);
-  if (threadIdx.x == 0) *result = sh[0];
+  const double sum = block_tree_sum<kReduceBlock>(acc);
+  if (threadIdx.x == 0) *result = sum;
 }
 
 // One warp per row: lanes stride over the columns, then a fixed butterfly.
