@@ -1,14 +1,14 @@
 // Causal self-attention forward and backward on a CUDA device, on random inputs, with each bf16
-// backend (cuDNN's fused attention; xmoe's own kernels: tensor-core for head_dim 64/128). One JSON line per (shape, pass): median ms and TFLOP/s,
-// counting the causal half of the S x S products (forward 2 products, backward 2.5x forward,
-// the FlashAttention convention) so figures compare with bench/peers/attention_torch.py.
+// backend (cuDNN's fused attention; xmoe's own kernels: tensor-core for head_dim 64/128). One JSON
+// line per (shape, pass): median ms and TFLOP/s, counting the causal half of the S x S products
+// (forward 2 products, backward 2.5x forward, the FlashAttention convention) so figures compare
+// with bench/peers/attention_torch.py.
 //   bench_attention [--shapes B,S,H,Hkv,hd;...] [--iters N] [--dtype bf16|f32]
 //                   [--backends cudnn,native]
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -34,14 +34,16 @@ std::vector<AttnShape> parse_shapes(const std::string& text) {
   std::string one;
   while (std::getline(all, one, ';')) {
     AttnShape s{};
-    XMOE_CHECK(std::sscanf(one.c_str(), "%ld,%ld,%ld,%ld,%ld", &s.b, &s.s, &s.h, &s.hkv, &s.hd) == 5,
-               "[bench_attention] --shapes: '{}' is not B,S,H,Hkv,hd", one);
+    XMOE_CHECK(
+        std::sscanf(one.c_str(), "%ld,%ld,%ld,%ld,%ld", &s.b, &s.s, &s.h, &s.hkv, &s.hd) == 5,
+        "[bench_attention] --shapes: '{}' is not B,S,H,Hkv,hd", one);
     out.push_back(s);
   }
   return out;
 }
 
-template <class F> double median_ms(F&& f, int iters, Device device) {
+template <class F>
+double median_ms(F&& f, int iters, Device device) {
   f();  // warm-up: module load, allocator
   backend::synchronize(device);
   std::vector<double> ms;

@@ -16,8 +16,8 @@
 //
 //   mpirun -np 4 bench_dispatch [--tokens 4096] [--d 1024] [--iters 5] [--skew 0.25]
 //                               [--cf 1.0,1.25] [--quick]
-#include <algorithm>
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -226,7 +226,8 @@ int main(int argc, char** argv) {
   Args a;
   std::vector<std::pair<int64_t, int64_t>> shapes = {{64, 6}, {256, 8}};
   bool quick = false;
-  CLI::App app{"Dispatch + combine: padding-free all-to-all-v vs padded all-to-all (run under mpirun)"};
+  CLI::App app{
+      "Dispatch + combine: padding-free all-to-all-v vs padded all-to-all (run under mpirun)"};
   app.add_option("--tokens", a.tokens, "tokens per rank");
   app.add_option("--d", a.d, "row width");
   app.add_option("--iters", a.iters, "timed iterations after one warm-up");

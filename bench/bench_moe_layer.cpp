@@ -26,18 +26,17 @@
 // bench/peers/moe_layer_torch.py, pft only. The peers print the same fields
 // (bench "moe_layer_peer"); bench/peers/summarize.py puts them side by side.
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/core/device_api.h"
 #include "xmoe/core/allocator.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/error.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/core/rng.h"
@@ -88,16 +87,15 @@ struct Result {
   double median_ms = 0;
   int64_t peak_bytes = 0;
   int64_t dropped = 0;
-  int64_t reserved_bytes = -1;  // CUDA caching allocator, after the timed passes
+  int64_t reserved_bytes = -1;             // CUDA caching allocator, after the timed passes
   std::vector<profiling::Region> regions;  // --breakdown: kProfiledPasses passes, totals
   std::string region_table;
 };
 
 constexpr int kProfiledPasses = 2;
 
-Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters,
-           Device device, bool recompute, int expert_chunks, bool breakdown,
-           const std::string& router,
+Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters, Device device,
+           bool recompute, int expert_chunks, bool breakdown, const std::string& router,
            const std::string& expert_grad) {
   MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
@@ -206,15 +204,15 @@ int main(int argc, char** argv) {
     if (!shapes_text.empty()) {
       shapes = parse_shapes(shapes_text);
     } else if (device.is_cuda()) {
-      shapes = {{16384, 2048, 1408, 64, 6}, {8192, 7168, 2048, 256, 8},
-                {8192, 4096, 14336, 8, 2}};
+      shapes = {{16384, 2048, 1408, 64, 6}, {8192, 7168, 2048, 256, 8}, {8192, 4096, 14336, 8, 2}};
     } else {
       const int64_t T = quick ? 512 : 4096;
       shapes = {{T, 256, 128, 64, 6}, {T, 256, 128, 16, 2}};
     }
     if (quick) iters = std::min(iters, 3);
-    if (impls.empty()) impls = device.is_cuda() ? std::vector<std::string>{"pft"}
-                                                : std::vector<std::string>{"pft", "padded"};
+    if (impls.empty())
+      impls = device.is_cuda() ? std::vector<std::string>{"pft"}
+                               : std::vector<std::string>{"pft", "padded"};
     for (const std::string& impl : impls)
       XMOE_CHECK(impl == "pft" || impl == "padded",
                  "[bench_moe_layer] --impls: unknown '{}' (pft, padded)", impl);
@@ -227,7 +225,8 @@ int main(int argc, char** argv) {
       };
       std::vector<Variant> variants;
       for (const std::string& impl : impls) {
-        if (impl == "pft") variants.push_back({"pft", 0.f});
+        if (impl == "pft")
+          variants.push_back({"pft", 0.f});
         else
           for (float cf : cfs) variants.push_back({"padded", cf});
       }
@@ -235,8 +234,7 @@ int main(int argc, char** argv) {
       bool have_pft = false;
       for (const Variant& v : variants) {
         const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, expert_chunks,
-                             breakdown,
-                             router_dtype, expert_grad_dtype);
+                             breakdown, router_dtype, expert_grad_dtype);
         if (v.impl == "pft") {
           pft = r;
           have_pft = true;
@@ -255,8 +253,8 @@ int main(int argc, char** argv) {
         j["f"] = s.f;
         j["E"] = s.E;
         j["k"] = s.k;
-        j["capacity_factor"] = v.impl == "pft" ? nlohmann::ordered_json(nullptr)
-                                                : nlohmann::ordered_json(v.cf);
+        j["capacity_factor"] =
+            v.impl == "pft" ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v.cf);
         j["warmup"] = warmup;
         j["iters"] = iters;
         j["median_ms"] = std::round(r.median_ms * 1000) / 1000;

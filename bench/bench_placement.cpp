@@ -42,9 +42,8 @@ int main(int argc, char** argv) {
     data::TokenFile::Options topt;
     topt.vocab_size = cfg.model.vocab_size;
     topt.min_tokens = cfg.train.seq_len + 1;
-    data::DataLoader val(
-        data::TokenFile::open((fs::path(cfg.data.dir) / "val.bin").string(), topt),
-        cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed);
+    data::DataLoader val(data::TokenFile::open((fs::path(cfg.data.dir) / "val.bin").string(), topt),
+                         cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed);
 
     auto layers = model.moe_layers();
     const int64_t E = cfg.model.moe.num_experts, k = cfg.model.moe.top_k;
@@ -77,8 +76,8 @@ int main(int argc, char** argv) {
             "\"tokens\":%lld,\"a2a_internode_rows\":%.0f,\"rbd_internode_pilots\":%.0f,"
             "\"rbd_placed_internode_pilots\":%.0f,\"placement_vs_rbd_pct\":%.1f,"
             "\"placed_vs_a2a_pct\":%.1f}\n",
-            ckpt->c_str(), l + 1, nodes, static_cast<long long>(base.tokens),
-            base.internode_pairs, base.internode_pilots, placed.internode_pilots,
+            ckpt->c_str(), l + 1, nodes, static_cast<long long>(base.tokens), base.internode_pairs,
+            base.internode_pilots, placed.internode_pilots,
             100.0 * (placed.internode_pilots / base.internode_pilots - 1.0),
             100.0 * (placed.internode_pilots / base.internode_pairs - 1.0));
       }
@@ -91,7 +90,8 @@ int main(int argc, char** argv) {
     double worst = 0;
     for (int64_t i = 0; i < 2; ++i) {
       const data::Batch b = val.eval_batch(i);
-      worst = std::max<double>(worst, std::fabs(model.evaluate_loss(b.inputs, b.targets) - losses[i]));
+      worst =
+          std::max<double>(worst, std::fabs(model.evaluate_loss(b.inputs, b.targets) - losses[i]));
     }
     std::printf("{\"bench\":\"placement\",\"validation_loss_change_after_placement\":%.2e}\n",
                 worst);

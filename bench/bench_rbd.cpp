@@ -82,7 +82,8 @@ struct Measured {
   int64_t inter = 0, intra = 0;  // all_to_all_v bytes summed over ranks (last iteration)
 };
 
-template <class Body> Measured measure(comm::Group& g, int iters, Body&& body) {
+template <class Body>
+Measured measure(comm::Group& g, int iters, Body&& body) {
   std::vector<double> ms;
   int64_t inter = 0, intra = 0;
   for (int i = 0; i < iters + 1; ++i) {
@@ -184,7 +185,8 @@ void run(comm::Group& g, const Args& a, int64_t k, bool skewed) {
 
 int main(int argc, char** argv) {
   Args a;
-  CLI::App app{"Redundancy-bypassing dispatch vs all-to-all-v over simulated nodes (run under mpirun)"};
+  CLI::App app{
+      "Redundancy-bypassing dispatch vs all-to-all-v over simulated nodes (run under mpirun)"};
   app.add_option("--rpn", a.rpn, "ranks per simulated node")->required();
   app.add_option("--tokens", a.tokens, "tokens per rank");
   app.add_option("--d", a.d, "row width");

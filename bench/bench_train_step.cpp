@@ -15,19 +15,18 @@
 // to stderr. The profiler synchronises the device at every region boundary, so the profiled
 // step ("profiled_step_ms") is slower than the timed one ("step_ms", the median above).
 // The timed steps always run with profiling off (also under XMOE_PROFILE=1).
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/core/device_api.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/allocator.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
@@ -67,15 +66,24 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) usage();
       return argv[++i];
     };
-    if (!std::strcmp(argv[i], "--preset")) preset_name = next();
-    else if (!std::strcmp(argv[i], "--device")) device_name = next();
-    else if (!std::strcmp(argv[i], "--steps")) steps = std::max(1, std::atoi(next().c_str()));
-    else if (!std::strcmp(argv[i], "--warmup")) warmup = std::max(0, std::atoi(next().c_str()));
-    else if (!std::strcmp(argv[i], "--dtype")) dtype_name_arg = next();
-    else if (!std::strcmp(argv[i], "--dense")) dense = true;
-    else if (!std::strcmp(argv[i], "--breakdown")) breakdown = true;
-    else if (!std::strcmp(argv[i], "--set")) sets.push_back(next());
-    else usage();
+    if (!std::strcmp(argv[i], "--preset"))
+      preset_name = next();
+    else if (!std::strcmp(argv[i], "--device"))
+      device_name = next();
+    else if (!std::strcmp(argv[i], "--steps"))
+      steps = std::max(1, std::atoi(next().c_str()));
+    else if (!std::strcmp(argv[i], "--warmup"))
+      warmup = std::max(0, std::atoi(next().c_str()));
+    else if (!std::strcmp(argv[i], "--dtype"))
+      dtype_name_arg = next();
+    else if (!std::strcmp(argv[i], "--dense"))
+      dense = true;
+    else if (!std::strcmp(argv[i], "--breakdown"))
+      breakdown = true;
+    else if (!std::strcmp(argv[i], "--set"))
+      sets.push_back(next());
+    else
+      usage();
   }
   try {
     Config config = preset(preset_name);

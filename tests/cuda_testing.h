@@ -1,18 +1,16 @@
 #pragma once
 // Shared by the CPU-vs-CUDA parity tests: the skip rule and the error measure.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
-#include <string>
-
-#include "xmoe/core/device_api.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/tensor.h"
 
 /// The only acceptable skip of a CUDA test: no device visible (CI, the development machine).

@@ -12,7 +12,9 @@ using comm::LinkClass;
 using xmoe::testing::error_of;
 
 namespace {
-std::shared_ptr<comm::Group> world() { return comm::world(); }
+std::shared_ptr<comm::Group> world() {
+  return comm::world();
+}
 /// Value that encodes (source rank, destination rank, row, column).
 float code(int src, int dst, int64_t row, int64_t col) {
   return static_cast<float>(src * 1000000 + dst * 10000 + row * 10 + col);
@@ -115,7 +117,9 @@ TEST(Comm, SplitAndDeclaredTopology) {
     EXPECT_EQ(topo.node_of(r), r / 2);
     EXPECT_EQ(topo.local_rank(r), r % 2);
     EXPECT_EQ(topo.link(0, 1), LinkClass::intra_node);
-    if (n > 2) { EXPECT_EQ(topo.link(0, 2), LinkClass::inter_node); }
+    if (n > 2) {
+      EXPECT_EQ(topo.link(0, 2), LinkClass::inter_node);
+    }
   }
   EXPECT_THROW(comm::Topology::uniform(n, n + 1), Error);
 }
@@ -132,9 +136,9 @@ TEST(Comm, EveryBackendRefusesBadArgumentsAlike) {
     std::vector<int64_t> wrong(n + 1, 0), rows(n, 0), negative(n, 0);
     rows[0] = 2;
     negative[n - 1] = -1;
-    EXPECT_CONTAINS(error_of([&] { g->all_to_all_v(d, wrong, wrong); }),
-                    fmt::format("[all_to_all_v] need {} send and recv counts, got {} and {}", n,
-                                n + 1, n + 1));
+    EXPECT_CONTAINS(
+        error_of([&] { g->all_to_all_v(d, wrong, wrong); }),
+        fmt::format("[all_to_all_v] need {} send and recv counts, got {} and {}", n, n + 1, n + 1));
     EXPECT_CONTAINS(error_of([&] { g->all_to_all_v(d, rows, rows); }),
                     "[all_to_all_v] send counts sum to 2 but send has 3 rows");
     EXPECT_CONTAINS(error_of([&] { g->all_to_all_v(d, rows, negative); }),
@@ -147,9 +151,9 @@ TEST(Comm, EveryBackendRefusesBadArgumentsAlike) {
     if (n > 1) {
       EXPECT_CONTAINS(error_of([&] { g->reduce_scatter(Tensor::zeros({int64_t(n) + 1})); }),
                       "[reduce_scatter] dim 0 of");
-      EXPECT_CONTAINS(error_of([&] { g->all_to_all_counts(wrong); }),
-                      fmt::format("[all_to_all_counts] {} values do not split over {} ranks", n + 1,
-                                  n));
+      EXPECT_CONTAINS(
+          error_of([&] { g->all_to_all_counts(wrong); }),
+          fmt::format("[all_to_all_counts] {} values do not split over {} ranks", n + 1, n));
     }
     for (int k = 0; k < ByteCounters::num_kinds; ++k) {
       EXPECT_EQ(g->counters().calls[k], 0) << "kind " << k;

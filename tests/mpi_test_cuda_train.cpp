@@ -28,13 +28,13 @@
 #include <filesystem>
 #include <functional>
 
+#include "cuda_testing.h"
 #include "testing.h"
 #include "training_fixture.h"
-#include "cuda_testing.h"
-#include "xmoe/core/device_api.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
 #include "xmoe/config/config.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/trainer.h"
@@ -70,7 +70,8 @@ void expect_close(const train::TrainResult& ref, const train::TrainResult& got, 
     if (tol.grad_norm >= 0) {
       EXPECT_LE(std::fabs(a.grad_norm - b.grad_norm), tol.grad_norm * std::fabs(a.grad_norm))
           << what << " step " << b.step << ": grad norm " << b.grad_norm << ", reference "
-          << a.grad_norm; }
+          << a.grad_norm;
+    }
   }
 }
 
@@ -78,8 +79,7 @@ void expect_close_evals(const train::TrainResult& ref, const train::TrainResult&
                         const std::string& what) {
   ASSERT_EQ(got.evals.size(), ref.evals.size()) << what;
   for (size_t i = 0; i < got.evals.size(); ++i)
-    EXPECT_LE(std::fabs(got.evals[i].val_loss - ref.evals[i].val_loss),
-              tol * ref.evals[i].val_loss)
+    EXPECT_LE(std::fabs(got.evals[i].val_loss - ref.evals[i].val_loss), tol * ref.evals[i].val_loss)
         << what << " validation at step " << got.evals[i].step;
 }
 

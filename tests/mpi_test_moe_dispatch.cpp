@@ -205,10 +205,10 @@ TEST(MoeDispatchAllToAll, BadConfigurationsRaiseClearErrors) {
     MoELayer l(c, 8, "m", 1, 0.1f, std::nullopt, groups);
     ADD_FAILURE() << "expected an xmoe::Error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fmt::format(
-                  "moe.num_experts = {} is not divisible by parallel.ep = {}", c.num_experts,
-                  g->size())),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find(fmt::format(
+            "moe.num_experts = {} is not divisible by parallel.ep = {}", c.num_experts, g->size())),
+        std::string::npos)
         << e.what();
   }
 }

@@ -30,7 +30,9 @@ using xmoe::testing::rel_err;
 
 namespace {
 
-std::shared_ptr<comm::Group> world() { return comm::world(); }
+std::shared_ptr<comm::Group> world() {
+  return comm::world();
+}
 
 constexpr int64_t kE = 24;  // divisible by 1, 2, 3, 4, 8
 constexpr int64_t kCols = 4;
@@ -102,7 +104,9 @@ Pft pft(const std::vector<int32_t>& idx, int64_t T, int64_t k) {
   return p;
 }
 
-float weight_of(int r, int64_t t, int64_t j) { return 0.125f * float(1 + (r + t * 3 + j) % 7); }
+float weight_of(int r, int64_t t, int64_t j) {
+  return 0.125f * float(1 + (r + t * 3 + j) % 7);
+}
 
 void check_rbd(Routing kind, int rpn, int64_t k) {
   SCOPED_TRACE("routing " + std::to_string(int(kind)) + ", rpn " + std::to_string(rpn) + ", k " +
@@ -186,8 +190,9 @@ void check_rbd(Routing kind, int rpn, int64_t k) {
   // int32 metadata). The world group has the detected topology (one node here), so its counters put
   // every byte in one class: check that at least that much moved (exact per class: bench_rbd).
   const int64_t stage1_remote = remote_groups * kCols * 4 + remote_rows * 12;
-  const int64_t moved = g->counters().of(comm::ByteCounters::all_to_all, comm::LinkClass::intra_node) +
-                        g->counters().of(comm::ByteCounters::all_to_all, comm::LinkClass::inter_node);
+  const int64_t moved =
+      g->counters().of(comm::ByteCounters::all_to_all, comm::LinkClass::intra_node) +
+      g->counters().of(comm::ByteCounters::all_to_all, comm::LinkClass::inter_node);
   EXPECT_GE(moved, stage1_remote);
 
   // Combine: the "expert" writes (src, token, expert, owner); partial sums per (token, node).
@@ -310,9 +315,9 @@ TEST(MoeDispatchRbd, StageOneRowBytesMatchTheAnalyticCount) {
     dc.ranks_per_node = rpn;
     auto disp = make_dispatcher(dc);
     std::vector<float> w(N, 1.f);
-    DispatchResult r = disp->dispatch(Tensor::zeros({N, 8}), p.tpe,
-                                      RowInfo{Tensor::from_vector(p.token, {N}),
-                                              Tensor::from_vector(w, {N}), T});
+    DispatchResult r =
+        disp->dispatch(Tensor::zeros({N, 8}), p.tpe,
+                       RowInfo{Tensor::from_vector(p.token, {N}), Tensor::from_vector(w, {N}), T});
     const RbdSourcePlan& plan = r.handle.rbd->plan.source;
     const comm::Topology topo = comm::Topology::uniform(W, rpn);
     const int64_t El = kE / W;
@@ -350,9 +355,10 @@ HookId force_routing(MoELayer& layer, Routing kind, int nodes) {
     const int64_t k = idx.size(1), per_node = kE / nodes;
     for (int64_t t = 0; t < idx.size(0); ++t)
       for (int64_t j = 0; j < k; ++j)
-        p[t * k + j] = kind == Routing::skewed
-                           ? static_cast<int32_t>(j)
-                           : static_cast<int32_t>((t % nodes) * per_node + (t * 5 + j * 7) % per_node);
+        p[t * k + j] =
+            kind == Routing::skewed
+                ? static_cast<int32_t>(j)
+                : static_cast<int32_t>((t % nodes) * per_node + (t * 5 + j * 7) % per_node);
     g.topk_idx = idx;
   });
 }

@@ -15,9 +15,9 @@
 #include <random>
 
 #include "cuda_testing.h"
-#include "xmoe/core/device_api.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/ops/ops.h"
 
 using namespace xmoe;
@@ -43,7 +43,9 @@ std::string error_of(const std::function<void()>& f) {
 void expect_same_counters(const ByteCounters& nccl, const ByteCounters& mpi, bool calls) {
   for (int k = 0; k < ByteCounters::num_kinds; ++k) {
     for (int l = 0; l < 2; ++l) EXPECT_EQ(nccl.bytes[k][l], mpi.bytes[k][l]) << "kind " << k;
-    if (calls) { EXPECT_EQ(nccl.calls[k], mpi.calls[k]) << "kind " << k; }
+    if (calls) {
+      EXPECT_EQ(nccl.calls[k], mpi.calls[k]) << "kind " << k;
+    }
   }
 }
 

@@ -6,9 +6,9 @@
 #include <cmath>
 #include <filesystem>
 
-#include "xmoe/comm/group.h"
 #include "testing.h"
 #include "training_fixture.h"
+#include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
 #include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
@@ -21,7 +21,9 @@ using xmoe::testing::run_training;
 
 namespace {
 
-auto world() { return comm::world(); }
+auto world() {
+  return comm::world();
+}
 
 /// A corpus and a scratch folder shared by all ranks (created by rank 0).
 fs::path shared_root() {
@@ -48,7 +50,8 @@ void expect_same_losses(const train::TrainResult& ref, const train::TrainResult&
     const double a = ref.steps[ref_offset + i].loss, b = got.steps[i].loss;
     EXPECT_LE(std::fabs(a - b), 1e-5 * std::fabs(a)) << what << " step " << got.steps[i].step;
     const double na = ref.steps[ref_offset + i].grad_norm, nb = got.steps[i].grad_norm;
-    EXPECT_LE(std::fabs(na - nb), 1e-4 * std::fabs(na)) << what << " grad norm, step " << got.steps[i].step;
+    EXPECT_LE(std::fabs(na - nb), 1e-4 * std::fabs(na))
+        << what << " grad norm, step " << got.steps[i].step;
   }
 }
 
@@ -71,7 +74,8 @@ TEST(DistributedTraining, MatchesOneProcessForEveryLayout) {
       ASSERT_EQ(got.evals.size(), ref.evals.size());
       for (size_t i = 0; i < got.evals.size(); ++i)
         EXPECT_LE(std::fabs(got.evals[i].val_loss - ref.evals[i].val_loss),
-                  1e-5 * ref.evals[i].val_loss) << tag;
+                  1e-5 * ref.evals[i].val_loss)
+            << tag;
     }
   }
   world()->barrier();
@@ -147,12 +151,14 @@ TEST(DistributedTraining, RanksWithDifferentConfigsStopNamingTheKey) {
   for (const std::string key : {"train.steps", "model.d_model"}) {
     Config mine = c;
     if (r == n - 1) config_set(mine, key, key == "train.steps" ? "11" : "128");
-    const std::string e = xmoe::testing::error_of([&] { train::check_ranks_agree(*world(), mine); });
+    const std::string e =
+        xmoe::testing::error_of([&] { train::check_ranks_agree(*world(), mine); });
     EXPECT_CONTAINS(e, "ranks were started with different configs");
     EXPECT_CONTAINS(e, fmt::format("rank {} ({})", n - 1, key));
     if (r == n - 1) {
-      EXPECT_CONTAINS(e, fmt::format("{} = {} on rank 0, {} on rank {}", key,
-                                     config_get(c, key), config_get(mine, key), r)); }
+      EXPECT_CONTAINS(e, fmt::format("{} = {} on rank 0, {} on rank {}", key, config_get(c, key),
+                                     config_get(mine, key), r));
+    }
   }
   // A config that reaches train() is checked there too: every rank refuses to start.
   const fs::path root = shared_root();

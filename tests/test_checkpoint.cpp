@@ -5,13 +5,12 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "file_size_limit.h"
+#include "testing.h"
 #include "xmoe/core/error.h"
 #include "xmoe/io/file.h"
 #include "xmoe/io/safetensors.h"
 #include "xmoe/train/checkpoint.h"
-
-#include "file_size_limit.h"
-#include "testing.h"
 
 using namespace xmoe;
 using xmoe::testing::error_of;
@@ -21,7 +20,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
 
 io::TensorMap sample_tensors() {
   io::TensorMap m;
@@ -43,7 +41,9 @@ void expect_same(const io::TensorMap& a, const io::TensorMap& b) {
     const Tensor& u = b.at(name);
     EXPECT_EQ(t.shape(), u.shape());
     EXPECT_EQ(t.dtype(), u.dtype());
-    if (t.nbytes() > 0) { EXPECT_EQ(0, std::memcmp(t.raw(), u.raw(), t.nbytes())); }
+    if (t.nbytes() > 0) {
+      EXPECT_EQ(0, std::memcmp(t.raw(), u.raw(), t.nbytes()));
+    }
   }
 }
 

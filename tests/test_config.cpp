@@ -6,10 +6,9 @@
 #include <fstream>
 #include <set>
 
+#include "testing.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/error.h"
-
-#include "testing.h"
 
 using namespace xmoe;
 using xmoe::testing::error_of;
@@ -415,5 +414,7 @@ TEST(Config, TensorParallelMustBeOne) {
   c.parallel.tp = 0;
   EXPECT_CONTAINS(error_of([&] { validate(c); }), "parallel.tp = 0 is outside [1, inf)");
   for (const ConfigKeyInfo& k : config_keys())
-    if (k.name == "parallel.tp") { EXPECT_CONTAINS(k.doc, "must be 1 until tensor parallelism"); }
+    if (k.name == "parallel.tp") {
+      EXPECT_CONTAINS(k.doc, "must be 1 until tensor parallelism");
+    }
 }

@@ -33,18 +33,17 @@
 #include <string>
 #include <vector>
 
+#include "cuda_testing.h"
 #include "testing.h"
 #include "training_fixture.h"
-#include "xmoe/core/device_api.h"
 #include "xmoe/config/config.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/model/transformer.h"
+#include "xmoe/ops/ops.h"
 #include "xmoe/optim/adamw.h"
 #include "xmoe/optim/clip.h"
-#include "xmoe/ops/ops.h"
 #include "xmoe/train/trainer.h"
-
-#include "cuda_testing.h"
 
 namespace {
 
@@ -55,10 +54,6 @@ using xmoe::testing::quiet;
 
 using namespace xmoe;
 namespace fs = std::filesystem;
-
-
-
-
 
 /// A dense-only micro model (first_dense_layers = num_layers): independent of the MoE layer.
 ModelConfig dense_micro(bool tied = false) {

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_testing.h"
 #include "gradcheck.h"
 #include "xmoe/backend/cuda/moe_kernels.h"
 #include "xmoe/core/device_api.h"
@@ -37,8 +38,6 @@
 #include "xmoe/ops/dispatch.h"
 #include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
-
-#include "cuda_testing.h"
 
 namespace {
 
@@ -51,9 +50,9 @@ using namespace xmoe::moe;
 using xmoe::ops::gather_rows_masked;
 using xmoe::ops::gather_sum_rows;
 using xmoe::ops::gather_weighted_rows_dot;
-using xmoe::ops::L2NormResult;
 using xmoe::ops::l2_normalize_rows;
 using xmoe::ops::l2_normalize_rows_backward;
+using xmoe::ops::L2NormResult;
 using xmoe::ops::put_along_rows_add;
 using xmoe::ops::renormalize_rows;
 using xmoe::ops::renormalize_rows_backward;
@@ -65,15 +64,11 @@ using xmoe::ops::transpose;
 using xmoe::ops::WeightedGather;
 using xmoe::testing::randn;
 
-
-
-
-
-#define EXPECT_CLOSE(got, ref, tol, what)                                               \
-  do {                                                                                  \
-    const double err_ = normalised_error(got, ref);                                     \
-    std::printf("[parity] %-48s %.3e\n", std::string(what).c_str(), err_);              \
-    EXPECT_LE(err_, tol) << what;                                                       \
+#define EXPECT_CLOSE(got, ref, tol, what)                                  \
+  do {                                                                     \
+    const double err_ = normalised_error(got, ref);                        \
+    std::printf("[parity] %-48s %.3e\n", std::string(what).c_str(), err_); \
+    EXPECT_LE(err_, tol) << what;                                          \
   } while (0)
 
 /// Random distinct top-k expert ids per token; `skew` sends most pairs to the first experts.
@@ -91,7 +86,9 @@ Tensor random_topk(int64_t T, int64_t k, int64_t E, uint64_t seed, bool skew = f
   return Tensor::from_vector(idx, {T, k});
 }
 
-Tensor bf16_rounded(const Tensor& x) { return x.to(DType::bf16).to(DType::f32); }
+Tensor bf16_rounded(const Tensor& x) {
+  return x.to(DType::bf16).to(DType::f32);
+}
 
 // ---- ops ---------------------------------------------------------------------------------------
 
@@ -99,9 +96,9 @@ TEST(CudaMoeOps, MatchCpu) {
   XMOE_REQUIRE_CUDA();
   const int64_t N = 37, d = 19, E = 11, k = 3;
   Tensor x = randn({N, d}, 1);
-  std::vector<int32_t> iv = {3, -1, 0, 36, 5, 5, -1, 12, 20, 0, 1, 2, 35, -1, 7, 8, 9, 10, 11, 30,
-                             31, 32, 33, 34, 36, 4, 6, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23,
-                             24, 25, 26};
+  std::vector<int32_t> iv = {3,  -1, 0,  36, 5,  5,  -1, 12, 20, 0,  1,  2, 35, -1,
+                             7,  8,  9,  10, 11, 30, 31, 32, 33, 34, 36, 4, 6,  13,
+                             14, 15, 16, 17, 18, 19, 21, 22, 23, 24, 25, 26};
   Tensor index = Tensor::from_vector(iv, {static_cast<int64_t>(iv.size())});
   const int64_t M = index.numel();
   {
@@ -131,8 +128,9 @@ TEST(CudaMoeOps, MatchCpu) {
     EXPECT_CLOSE(gather_sum_rows(xv.to(kCuda), slots.to(kCuda), w.to(kCuda)), ref, 1e-5,
                  "gather_sum_rows vec");
     Tensor rb = gather_sum_rows(bf16_rounded(xv), slots, w);
-    EXPECT_CLOSE(gather_sum_rows(ops::cast(xv.to(kCuda), DType::bf16), slots.to(kCuda), w.to(kCuda)),
-                 rb, 2e-2, "gather_sum_rows bf16");
+    EXPECT_CLOSE(
+        gather_sum_rows(ops::cast(xv.to(kCuda), DType::bf16), slots.to(kCuda), w.to(kCuda)), rb,
+        2e-2, "gather_sum_rows bf16");
     Tensor gref = gather_rows_masked(xv, index);
     EXPECT_CLOSE(gather_rows_masked(xv.to(kCuda), index.to(kCuda)), gref, 0, "gather_rows vec");
     EXPECT_CLOSE(gather_rows_masked(ops::cast(xv.to(kCuda), DType::bf16), index.to(kCuda)),
@@ -163,7 +161,8 @@ TEST(CudaMoeOps, MatchCpu) {
     EXPECT_CLOSE(got.d_rows, ref.d_rows, 1e-6, "gather_weighted_rows_dot rows");
     EXPECT_CLOSE(got.dot, ref.dot, 1e-5, "gather_weighted_rows_dot dot");
     const Tensor rows_b = ops::cast(rows.to(kCuda), DType::bf16);
-    const WeightedGather ref_b = gather_weighted_rows_dot(bf16_rounded(dy), bf16_rounded(rows), index, w);
+    const WeightedGather ref_b =
+        gather_weighted_rows_dot(bf16_rounded(dy), bf16_rounded(rows), index, w);
     for (const Tensor& dyc : {dy.to(kCuda), ops::cast(dy.to(kCuda), DType::bf16)}) {
       const WeightedGather gb = gather_weighted_rows_dot(dyc, rows_b, index.to(kCuda), w.to(kCuda));
       EXPECT_CLOSE(gb.d_rows, ref_b.d_rows, 2e-2, "gather_weighted_rows_dot bf16 rows");
@@ -213,8 +212,7 @@ TEST(CudaMoeOps, MatchCpu) {
 void expect_same_layout(const TokenLayout& got, const TokenLayout& ref, const std::string& what) {
   EXPECT_EQ(got.token_ids.to_vector<int32_t>(), ref.token_ids.to_vector<int32_t>()) << what;
   EXPECT_EQ(got.expert_ids.to_vector<int32_t>(), ref.expert_ids.to_vector<int32_t>()) << what;
-  EXPECT_EQ(got.combine_weights.to_vector<float>(), ref.combine_weights.to_vector<float>())
-      << what;
+  EXPECT_EQ(got.combine_weights.to_vector<float>(), ref.combine_weights.to_vector<float>()) << what;
   EXPECT_EQ(got.slot_to_row.to_vector<int32_t>(), ref.slot_to_row.to_vector<int32_t>()) << what;
   EXPECT_EQ(got.tokens_per_expert, ref.tokens_per_expert) << what;
   EXPECT_EQ(got.group_sizes, ref.group_sizes) << what;
@@ -312,14 +310,14 @@ TEST(CudaMoeAux, TwoRanksFinaliseToTheWholeBatch) {
   for (int64_t r = 0; r < 2; ++r) {
     Tensor seq_count = Tensor::empty({half / L, E}, DType::f32, kCuda);
     Tensor seq_psum = Tensor::empty({half / L, E}, DType::f64, kCuda);
-    Tensor scratch =
-        Tensor::empty({cuda::moe_aux_stats_scratch(half, E, L)}, DType::f64, kCuda);
+    Tensor scratch = Tensor::empty({cuda::moe_aux_stats_scratch(half, E, L)}, DType::f64, kCuda);
     cuda::moe_aux_stats(all.data<double>() + r * n, seq_count.data<float>(),
                         seq_psum.data<double>(), dp.data<float>() + r * half * E,
-                        di.data<int32_t>() + r * half * k, dz.data<float>() + r * half * E, half,
-                        E, k, L, scratch.data<double>(), stream);
+                        di.data<int32_t>() + r * half * k, dz.data<float>() + r * half * E, half, E,
+                        k, L, scratch.data<double>(), stream);
   }
-  Tensor terms = Tensor::empty({4}, DType::f64, kCuda), frac = Tensor::empty({E}, DType::f32, kCuda);
+  Tensor terms = Tensor::empty({4}, DType::f64, kCuda),
+         frac = Tensor::empty({E}, DType::f32, kCuda);
   Tensor denoms = Tensor::empty({3}, DType::f64, kCuda);
   cuda::moe_aux_finalize(terms.data<double>(), frac.data<float>(), denoms.data<double>(),
                          all.data<double>(), 2, E, k, L, w.load_balance, w.seq_balance, w.z_loss,
@@ -343,9 +341,9 @@ TEST(CudaMoeAux, TwoRanksFinaliseToTheWholeBatch) {
 // ---- the layer ---------------------------------------------------------------------------------
 
 struct LayerRun {
-  std::vector<Tensor> y, dx;   // per step
+  std::vector<Tensor> y, dx;  // per step
   std::vector<std::string> names;
-  std::vector<Tensor> grads;   // after both steps
+  std::vector<Tensor> grads;  // after both steps
   std::vector<AuxLossTerms> aux;
   std::vector<std::vector<int64_t>> tpe, load;
   std::vector<int64_t> dropped;
@@ -406,7 +404,9 @@ void compare_runs(const LayerRun& got, const LayerRun& ref, double tol, const st
         << step << ": slot_to_row";
     EXPECT_CLOSE(got.y[s], ref.y[s], tol, step + " y");
     EXPECT_CLOSE(got.dx[s], ref.dx[s], tol, step + " dx");
-    const auto rel = [](double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); };
+    const auto rel = [](double a, double b) {
+      return std::abs(a - b) / std::max(std::abs(b), 1e-12);
+    };
     // The aux terms come from the same router on both sides (also with bf16 activations).
     EXPECT_LE(rel(got.aux[s].load_balance(), ref.aux[s].load_balance()), 1e-5) << step;
     EXPECT_LE(rel(got.aux[s].seq_balance(), ref.aux[s].seq_balance()), 1e-5) << step;
@@ -422,7 +422,9 @@ struct LayerCase {
   std::string name;
   MoeConfig config;
 };
-void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const LayerCase& c, std::ostream* os) {
+  *os << c.name;
+}
 
 std::vector<LayerCase> layer_cases() {
   MoeConfig base;
@@ -481,7 +483,9 @@ TEST_P(CudaMoeLayer, F32MatchesCpu) {
   const std::vector<Tensor> dys = {randn({kT, kD}, 103), randn({kT, kD}, 104)};
   const LayerRun ref = run_layer(lc.config, Device::cpu(), DType::f32, xs, dys);
   const LayerRun got = run_layer(lc.config, kCuda, DType::f32, xs, dys);
-  if (lc.config.impl == "padded") { EXPECT_GT(ref.dropped[0], 0); }  // the case exercises drops
+  if (lc.config.impl == "padded") {
+    EXPECT_GT(ref.dropped[0], 0);
+  }  // the case exercises drops
   compare_runs(got, ref, 1e-5, lc.name + " f32");
 }
 

@@ -22,19 +22,18 @@
 #include <string>
 #include <vector>
 
+#include "cuda_testing.h"
 #include "gradcheck.h"
 #include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/core/device_api.h"
 #include "xmoe/core/allocator.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/ops/model_ops.h"
 #include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 #include "xmoe/ops/optim.h"
-
-#include "cuda_testing.h"
 
 namespace {
 
@@ -43,14 +42,12 @@ using xmoe::testing::kCuda;
 using xmoe::testing::normalised_error;
 
 using namespace xmoe;
-using xmoe::testing::randn;
 using ops::AttentionResult;
+using xmoe::testing::randn;
 
-
-
-
-
-Tensor scalar(double v) { return Tensor::from_vector<float>({static_cast<float>(v)}, {1}); }
+Tensor scalar(double v) {
+  return Tensor::from_vector<float>({static_cast<float>(v)}, {1});
+}
 
 /// i32 [n] with values in [0, limit) (repeats likely), or -1 with probability `ignore`.
 Tensor rand_index(int64_t n, int64_t limit, uint64_t seed, float ignore = 0.f) {
@@ -74,16 +71,20 @@ using Tensors = std::vector<Tensor>;
 
 struct OpCase {
   std::string name;
-  std::function<Tensors()> inputs;        ///< CPU f32 (and i32) tensors
-  std::function<Tensors(Tensors&)> run;   ///< runs on the inputs' device; may modify them
-  std::vector<int> keep_f32 = {};         ///< inputs that stay f32 in the bf16 run
+  std::function<Tensors()> inputs;       ///< CPU f32 (and i32) tensors
+  std::function<Tensors(Tensors&)> run;  ///< runs on the inputs' device; may modify them
+  std::vector<int> keep_f32 = {};        ///< inputs that stay f32 in the bf16 run
   double tol_f32 = 1e-5;
   double tol_bf16 = 2e-2;
 };
 
-std::ostream& operator<<(std::ostream& os, const OpCase& c) { return os << c.name; }
+std::ostream& operator<<(std::ostream& os, const OpCase& c) {
+  return os << c.name;
+}
 
-Device device_of(const Tensors& in) { return in.at(0).device(); }
+Device device_of(const Tensors& in) {
+  return in.at(0).device();
+}
 
 std::vector<int64_t> kGroups = {5, 0, 9, 1, 0, 13};  // 28 rows, empty groups included
 
@@ -140,17 +141,16 @@ Tensors aux_run(Tensors& in) {
   Tensor all = Tensor::empty({2, 2 * kAuxE + 4}, DType::i64, dev);
   Tensor seq_count0;
   for (int64_t r = 0; r < 2; ++r) {
-    const ops::MoeAuxStats sr =
-        ops::moe_aux_stats(in[0].rows(r * half, (r + 1) * half),
-                           in[1].rows(r * half, (r + 1) * half),
-                           in[2].rows(r * half, (r + 1) * half), kAuxL);
+    const ops::MoeAuxStats sr = ops::moe_aux_stats(in[0].rows(r * half, (r + 1) * half),
+                                                   in[1].rows(r * half, (r + 1) * half),
+                                                   in[2].rows(r * half, (r + 1) * half), kAuxL);
     all.rows(r, r + 1).copy_from(sr.stats);
     if (r == 0) seq_count0 = sr.seq_count;
   }
   const ops::MoeAuxTerms t2 = ops::moe_aux_finalize(all, kAuxK, kAuxL, kAuxLb, kAuxSeq, kAuxZ);
   Tensor dprobs = randn({half, kAuxE}, 85).to(dev), dlogits = randn({half, kAuxE}, 86).to(dev);
-  ops::moe_aux_backward(dprobs, dlogits, in[2].rows(0, half), t2.frac, seq_count0, t2.denoms,
-                        kAuxL, kAuxK, kAuxLb, kAuxSeq, kAuxZ);
+  ops::moe_aux_backward(dprobs, dlogits, in[2].rows(0, half), t2.frac, seq_count0, t2.denoms, kAuxL,
+                        kAuxK, kAuxLb, kAuxSeq, kAuxZ);
   push_scalars(out, t2.terms);
   push_scalars(out, t2.denoms);
   out.insert(out.end(), {f32_of(t2.frac), dprobs, dlogits});
@@ -160,7 +160,9 @@ Tensors aux_run(Tensors& in) {
 // Optimizer ops over 50 tensors: more than one multi-tensor launch (48 per launch).
 constexpr int64_t kListLen = 50;
 
-int64_t list_numel(int64_t i) { return (i * 37) % 301 + 1; }
+int64_t list_numel(int64_t i) {
+  return (i * 37) % 301 + 1;
+}
 
 /// 50 tensors of assorted sizes (inputs [first, first + 50)).
 Tensors rand_list(uint64_t seed, bool non_negative = false) {
@@ -207,41 +209,52 @@ std::vector<OpCase> parity_cases() {
   std::vector<OpCase> c;
   // linear algebra
   c.push_back({"matmul",
-               [] { return Tensors{randn({37, 53}, 1), randn({53, 29}, 2), randn({53, 37}, 3),
-                                   randn({29, 53}, 4)}; },
+               [] {
+                 return Tensors{randn({37, 53}, 1), randn({53, 29}, 2), randn({53, 37}, 3),
+                                randn({29, 53}, 4)};
+               },
                [](Tensors& in) {
                  return Tensors{ops::matmul(in[0], in[1]), ops::matmul(in[2], in[1], true, false),
                                 ops::matmul(in[0], in[3], false, true),
                                 ops::matmul(in[2], in[3], true, true)};
                }});
   c.push_back({"matmul_large_k",
-               [] { return Tensors{randn({64, 1024}, 5), randn({1024, 96}, 6)}; },
+               [] {
+                 return Tensors{randn({64, 1024}, 5), randn({1024, 96}, 6)};
+               },
                [](Tensors& in) { return Tensors{ops::matmul(in[0], in[1])}; }});
   c.push_back({"matmul_into_f32_accumulator",
-               [] { return Tensors{randn({31, 40}, 7), randn({24, 40}, 8), randn({31, 24}, 9)}; },
+               [] {
+                 return Tensors{randn({31, 40}, 7), randn({24, 40}, 8), randn({31, 24}, 9)};
+               },
                [](Tensors& in) {
                  ops::matmul_into(in[2], in[0], in[1], false, true, 0.5f, 1.0f);
                  return Tensors{in[2]};
                },
                {2}});
-  c.push_back({"grouped_matmul",
-               [] { return Tensors{randn({28, 24}, 10), randn({6, 24, 40}, 11),
-                                   randn({6, 40, 24}, 12)}; },
-               [](Tensors& in) {
-                 return Tensors{ops::grouped_matmul(in[0], in[1], kGroups),
-                                ops::grouped_matmul(in[0], in[2], kGroups, true)};
-               }});
+  c.push_back(
+      {"grouped_matmul",
+       [] {
+         return Tensors{randn({28, 24}, 10), randn({6, 24, 40}, 11), randn({6, 40, 24}, 12)};
+       },
+       [](Tensors& in) {
+         return Tensors{ops::grouped_matmul(in[0], in[1], kGroups),
+                        ops::grouped_matmul(in[0], in[2], kGroups, true)};
+       }});
   c.push_back({"grouped_matmul_weight_grad",
-               [] { return Tensors{randn({28, 24}, 13), randn({28, 40}, 14),
-                                   randn({6, 24, 40}, 15), randn({6, 24, 40}, 16)}; },
+               [] {
+                 return Tensors{randn({28, 24}, 13), randn({28, 40}, 14), randn({6, 24, 40}, 15),
+                                randn({6, 24, 40}, 16)};
+               },
                [](Tensors& in) {
                  ops::grouped_matmul_weight_grad(in[2], in[0], in[1], kGroups, false);
                  ops::grouped_matmul_weight_grad(in[3], in[0], in[1], kGroups, true);
                  return Tensors{in[2], in[3]};
                }});
   c.push_back({"grouped_matmul_weight_grad_f32_dw",
-               [] { return Tensors{randn({28, 24}, 17), randn({28, 40}, 18),
-                                   randn({6, 24, 40}, 19)}; },
+               [] {
+                 return Tensors{randn({28, 24}, 17), randn({28, 40}, 18), randn({6, 24, 40}, 19)};
+               },
                [](Tensors& in) {
                  ops::grouped_matmul_weight_grad(in[2], in[0], in[1], kGroups, true);
                  return Tensors{in[2]};
@@ -250,8 +263,10 @@ std::vector<OpCase> parity_cases() {
   // Even enough groups for the padded strided-batch path of bf16 rows into an f32 dw (largest
   // group <= 1.5x the mean; one empty group), and d = 24 rows: 48 bytes, 16-byte padded copies.
   c.push_back({"grouped_matmul_weight_grad_f32_dw_even",
-               [] { return Tensors{randn({40, 24}, 70), randn({40, 16}, 71),
-                                   randn({5, 24, 16}, 72), randn({5, 24, 16}, 73)}; },
+               [] {
+                 return Tensors{randn({40, 24}, 70), randn({40, 16}, 71), randn({5, 24, 16}, 72),
+                                randn({5, 24, 16}, 73)};
+               },
                [](Tensors& in) {
                  const std::vector<int64_t> even = {9, 10, 0, 11, 10};
                  ops::grouped_matmul_weight_grad(in[2], in[0], in[1], even, true);
@@ -263,35 +278,49 @@ std::vector<OpCase> parity_cases() {
   // (several 128-row tiles, ragged last tiles, empty groups) and M = 264, K = 136 (partial
   // 256-wide and 64-deep tiles). K = 20, M = 36 (not 16-byte rows) stays on cuBLAS.
   c.push_back({"grouped_matmul_ragged_tiles",
-               [] { return Tensors{randn({1261, 136}, 74), randn({8, 136, 264}, 75),
-                                   randn({1261, 264}, 76), randn({8, 136, 264}, 77)}; },
+               [] {
+                 return Tensors{randn({1261, 136}, 74), randn({8, 136, 264}, 75),
+                                randn({1261, 264}, 76), randn({8, 136, 264}, 77)};
+               },
                [](Tensors& in) {
                  const std::vector<int64_t> sizes = {300, 0, 129, 1, 517, 64, 0, 250};
                  return Tensors{ops::grouped_matmul(in[0], in[1], sizes),
                                 ops::grouped_matmul(in[2], in[3], sizes, true)};
                }});
   c.push_back({"grouped_matmul_weight_grad_ragged_tiles",
-               [] { return Tensors{randn({1261, 136}, 78), randn({1261, 264}, 79),
-                                   randn({8, 136, 264}, 80), randn({8, 136, 264}, 81)}; },
-               weight_grad_both_ways({300, 0, 129, 1, 517, 64, 0, 250}), {2, 3}});
+               [] {
+                 return Tensors{randn({1261, 136}, 78), randn({1261, 264}, 79),
+                                randn({8, 136, 264}, 80), randn({8, 136, 264}, 81)};
+               },
+               weight_grad_both_ways({300, 0, 129, 1, 517, 64, 0, 250}),
+               {2, 3}});
   // One group far longer than the rest: on sm90 it is cut into pieces summed afterwards.
   c.push_back({"grouped_matmul_weight_grad_skewed_pieces",
-               [] { return Tensors{randn({2064, 64}, 86), randn({2064, 128}, 87),
-                                   randn({8, 64, 128}, 88), randn({8, 64, 128}, 89)}; },
-               weight_grad_both_ways({2000, 3, 0, 17, 1, 40, 0, 3}), {2, 3}});
+               [] {
+                 return Tensors{randn({2064, 64}, 86), randn({2064, 128}, 87),
+                                randn({8, 64, 128}, 88), randn({8, 64, 128}, 89)};
+               },
+               weight_grad_both_ways({2000, 3, 0, 17, 1, 40, 0, 3}),
+               {2, 3}});
   // bf16 dw (model.moe.expert_grad_dtype) in the bf16 run: the sm90 kernels' bf16 output, and
   // bf16 partials for the cut-up group.
   c.push_back({"grouped_matmul_weight_grad_bf16_dw_ragged_tiles",
-               [] { return Tensors{randn({1261, 136}, 90), randn({1261, 264}, 91),
-                                   randn({8, 136, 264}, 92), randn({8, 136, 264}, 93)}; },
+               [] {
+                 return Tensors{randn({1261, 136}, 90), randn({1261, 264}, 91),
+                                randn({8, 136, 264}, 92), randn({8, 136, 264}, 93)};
+               },
                weight_grad_both_ways({300, 0, 129, 1, 517, 64, 0, 250})});
   c.push_back({"grouped_matmul_weight_grad_bf16_dw_skewed_pieces",
-               [] { return Tensors{randn({2064, 64}, 94), randn({2064, 128}, 95),
-                                   randn({8, 64, 128}, 96), randn({8, 64, 128}, 97)}; },
+               [] {
+                 return Tensors{randn({2064, 64}, 94), randn({2064, 128}, 95),
+                                randn({8, 64, 128}, 96), randn({8, 64, 128}, 97)};
+               },
                weight_grad_both_ways({2000, 3, 0, 17, 1, 40, 0, 3})});
   c.push_back({"grouped_matmul_unaligned_rows",
-               [] { return Tensors{randn({28, 20}, 82), randn({6, 20, 36}, 83),
-                                   randn({28, 36}, 84), randn({6, 20, 36}, 85)}; },
+               [] {
+                 return Tensors{randn({28, 20}, 82), randn({6, 20, 36}, 83), randn({28, 36}, 84),
+                                randn({6, 20, 36}, 85)};
+               },
                [](Tensors& in) {
                  ops::grouped_matmul_weight_grad(in[3], in[0], in[2], kGroups, true);
                  return Tensors{ops::grouped_matmul(in[0], in[1], kGroups),
@@ -299,22 +328,28 @@ std::vector<OpCase> parity_cases() {
                },
                {3}});
   // activations
-  c.push_back({"softmax",
-               [] { return Tensors{randn({13, 64}, 20, 3.f), randn({13, 64}, 21),
-                                   randn({5, 1000}, 22), randn({5, 1000}, 23)}; },
-               [](Tensors& in) {
-                 Tensor y = ops::softmax(in[0]), y2 = ops::softmax(in[2]);
-                 return Tensors{y, ops::softmax_backward(y, in[1]), y2,
-                                ops::softmax_backward(y2, in[3])};
-               }});
+  c.push_back(
+      {"softmax",
+       [] {
+         return Tensors{randn({13, 64}, 20, 3.f), randn({13, 64}, 21), randn({5, 1000}, 22),
+                        randn({5, 1000}, 23)};
+       },
+       [](Tensors& in) {
+         Tensor y = ops::softmax(in[0]), y2 = ops::softmax(in[2]);
+         return Tensors{y, ops::softmax_backward(y, in[1]), y2, ops::softmax_backward(y2, in[3])};
+       }});
   c.push_back({"sigmoid",
-               [] { return Tensors{randn({7, 33}, 24, 3.f), randn({7, 33}, 25)}; },
+               [] {
+                 return Tensors{randn({7, 33}, 24, 3.f), randn({7, 33}, 25)};
+               },
                [](Tensors& in) {
                  Tensor y = ops::sigmoid(in[0]);
                  return Tensors{y, ops::sigmoid_backward(y, in[1])};
                }});
   c.push_back({"swiglu",
-               [] { return Tensors{randn({11, 2 * 48}, 26, 2.f), randn({11, 48}, 27)}; },
+               [] {
+                 return Tensors{randn({11, 2 * 48}, 26, 2.f), randn({11, 48}, 27)};
+               },
                [](Tensors& in) {
                  Tensor in_place = in[0].clone();
                  ops::swiglu_backward_(in_place, in[1]);
@@ -338,43 +373,57 @@ std::vector<OpCase> parity_cases() {
                                 randn({1000}, 35)};
                },
                rmsnorm_run});
-  c.push_back({"rmsnorm_odd_width",
-               [] { return Tensors{randn({40, 50}, 36), randn({50}, 37), randn({40, 50}, 38),
-                                   randn({50}, 39)}; },
-               rmsnorm_run});
+  c.push_back(
+      {"rmsnorm_odd_width",
+       [] {
+         return Tensors{randn({40, 50}, 36), randn({50}, 37), randn({40, 50}, 38), randn({50}, 39)};
+       },
+       rmsnorm_run});
   // selection and indexing
   c.push_back({"topk",
-               [] { return Tensors{rand_ties({17, 64}, 32), randn({3, 512}, 33)}; },
+               [] {
+                 return Tensors{rand_ties({17, 64}, 32), randn({3, 512}, 33)};
+               },
                [](Tensors& in) {
                  auto a = ops::topk(in[0], 6);
                  auto b = ops::topk(in[1], 16);
                  return Tensors{a.values, a.indices, b.values, b.indices};
                }});
   c.push_back({"gather_rows",
-               [] { return Tensors{randn({20, 48}, 34), rand_index(33, 20, 35)}; },
+               [] {
+                 return Tensors{randn({20, 48}, 34), rand_index(33, 20, 35)};
+               },
                [](Tensors& in) { return Tensors{ops::gather_rows(in[0], in[1])}; }});
   c.push_back({"scatter_add_rows",
-               [] { return Tensors{randn({12, 40}, 36), randn({50, 40}, 37), rand_index(50, 12, 38),
-                                   randn({50}, 39), randn({12, 40}, 40)}; },
+               [] {
+                 return Tensors{randn({12, 40}, 36), randn({50, 40}, 37), rand_index(50, 12, 38),
+                                randn({50}, 39), randn({12, 40}, 40)};
+               },
                [](Tensors& in) {
                  ops::scatter_add_rows(in[0], in[1], in[2], in[3]);
                  ops::scatter_add_rows(in[4], in[1], in[2]);
                  return Tensors{in[0], in[4]};
                }});
   c.push_back({"scatter_add_rows_f32_out",
-               [] { return Tensors{randn({12, 40}, 41), randn({500, 40}, 42),
-                                   rand_index(500, 12, 43), randn({500}, 44)}; },
+               [] {
+                 return Tensors{randn({12, 40}, 41), randn({500, 40}, 42), rand_index(500, 12, 43),
+                                randn({500}, 44)};
+               },
                [](Tensors& in) {
                  ops::scatter_add_rows(in[0], in[1], in[2], in[3]);
                  return Tensors{in[0]};
                },
                {0}});
   c.push_back({"row_dot",
-               [] { return Tensors{randn({19, 70}, 45), randn({19, 70}, 46)}; },
+               [] {
+                 return Tensors{randn({19, 70}, 45), randn({19, 70}, 46)};
+               },
                [](Tensors& in) { return Tensors{ops::row_dot(in[0], in[1])}; }});
   // elementwise and reductions
   c.push_back({"elementwise",
-               [] { return Tensors{randn({9, 31}, 47), randn({9, 31}, 48)}; },
+               [] {
+                 return Tensors{randn({9, 31}, 47), randn({9, 31}, 48)};
+               },
                [](Tensors& in) {
                  Tensor s = ops::add(in[0], in[1]), m = ops::mul(in[0], in[1]);
                  Tensor a = in[0].clone();
@@ -383,7 +432,9 @@ std::vector<OpCase> parity_cases() {
                  return Tensors{s, m, a, in[1]};
                }});
   c.push_back({"reductions",
-               [] { return Tensors{randn({1000, 77}, 49)}; },
+               [] {
+                 return Tensors{randn({1000, 77}, 49)};
+               },
                [](Tensors& in) {
                  return Tensors{scalar(ops::sum(in[0])), scalar(ops::sum_squares(in[0])),
                                 scalar(ops::all_finite(in[0]) ? 1 : 0)};
@@ -396,22 +447,28 @@ std::vector<OpCase> parity_cases() {
                },
                [](Tensors& in) { return Tensors{scalar(ops::all_finite(in[0]) ? 1 : 0)}; }});
   c.push_back({"cast",
-               [] { return Tensors{randn({6, 45}, 51)}; },
+               [] {
+                 return Tensors{randn({6, 45}, 51)};
+               },
                [](Tensors& in) {
                  Tensor b = ops::cast(in[0], DType::bf16);
                  return Tensors{b, ops::cast(b, DType::f32), ops::cast(in[0], DType::f32)};
                }});
   // model ops
   c.push_back({"embedding",
-               [] { return Tensors{randn({30, 64}, 52), rand_index(45, 30, 53), randn({45, 64}, 54),
-                                   randn({30, 64}, 55)}; },
+               [] {
+                 return Tensors{randn({30, 64}, 52), rand_index(45, 30, 53), randn({45, 64}, 54),
+                                randn({30, 64}, 55)};
+               },
                [](Tensors& in) {
                  Tensor out = ops::embedding(in[0], in[1]);
                  ops::embedding_backward(in[3], in[1], in[2]);
                  return Tensors{out, in[3]};
                }});
   c.push_back({"rope",
-               [] { return Tensors{randn({2, 9, 3, 16}, 56)}; },
+               [] {
+                 return Tensors{randn({2, 9, 3, 16}, 56)};
+               },
                [](Tensors& in) {
                  const ops::RopeTables t = ops::rope_tables(12, 16, 10000.f, device_of(in));
                  Tensor y = ops::rope(in[0], t);
@@ -435,35 +492,39 @@ std::vector<OpCase> parity_cases() {
                        Attn{"attention_tc_hd64_full", 1, 129, 2, 2, 64, false},
                        Attn{"attention_tc_hd128_gqa_causal", 1, 150, 8, 2, 128, true},
                        Attn{"attention_tc_hd128_full", 2, 64, 2, 1, 128, false}}) {
-    c.push_back({a.name,
-                 [a] {
-                   return Tensors{randn({a.b, a.s, a.h, a.hd}, 60), randn({a.b, a.s, a.hkv, a.hd}, 61),
-                                  randn({a.b, a.s, a.hkv, a.hd}, 62), randn({a.b, a.s, a.h, a.hd}, 63)};
-                 },
-                 [a](Tensors& in) {
-                   auto f = ops::attention(in[0], in[1], in[2], a.causal);
-                   auto g = ops::attention_backward(in[0], in[1], in[2], f.out, f.lse, in[3],
-                                                    a.causal);
-                   return Tensors{f.out, f.lse, g.dq, g.dk, g.dv};
-                 }});
+    c.push_back(
+        {a.name,
+         [a] {
+           return Tensors{randn({a.b, a.s, a.h, a.hd}, 60), randn({a.b, a.s, a.hkv, a.hd}, 61),
+                          randn({a.b, a.s, a.hkv, a.hd}, 62), randn({a.b, a.s, a.h, a.hd}, 63)};
+         },
+         [a](Tensors& in) {
+           auto f = ops::attention(in[0], in[1], in[2], a.causal);
+           auto g = ops::attention_backward(in[0], in[1], in[2], f.out, f.lse, in[3], a.causal);
+           return Tensors{f.out, f.lse, g.dq, g.dk, g.dv};
+         }});
   }
-  c.push_back({"cross_entropy",
-               [] { return Tensors{randn({23, 300}, 64, 2.f), rand_index(23, 300, 65, 0.2f)}; },
-               [](Tensors& in) {
-                 auto r = ops::cross_entropy(in[0], in[1]);
-                 Tensor d = ops::cross_entropy_backward(in[0], in[1], r, 0.5f);
-                 Tensor logits = in[0].clone();
-                 ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
-                 return Tensors{scalar(r.loss), r.lse, d, logits,
-                                scalar(static_cast<double>(r.count))};
-               }});
+  c.push_back(
+      {"cross_entropy",
+       [] {
+         return Tensors{randn({23, 300}, 64, 2.f), rand_index(23, 300, 65, 0.2f)};
+       },
+       [](Tensors& in) {
+         auto r = ops::cross_entropy(in[0], in[1]);
+         Tensor d = ops::cross_entropy_backward(in[0], in[1], r, 0.5f);
+         Tensor logits = in[0].clone();
+         ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
+         return Tensors{scalar(r.loss), r.lse, d, logits, scalar(static_cast<double>(r.count))};
+       }});
   // MoE ops. The row ops and the layout have their cases in test_cuda_moe.cpp (CudaMoeOps,
   // CudaMoeOrder); these are the rest. Routing tensors are f32 on both devices (all kept).
   c.push_back({"moe_aux_losses", aux_inputs, aux_run, {0, 2, 3, 4}});
   // Quarter-rounded scores and bias: many exact ties between group scores (ties go to the
   // lower group); groups of 4, 2 and 1 expert(s), and one group (no limit).
   c.push_back({"moe_group_limited_scores",
-               [] { return Tensors{rand_ties({37, 16}, 87), rand_ties({16}, 88)}; },
+               [] {
+                 return Tensors{rand_ties({37, 16}, 87), rand_ties({16}, 88)};
+               },
                [](Tensors& in) {
                  return Tensors{ops::moe_group_limited_scores(in[0], in[1], 4, 2),
                                 ops::moe_group_limited_scores(in[0], in[1], 8, 3),
@@ -527,8 +588,7 @@ std::vector<OpCase> parity_cases() {
                adamw_kept(), 1e-6});
   // The gradient-list ops: sum of squares, scale, then the gradient sync's pack into one f32
   // buffer (kept f32) and scaled unpack. The bf16 run gives them bf16 tensors.
-  c.push_back({"multi_tensor",
-               [] { return rand_list(500); },
+  c.push_back({"multi_tensor", [] { return rand_list(500); },
                [](Tensors& in) {
                  std::vector<Tensor> xs(in.begin(), in.begin() + kListLen);
                  const double ss = ops::multi_sum_squares(xs).item();
@@ -556,8 +616,8 @@ std::pair<Tensors, Tensors> prepare(const OpCase& c, Device device, DType dtype)
   const Tensors base = c.inputs();
   for (size_t i = 0; i < base.size(); ++i) {
     const Tensor& t = base[i];
-    const bool keep = std::find(c.keep_f32.begin(), c.keep_f32.end(), static_cast<int>(i)) !=
-                      c.keep_f32.end();
+    const bool keep =
+        std::find(c.keep_f32.begin(), c.keep_f32.end(), static_cast<int>(i)) != c.keep_f32.end();
     if (t.dtype() != DType::f32 || keep || dtype == DType::f32) {
       ref.push_back(t.clone());
       dev.push_back(t.to(device));
@@ -660,8 +720,8 @@ TEST(CudaAttention, CudnnAndXmoeKernelsAgree) {
   };
   for (const Shape a : {Shape{2, 200, 4, 2, 64, true}, Shape{1, 129, 2, 2, 64, false},
                         Shape{1, 150, 8, 2, 128, true}, Shape{2, 96, 4, 1, 128, false}}) {
-    SCOPED_TRACE(fmt::format("B={} S={} H={} Hkv={} hd={} causal={}", a.b, a.s, a.h, a.hkv, a.hd,
-                             a.causal));
+    SCOPED_TRACE(
+        fmt::format("B={} S={} H={} Hkv={} hd={} causal={}", a.b, a.s, a.h, a.hkv, a.hd, a.causal));
     EXPECT_STREQ(cuda::attention_impl(DType::bf16, a.b, a.s, a.h, a.hkv, a.hd, a.causal), "cudnn");
     const DType bf = DType::bf16;
     const Tensor q = ops::cast(randn({a.b, a.s, a.h, a.hd}, 80).to(kCuda), bf);
@@ -788,7 +848,8 @@ TEST(CudaGroupedGemm, Sm90KernelsRunWhereTheyApply) {
     const int64_t expected_calls[] = {1, 1, 2};
     for (int i = 0; i < 3; ++i) {
       const cuda::GroupedGemmCalls now = cuda::grouped_gemm_calls(kinds[i]);
-      EXPECT_EQ(now.sm90 - before[i].sm90, expected_calls[i]) << "kind " << i << ", " << rows << " rows";
+      EXPECT_EQ(now.sm90 - before[i].sm90, expected_calls[i])
+          << "kind " << i << ", " << rows << " rows";
       EXPECT_EQ(now.cublas - before[i].cublas, 0) << "kind " << i << ", " << rows << " rows";
     }
   }
@@ -826,11 +887,13 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
     return t.millis() / kIters;
   };
   auto report = [](const char* op, const char* shape, double ms, double flops) {
-    std::printf("{\"op\": \"%s\", \"shape\": \"%s\", \"ms\": %.3f, \"tflops\": %.1f}\n", op,
-                shape, ms, flops / (ms * 1e-3) / 1e12);
+    std::printf("{\"op\": \"%s\", \"shape\": \"%s\", \"ms\": %.3f, \"tflops\": %.1f}\n", op, shape,
+                ms, flops / (ms * 1e-3) / 1e12);
   };
   const DType bf = DType::bf16;
-  auto device_randn = [&](Shape s, uint64_t seed) { return ops::cast(randn(s, seed).to(kCuda), bf); };
+  auto device_randn = [&](Shape s, uint64_t seed) {
+    return ops::cast(randn(s, seed).to(kCuda), bf);
+  };
   {
     const Tensor z = Tensor::zeros({8192, 8192}, bf, kCuda), a = device_randn({8192, 8192}, 9);
     report("matmul_zeros", "8192^3", time_ms([&] { ops::matmul(z, z); }), 2.0 * 8192 * 8192 * 8192);
@@ -886,7 +949,8 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
     const std::vector<int64_t> long_groups(8, rows / 8);
     Tensor dw8 = Tensor::zeros({8, d, f2}, DType::f32, kCuda);
     report("grouped_matmul_weight_grad_long", "98304x1024x512,E8,f32dw",
-           time_ms([&] { ops::grouped_matmul_weight_grad(dw8, x, dy, long_groups, false); }), flops);
+           time_ms([&] { ops::grouped_matmul_weight_grad(dw8, x, dy, long_groups, false); }),
+           flops);
     report("grouped_matmul_weight_grad_overwrite", "98304x1024x512,E64,f32dw",
            time_ms([&] { ops::grouped_matmul_weight_grad(dw, x, dy, sizes, false); }), flops);
     {
@@ -900,12 +964,13 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
     {  // the write ceiling the f32 weight gradients of short reductions run into
       Tensor big = Tensor::zeros({int64_t{1} << 30}, DType::f32, kCuda);  // 4 GiB
       const double ms = time_ms([&] { big.zero_(); });
-      std::printf("{\"op\": \"memset_f32\", \"shape\": \"4 GiB\", \"ms\": %.3f, "
-                  "\"gb_per_s\": %.0f}\n", ms, 4.0 * (int64_t{1} << 30) / (ms * 1e-3) / 1e9);
+      std::printf(
+          "{\"op\": \"memset_f32\", \"shape\": \"4 GiB\", \"ms\": %.3f, "
+          "\"gb_per_s\": %.0f}\n",
+          ms, 4.0 * (int64_t{1} << 30) / (ms * 1e-3) / 1e9);
     }
     const Tensor da = Tensor::zeros({rows, f2 / 2}, bf, kCuda);
-    report("swiglu_backward", "98304x(2x256)",
-           time_ms([&] { ops::swiglu_backward(dy, da); }), 0);
+    report("swiglu_backward", "98304x(2x256)", time_ms([&] { ops::swiglu_backward(dy, da); }), 0);
     const Tensor index = rand_index(rows, 16384, 5).to(kCuda);
     Tensor out = Tensor::zeros({16384, d}, bf, kCuda);
     report("scatter_add_rows", "98304->16384x1024",
@@ -915,8 +980,8 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
   {
     const Tensor logits = Tensor::zeros({16384, 32768}, bf, kCuda);
     const Tensor targets = rand_index(16384, 32768, 6).to(kCuda);
-    report("cross_entropy", "16384x32768",
-           time_ms([&] { ops::cross_entropy(logits, targets); }), 0);
+    report("cross_entropy", "16384x32768", time_ms([&] { ops::cross_entropy(logits, targets); }),
+           0);
     const Tensor x = Tensor::zeros({16384, 1024}, bf, kCuda), w = Tensor::zeros({1024}, bf, kCuda);
     report("rmsnorm", "16384x1024", time_ms([&] { ops::rmsnorm(x, w, 1e-6f); }), 0);
     const auto r = ops::rmsnorm(x, w, 1e-6f);
@@ -943,8 +1008,11 @@ bool throws_containing(const std::function<void()>& f, const std::string& text) 
 
 TEST(CudaBuild, ClearErrors) {
   // CPU: bf16 has no CPU kernels and says so.
-  EXPECT_TRUE(throws_containing([] { ops::softmax(randn({2, 3}, 90).to(DType::bf16)); },
-                                "[softmax] x has dtype bf16, expected f32"));
+  EXPECT_TRUE(throws_containing(
+      [] {
+        ops::softmax(randn({2, 3}, 90).to(DType::bf16));
+      },
+      "[softmax] x has dtype bf16, expected f32"));
   if (!backend::cuda_available()) {
     // A CPU-only build (or a machine without a GPU) names the device it cannot provide.
     EXPECT_TRUE(throws_containing([] { Tensor::empty({4}, DType::f32, kCuda); }, "cuda:0"));
@@ -954,15 +1022,17 @@ TEST(CudaBuild, ClearErrors) {
   const Tensor a = randn({4, 4}, 92);
   EXPECT_TRUE(throws_containing([&] { ops::matmul(a, a.to(kCuda)); }, "on one device"));
   EXPECT_TRUE(throws_containing(
-      [&] { ops::embedding(a.to(kCuda), Tensor::from_vector<int32_t>({1, 7}, {2}, kCuda)); },
+      [&] {
+        ops::embedding(a.to(kCuda), Tensor::from_vector<int32_t>({1, 7}, {2}, kCuda));
+      },
       "[embedding] ids[1] = 7 out of range [0, 4)"));
   EXPECT_TRUE(throws_containing(
       [&] {
         ops::cross_entropy(a.to(kCuda), Tensor::from_vector<int32_t>({0, 1, 9, 2}, {4}, kCuda));
       },
       "[cross_entropy] targets[2] = 9 out of range [0, 4)"));
-  EXPECT_TRUE(throws_containing([&] { ops::cast(rand_index(3, 3, 93).to(kCuda), DType::f32); },
-                                "[cast]"));
+  EXPECT_TRUE(
+      throws_containing([&] { ops::cast(rand_index(3, 3, 93).to(kCuda), DType::f32); }, "[cast]"));
 }
 
 }  // namespace

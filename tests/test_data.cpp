@@ -8,14 +8,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "testing.h"
 #include "xmoe/core/error.h"
 #include "xmoe/data/data_loader.h"
 #include "xmoe/data/prepare.h"
 #include "xmoe/data/token_file.h"
 #include "xmoe/data/tokenizer.h"
 #include "xmoe/io/file.h"
-
-#include "testing.h"
 
 using namespace xmoe;
 using xmoe::testing::error_of;

@@ -7,12 +7,11 @@
 #include <filesystem>
 #include <set>
 
+#include "file_size_limit.h"
+#include "testing.h"
 #include "xmoe/core/error.h"
 #include "xmoe/io/file.h"
 #include "xmoe/io/safetensors.h"
-
-#include "file_size_limit.h"
-#include "testing.h"
 
 using namespace xmoe;
 using xmoe::testing::error_of;

@@ -49,7 +49,8 @@ Tensor random_topk(int64_t T, int64_t k, int64_t E, uint64_t seed) {
   return Tensor::from_vector(idx, {T, k});
 }
 
-template <class F> std::string error_of(F&& f) {
+template <class F>
+std::string error_of(F&& f) {
   try {
     f();
   } catch (const Error& e) {
@@ -95,7 +96,9 @@ TEST(MoeOrder, PftInvariants) {
   for (int64_t e = 0; e < E; ++e)
     for (int64_t i = 0; i < l.tokens_per_expert[e]; ++i, ++row) {
       EXPECT_EQ(exp[row], e);
-      if (i > 0) { EXPECT_LT(tok[row - 1], tok[row]) << "expert " << e; }
+      if (i > 0) {
+        EXPECT_LT(tok[row - 1], tok[row]) << "expert " << e;
+      }
     }
   // slot_to_row is the inverse map, and a permutation of the rows.
   std::set<int32_t> seen;
@@ -147,7 +150,8 @@ TEST(MoeOps, GatherSumRowsHasTheBitsOfTheScatterItReplaces) {
   Rng rng(5);
   std::vector<int32_t> perm(N), token(N, -1), slots(T * k, -1);
   std::iota(perm.begin(), perm.end(), 0);
-  for (int64_t i = N - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(static_cast<uint64_t>(i + 1))]);
+  for (int64_t i = N - 1; i > 0; --i)
+    std::swap(perm[i], perm[rng.below(static_cast<uint64_t>(i + 1))]);
   for (int64_t i = 0; i < T * k; ++i) {
     if (i % 5 == 4) continue;  // dropped
     slots[i] = perm[i];
@@ -161,10 +165,11 @@ TEST(MoeOps, GatherSumRowsHasTheBitsOfTheScatterItReplaces) {
     Tensor got = gather_sum_rows(src, slot_t, weighted ? w : Tensor());
     EXPECT_EQ(got.to_vector<float>(), ref.to_vector<float>()) << "weighted " << weighted;
   }
-  EXPECT_TRUE(contains(error_of([&] {
-                         gather_sum_rows(src, Tensor::from_vector(std::vector<int32_t>{0, N}, {1, 2}));
-                       }),
-                       "out of range"));
+  EXPECT_TRUE(
+      contains(error_of([&] {
+                 gather_sum_rows(src, Tensor::from_vector(std::vector<int32_t>{0, N}, {1, 2}));
+               }),
+               "out of range"));
 }
 
 // ---- Padded baseline ----------------------------------------------------------------------------
@@ -217,8 +222,10 @@ TEST(MoePadded, CapacityOneDropsSkewedRoutingAndCountsIt) {
   for (int64_t t = 0; t < T; ++t) {
     double norm = 0;
     for (int64_t j = 0; j < d; ++j) norm += std::fabs(yv[t * d + j]);
-    if (t < 4) EXPECT_GT(norm, 0) << t;
-    else EXPECT_EQ(norm, 0) << t;
+    if (t < 4)
+      EXPECT_GT(norm, 0) << t;
+    else
+      EXPECT_EQ(norm, 0) << t;
   }
   Tensor dx = layer.backward(randn({T, d}, 2));
   EXPECT_TRUE(xmoe::ops::all_finite(dx));
@@ -248,9 +255,10 @@ TEST(MoeGate, WeightsFollowTheGateOptions) {
     bool before, renorm;
     float scaling;
   };
-  for (const Case& cs : {Case{"softmax_topk", true, true, 1.f}, Case{"softmax_topk", false, true, 1.f},
-                         Case{"softmax_topk", true, false, 1.f}, Case{"sigmoid", true, true, 2.5f},
-                         Case{"xmoe", true, true, 1.f}}) {
+  for (const Case& cs :
+       {Case{"softmax_topk", true, true, 1.f}, Case{"softmax_topk", false, true, 1.f},
+        Case{"softmax_topk", true, false, 1.f}, Case{"sigmoid", true, true, 2.5f},
+        Case{"xmoe", true, true, 1.f}}) {
     MoeConfig c = small_config(cs.gate);
     c.softmax_before_topk = cs.before;
     c.renormalize = cs.renorm;
@@ -264,9 +272,13 @@ TEST(MoeGate, WeightsFollowTheGateOptions) {
     for (int64_t t = 0; t < T; ++t) {
       EXPECT_NE(idx[t * 2], idx[t * 2 + 1]);
       const float s = w[t * 2] + w[t * 2 + 1];
-      if (cs.renorm || !cs.before) EXPECT_NEAR(s, cs.scaling, 1e-5) << cs.gate;
-      else EXPECT_LT(s, 1.0f);
-      if (cs.gate != "sigmoid") { EXPECT_GE(w[t * 2], w[t * 2 + 1]) << cs.gate; }  // descending
+      if (cs.renorm || !cs.before)
+        EXPECT_NEAR(s, cs.scaling, 1e-5) << cs.gate;
+      else
+        EXPECT_LT(s, 1.0f);
+      if (cs.gate != "sigmoid") {
+        EXPECT_GE(w[t * 2], w[t * 2 + 1]) << cs.gate;
+      }  // descending
     }
   }
 }
@@ -362,8 +374,8 @@ TEST(MoeGate, GroupLimitedRoutingStaysInsideTheKeptGroups) {
   Tensor x = randn({T, d}, 3);
   GateOutput g = gate->forward(x, T);
   auto idx = g.topk_idx.to_vector<int32_t>();
-  auto s = xmoe::ops::sigmoid(xmoe::ops::matmul(x, gate->parameters()[0]->value))
-               .to_vector<float>();
+  auto s =
+      xmoe::ops::sigmoid(xmoe::ops::matmul(x, gate->parameters()[0]->value)).to_vector<float>();
   const int64_t per = E / G;
   for (int64_t t = 0; t < T; ++t) {
     std::vector<std::pair<float, int64_t>> gs;
@@ -377,7 +389,8 @@ TEST(MoeGate, GroupLimitedRoutingStaysInsideTheKeptGroups) {
     std::sort(gs.begin(), gs.end());
     std::set<int64_t> kept = {gs[0].second, gs[1].second}, used;
     for (int64_t j = 0; j < k; ++j) {
-      EXPECT_TRUE(kept.count(idx[t * k + j] / per)) << "token " << t << " expert " << idx[t * k + j];
+      EXPECT_TRUE(kept.count(idx[t * k + j] / per))
+          << "token " << t << " expert " << idx[t * k + j];
       used.insert(idx[t * k + j] / per);
     }
     EXPECT_LE(static_cast<int64_t>(used.size()), K);
@@ -420,11 +433,15 @@ TEST(MoeGate, Bf16RouterIsTheF32RouterOnRoundedOperands) {
   }
   MoeConfig cosine = small_config("xmoe");
   cosine.router_dtype = "bf16";
-  EXPECT_TRUE(contains(error_of([&] { make_gate({cosine, d, "g", 3, 0.5f, nullptr}); }),
+  EXPECT_TRUE(contains(error_of([&] {
+                         make_gate({cosine, d, "g", 3, 0.5f, nullptr});
+                       }),
                        "moe.router_dtype = \"bf16\" applies to the linear routers"));
   MoeConfig bad = small_config();
   bad.router_dtype = "f16";
-  EXPECT_TRUE(contains(error_of([&] { make_gate({bad, d, "g", 3, 0.5f, nullptr}); }),
+  EXPECT_TRUE(contains(error_of([&] {
+                         make_gate({bad, d, "g", 3, 0.5f, nullptr});
+                       }),
                        "moe.router_dtype = \"f16\" is not f32 or bf16"));
 }
 
@@ -436,7 +453,8 @@ TEST(MoeGate, RegistryListsKnownGates) {
 // ---- Hooks ------------------------------------------------------------------------------------
 
 /// Adds to `trace` the name of each boundary in Bs as the layer hands it on.
-template <class... Bs> void trace_boundaries(Hooks& hooks, std::vector<std::string>& trace) {
+template <class... Bs>
+void trace_boundaries(Hooks& hooks, std::vector<std::string>& trace) {
   (hooks.on<Bs>([&trace](Bs&) { trace.emplace_back(Bs::kName); }), ...);
 }
 
@@ -478,9 +496,9 @@ TEST(MoeHooks, ObserversSeeEachBoundary) {
   layer.backward(randn({T, d}, 2));
   EXPECT_EQ(seen_dw.shape(), (Shape{T, 2}));
   const std::vector<std::string> expect = {
-      "LayerIn",      "GateOut",    "OrderOut",    "DispatchOut",  "ExpertOut", "CombineOut",
-      "IOrderOut",    "SharedOut",  "LayerOutGrad", "SharedGrad",  "IOrderGrad", "CombineGrad",
-      "ExpertGrad", "DispatchGrad", "OrderGrad",   "GateGrad"};
+      "LayerIn",    "GateOut",      "OrderOut",     "DispatchOut", "ExpertOut",  "CombineOut",
+      "IOrderOut",  "SharedOut",    "LayerOutGrad", "SharedGrad",  "IOrderGrad", "CombineGrad",
+      "ExpertGrad", "DispatchGrad", "OrderGrad",    "GateGrad"};
   EXPECT_EQ(trace, expect);
 }
 
@@ -534,9 +552,8 @@ TEST(MoeHooks, HookCanReplaceTheExpertsInput) {
   const int64_t T = 12, d = 8;
   MoELayer layer(small_config(), d, "m", 3, 0.5f);
   Tensor x = randn({T, d}, 1);
-  layer.hooks().on<DispatchOut>([&](DispatchOut& dsp) {
-    dsp.expert_in = Tensor::zeros(dsp.expert_in.shape());
-  });
+  layer.hooks().on<DispatchOut>(
+      [&](DispatchOut& dsp) { dsp.expert_in = Tensor::zeros(dsp.expert_in.shape()); });
   // Zero expert inputs give zero SwiGLU outputs, so y (no shared experts) is zero.
   EXPECT_EQ(xmoe::ops::sum_squares(layer.forward(x, 6)), 0.0);
   // Backward uses the replaced rows (zeros), not rows gathered again from x: no weight gradient
@@ -559,7 +576,9 @@ TEST(MoeHooks, BackwardHookCanReplaceAGradient) {
   layer.zero_grad();
   layer.backward(randn({T, d}, 2));  // no gradient reaches the experts
   for (Parameter* p : layer.parameters())
-    if (p->kind == ParamKind::expert) { EXPECT_EQ(xmoe::ops::sum_squares(p->grad), 0.0) << p->name; }
+    if (p->kind == ParamKind::expert) {
+      EXPECT_EQ(xmoe::ops::sum_squares(p->grad), 0.0) << p->name;
+    }
 }
 
 // ---- Layer ------------------------------------------------------------------------------------
@@ -629,11 +648,17 @@ TEST(MoeLayer, BadArgumentsRaiseClearErrors) {
                        "moe.num_groups = 4 must divide moe.num_experts = 6"));
 
   MoELayer layer(small_config(), 8, "m", 1, 0.1f);
-  EXPECT_TRUE(contains(error_of([&] { layer.forward(Tensor::zeros({12, 7}), 6); }),
+  EXPECT_TRUE(contains(error_of([&] {
+                         layer.forward(Tensor::zeros({12, 7}), 6);
+                       }),
                        "[moe] x has shape [12, 7], expected [-1, 8]"));
-  EXPECT_TRUE(contains(error_of([&] { layer.forward(Tensor::zeros({12, 8}), 5); }),
+  EXPECT_TRUE(contains(error_of([&] {
+                         layer.forward(Tensor::zeros({12, 8}), 5);
+                       }),
                        "12 tokens are not a multiple of seq_len = 5"));
-  EXPECT_TRUE(contains(error_of([&] { layer.backward(Tensor::zeros({12, 8})); }),
+  EXPECT_TRUE(contains(error_of([&] {
+                         layer.backward(Tensor::zeros({12, 8}));
+                       }),
                        "backward without a forward"));
 }
 
@@ -660,7 +685,8 @@ TEST(MoeLayer, RoutedOutputIsTheWeightedSumOfExpertOutputs) {
       const int64_t e = iv[t * 2 + j];
       Tensor gu_e = gu.rows(e, e + 1).reshape({d, 2 * f}).clone();
       Tensor dn_e = dn.rows(e, e + 1).reshape({f, d}).clone();
-      Tensor o = xmoe::ops::matmul(xmoe::ops::swiglu(xmoe::ops::matmul(x.rows(t, t + 1).clone(), gu_e)), dn_e);
+      Tensor o = xmoe::ops::matmul(
+          xmoe::ops::swiglu(xmoe::ops::matmul(x.rows(t, t + 1).clone(), gu_e)), dn_e);
       for (int64_t i = 0; i < d; ++i) ref[i] += wv[t * 2 + j] * o.data<float>()[i];
     }
     for (int64_t i = 0; i < d; ++i) EXPECT_NEAR(y[t * d + i], ref[i], 1e-5);

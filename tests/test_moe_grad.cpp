@@ -77,10 +77,10 @@ TEST(MoeGrad, SoftmaxTopkGShardWithAllThreeLosses) {
   c.seq_aux_loss_weight = 0.3f;
   c.z_loss_weight = 0.1f;
   auto names = check_layer_gradients(c);
-  EXPECT_EQ(names, (std::vector<std::string>{
-                       "layers.0.moe.router.weight", "layers.0.moe.experts.gate_up",
-                       "layers.0.moe.experts.down", "layers.0.moe.shared.gate_up",
-                       "layers.0.moe.shared.down"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"layers.0.moe.router.weight", "layers.0.moe.experts.gate_up",
+                                      "layers.0.moe.experts.down", "layers.0.moe.shared.gate_up",
+                                      "layers.0.moe.shared.down"}));
 }
 
 TEST(MoeGrad, AuxLossesAloneReachTheRouterOfEachGate) {
@@ -166,10 +166,10 @@ MoeConfig impl_config(const char* impl) {
 
 /// One forward + backward of a fresh layer that `configure` has set up.
 struct Pass {
-  int64_t saved = 0;                     ///< bytes forward kept for backward
-  int64_t forward_peak = 0;              ///< peak bytes above the start of forward
-  int64_t backward_peak = 0;             ///< peak bytes above the start of backward
-  int64_t routed_rows = 0;               ///< (token, slot) pairs the experts processed
+  int64_t saved = 0;          ///< bytes forward kept for backward
+  int64_t forward_peak = 0;   ///< peak bytes above the start of forward
+  int64_t backward_peak = 0;  ///< peak bytes above the start of backward
+  int64_t routed_rows = 0;    ///< (token, slot) pairs the experts processed
   std::vector<float> y;
   std::vector<std::vector<float>> grads;  ///< dx, then every parameter's gradient
 };
@@ -235,7 +235,8 @@ TEST(MoeGrad, ExpertRowsAreGatheredAgainNotKept) {
 
 /// Registers on every boundary Bs a hook that reads each of its tensors (host copies, which the
 /// allocator does not count) and replaces nothing; counts the calls.
-template <class... Bs> void observe(Hooks& hooks, int& calls, double& sum) {
+template <class... Bs>
+void observe(Hooks& hooks, int& calls, double& sum) {
   (hooks.on<Bs>([&calls, &sum](Bs& b) {
     ++calls;
     for (const TensorField& f : b.tensors()) {
@@ -245,7 +246,8 @@ template <class... Bs> void observe(Hooks& hooks, int& calls, double& sum) {
       else
         sum += static_cast<double>(f.tensor->numel());
     }
-  }), ...);
+  }),
+   ...);
 }
 
 // An observing hook changes nothing, memory included: the same bits, the same bytes kept for
@@ -267,9 +269,9 @@ TEST(MoeGrad, ObservingHooksChangeNothing) {
     double sum = 0;
     const Pass observed = run_pass(c, [&](MoELayer& l) {
       l.set_recompute(cs.recompute);
-      observe<LayerIn, GateOut, OrderOut, DispatchOut, ExpertOut, CombineOut, IOrderOut,
-              SharedOut, LayerOutGrad, SharedGrad, IOrderGrad, CombineGrad, ExpertGrad,
-              DispatchGrad, OrderGrad, GateGrad>(l.hooks(), calls, sum);
+      observe<LayerIn, GateOut, OrderOut, DispatchOut, ExpertOut, CombineOut, IOrderOut, SharedOut,
+              LayerOutGrad, SharedGrad, IOrderGrad, CombineGrad, ExpertGrad, DispatchGrad,
+              OrderGrad, GateGrad>(l.hooks(), calls, sum);
     });
     EXPECT_EQ(calls, 16);  // every boundary, shared experts included
     EXPECT_TRUE(std::isfinite(sum));
@@ -311,7 +313,8 @@ TEST(MoeGrad, ExpertChunksAutoOnlyWhereFExceedsD) {
   constexpr int64_t kManyTokens = 683 * kSeq;  // 8196 routed rows (k = 2): 4 chunks of ~2049
   auto peaks = [](MoeConfig c, int chunks) {
     c.expert_chunks = chunks;
-    const Pass p = run_pass(c, [](MoELayer&) {}, kManyTokens);
+    const Pass p = run_pass(
+        c, [](MoELayer&) {}, kManyTokens);
     return std::pair{p.forward_peak, p.backward_peak};
   };
   MoeConfig wide = impl_config("pft");

@@ -179,14 +179,21 @@ void check_permuted_function(const std::string& gate) {
   }
   if (Tensor* bias = b.gate().routing_bias()) {
     EXPECT_EQ(unpermute(*bias, perm, 1).to_vector<float>(),
-              a.gate().routing_bias()->to_vector<float>()); }
+              a.gate().routing_bias()->to_vector<float>());
+  }
 }
 
 }  // namespace
 
-TEST(PermuteExperts, SameFunctionSoftmaxTopk) { check_permuted_function("softmax_topk"); }
-TEST(PermuteExperts, SameFunctionSigmoidWithBias) { check_permuted_function("sigmoid"); }
-TEST(PermuteExperts, SameFunctionXmoe) { check_permuted_function("xmoe"); }
+TEST(PermuteExperts, SameFunctionSoftmaxTopk) {
+  check_permuted_function("softmax_topk");
+}
+TEST(PermuteExperts, SameFunctionSigmoidWithBias) {
+  check_permuted_function("sigmoid");
+}
+TEST(PermuteExperts, SameFunctionXmoe) {
+  check_permuted_function("xmoe");
+}
 
 // bf16 expert gradients (moe.expert_grad_dtype) move with their experts, bit for bit.
 TEST(PermuteExperts, MovesBf16GradientsExactly) {
@@ -241,7 +248,9 @@ TEST(PermuteExperts, RidersMoveWithTheirParameters) {
   int moved = 0;
   for (size_t i = 0; i < riders.size(); ++i) {
     const std::vector<float> now = riders[i].tensor.to_vector<float>();
-    if (i < ps.size()) { EXPECT_EQ(now, ps[i]->value.to_vector<float>()) << ps[i]->name; }
+    if (i < ps.size()) {
+      EXPECT_EQ(now, ps[i]->value.to_vector<float>()) << ps[i]->name;
+    }
     moved += now != before[i];
   }
   EXPECT_EQ(moved, 3);  // router.expert_embeddings, experts.gate_up, experts.down
@@ -249,7 +258,8 @@ TEST(PermuteExperts, RidersMoveWithTheirParameters) {
     layer.permute_experts(perm, std::vector<ExpertRider>{{ps[3], Tensor::zeros({2})}});
   });
   EXPECT_NE(err.find("a tensor riding with m.experts.gate_up is f32[2] on cpu, the parameter is"),
-            std::string::npos) << err;
+            std::string::npos)
+      << err;
 }
 
 namespace {

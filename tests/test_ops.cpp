@@ -1,6 +1,5 @@
 // CPU op tests: values against direct loops, gradients against finite differences, and errors.
 #include <gtest/gtest.h>
-
 #include <omp.h>
 
 #include <algorithm>
@@ -60,8 +59,8 @@ TEST(Ops, GroupedMatmulEqualsPerGroupMatmul) {
   Tensor r = randn({9, 7}, 6);
   Tensor dw = Tensor::zeros({4, 6, 7});
   ops::grouped_matmul_weight_grad(dw, x, r, sizes, false);
-  expect_gradient_close(w, dw, [&] { return weighted_sum(ops::grouped_matmul(x, w, sizes), r); },
-                        "grouped dw");
+  expect_gradient_close(
+      w, dw, [&] { return weighted_sum(ops::grouped_matmul(x, w, sizes), r); }, "grouped dw");
   EXPECT_THROW(ops::grouped_matmul(x, w, std::vector<int64_t>{3, 0, 5}), Error);
   EXPECT_THROW(ops::grouped_matmul(x, w, std::vector<int64_t>{3, 0, 5, 2}), Error);
 }
@@ -96,15 +95,15 @@ TEST(Ops, SoftmaxSigmoidSwigluGradients) {
     for (int j = 0; j < 6; ++j) s += y.data<float>()[i * 6 + j];
     EXPECT_NEAR(s, 1.0, 1e-6);
   }
-  expect_gradient_close(x, ops::softmax_backward(y, r),
-                        [&] { return weighted_sum(ops::softmax(x), r); }, "softmax");
+  expect_gradient_close(
+      x, ops::softmax_backward(y, r), [&] { return weighted_sum(ops::softmax(x), r); }, "softmax");
   Tensor ys = ops::sigmoid(x);
-  expect_gradient_close(x, ops::sigmoid_backward(ys, r),
-                        [&] { return weighted_sum(ops::sigmoid(x), r); }, "sigmoid");
+  expect_gradient_close(
+      x, ops::sigmoid_backward(ys, r), [&] { return weighted_sum(ops::sigmoid(x), r); }, "sigmoid");
   Tensor h = randn({5, 8}, 9);
   Tensor ra = randn({5, 4}, 10);
-  expect_gradient_close(h, ops::swiglu_backward(h, ra),
-                        [&] { return weighted_sum(ops::swiglu(h), ra); }, "swiglu");
+  expect_gradient_close(
+      h, ops::swiglu_backward(h, ra), [&] { return weighted_sum(ops::swiglu(h), ra); }, "swiglu");
   Tensor in_place = h.clone();
   ops::swiglu_backward_(in_place, ra);
   EXPECT_EQ(in_place.to_vector<float>(), ops::swiglu_backward(h, ra).to_vector<float>());

@@ -217,8 +217,9 @@ TEST(Bf16Grads, OptimizerNormAndClipReadThemAsF32) {
   b.lazy_zero_grad = true;
   b.zero_grad();
   EXPECT_EQ(optim::grad_norm({&b}), 0.0);
-  b.grad.copy_from(Tensor::from_vector<float>({1.f, std::numeric_limits<float>::infinity(), 0.f,
-                                               0.f}, {4}).to(DType::bf16));
+  b.grad.copy_from(
+      Tensor::from_vector<float>({1.f, std::numeric_limits<float>::infinity(), 0.f, 0.f}, {4})
+          .to(DType::bf16));
   EXPECT_EQ(optim::first_nonfinite_grad({&a, &b}), "b");
   EXPECT_THROW(Parameter::make("c", {2}, ParamKind::dense, true, DType::i32), Error);
 }

@@ -71,7 +71,9 @@ std::vector<RbdPlan> plan_all(const RbdLayout& layout, const std::vector<Rows>& 
   return plan_rbd(layout, routing);
 }
 
-int32_t bits(float f) { return std::bit_cast<int32_t>(f); }
+int32_t bits(float f) {
+  return std::bit_cast<int32_t>(f);
+}
 
 // ---- (a) hand-made --------------------------------------------------------------------------
 
@@ -99,10 +101,10 @@ TEST(RbdPlan, TwoNodesByHand) {
   EXPECT_EQ(s.pilot_rows, (I32{0, 1, 2, 3}));
   EXPECT_EQ(s.group_tokens, (I32{1, 1, 2, 0}));
   EXPECT_EQ(s.member_rows, (I32{0, 1, 2, 4, 3}));
-  EXPECT_EQ(s.stage1_meta, (I32{0 * 2 + 1, 0, bits(w[0]),    // e0, pilot
-                                2 * 2 + 1, 1, bits(w[1]),    // e2, pilot of (t1, n1)
-                                2 * 2 + 1, 2, bits(w[2]),    // e2, pilot of (t2, n1)
-                                3 * 2 + 0, 4, bits(w[4]),    // e3, replica of (t2, n1)
+  EXPECT_EQ(s.stage1_meta, (I32{0 * 2 + 1, 0, bits(w[0]),     // e0, pilot
+                                2 * 2 + 1, 1, bits(w[1]),     // e2, pilot of (t1, n1)
+                                2 * 2 + 1, 2, bits(w[2]),     // e2, pilot of (t2, n1)
+                                3 * 2 + 0, 4, bits(w[4]),     // e3, replica of (t2, n1)
                                 3 * 2 + 1, 3, bits(w[3])}));  // e3, pilot of (t0, n1)
   for (int r = 1; r < 4; ++r) {
     EXPECT_EQ(plans[r].source.num_groups(), 0);
@@ -201,7 +203,8 @@ I64 receive(const std::vector<I64>& send, const std::vector<I64>& counts, int at
   return out;
 }
 
-template <class T, class Index> std::vector<T> gather(const std::vector<T>& x, const Index& idx) {
+template <class T, class Index>
+std::vector<T> gather(const std::vector<T>& x, const Index& idx) {
   std::vector<T> out;
   for (auto i : idx) out.push_back(x[static_cast<size_t>(i)]);
   return out;
@@ -215,7 +218,7 @@ struct Case {
 
 void check_random(const Case& c, uint32_t seed) {
   SCOPED_TRACE(::testing::Message() << "ranks " << c.ranks << ", rpn " << c.rpn << ", E_local "
-                                  << c.experts_per_rank << ", k " << c.k << ", seed " << seed);
+                                    << c.experts_per_rank << ", k " << c.k << ", seed " << seed);
   const RbdLayout layout = layout_of(c.ranks, c.rpn, c.experts_per_rank);
   const comm::Topology& topo = layout.topo;
   const int P = c.ranks;
@@ -346,14 +349,13 @@ void check_random(const Case& c, uint32_t seed) {
 }
 
 TEST(RbdPlan, RandomRoutingsExecuteLikeAllToAll) {
-  const Case cases[] = {
-      {4, 2, 2, 3, 0},   // 2 nodes
-      {6, 2, 2, 4, 0},   // 3 nodes
-      {8, 2, 1, 5, 0},   // 4 nodes
-      {4, 1, 3, 6, 0},   // 4 nodes of one rank: stage 2 stays on the rank
-      {6, 3, 2, 2, 0},   // 2 nodes of 3 ranks
-      {8, 4, 2, 8, 0},   // 2 nodes, k = E / 2
-      {6, 2, 1, 3, (1 << 25) - 7}};  // 3 nodes, token ids across 2^25
+  const Case cases[] = {{4, 2, 2, 3, 0},  // 2 nodes
+                        {6, 2, 2, 4, 0},  // 3 nodes
+                        {8, 2, 1, 5, 0},  // 4 nodes
+                        {4, 1, 3, 6, 0},  // 4 nodes of one rank: stage 2 stays on the rank
+                        {6, 3, 2, 2, 0},  // 2 nodes of 3 ranks
+                        {8, 4, 2, 8, 0},  // 2 nodes, k = E / 2
+                        {6, 2, 1, 3, (1 << 25) - 7}};  // 3 nodes, token ids across 2^25
   for (const Case& c : cases)
     for (uint32_t seed : {1u, 2u, 3u}) check_random(c, seed);
 }
@@ -390,8 +392,8 @@ TEST(RbdPlan, SourceRowsNear2To25AndWeightBitsStayExact) {
   const float w1 = 0.1f, w2 = std::numeric_limits<float>::denorm_min();
   // Rank 2 receives from source 0 one group of two members (e2 pilot row kBig + 3, e3 row kBig
   // + 5) and from source 1 one group (e2, row kBig + 1).
-  const I32 meta1 = {2 * 2 + 1, kBig + 3, bits(w1), 3 * 2, kBig + 5, bits(w2),
-                     2 * 2 + 1, kBig + 1, bits(w2)};
+  const I32 meta1 = {2 * 2 + 1, kBig + 3,  bits(w1), 3 * 2,   kBig + 5,
+                     bits(w2),  2 * 2 + 1, kBig + 1, bits(w2)};
   const RbdPilotPlan p = plan_rbd_pilot(layout, 2, {1, 1, 0, 0}, {2, 1, 0, 0}, meta1);
   EXPECT_EQ(p.replica_send, (I64{2, 1}));
   EXPECT_EQ(p.replica_group, (I32{0, 1, 0}));
@@ -412,8 +414,9 @@ TEST(RbdPlan, RefusesBadRoutingAndMetadata) {
   const RbdLayout layout = layout_of(4, 2, 1);
   Rows r = rows_of(4, {{0, {1}}, {1, {2}}}, [](int32_t, int) { return 1.f; });
   r.token_ids[1] = -1;
-  EXPECT_NE(error_of([&] { plan_rbd_source(layout, r.routing()); })
-                .find("[moe dispatch rbd] token id -1"),
+  EXPECT_NE(error_of([&] {
+              plan_rbd_source(layout, r.routing());
+            }).find("[moe dispatch rbd] token id -1"),
             std::string::npos);
   r.token_ids.pop_back();
   EXPECT_NE(error_of([&] { plan_rbd_source(layout, r.routing()); }).find("1 token ids"),

@@ -125,7 +125,9 @@ TEST_F(TrainTest, NonFiniteStepsAreSkippedThenStopTheRun) {
   std::string line;
   while (std::getline(metrics, line)) {
     const auto j = nlohmann::json::parse(line);
-    if (j.contains("loss") && j["step"].get<int>() > good) { EXPECT_TRUE(j["skipped"].get<bool>()); }
+    if (j.contains("loss") && j["step"].get<int>() > good) {
+      EXPECT_TRUE(j["skipped"].get<bool>());
+    }
   }
 }
 

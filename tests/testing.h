@@ -49,10 +49,9 @@ class TempDir {
 /// Writes `count` short English proverbs to `file`, proverb (i * stride) % 4 at position i: a
 /// corpus the training tests prepare and learn in seconds.
 inline void write_proverbs(const std::filesystem::path& file, int count, int stride = 1) {
-  static const char* const lines[] = {"the quick brown fox jumps over the lazy dog. ",
-                                      "a stitch in time saves nine. ",
-                                      "all that glitters is not gold. ",
-                                      "the early bird catches the worm. "};
+  static const char* const lines[] = {
+      "the quick brown fox jumps over the lazy dog. ", "a stitch in time saves nine. ",
+      "all that glitters is not gold. ", "the early bird catches the worm. "};
   std::ofstream text(file);
   for (int i = 0; i < count; ++i) text << lines[(i * stride) % 4];
 }

@@ -44,8 +44,8 @@ inline ModelConfig micro_model(bool moe = true) {
 /// `experts` experts f = 8 top-3 + 1 shared, load-balance loss 0.1, z-loss 0.01 and the
 /// sequence-level loss at `seq_aux` (weighted heavily enough that their gradients matter); the
 /// sigmoid gate with 4 groups, tokens in 2 of them, bias step 0.01.
-inline MoeConfig micro_moe_layer(const std::string& gate, const std::string& dispatch,
-                                 int experts, float seq_aux = 0.f) {
+inline MoeConfig micro_moe_layer(const std::string& gate, const std::string& dispatch, int experts,
+                                 float seq_aux = 0.f) {
   MoeConfig c;
   c.num_experts = experts;
   c.top_k = 3;

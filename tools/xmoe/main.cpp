@@ -4,11 +4,11 @@
 //   xmoe prepare   [--corpus PATH] [--out DIR] [--overwrite]
 //   xmoe config    show | presets | keys
 //   xmoe inspect   CHECKPOINT
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <CLI/CLI.hpp>
 #include <charconv>
 #include <cstdio>
 #include <filesystem>
@@ -30,7 +30,8 @@ using namespace xmoe;
 namespace fs = std::filesystem;
 
 /// The commands with one example each: `xmoe`, `xmoe --help` and a misspelt command show them.
-constexpr const char* kCommands = R"(Commands (xmoe COMMAND --help lists a command's flags and their defaults):
+constexpr const char* kCommands =
+    R"(Commands (xmoe COMMAND --help lists a command's flags and their defaults):
   train      Train a model (default: the tiny preset on the built-in English corpus, CPU)
                xmoe train --set train.steps=200 --set train.out_dir=runs/short
   generate   Sample text from a checkpoint
@@ -65,9 +66,9 @@ size_t distance(const std::string& a, const std::string& b) {
 /// A whole number in [lo, hi], checked with a message in plain words (CLI11's own range check
 /// prints the double limits of the type).
 CLI::Validator whole_number(long long lo, long long hi) {
-  const std::string desc =
-      hi == std::numeric_limits<long long>::max() ? fmt::format("INT >= {}", lo)
-                                                  : fmt::format("INT in [{}, {}]", lo, hi);
+  const std::string desc = hi == std::numeric_limits<long long>::max()
+                               ? fmt::format("INT >= {}", lo)
+                               : fmt::format("INT in [{}, {}]", lo, hi);
   return CLI::Validator(
       [lo, hi](std::string& s) -> std::string {
         long long v = 0;
@@ -119,10 +120,8 @@ void print_config(const Config& c) {
 void inspect(const std::string& dir) {
   const train::Checkpoint ckpt = train::load_checkpoint(dir);
   std::printf("checkpoint %s (verified: sizes and checksums match the manifest)\n", dir.c_str());
-  std::printf("step %d, data position %llu, saved by %d rank(s)\n",
-              ckpt.state.value("step", 0),
-              static_cast<unsigned long long>(ckpt.state.value("data_position", 0ull)),
-              ckpt.world);
+  std::printf("step %d, data position %llu, saved by %d rank(s)\n", ckpt.state.value("step", 0),
+              static_cast<unsigned long long>(ckpt.state.value("data_position", 0ull)), ckpt.world);
   int64_t total = 0;
   for (const auto& [name, t] : ckpt.tensors) {
     std::printf("  %-48s %s\n", name.c_str(), t.str().c_str());
@@ -168,10 +167,11 @@ void run_train(const ConfigArgs& args, const train::TrainOptions& opts) {
     }
   }
   const ParamCount n = count_parameters(config.model);
-  spdlog::info("model: {:.2f}M parameters ({:.2f}M active), {} layers, {} experts top-{}, run "
-               "folder {}",
-               n.total / 1e6, n.active / 1e6, config.model.num_layers,
-               config.model.moe.num_experts, config.model.moe.top_k, config.train.out_dir);
+  spdlog::info(
+      "model: {:.2f}M parameters ({:.2f}M active), {} layers, {} experts top-{}, run "
+      "folder {}",
+      n.total / 1e6, n.active / 1e6, config.model.num_layers, config.model.moe.num_experts,
+      config.model.moe.top_k, config.train.out_dir);
   const train::TrainResult r = train::train(config, opts);
   if (!r.evals.empty())
     spdlog::info("final validation loss {:.4f} nats/token after {} steps ({:.1f} s); checkpoint {}",
@@ -191,8 +191,7 @@ bool unknown_command(int argc, char** argv) {
   for (const std::string& c : kCommandNames)
     if (distance(given, c) < distance(given, best)) best = c;
   std::fprintf(stderr, "xmoe: error: unknown command '%s'%s\n\n%s\n", given.c_str(),
-               distance(given, best) <= 3 ? fmt::format(" (did you mean '{}'?)", best).c_str()
-                                          : "",
+               distance(given, best) <= 3 ? fmt::format(" (did you mean '{}'?)", best).c_str() : "",
                kCommands);
   return true;
 }
@@ -226,9 +225,10 @@ int main(int argc, char** argv) {
                       "Start over in a train.out_dir that holds a run (deletes its checkpoints, "
                       "metrics and config)");
   train_cmd->add_flag("--quiet", quiet, "No progress line");
-  train_cmd->add_option("--stop-after", train_opts.stop_after,
-                        "Stop after this step (with a checkpoint), as if interrupted; -1 = "
-                        "train.steps")
+  train_cmd
+      ->add_option("--stop-after", train_opts.stop_after,
+                   "Stop after this step (with a checkpoint), as if interrupted; -1 = "
+                   "train.steps")
       ->check(at_least(-1));
   train_cmd->footer(
       "Examples:\n"
@@ -240,7 +240,8 @@ int main(int argc, char** argv) {
   train::GenerateOptions gen;
   std::string gen_checkpoint;
   auto* gen_cmd = app.add_subcommand("generate", "Sample text from a checkpoint");
-  gen_cmd->add_option("--checkpoint", gen_checkpoint, "Checkpoint folder or run folder")->required();
+  gen_cmd->add_option("--checkpoint", gen_checkpoint, "Checkpoint folder or run folder")
+      ->required();
   gen_cmd->add_option("--prompt", gen.prompt, "Text to continue");
   gen_cmd->add_option("--tokens", gen.max_new_tokens, "Tokens to sample")
       ->check(whole_number(1, 1 << 20));
@@ -248,30 +249,35 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--top-k", gen.top_k, "Sample from the k most likely (0 = all)")
       ->check(at_least(0));
   gen_cmd->add_option("--seed", gen.seed, "Sampling seed")->check(at_least(0));
-  gen_cmd->footer("Example:\n  xmoe generate --checkpoint runs/default --prompt \"The meaning of "
-                  "life\" --tokens 200");
+  gen_cmd->footer(
+      "Example:\n  xmoe generate --checkpoint runs/default --prompt \"The meaning of "
+      "life\" --tokens 200");
 
   DataConfig prep = Config{}.data;
   bool prep_overwrite = false;
   auto* prep_cmd = app.add_subcommand("prepare", "Tokenise a text corpus into train.bin/val.bin");
   prep_cmd->add_option("--corpus", prep.corpus, "Text file or folder of text files");
   prep_cmd->add_option("--out", prep.dir, "Output folder");
-  prep_cmd->add_option("--val-fraction", prep.val_fraction, "Last fraction of tokens for validation")
+  prep_cmd
+      ->add_option("--val-fraction", prep.val_fraction, "Last fraction of tokens for validation")
       ->check(CLI::Range(0.0, 0.5));
   prep_cmd->add_flag("--overwrite", prep_overwrite,
                      "Replace token files already in the output folder");
-  prep_cmd->footer("Example:\n  xmoe prepare --corpus my_texts/ --out data/mine\n"
-                   "  xmoe train --set data.dir=data/mine --set train.out_dir=runs/mine");
+  prep_cmd->footer(
+      "Example:\n  xmoe prepare --corpus my_texts/ --out data/mine\n"
+      "  xmoe train --set data.dir=data/mine --set train.out_dir=runs/mine");
 
   ConfigArgs show_cfg;
   auto* config_cmd = app.add_subcommand("config", "Show configurations, presets and keys");
   config_cmd->require_subcommand(1);
-  auto* show_cmd = config_cmd->add_subcommand("show", "Print the resolved config and parameter counts");
+  auto* show_cmd =
+      config_cmd->add_subcommand("show", "Print the resolved config and parameter counts");
   show_cfg.add_to(show_cmd);
   auto* presets_cmd = config_cmd->add_subcommand("presets", "List the presets");
   auto* keys_cmd = config_cmd->add_subcommand("keys", "Print the config reference (Markdown)");
-  config_cmd->footer("Examples:\n  xmoe config show --preset moe-1b --set model.moe.top_k=8\n"
-                     "  xmoe config presets\n  xmoe config keys > keys.md");
+  config_cmd->footer(
+      "Examples:\n  xmoe config show --preset moe-1b --set model.moe.top_k=8\n"
+      "  xmoe config presets\n  xmoe config keys > keys.md");
 
   std::string inspect_dir;
   auto* inspect_cmd = app.add_subcommand("inspect", "Verify a checkpoint and list its contents");

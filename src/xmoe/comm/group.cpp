@@ -5,8 +5,8 @@
 #include <mutex>
 #include <numeric>
 
-#include "xmoe/core/device_api.h"
 #include "xmoe/comm/mpi/mpi_group.h"
+#include "xmoe/core/device_api.h"
 
 namespace xmoe::comm {
 
@@ -65,8 +65,7 @@ Tensor Group::all_gather(const Tensor& t) {
 Tensor Group::reduce_scatter(const Tensor& t) {
   check_tensor(t, "reduce_scatter");
   XMOE_CHECK(t.dim() >= 1 && t.size(0) % size() == 0,
-             "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(),
-             size());
+             "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(), size());
   Shape shape = t.shape();
   shape[0] /= size();
   Tensor out = Tensor::empty(shape, t.dtype(), t.device());
@@ -116,8 +115,7 @@ std::vector<int64_t> Group::all_to_all_counts(std::span<const int64_t> send) {
 
 void Group::broadcast(Tensor& t, int root) {
   check_tensor(t, "broadcast");
-  XMOE_CHECK(root >= 0 && root < size(), "[broadcast] root {} outside a group of {}", root,
-             size());
+  XMOE_CHECK(root >= 0 && root < size(), "[broadcast] root {} outside a group of {}", root, size());
   do_broadcast(t, root);
   ++counters_.calls[ByteCounters::broadcast];
   if (rank() == root)
@@ -150,8 +148,7 @@ class SingleGroup final : public Group {
   void do_all_gather(const Tensor& t, Tensor& out) override { out.copy_from(t); }
   void do_reduce_scatter(const Tensor& t, Tensor& out) override { out.copy_from(t); }
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                                        std::span<const int64_t> recv_rows,
-                                        Tensor& recv) override {
+                                        std::span<const int64_t> recv_rows, Tensor& recv) override {
     XMOE_CHECK(recv_rows[0] == send_rows[0],
                "[all_to_all_v] single-process group: counts must be [{}], got send {} recv {}",
                send.size(0), send_rows[0], recv_rows[0]);
@@ -169,12 +166,14 @@ std::shared_ptr<Group> world_group;
 
 }  // namespace
 
-std::shared_ptr<Group> make_single_group() { return std::make_shared<SingleGroup>(); }
+std::shared_ptr<Group> make_single_group() {
+  return std::make_shared<SingleGroup>();
+}
 
 // The launcher's own variables, not xmoe knobs: those are declared in core/env.cpp.
 bool launched_by_mpi() {
-  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
-                        "SLURM_NTASKS"}) {
+  for (const char* v :
+       {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS"}) {
     if (std::getenv(v)) return true;
   }
   return false;

@@ -24,7 +24,15 @@ enum class ReduceOp : uint8_t { sum, max, min };
 /// internal algorithm. Messages to oneself are not counted.
 struct ByteCounters {
   /// counts: the metadata exchange (all_to_all_counts) that precedes an all_to_all_v.
-  enum Kind : int { all_to_all, counts, all_gather, reduce_scatter, all_reduce, broadcast, num_kinds };
+  enum Kind : int {
+    all_to_all,
+    counts,
+    all_gather,
+    reduce_scatter,
+    all_reduce,
+    broadcast,
+    num_kinds
+  };
   std::array<std::array<int64_t, 2>, num_kinds> bytes{};  // [kind][LinkClass]
   std::array<int64_t, num_kinds> calls{};
 

@@ -665,8 +665,10 @@ void validate(const Config& c) {
     fail("parallel.tp = {}: tensor parallelism is not implemented yet; set parallel.tp = 1",
          c.parallel.tp);
   if (moe.gate == "xmoe" && moe.router_dtype != "f32")
-    fail("model.moe.router_dtype = \"{}\" applies to the linear routers; the xmoe cosine "
-         "router runs in f32", moe.router_dtype);
+    fail(
+        "model.moe.router_dtype = \"{}\" applies to the linear routers; the xmoe cosine "
+        "router runs in f32",
+        moe.router_dtype);
   if (moe.gate == "switch" && moe.top_k != 1)
     fail("model.moe.gate = \"switch\" routes to one expert but model.moe.top_k = {}", moe.top_k);
   if (moe.gate == "sigmoid" && moe.num_groups > 0 && moe.topk_groups > 0) {

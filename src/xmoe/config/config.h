@@ -33,8 +33,8 @@ struct MoeConfig {
   float seq_aux_loss_weight = 0.0f;  ///< sequence-level balance loss
   float z_loss_weight = 0.0f;        ///< router z-loss
   // implementation
-  std::string impl = "pft";        ///< pft (padding-free) | padded (capacity, drops overflow)
-  float capacity_factor = 1.25f;   ///< padded only
+  std::string impl = "pft";       ///< pft (padding-free) | padded (capacity, drops overflow)
+  float capacity_factor = 1.25f;  ///< padded only
   std::string dispatch = "auto";  ///< auto | local | all_to_all | rbd
   /// f32 | bf16: dtype of the routed experts' weight gradients (the master weights stay f32)
   std::string expert_grad_dtype = "f32";
@@ -101,7 +101,7 @@ struct ParallelConfig {
   int tp = 1;              ///< tensor-parallel degree; must be 1 (not implemented yet)
   int ranks_per_node = 0;  ///< 0 = detect; >0 declares simulated nodes
   std::string expert_placement = "none";  ///< none | affinity
-  int placement_batches = 8;  ///< batches recorded to choose the affinity placement
+  int placement_batches = 8;              ///< batches recorded to choose the affinity placement
 
   bool operator==(const ParallelConfig&) const = default;
 };

@@ -12,7 +12,9 @@ MemoryStats Allocator::stats() const {
   return {live_.load(), peak_.load(), total_.load(), count_.load()};
 }
 
-void Allocator::reset_peak() { peak_.store(live_.load()); }
+void Allocator::reset_peak() {
+  peak_.store(live_.load());
+}
 
 void Allocator::record_alloc(size_t bytes) {
   const int64_t live = live_.fetch_add(static_cast<int64_t>(bytes)) + static_cast<int64_t>(bytes);
@@ -23,7 +25,9 @@ void Allocator::record_alloc(size_t bytes) {
   count_.fetch_add(1);
 }
 
-void Allocator::record_free(size_t bytes) { live_.fetch_sub(static_cast<int64_t>(bytes)); }
+void Allocator::record_free(size_t bytes) {
+  live_.fetch_sub(static_cast<int64_t>(bytes));
+}
 
 namespace {
 
@@ -55,8 +59,12 @@ Allocator& allocator_for(Device device) {
   return backend::cuda_allocator(device.index);
 }
 
-MemoryStats memory_stats(Device device) { return allocator_for(device).stats(); }
-void reset_peak_memory(Device device) { allocator_for(device).reset_peak(); }
+MemoryStats memory_stats(Device device) {
+  return allocator_for(device).stats();
+}
+void reset_peak_memory(Device device) {
+  allocator_for(device).reset_peak();
+}
 
 PeakMemoryScope::PeakMemoryScope(Device device) : device_(device) {
   reset_peak_memory(device);

@@ -29,25 +29,53 @@ bool rank_colon_step(std::string_view v) {
 // (core/profile.cpp), before this file's globals would exist.
 const std::vector<Knob>& knobs() {
   static const std::vector<Knob> table = {
-      {"XMOE_PROFILE", Kind::flag, "0", {"0", "1"},
+      {"XMOE_PROFILE",
+       Kind::flag,
+       "0",
+       {"0", "1"},
        "the region profiler starts on; xmoe train prints its table at exit (slower steps: each "
        "region boundary synchronises the device)"},
-      {"XMOE_CUDA_CHECK_INDICES", Kind::flag, "0", {"0", "1"},
+      {"XMOE_CUDA_CHECK_INDICES",
+       Kind::flag,
+       "0",
+       {"0", "1"},
        "gather_rows / scatter_add_rows check their CUDA indices on the host (one wait per call)"},
-      {"XMOE_INJECT_FAULT", Kind::text, "", {"R:S (two integers >= 0)"},
-       "rank R fails at step S: the test of how a job stops", rank_colon_step},
-      {"XMOE_GROUPED_GEMM", Kind::choice, "cutlass", {"cutlass", "cublas"},
+      {"XMOE_INJECT_FAULT",
+       Kind::text,
+       "",
+       {"R:S (two integers >= 0)"},
+       "rank R fails at step S: the test of how a job stops",
+       rank_colon_step},
+      {"XMOE_GROUPED_GEMM",
+       Kind::choice,
+       "cutlass",
+       {"cutlass", "cublas"},
        "the expert grouped GEMMs: the CUTLASS sm90 kernels where they apply, or cuBLAS"},
-      {"XMOE_WEIGHT_GRAD_PIECE_ROWS", Kind::integer, "", {"an integer >= 0"},
+      {"XMOE_WEIGHT_GRAD_PIECE_ROWS",
+       Kind::integer,
+       "",
+       {"an integer >= 0"},
        "rows per piece when the sm90 weight gradient cuts long expert groups (0: never cut; "
        "unset: automatic)"},
-      {"XMOE_SM90_RASTER", Kind::choice, "m", {"m", "n"},
+      {"XMOE_SM90_RASTER",
+       Kind::choice,
+       "m",
+       {"m", "n"},
        "the axis along which the sm90 grouped GEMMs' scheduler walks each group's output tiles"},
-      {"XMOE_SM90_SWIZZLE", Kind::choice, "1", {"1", "2", "4", "8"},
+      {"XMOE_SM90_SWIZZLE",
+       Kind::choice,
+       "1",
+       {"1", "2", "4", "8"},
        "strips of that many tiles across the raster for the sm90 grouped GEMMs' scheduler"},
-      {"XMOE_ATTENTION", Kind::choice, "cudnn", {"cudnn", "native"},
+      {"XMOE_ATTENTION",
+       Kind::choice,
+       "cudnn",
+       {"cudnn", "native"},
        "bf16 attention on cuDNN's fused kernels or on xmoe's own"},
-      {"XMOE_ATTENTION_DETERMINISTIC", Kind::flag, "1", {"0", "1"},
+      {"XMOE_ATTENTION_DETERMINISTIC",
+       Kind::flag,
+       "1",
+       {"0", "1"},
        "0: cuDNN's attention backward may accumulate with atomics (faster, not bitwise "
        "repeatable)"},
   };
@@ -78,8 +106,7 @@ const char* value_of(const Knob& k) {
 }
 
 [[noreturn]] void bad_value(const Knob& k, const char* value) {
-  XMOE_FAIL("[env] {} = '{}': expected {}. {}: {}", k.name, value, joined(k.values), k.name,
-            k.doc);
+  XMOE_FAIL("[env] {} = '{}': expected {}. {}: {}", k.name, value, joined(k.values), k.name, k.doc);
 }
 
 bool one_of(const Knob& k, std::string_view v) {
@@ -93,17 +120,22 @@ bool one_of(const Knob& k, std::string_view v) {
 const Knob& knob(std::string_view name) {
   for (const Knob& k : knobs())
     if (name == k.name) return k;
-  XMOE_FAIL("[env] {} is not in the table of environment variables (core/env.cpp): declare it "
-            "there and in docs/training.md",
-            name);
+  XMOE_FAIL(
+      "[env] {} is not in the table of environment variables (core/env.cpp): declare it "
+      "there and in docs/training.md",
+      name);
 }
 
 const char* kind_name(Kind kind) {
   switch (kind) {
-    case Kind::flag: return "flag";
-    case Kind::choice: return "choice";
-    case Kind::integer: return "integer";
-    case Kind::text: return "text";
+    case Kind::flag:
+      return "flag";
+    case Kind::choice:
+      return "choice";
+    case Kind::integer:
+      return "integer";
+    case Kind::text:
+      return "text";
   }
   return "?";
 }

@@ -24,9 +24,9 @@ enum class Kind : uint8_t {
 };
 
 struct Knob {
-  const char* name;           ///< XMOE_...
+  const char* name;  ///< XMOE_...
   Kind kind;
-  const char* default_value;  ///< what unset means: a value, or "" (none: the caller decides)
+  const char* default_value;        ///< what unset means: a value, or "" (none: the caller decides)
   std::vector<std::string> values;  ///< what it takes: the choices, or a format in words
   const char* doc;                  ///< one line
   /// text only: whether a value has the documented format

@@ -18,10 +18,10 @@ class Error : public std::runtime_error {
 }  // namespace xmoe
 
 /// XMOE_CHECK(cond, "[op] fmt {}", args...): throws xmoe::Error with the formatted message.
-#define XMOE_CHECK(cond, ...)                                                       \
-  do {                                                                              \
-    if (!(cond)) [[unlikely]]                                                       \
-      ::xmoe::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__));          \
+#define XMOE_CHECK(cond, ...)                                              \
+  do {                                                                     \
+    if (!(cond)) [[unlikely]]                                              \
+      ::xmoe::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
   } while (0)
 
 #define XMOE_FAIL(...) ::xmoe::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__))

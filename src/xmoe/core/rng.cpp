@@ -15,7 +15,9 @@ inline void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
   lo = static_cast<uint32_t>(p);
 }
 
-inline float to_unit(uint32_t x) { return static_cast<float>(x >> 8) * (1.0f / 16777216.0f); }
+inline float to_unit(uint32_t x) {
+  return static_cast<float>(x >> 8) * (1.0f / 16777216.0f);
+}
 
 }  // namespace
 
@@ -70,8 +72,7 @@ void fill_normal(Tensor& t, uint64_t seed, uint64_t stream, float std, float mea
     p[i] = mean + std * Philox::normal(seed, stream, offset + static_cast<uint64_t>(i));
 }
 
-void fill_uniform(Tensor& t, uint64_t seed, uint64_t stream, float lo, float hi,
-                  uint64_t offset) {
+void fill_uniform(Tensor& t, uint64_t seed, uint64_t stream, float lo, float hi, uint64_t offset) {
   XMOE_CHECK(t.is_cpu() && t.dtype() == DType::f32,
              "[fill_uniform] needs an f32 CPU tensor, got {}", t.str());
   float* p = t.data<float>();

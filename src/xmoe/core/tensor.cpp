@@ -2,8 +2,8 @@
 
 #include <cstring>
 
-#include "xmoe/core/device_api.h"
 #include "xmoe/core/allocator.h"
+#include "xmoe/core/device_api.h"
 
 namespace xmoe {
 
@@ -26,7 +26,9 @@ Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   data_ = allocator_for(device).allocate(bytes);
 }
 
-Storage::~Storage() { allocator_for(device_).deallocate(data_, bytes_); }
+Storage::~Storage() {
+  allocator_for(device_).deallocate(data_, bytes_);
+}
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   Tensor t;
@@ -114,7 +116,9 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   return t;
 }
 
-Tensor Tensor::clone() const { return to(device_); }
+Tensor Tensor::clone() const {
+  return to(device_);
+}
 
 Tensor Tensor::to(Device device) const {
   Tensor t = empty(shape_, dtype_, device);
@@ -157,7 +161,8 @@ void Tensor::fill_(float value) {
   for (int64_t i = 0; i < numel_; ++i) p[i] = value;
 }
 
-template <typename T> std::vector<T> Tensor::to_vector() const {
+template <typename T>
+std::vector<T> Tensor::to_vector() const {
   XMOE_CHECK(dtype_of<T>() == dtype_, "[to_vector] asked for {} from a {} tensor",
              dtype_name(dtype_of<T>()), dtype_name(dtype_));
   std::vector<T> out(static_cast<size_t>(numel_));
@@ -176,12 +181,18 @@ double Tensor::item(int64_t i) const {
   XMOE_CHECK(i >= 0 && i < numel_, "[item] index {} out of range for {}", i, str());
   Tensor one = reshape({-1}).rows(i, i + 1).to(Device::cpu());
   switch (dtype_) {
-    case DType::f32: return *one.data<float>();
-    case DType::bf16: return static_cast<float>(*one.data<bf16>());
-    case DType::i32: return *one.data<int32_t>();
-    case DType::i64: return static_cast<double>(*one.data<int64_t>());
-    case DType::u8: return *one.data<uint8_t>();
-    case DType::f64: return *one.data<double>();
+    case DType::f32:
+      return *one.data<float>();
+    case DType::bf16:
+      return static_cast<float>(*one.data<bf16>());
+    case DType::i32:
+      return *one.data<int32_t>();
+    case DType::i64:
+      return static_cast<double>(*one.data<int64_t>());
+    case DType::u8:
+      return *one.data<uint8_t>();
+    case DType::f64:
+      return *one.data<double>();
   }
   return 0;
 }
@@ -192,8 +203,7 @@ std::string Tensor::str() const {
 
 void check_shape(const Tensor& t, const Shape& shape, const char* op, const char* name) {
   bool ok = t.dim() == static_cast<int64_t>(shape.size());
-  for (size_t i = 0; ok && i < shape.size(); ++i)
-    ok = shape[i] < 0 || shape[i] == t.shape()[i];
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || shape[i] == t.shape()[i];
   XMOE_CHECK(ok, "[{}] {} has shape {}, expected {}", op, name, shape_str(t.shape()),
              shape_str(shape));
 }
@@ -215,7 +225,11 @@ Device parse_device(const std::string& name) {
   XMOE_FAIL("[device] unknown device '{}' (expected cpu, cuda or cuda:N)", name);
 }
 
-int cuda_device_count() { return backend::cuda_device_count(); }
-bool cuda_available() { return backend::cuda_available(); }
+int cuda_device_count() {
+  return backend::cuda_device_count();
+}
+bool cuda_available() {
+  return backend::cuda_available();
+}
 
 }  // namespace xmoe

@@ -61,15 +61,16 @@ class Tensor {
   bool is_cpu() const { return device_.is_cpu(); }
 
   void* raw() const;
-  template <typename T> T* data() const {
+  template <typename T>
+  T* data() const {
     XMOE_CHECK(dtype_of<T>() == dtype_, "[tensor] data<{}>() on a {} tensor",
                dtype_name(dtype_of<T>()), dtype_name(dtype_));
     return static_cast<T*>(raw());
   }
   /// Host-side element view (CPU tensors only).
-  template <typename T> std::span<T> span() const {
-    XMOE_CHECK(is_cpu(), "[tensor] span() on a {} tensor; copy it to the CPU first",
-               device_.str());
+  template <typename T>
+  std::span<T> span() const {
+    XMOE_CHECK(is_cpu(), "[tensor] span() on a {} tensor; copy it to the CPU first", device_.str());
     return {data<T>(), static_cast<size_t>(numel_)};
   }
 
@@ -90,7 +91,8 @@ class Tensor {
   void fill_(float value);
 
   /// Host copy of the elements (any device).
-  template <typename T> std::vector<T> to_vector() const;
+  template <typename T>
+  std::vector<T> to_vector() const;
   /// Single f32/i32/i64 element as double (host copy of one element).
   double item(int64_t flat_index = 0) const;
 

@@ -24,7 +24,6 @@ struct RecomputeOptions {
 /// Parses ModelConfig::recompute; throws on an unknown entry.
 RecomputeOptions parse_recompute(const std::vector<std::string>& names);
 
-
 class TransformerBlock : public Module {
  public:
   /// Layer `index` of a model: parameters "layers.{index}.attn_norm.weight",

@@ -17,7 +17,7 @@ Tensor DenseFFN::forward(const Tensor& x, int64_t /*seq_len*/) {
   check_shape(x, {-1, gate_up_.value.size(0)}, "dense_ffn", "x");
   ProfileScope scope("block.ffn.fwd", x.device());
   x_ = x;
-  Tensor h = ops::matmul(x, gate_up_.compute());  // [T, 2h]
+  Tensor h = ops::matmul(x, gate_up_.compute());                // [T, 2h]
   Tensor y = ops::matmul_f32(ops::swiglu(h), down_.compute());  // f32: joins the residual stream
   if (!recompute_) h_ = h;
   return y;

@@ -38,8 +38,7 @@ class MoEFFN : public FeedForward {
 std::unique_ptr<FeedForward> make_moe_ffn(const MoeConfig& cfg, int64_t d_model, std::string prefix,
                                           uint64_t seed, float init_std, float out_std,
                                           const parallel::Layout* layout) {
-  return std::make_unique<MoEFFN>(cfg, d_model, std::move(prefix), seed, init_std, out_std,
-                                  layout);
+  return std::make_unique<MoEFFN>(cfg, d_model, std::move(prefix), seed, init_std, out_std, layout);
 }
 
 }  // namespace xmoe::model

@@ -131,8 +131,8 @@ class AllToAllDispatcher final : public Dispatcher {
  private:
   static void check(const Tensor& t, int64_t rows, const char* what, const char* name) {
     XMOE_CHECK(t.dim() == 2 && t.size(0) == rows,
-               "[moe dispatch all_to_all {}] {} is {}, the handle has {} rows", what, name,
-               t.str(), rows);
+               "[moe dispatch all_to_all {}] {} is {}, the handle has {} rows", what, name, t.str(),
+               rows);
   }
 
   /// recv_layout (expert order <- arrival) and its inverse from the per-(source, expert) counts.
@@ -166,9 +166,10 @@ class AllToAllDispatcher final : public Dispatcher {
 }  // namespace
 
 Tensor Dispatcher::combine_weights_grad(const DispatchHandle&) const {
-  XMOE_FAIL("[moe dispatch {}] combine_weights_grad: this dispatcher does not reduce in combine "
-            "(the I-Order stage computes the combine weights' gradient)",
-            name());
+  XMOE_FAIL(
+      "[moe dispatch {}] combine_weights_grad: this dispatcher does not reduce in combine "
+      "(the I-Order stage computes the combine weights' gradient)",
+      name());
 }
 
 DispatchRegistry& dispatch_registry() {

@@ -27,7 +27,8 @@ namespace {
 
 constexpr const char* kOp = "moe dispatch rbd";
 
-template <class T> Tensor vector_tensor(const std::vector<T>& v, Device device) {
+template <class T>
+Tensor vector_tensor(const std::vector<T>& v, Device device) {
   return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}, device);
 }
 
@@ -129,16 +130,16 @@ RbdPlan RbdDispatcher::make_plan(const RbdRouting& routing) {
   // Stage-2 metadata inside the node.
   const RbdPilotPlan& pilot = plan.pilot;
   std::vector<int64_t> replica_recv = node_group_->all_to_all_counts(pilot.replica_send);
-  const Tensor meta2 = node_group_->all_to_all_v(
-      meta_tensor(pilot.stage2_meta, kRbdStage2Width), pilot.replica_send, replica_recv);
+  const Tensor meta2 = node_group_->all_to_all_v(meta_tensor(pilot.stage2_meta, kRbdStage2Width),
+                                                 pilot.replica_send, replica_recv);
   plan.owner = plan_rbd_owner(layout_, std::move(replica_recv), meta_span(meta2));
   return plan;
 }
 
 DispatchResult RbdDispatcher::dispatch(const Tensor& rows, std::span<const int64_t> tpe,
                                        const RowInfo& info) {
-  XMOE_CHECK(static_cast<int64_t>(tpe.size()) == num_experts_, "[{}] {} counts for {} experts",
-             kOp, tpe.size(), num_experts_);
+  XMOE_CHECK(static_cast<int64_t>(tpe.size()) == num_experts_, "[{}] {} counts for {} experts", kOp,
+             tpe.size(), num_experts_);
   XMOE_CHECK(rows.dim() == 2, "[{}] rows must be [N, d], got {}", kOp, rows.str());
   const int64_t N = std::accumulate(tpe.begin(), tpe.end(), int64_t{0});
   XMOE_CHECK(rows.size(0) == N, "[{}] counts sum to {} rows but rows is {}", kOp, N, rows.str());
@@ -180,8 +181,8 @@ DispatchResult RbdDispatcher::dispatch(const Tensor& rows, std::span<const int64
   h.group_tokens = vector_tensor(src.group_tokens, dev);
 
   // Stage 1: the pilots across nodes; stage 2: the replicas inside the node.
-  Tensor pilots = group_->all_to_all_v(xmoe::ops::gather_rows(rows, st.pilot_rows),
-                                       src.group_send, pilot.group_recv);  // [G_recv, d]
+  Tensor pilots = group_->all_to_all_v(xmoe::ops::gather_rows(rows, st.pilot_rows), src.group_send,
+                                       pilot.group_recv);  // [G_recv, d]
   Tensor arrival = node_group_->all_to_all_v(xmoe::ops::gather_rows(pilots, st.replica_group),
                                              pilot.replica_send, owner.replica_recv);  // [R, d]
   result.rows = xmoe::ops::gather_rows(arrival, h.recv_layout);  // expert-major
@@ -196,8 +197,8 @@ Tensor RbdDispatcher::combine(const Tensor& expert_out, const DispatchHandle& h)
   Tensor arrival = xmoe::ops::gather_rows(expert_out, h.arrival_layout);
   st.member_out = node_group_->all_to_all_v(arrival, pl.owner.replica_recv, pl.pilot.replica_send);
   // pilot: weighted sum per group, members added in expert order.
-  Tensor partial = Tensor::zeros({pl.pilot.num_groups(), expert_out.size(1)}, DType::f32,
-                                 expert_out.device());
+  Tensor partial =
+      Tensor::zeros({pl.pilot.num_groups(), expert_out.size(1)}, DType::f32, expert_out.device());
   xmoe::ops::scatter_add_rows(partial, st.member_out, st.replica_group, st.replica_weight);
   // pilot -> source: one row per (token, node).
   return group_->all_to_all_v(partial, pl.pilot.group_recv, pl.source.group_send);  // [G, d]

@@ -66,10 +66,10 @@ std::unique_ptr<Dispatcher> make_rbd_dispatcher(const DispatchConfig& config);
 /// the plan's index tensors for the row kernels, and what combine saved for backward.
 struct RbdState {
   RbdPlan plan;
-  Tensor pilot_rows;      ///< i32 [G] plan.source.pilot_rows
-  Tensor replica_group;   ///< i32 [M] plan.pilot.replica_group
-  Tensor replica_weight;  ///< f32 [M] plan.pilot.replica_weight
-  Tensor member_out;      ///< [M, d] the replicas' expert outputs (combine saves; for d_w)
+  Tensor pilot_rows;         ///< i32 [G] plan.source.pilot_rows
+  Tensor replica_group;      ///< i32 [M] plan.pilot.replica_group
+  Tensor replica_weight;     ///< f32 [M] plan.pilot.replica_weight
+  Tensor member_out;         ///< [M, d] the replicas' expert outputs (combine saves; for d_w)
   Tensor d_combine_weights;  ///< f32 [N] (RowInfo order), combine_backward's result
 };
 

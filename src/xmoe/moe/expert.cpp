@@ -13,13 +13,14 @@ class SwigluExperts final : public Experts {
  public:
   explicit SwigluExperts(const ExpertArgs& a) : recompute_(a.recompute), chunks_(a.chunks) {
     XMOE_CHECK(a.chunks >= 0, "[moe] moe.expert_chunks = {} must be >= 0", a.chunks);
-    XMOE_CHECK(a.num_local >= 0 && a.first_expert >= 0 &&
-                   a.first_expert + a.num_local <= a.num_experts,
-               "[moe experts] local experts [{}, {}) outside [0, {})", a.first_expert,
-               a.first_expert + a.num_local, a.num_experts);
+    XMOE_CHECK(
+        a.num_local >= 0 && a.first_expert >= 0 && a.first_expert + a.num_local <= a.num_experts,
+        "[moe experts] local experts [{}, {}) outside [0, {})", a.first_expert,
+        a.first_expert + a.num_local, a.num_experts);
     XMOE_CHECK(a.hidden >= 1, "[moe] moe.expert_hidden = {} must be >= 1", a.hidden);
-    gate_up_ = Parameter::make(a.prefix + ".experts.gate_up", {a.num_local, a.d_model, 2 * a.hidden},
-                               ParamKind::expert, true, a.grad_dtype);
+    gate_up_ =
+        Parameter::make(a.prefix + ".experts.gate_up", {a.num_local, a.d_model, 2 * a.hidden},
+                        ParamKind::expert, true, a.grad_dtype);
     down_ = Parameter::make(a.prefix + ".experts.down", {a.num_local, a.hidden, a.d_model},
                             ParamKind::expert, true, a.grad_dtype);
     for (Parameter* p : {&gate_up_, &down_}) {
@@ -35,12 +36,12 @@ class SwigluExperts final : public Experts {
 
   Tensor forward(Tensor rows, std::span<const int64_t> group_sizes) override {
     groups_.assign(group_sizes.begin(), group_sizes.end());
-    num_rows_ = rows.size(0);                                                       // [N, d]
+    num_rows_ = rows.size(0);  // [N, d]
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
     // where there are none), kept for backward; the weight gradients are f32 or bf16.
     wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), rows.dtype());
     wd_ = xmoe::ops::as_dtype(down_.compute(), rows.dtype());
-    Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);                       // [N, 2f]
+    Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);  // [N, 2f]
     rows_ = regather_ ? Tensor() : rows;
     rows = Tensor();  // gone here if the caller moved it in and backward can regather it
     Tensor out = Tensor::empty({num_rows_, wd_.size(2)}, h.dtype(), h.device());
@@ -71,15 +72,15 @@ class SwigluExperts final : public Experts {
       xmoe::ops::grouped_matmul_weight_grad(dwd_c, xmoe::ops::swiglu(h_c), dout_c, sizes,
                                             accumulate_down);
       Tensor da = xmoe::ops::grouped_matmul(dout_c, wd_.rows(c.group_begin, c.group_end), sizes,
-                                            true);                                 // [n_c, f]
-      xmoe::ops::swiglu_backward_(h_c, da);                                        // [n_c, 2f]
+                                            true);  // [n_c, f]
+      xmoe::ops::swiglu_backward_(h_c, da);         // [n_c, 2f]
     }
     dout = Tensor();
     xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, input_rows(), dh, groups_,
                                           !gate_up_.take_grad_overwrite());
     rows_ = Tensor();  // so d_rows [N, d] takes its place rather than adding to it
     regather_ = nullptr;
-    return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);                        // [N, d]
+    return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);  // [N, d]
   }
 
   // Peaks in units of N elements, C chunks: forward holds rows, h, out and one chunk's a,
@@ -152,7 +153,7 @@ class SwigluExperts final : public Experts {
   }
 
   bool recompute_;
-  int chunks_;  // moe.expert_chunks (0: auto)
+  int chunks_;                        // moe.expert_chunks (0: auto)
   std::function<Tensor()> regather_;  // set_input_regather
   Parameter gate_up_, down_;
   std::vector<int64_t> groups_;

@@ -21,8 +21,7 @@ void check_permutation(std::span<const int> perm, int64_t num_experts) {
   }
 }
 
-void permute_expert_tensor(Tensor& t, std::span<const int> perm, ExpertAxis axis,
-                           comm::Group* ep) {
+void permute_expert_tensor(Tensor& t, std::span<const int> perm, ExpertAxis axis, comm::Group* ep) {
   if (t.dtype() == DType::bf16) {  // bf16 gradients (moe.expert_grad_dtype): through f32, exact
     Tensor t32 = xmoe::ops::cast(t, DType::f32);
     permute_expert_tensor(t32, perm, axis, ep);

@@ -36,8 +36,7 @@ enum class ExpertAxis : uint8_t {
 /// Permutes t in place along `axis`. rows: the full [E, ...] tensor is all-gathered over `ep`
 /// (null or size 1: all experts are here), permuted, and this rank keeps its slice (collective).
 /// f32, or bf16 (through f32: exact).
-void permute_expert_tensor(Tensor& t, std::span<const int> perm, ExpertAxis axis,
-                           comm::Group* ep);
+void permute_expert_tensor(Tensor& t, std::span<const int> perm, ExpertAxis axis, comm::Group* ep);
 
 /// The parameters of a gate and its experts that hold experts, in collect_parameters order.
 struct ExpertParameter {
@@ -52,7 +51,8 @@ void permute_expert_state(Gate& gate, Experts& experts, std::span<const int> per
                           std::span<const ExpertRider> riders, comm::Group* ep);
 
 /// out[s] = v[perm[s]] (per-expert counters).
-template <class T> std::vector<T> permuted(const std::vector<T>& v, std::span<const int> perm) {
+template <class T>
+std::vector<T> permuted(const std::vector<T>& v, std::span<const int> perm) {
   std::vector<T> out(v.size());
   for (size_t s = 0; s < perm.size(); ++s) out[s] = v[static_cast<size_t>(perm[s])];
   return out;

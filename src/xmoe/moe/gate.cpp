@@ -25,16 +25,16 @@ int64_t Gate::check_forward_args(const Tensor& x, int64_t seq_len, const Tensor&
   if (x.dtype() != DType::bf16) check_dtype(x, DType::f32, op.c_str(), "x");
   check_shape(x, {-1, d_model_}, op.c_str(), "x");
   const int64_t T = x.size(0);
-  XMOE_CHECK(seq_len >= 1 && T % seq_len == 0,
-             "[{}] {} tokens are not a multiple of seq_len = {}", op, T, seq_len);
+  XMOE_CHECK(seq_len >= 1 && T % seq_len == 0, "[{}] {} tokens are not a multiple of seq_len = {}",
+             op, T, seq_len);
   if (fixed_idx.defined()) {
     check_dtype(fixed_idx, DType::i32, op.c_str(), "fixed_idx");
     check_shape(fixed_idx, {T, top_k_}, op.c_str(), "fixed_idx");
     xmoe::ops::check_same_device(op.c_str(), "fixed_idx", fixed_idx, "x", x);
     if (fixed_idx.is_cpu()) {
       for (int32_t e : fixed_idx.span<int32_t>())
-        XMOE_CHECK(e >= 0 && e < num_experts_, "[{}] fixed_idx holds expert {} outside [0, {})",
-                   op, e, num_experts_);
+        XMOE_CHECK(e >= 0 && e < num_experts_, "[{}] fixed_idx holds expert {} outside [0, {})", op,
+                   e, num_experts_);
     } else {  // a scan on the device and one copy back (frozen routing only)
       xmoe::ops::check_index_values(op.c_str(), "fixed_idx", fixed_idx, num_experts_, false);
     }

@@ -15,27 +15,32 @@ void check_hook(bool callable, std::string_view boundary) {
 bool check_replacement(std::string_view boundary, std::string_view field, const Tensor& was,
                        const Tensor& now) {
   if (!was.defined()) {
-    XMOE_CHECK(!now.defined(), "[moe hooks] {}.{} holds no tensor here (rbd: see moe/stages.h); "
-               "a hook cannot set it", boundary, field);
+    XMOE_CHECK(!now.defined(),
+               "[moe hooks] {}.{} holds no tensor here (rbd: see moe/stages.h); "
+               "a hook cannot set it",
+               boundary, field);
     return false;
   }
   XMOE_CHECK(now.defined(), "[moe hooks] {}.{} replaced by an undefined tensor", boundary, field);
   if (now.shares_storage(was) && now.raw() == was.raw() && now.shape() == was.shape() &&
       now.dtype() == was.dtype())
     return false;
-  XMOE_CHECK(now.shape() == was.shape() && now.dtype() == was.dtype() &&
-                 now.device() == was.device(),
-             "[moe hooks] {}.{} replaced by {}, expected {} (a replacement keeps the shape, dtype "
-             "and device)", boundary, field, now.str(), was.str());
+  XMOE_CHECK(
+      now.shape() == was.shape() && now.dtype() == was.dtype() && now.device() == was.device(),
+      "[moe hooks] {}.{} replaced by {}, expected {} (a replacement keeps the shape, dtype "
+      "and device)",
+      boundary, field, now.str(), was.str());
   return true;
 }
 
 }  // namespace detail
 
 void Hooks::remove(HookId id) {
-  std::apply([id](auto&... lists) {
-    (std::erase_if(lists, [id](const auto& entry) { return entry.first == id; }), ...);
-  }, lists_);
+  std::apply(
+      [id](auto&... lists) {
+        (std::erase_if(lists, [id](const auto& entry) { return entry.first == id; }), ...);
+      },
+      lists_);
 }
 
 void Hooks::clear() {

@@ -30,7 +30,8 @@
 namespace xmoe::moe {
 
 /// A hook on boundary B.
-template <class B> using Hook = std::function<void(B&)>;
+template <class B>
+using Hook = std::function<void(B&)>;
 using HookId = int64_t;
 
 namespace detail {
@@ -45,16 +46,19 @@ bool check_replacement(std::string_view boundary, std::string_view field, const 
 class Hooks {
  public:
   /// Registers fn on boundary B (one of moe/stages.h); returns an id for remove().
-  template <class B> HookId on(Hook<B> fn);
+  template <class B>
+  HookId on(Hook<B> fn);
   void remove(HookId id);
   void clear();
   bool empty() const;
 
   /// Used by the layer: runs B's hooks on `boundary`; true when one replaced a tensor.
-  template <class B> bool run(B& boundary) const;
+  template <class B>
+  bool run(B& boundary) const;
 
  private:
-  template <class B> using List = std::vector<std::pair<HookId, Hook<B>>>;
+  template <class B>
+  using List = std::vector<std::pair<HookId, Hook<B>>>;
   std::tuple<List<LayerIn>, List<GateOut>, List<OrderOut>, List<DispatchOut>, List<ExpertOut>,
              List<CombineOut>, List<IOrderOut>, List<SharedOut>, List<LayerOutGrad>,
              List<SharedGrad>, List<IOrderGrad>, List<CombineGrad>, List<ExpertGrad>,
@@ -63,13 +67,15 @@ class Hooks {
   HookId next_id_ = 1;
 };
 
-template <class B> HookId Hooks::on(Hook<B> fn) {
+template <class B>
+HookId Hooks::on(Hook<B> fn) {
   detail::check_hook(static_cast<bool>(fn), B::kName);
   std::get<List<B>>(lists_).emplace_back(next_id_, std::move(fn));
   return next_id_++;
 }
 
-template <class B> bool Hooks::run(B& boundary) const {
+template <class B>
+bool Hooks::run(B& boundary) const {
   const List<B>& hooks = std::get<List<B>>(lists_);
   if (hooks.empty()) return false;
   const auto fields = boundary.tensors();

@@ -22,8 +22,8 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
   const MoeConfig& c = cfg_;
   XMOE_CHECK(c.num_experts >= 1, "[moe] moe.num_experts = {} must be >= 1", c.num_experts);
   XMOE_CHECK(c.top_k >= 1, "[moe] moe.top_k = {} must be >= 1", c.top_k);
-  XMOE_CHECK(c.top_k <= c.num_experts, "[moe] moe.top_k = {} exceeds moe.num_experts = {}",
-             c.top_k, c.num_experts);
+  XMOE_CHECK(c.top_k <= c.num_experts, "[moe] moe.top_k = {} exceeds moe.num_experts = {}", c.top_k,
+             c.num_experts);
   XMOE_CHECK(c.num_shared_experts >= 0, "[moe] moe.num_shared_experts = {} must be >= 0",
              c.num_shared_experts);
   XMOE_CHECK(d_model >= 1, "[moe] d_model = {} must be >= 1", d_model);
@@ -88,14 +88,17 @@ namespace {
 
 /// Runs a stage under its profiler region ("moe.<stage>.fwd|bwd", a string literal: ProfileScope
 /// keeps it); the hooks on its output run outside, so the region times the stage alone.
-template <class Body> auto timed(const char* region, Device device, Body&& body) {
+template <class Body>
+auto timed(const char* region, Device device, Body&& body) {
   ProfileScope scope(region, device);
   return body();
 }
 
 /// Moves a boundary's tensor out to the stage that reads it: the layer keeps no reference once
 /// that stage is done, so the tensor goes as soon as nothing else holds it.
-Tensor take(Tensor& t) { return std::exchange(t, Tensor()); }
+Tensor take(Tensor& t) {
+  return std::exchange(t, Tensor());
+}
 
 }  // namespace
 
@@ -104,12 +107,12 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   xmoe::ops::check_float("moe", "x", x_in);
   check_shape(x_in, {-1, d_model_}, "moe", "x");
   const int64_t T = x_in.size(0);
-  XMOE_CHECK(seq_len >= 1 && T % seq_len == 0,
-             "[moe] {} tokens are not a multiple of seq_len = {}", T, seq_len);
+  XMOE_CHECK(seq_len >= 1 && T % seq_len == 0, "[moe] {} tokens are not a multiple of seq_len = {}",
+             T, seq_len);
   Tensor fixed_idx;
   if (frozen_routing_ && last_topk_idx_.defined()) {
-    XMOE_CHECK(last_topk_idx_.size(0) == T,
-               "[moe] frozen routing holds {} tokens but x has {}", last_topk_idx_.size(0), T);
+    XMOE_CHECK(last_topk_idx_.size(0) == T, "[moe] frozen routing holds {} tokens but x has {}",
+               last_topk_idx_.size(0), T);
     fixed_idx = last_topk_idx_;
   }
 
@@ -144,10 +147,10 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   for (size_t e = 0; e < load_.size(); ++e) pending_load_[e] += load_[e];
 
   DispatchOut dsp = timed("moe.dispatch.fwd", device_, [&] {
-    DispatchResult r =
-        reduces ? dispatcher_->dispatch(o.rows, layout.group_sizes,
-                                        RowInfo{layout.token_ids, o.combine_weights, T})
-                : dispatcher_->dispatch(o.rows, layout.group_sizes);
+    DispatchResult r = reduces
+                           ? dispatcher_->dispatch(o.rows, layout.group_sizes,
+                                                   RowInfo{layout.token_ids, o.combine_weights, T})
+                           : dispatcher_->dispatch(o.rows, layout.group_sizes);
     handle_ = std::move(r.handle);
     return DispatchOut{std::move(r.rows), handle_.recv_tokens_per_expert};
   });
@@ -217,8 +220,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
 
   CombineGrad cg = timed("moe.combine.bwd", device_, [&] {
     Tensor d_out = dispatcher_->combine_backward(take(ig.d_rows_out), handle_);
-    Tensor d_cw =
-        reduces ? dispatcher_->combine_weights_grad(handle_) : take(ig.d_combine_weights);
+    Tensor d_cw = reduces ? dispatcher_->combine_weights_grad(handle_) : take(ig.d_combine_weights);
     return CombineGrad{std::move(d_out), std::move(d_cw)};
   });
   hooks_.run(cg);
@@ -309,18 +311,19 @@ CoactivationMatrix MoELayer::global_coactivation() const {
   CoactivationMatrix out = coactivation_;
   const auto& world = groups_.world;
   if (world && world->size() > 1) {
-    Tensor t = Tensor::from_vector(out.counts, {static_cast<int64_t>(out.counts.size())},
-                                   world->device());
+    Tensor t =
+        Tensor::from_vector(out.counts, {static_cast<int64_t>(out.counts.size())}, world->device());
     world->all_reduce(t);  // i64: exact
     out.counts = t.to_vector<int64_t>();
   }
   return out;
 }
 
-void MoELayer::reset_coactivation() { coactivation_ = CoactivationMatrix(cfg_.num_experts); }
+void MoELayer::reset_coactivation() {
+  coactivation_ = CoactivationMatrix(cfg_.num_experts);
+}
 
-void MoELayer::permute_experts(const std::vector<int>& perm,
-                               std::span<const ExpertRider> riders) {
+void MoELayer::permute_experts(const std::vector<int>& perm, std::span<const ExpertRider> riders) {
   const int64_t E = cfg_.num_experts;
   check_permutation(perm, E);
   if (gate_->name() == "sigmoid" && cfg_.num_groups > 1) {

@@ -49,8 +49,8 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
   const int64_t T = probs.size(0), E = probs.size(1);
   check_shape(topk_idx, {T, -1}, op, "topk_idx");
   check_shape(z_logits, {T, E}, op, "z_logits");
-  XMOE_CHECK(seq_len > 0 && T % seq_len == 0, "[{}] {} tokens are not a multiple of seq_len {}",
-             op, T, seq_len);
+  XMOE_CHECK(seq_len > 0 && T % seq_len == 0, "[{}] {} tokens are not a multiple of seq_len {}", op,
+             T, seq_len);
   const Device dev = probs.device();
   st = AuxLossState{};
   st.tokens = T;
@@ -66,8 +66,8 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
   if (W > 1)
     all = world->device() == dev ? world->all_gather(mine.stats)
                                  : world->all_gather(mine.stats.to(world->device())).to(dev);
-  xmoe::ops::MoeAuxTerms t = xmoe::ops::moe_aux_finalize(all, st.top_k, seq_len, w.load_balance,
-                                                         w.seq_balance, w.z_loss);
+  xmoe::ops::MoeAuxTerms t =
+      xmoe::ops::moe_aux_finalize(all, st.top_k, seq_len, w.load_balance, w.seq_balance, w.z_loss);
   st.frac = std::move(t.frac);
   st.seq_count = std::move(mine.seq_count);
   st.denoms = std::move(t.denoms);

@@ -100,7 +100,7 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
                         comm::Group* world = nullptr);
 
 /// Adds d(weighted aux loss)/d probs into dprobs [T, E] and d/d z_logits into dlogits [T, E].
-void aux_losses_backward(const Tensor& z_logits, const AuxLossState& state,
-                         const AuxLossWeights& w, Tensor& dprobs, Tensor& dlogits);
+void aux_losses_backward(const Tensor& z_logits, const AuxLossState& state, const AuxLossWeights& w,
+                         Tensor& dprobs, Tensor& dlogits);
 
 }  // namespace xmoe::moe

@@ -29,9 +29,9 @@ struct TokenLayout {
   std::vector<int64_t> group_sizes;        ///< [E] buffer rows per expert (padded: C each)
   std::vector<int64_t> tokens_per_expert;  ///< [E] pairs each expert processes
   std::vector<int64_t> load;               ///< [E] pairs routed to each expert (before drops)
-  int64_t capacity = 0;  ///< padded: C; pft: 0 (none)
-  int64_t dropped = 0;   ///< pairs dropped for lack of capacity
-  bool padded = false;   ///< token_ids may hold -1 (padding rows)
+  int64_t capacity = 0;                    ///< padded: C; pft: 0 (none)
+  int64_t dropped = 0;                     ///< pairs dropped for lack of capacity
+  bool padded = false;                     ///< token_ids may hold -1 (padding rows)
   int64_t num_rows() const { return token_ids.defined() ? token_ids.numel() : 0; }
 };
 

@@ -14,7 +14,8 @@ namespace {
 
 class PaddedOrder final : public Order {
  public:
-  explicit PaddedOrder(const MoeConfig& c) : Order(c.num_experts), capacity_factor_(c.capacity_factor) {
+  explicit PaddedOrder(const MoeConfig& c)
+      : Order(c.num_experts), capacity_factor_(c.capacity_factor) {
     XMOE_CHECK(capacity_factor_ > 0.f, "[moe] moe.capacity_factor = {} must be > 0",
                capacity_factor_);
   }

@@ -31,10 +31,9 @@ CoactivationMatrix CoactivationMatrix::from_routing(std::span<const int32_t> top
 namespace {
 
 void check_layout(int64_t E, int num_nodes, int experts_per_node, const char* op) {
-  XMOE_CHECK(num_nodes >= 1 && experts_per_node >= 1 &&
-                 int64_t{num_nodes} * experts_per_node == E,
-             "[{}] {} nodes x {} experts per node != {} experts", op, num_nodes,
-             experts_per_node, E);
+  XMOE_CHECK(num_nodes >= 1 && experts_per_node >= 1 && int64_t{num_nodes} * experts_per_node == E,
+             "[{}] {} nodes x {} experts per node != {} experts", op, num_nodes, experts_per_node,
+             E);
 }
 
 /// node of each old expert under perm (empty = identity).
@@ -152,9 +151,8 @@ std::vector<int> optimize_placement(const CoactivationMatrix& c, int num_nodes,
   return to_perm(greedy_better ? from_greedy : from_identity, E, num_nodes, experts_per_node);
 }
 
-PilotCount count_pilots(std::span<const int32_t> topk_idx, int64_t top_k,
-                        std::span<const int> perm, int num_nodes, int experts_per_node,
-                        int source_node) {
+PilotCount count_pilots(std::span<const int32_t> topk_idx, int64_t top_k, std::span<const int> perm,
+                        int num_nodes, int experts_per_node, int source_node) {
   XMOE_CHECK(top_k >= 1 && topk_idx.size() % static_cast<size_t>(top_k) == 0,
              "[count_pilots] {} ids are not a multiple of k = {}", topk_idx.size(), top_k);
   const int64_t E = int64_t{num_nodes} * experts_per_node;

@@ -23,9 +23,10 @@ struct CoactivationMatrix {
   std::vector<int64_t> counts;  ///< row-major [E * E]
 
   CoactivationMatrix() = default;
-  explicit CoactivationMatrix(int64_t e)
-      : num_experts(e), counts(static_cast<size_t>(e * e), 0) {}
-  int64_t at(int64_t a, int64_t b) const { return counts[static_cast<size_t>(a * num_experts + b)]; }
+  explicit CoactivationMatrix(int64_t e) : num_experts(e), counts(static_cast<size_t>(e * e), 0) {}
+  int64_t at(int64_t a, int64_t b) const {
+    return counts[static_cast<size_t>(a * num_experts + b)];
+  }
   int64_t& at(int64_t a, int64_t b) { return counts[static_cast<size_t>(a * num_experts + b)]; }
   /// Adds one token's choice of `experts` (distinct ids).
   void add_token(std::span<const int32_t> experts);
@@ -56,17 +57,16 @@ std::vector<int> optimize_placement(const CoactivationMatrix& c, int num_nodes,
 /// expert ids.
 struct PilotCount {
   int64_t tokens = 0;
-  int64_t pairs = 0;             ///< T * k: rows a plain all_to_all sends
-  int64_t node_pilots = 0;       ///< sum_t distinct nodes (rbd's pilots, own node included)
+  int64_t pairs = 0;        ///< T * k: rows a plain all_to_all sends
+  int64_t node_pilots = 0;  ///< sum_t distinct nodes (rbd's pilots, own node included)
   /// sum_t distinct nodes other than the token's source node (source_node >= 0), or
   /// sum_t distinct * (num_nodes - 1) / num_nodes (the expectation for a source node uniform
   /// over the nodes) when source_node < 0.
   double internode_pilots = 0;
-  double internode_pairs = 0;    ///< the same for all_to_all: pairs on remote nodes
+  double internode_pairs = 0;  ///< the same for all_to_all: pairs on remote nodes
 };
-PilotCount count_pilots(std::span<const int32_t> topk_idx, int64_t top_k,
-                        std::span<const int> perm, int num_nodes, int experts_per_node,
-                        int source_node = -1);
+PilotCount count_pilots(std::span<const int32_t> topk_idx, int64_t top_k, std::span<const int> perm,
+                        int num_nodes, int experts_per_node, int source_node = -1);
 
 /// Expected inter-node pilots per token from the co-activation matrix alone, by inclusion-
 /// exclusion to second order (exact for k <= 2, an estimate above): a proxy for ranking.

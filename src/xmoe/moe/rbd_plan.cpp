@@ -15,19 +15,23 @@ namespace {
 constexpr const char* kOp = "moe dispatch rbd";
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
-int64_t sum(std::span<const int64_t> v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
+int64_t sum(std::span<const int64_t> v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
 
 void check_layout(const RbdLayout& l) {
   XMOE_CHECK(l.num_ranks() >= 1 && l.experts_per_rank >= 1, "[{}] layout of {} ranks x {} experts",
              kOp, l.num_ranks(), l.experts_per_rank);
   // The stage-1 key is expert * 2 + flag in an int32.
-  XMOE_CHECK(l.num_experts() <= kInt32Max / 2, "[{}] {} experts do not fit the int32 metadata",
-             kOp, l.num_experts());
+  XMOE_CHECK(l.num_experts() <= kInt32Max / 2, "[{}] {} experts do not fit the int32 metadata", kOp,
+             l.num_experts());
 }
 
 }  // namespace
 
-int64_t RbdPilotPlan::num_groups() const { return sum(group_recv); }
+int64_t RbdPilotPlan::num_groups() const {
+  return sum(group_recv);
+}
 
 RbdSourcePlan plan_rbd_source(const RbdLayout& layout, const RbdRouting& routing) {
   check_layout(layout);
@@ -44,8 +48,7 @@ RbdSourcePlan plan_rbd_source(const RbdLayout& layout, const RbdRouting& routing
              tok.size(), routing.combine_weights.size());
   XMOE_CHECK(N <= kInt32Max, "[{}] {} rows do not fit int32 row indices", kOp, N);
   for (int32_t t : tok)
-    XMOE_CHECK(t >= 0, "[{}] token id {} (padding rows are not supported: moe.impl = pft)", kOp,
-               t);
+    XMOE_CHECK(t >= 0, "[{}] token id {} (padding rows are not supported: moe.impl = pft)", kOp, t);
 
   // Rows by (token, node of the row's expert), ascending rows inside: each run is a group and
   // its first row, the lowest expert of the token on that node, is the pilot.
@@ -142,8 +145,8 @@ RbdPilotPlan plan_rbd_pilot(const RbdLayout& layout, int rank, std::vector<int64
       source[k] = p;
     }
     XMOE_CHECK(g + 1 - first_group == group_recv[p],
-               "[{}] rank {}: {} groups in the metadata from rank {}, the counts say {}", kOp,
-               rank, g + 1 - first_group, p, group_recv[p]);
+               "[{}] rank {}: {} groups in the metadata from rank {}, the counts say {}", kOp, rank,
+               g + 1 - first_group, p, group_recv[p]);
   }
 
   RbdPilotPlan plan;

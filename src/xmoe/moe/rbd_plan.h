@@ -71,9 +71,9 @@ struct RbdPilotPlan {
   /// [M] arrival index of the group each replica copies: replicas = pilots[replica_group];
   /// combine's reduction map: partial[replica_group[j]] += weight[j] * out[j].
   std::vector<int32_t> replica_group;
-  std::vector<float> replica_weight;   ///< [M] combine weight of each replica
-  std::vector<int32_t> replica_member; ///< [M] stage-1 arrival position of each replica
-  std::vector<int32_t> stage2_meta;    ///< [M, kRbdStage2Width], stage-2 order
+  std::vector<float> replica_weight;    ///< [M] combine weight of each replica
+  std::vector<int32_t> replica_member;  ///< [M] stage-1 arrival position of each replica
+  std::vector<int32_t> stage2_meta;     ///< [M, kRbdStage2Width], stage-2 order
   int64_t num_groups() const;
   int64_t num_replicas() const { return static_cast<int64_t>(replica_group.size()); }
 };
@@ -81,9 +81,9 @@ struct RbdPilotPlan {
 /// Owner role: the R replicas received in stage 2 (arrival: by node rank, then the pilot's
 /// stage-2 order), put in all_to_all's expert order (local expert, source rank, source row).
 struct RbdOwnerPlan {
-  std::vector<int64_t> replica_recv;  ///< [L] replicas from each rank of the node
-  std::vector<int32_t> expert_order;  ///< [R] arrival row of expert-order row j
-  std::vector<int32_t> arrival_order; ///< [R] expert-order row of arrival row i (the inverse)
+  std::vector<int64_t> replica_recv;   ///< [L] replicas from each rank of the node
+  std::vector<int32_t> expert_order;   ///< [R] arrival row of expert-order row j
+  std::vector<int32_t> arrival_order;  ///< [R] expert-order row of arrival row i (the inverse)
   std::vector<int64_t> recv_tokens_per_expert;  ///< [E_local]
   std::vector<int64_t> recv_counts_per_expert;  ///< [P * E_local] source p, local expert i
   std::vector<int64_t> recv_counts;             ///< [P] rows from each source rank
@@ -100,8 +100,7 @@ struct RbdPlan {
 RbdSourcePlan plan_rbd_source(const RbdLayout& layout, const RbdRouting& routing);
 /// rank: this ep rank; stage1_meta: the members received, [sum(member_recv), 3].
 RbdPilotPlan plan_rbd_pilot(const RbdLayout& layout, int rank, std::vector<int64_t> group_recv,
-                            std::vector<int64_t> member_recv,
-                            std::span<const int32_t> stage1_meta);
+                            std::vector<int64_t> member_recv, std::span<const int32_t> stage1_meta);
 /// stage2_meta: the replicas received, [sum(replica_recv), 3].
 RbdOwnerPlan plan_rbd_owner(const RbdLayout& layout, std::vector<int64_t> replica_recv,
                             std::span<const int32_t> stage2_meta);

@@ -21,21 +21,21 @@ Tensor SharedExperts::forward(const Tensor& x) {
   // bf16 activations (CUDA): the weights' bf16 compute copies, kept for backward.
   wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), x.dtype());
   wd_ = xmoe::ops::as_dtype(down_.compute(), x.dtype());
-  h_ = xmoe::ops::matmul(x, wgu_);                      // [T, 2Sf]
+  h_ = xmoe::ops::matmul(x, wgu_);                       // [T, 2Sf]
   return xmoe::ops::matmul(xmoe::ops::swiglu(h_), wd_);  // [T, d]
 }
 
 Tensor SharedExperts::backward(const Tensor& dy) {
   XMOE_CHECK(h_.defined(), "[moe shared] backward without a forward");
   const Tensor g = xmoe::ops::as_dtype(dy, x_.dtype());
-  Tensor a = xmoe::ops::swiglu(h_);                                          // [T, Sf]
+  Tensor a = xmoe::ops::swiglu(h_);  // [T, Sf]
   const auto beta = [](Parameter& p) { return p.take_grad_overwrite() ? 0.f : 1.f; };
-  xmoe::ops::matmul_into(down_.grad, a, g, true, false, 1.f, beta(down_));   // dWd += a^T dy (f32)
+  xmoe::ops::matmul_into(down_.grad, a, g, true, false, 1.f, beta(down_));  // dWd += a^T dy (f32)
   a = Tensor();
   Tensor dh = std::exchange(h_, Tensor());  // h, turned into dh in place
   xmoe::ops::swiglu_backward_(dh, xmoe::ops::matmul(g, wd_, false, true));
   xmoe::ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, beta(gate_up_));  // += x^T dh
-  return xmoe::ops::matmul(dh, wgu_, false, true);                           // [T, d]
+  return xmoe::ops::matmul(dh, wgu_, false, true);                                  // [T, d]
 }
 
 }  // namespace xmoe::moe

@@ -12,8 +12,8 @@ class SharedExperts : public Module {
  public:
   SharedExperts(const std::string& prefix, int64_t d_model, int64_t hidden, uint64_t seed,
                 float init_std, float down_std);
-  Tensor forward(const Tensor& x);        ///< x [T, d] -> [T, d]
-  Tensor backward(const Tensor& dy);      ///< dy [T, d] -> dx [T, d]
+  Tensor forward(const Tensor& x);    ///< x [T, d] -> [T, d]
+  Tensor backward(const Tensor& dy);  ///< dy [T, d] -> dx [T, d]
   void release() { x_ = h_ = wgu_ = wd_ = Tensor(); }
   void collect_parameters(std::vector<Parameter*>& out) override {
     out.push_back(&gate_up_);

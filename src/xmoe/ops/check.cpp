@@ -1,6 +1,5 @@
-#include "xmoe/ops/ops.h"
-
 #include "xmoe/ops/dispatch.h"
+#include "xmoe/ops/ops.h"
 
 namespace xmoe::ops {
 

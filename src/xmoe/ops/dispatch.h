@@ -22,12 +22,13 @@ inline void require_defined(const char* op, const char* name, const Tensor& t) {
 /// A CPU tensor of exactly `dtype` (CPU-only operands such as host-side tables).
 inline void require_cpu(const char* op, const char* name, const Tensor& t, DType dtype) {
   require_defined(op, name, t);
-  XMOE_CHECK(t.is_cpu(), "[{}] {} must be on the CPU, but it is on {}", op, name,
-             t.device().str());
+  XMOE_CHECK(t.is_cpu(), "[{}] {} must be on the CPU, but it is on {}", op, name, t.device().str());
   check_dtype(t, dtype, op, name);
 }
 
-inline bool is_float(DType d) { return d == DType::f32 || d == DType::bf16; }
+inline bool is_float(DType d) {
+  return d == DType::f32 || d == DType::bf16;
+}
 
 /// A float operand: f32 on the CPU; f32 or bf16 on CUDA.
 inline void require_float(const char* op, const char* name, const Tensor& t) {
@@ -87,7 +88,9 @@ inline std::pair<int64_t, int64_t> rows_cols(const Tensor& x) {
 }
 
 /// Activates t's CUDA device and returns its current stream.
-inline cuda::Stream stream_of(const Tensor& t) { return cuda::activate(t.device().index); }
+inline cuda::Stream stream_of(const Tensor& t) {
+  return cuda::activate(t.device().index);
+}
 
 /// Throws "[op] name[i] = v out of range [0, limit)" for the first bad entry of an i32 tensor
 /// (negative entries allowed with allow_negative). On CUDA the scan runs on the device and its

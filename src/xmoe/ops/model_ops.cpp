@@ -36,8 +36,8 @@ Tensor embedding(const Tensor& table, const Tensor& ids) {
   check_ids("embedding", "ids", ids, table.size(0), false, table, "table");
   Tensor out = Tensor::empty({ids.numel(), table.size(1)}, table.dtype(), table.device());
   if (table.is_cpu()) {
-    cpu::embedding_forward(out.data<float>(), table.data<float>(), ids.data<int32_t>(),
-                           ids.numel(), table.size(1));
+    cpu::embedding_forward(out.data<float>(), table.data<float>(), ids.data<int32_t>(), ids.numel(),
+                           table.size(1));
   } else {
     cuda::gather_rows(out.raw(), table.raw(), table.dtype(), ids.data<int32_t>(), ids.numel(),
                       table.size(0), table.size(1), stream_of(table));
@@ -99,8 +99,8 @@ void rope_impl(const char* op, Tensor& x, const RopeTables& t, bool inverse) {
              "[{}] x is on {} but the tables are on {}: build them with rope_tables(..., device)",
              op, x.device().str(), t.cos.device().str());
   if (x.is_cpu()) {
-    cpu::rope_apply(x.data<float>(), t.cos.data<float>(), t.sin.data<float>(), x.size(0),
-                    x.size(1), x.size(2), x.size(3), inverse);
+    cpu::rope_apply(x.data<float>(), t.cos.data<float>(), t.sin.data<float>(), x.size(0), x.size(1),
+                    x.size(2), x.size(3), inverse);
   } else {
     cuda::rope_apply(x.raw(), x.dtype(), t.cos.data<float>(), t.sin.data<float>(), x.size(0),
                      x.size(1), x.size(2), x.size(3), inverse, stream_of(x));
@@ -162,10 +162,10 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
   } else {
     const size_t bytes =
         cuda::attention_forward_workspace_bytes(q.dtype(), d.b, d.s, d.h, d.hkv, d.hd, causal);
-    Tensor ws = bytes > 0 ? Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, q.device())
-                          : Tensor();
-    cuda::attention_forward(r.out.raw(), r.lse.data<float>(), q.raw(), k.raw(), v.raw(),
-                            q.dtype(), d.b, d.s, d.h, d.hkv, d.hd, scale, causal,
+    Tensor ws =
+        bytes > 0 ? Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, q.device()) : Tensor();
+    cuda::attention_forward(r.out.raw(), r.lse.data<float>(), q.raw(), k.raw(), v.raw(), q.dtype(),
+                            d.b, d.s, d.h, d.hkv, d.hd, scale, causal,
                             bytes > 0 ? ws.raw() : nullptr, stream_of(q));
   }
   return r;

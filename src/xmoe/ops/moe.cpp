@@ -38,8 +38,7 @@ Tensor gather_rows_masked(const Tensor& x, const Tensor& index) {
     // The launcher gives a zero row for any index outside [0, n), -1 included; the values are
     // checked on the host only when XMOE_CUDA_CHECK_INDICES asks (it waits for the stream).
     if (detail::cuda_check_indices()) detail::check_index_values(op, "index", index, n, true);
-    cuda::gather_rows(out.raw(), x.raw(), x.dtype(), index.data<int32_t>(), m, n, d,
-                      stream_of(x));
+    cuda::gather_rows(out.raw(), x.raw(), x.dtype(), index.data<int32_t>(), m, n, d, stream_of(x));
     return out;
   }
   const int32_t* idx = index.data<int32_t>();
@@ -63,8 +62,7 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
   if (weight.defined()) {
     require_float(op, "weight", weight);
     require_same_device(op, "weight", weight, "out", out);
-    XMOE_CHECK(weight.numel() == m, "[{}] weight has {} elements, index {}", op, weight.numel(),
-               m);
+    XMOE_CHECK(weight.numel() == m, "[{}] weight has {} elements, index {}", op, weight.numel(), m);
   }
   if (!out.is_cpu()) {
     // Deterministic sorted scatter of the backend (index.cu); entries outside [0, n) — the -1
@@ -75,8 +73,8 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
     Tensor ws = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, out.device());
     cuda::scatter_add_rows(out.raw(), out.dtype(), src.raw(), src.dtype(), index.data<int32_t>(),
                            weight.defined() ? weight.raw() : nullptr,
-                           weight.defined() ? weight.dtype() : DType::f32, m, n, d, ws.raw(),
-                           bytes, s);
+                           weight.defined() ? weight.dtype() : DType::f32, m, n, d, ws.raw(), bytes,
+                           s);
     return;
   }
   const int32_t* idx = index.data<int32_t>();
@@ -176,10 +174,10 @@ WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, co
   require_float(op, "rows", rows);
   require_index(op, "index", index, "rows", rows);
   require_on(op, "weight", weight, DType::f32, "rows", rows);
-  XMOE_CHECK(dy.device() == rows.device() &&
-                 (dy.dtype() == DType::f32 || dy.dtype() == rows.dtype()),
-             "[{}] dy must be f32 or {} on {}, got {} on {}", op, dtype_name(rows.dtype()),
-             rows.device().str(), dtype_name(dy.dtype()), dy.device().str());
+  XMOE_CHECK(
+      dy.device() == rows.device() && (dy.dtype() == DType::f32 || dy.dtype() == rows.dtype()),
+      "[{}] dy must be f32 or {} on {}, got {} on {}", op, dtype_name(rows.dtype()),
+      rows.device().str(), dtype_name(dy.dtype()), dy.device().str());
   if (detail::cuda_check_indices())
     detail::check_index_values(op, "index", index, dy.size(0), true);
   WeightedGather g{overwrite_rows ? rows : Tensor::empty({n, d}, rows.dtype(), rows.device()),
@@ -190,7 +188,9 @@ WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, co
   return g;
 }
 
-Tensor as_dtype(const Tensor& x, DType dtype) { return x.dtype() == dtype ? x : cast(x, dtype); }
+Tensor as_dtype(const Tensor& x, DType dtype) {
+  return x.dtype() == dtype ? x : cast(x, dtype);
+}
 
 Tensor take_along_rows(const Tensor& x, const Tensor& idx) {
   const char* op = "take_along_rows";
@@ -273,8 +273,8 @@ Tensor l2_normalize_rows_backward(const Tensor& y, const Tensor& norm, const Ten
   XMOE_CHECK(norm.numel() == n, "[{}] norm has {} elements for {} rows", op, norm.numel(), n);
   Tensor dx = Tensor::empty({n, d}, y.dtype(), y.device());
   if (!y.is_cpu()) {
-    cuda::moe_l2_normalize_rows_backward(dx.raw(), y.raw(), norm.data<float>(), dy.raw(),
-                                         y.dtype(), n, d, stream_of(y));
+    cuda::moe_l2_normalize_rows_backward(dx.raw(), y.raw(), norm.data<float>(), dy.raw(), y.dtype(),
+                                         n, d, stream_of(y));
     return dx;
   }
   cpu::l2_normalize_rows_backward(dx.data<float>(), y.data<float>(), norm.data<float>(),
@@ -308,8 +308,8 @@ Tensor renormalize_rows_backward(const Tensor& w, const Tensor& sums, const Tens
   XMOE_CHECK(sums.numel() == n, "[{}] sums has {} elements for {} rows", op, sums.numel(), n);
   Tensor dv = Tensor::empty({n, k}, w.dtype(), w.device());
   if (!w.is_cpu()) {
-    cuda::moe_renormalize_rows_backward(dv.raw(), w.raw(), sums.data<float>(), dw.raw(),
-                                        w.dtype(), n, k, scale, stream_of(w));
+    cuda::moe_renormalize_rows_backward(dv.raw(), w.raw(), sums.data<float>(), dw.raw(), w.dtype(),
+                                        n, k, scale, stream_of(w));
     return dv;
   }
   cpu::renormalize_rows_backward(dv.data<float>(), w.data<float>(), sums.data<float>(),
@@ -384,15 +384,15 @@ MoeAuxStats moe_aux_stats(const Tensor& probs, const Tensor& topk_idx, const Ten
   const int64_t T = probs.size(0), E = probs.size(1);
   check_shape(topk_idx, {T, -1}, op, "topk_idx");
   check_shape(z_logits, {T, E}, op, "z_logits");
-  XMOE_CHECK(seq_len > 0 && T % seq_len == 0, "[{}] {} tokens are not a multiple of seq_len {}",
-             op, T, seq_len);
+  XMOE_CHECK(seq_len > 0 && T % seq_len == 0, "[{}] {} tokens are not a multiple of seq_len {}", op,
+             T, seq_len);
   const int64_t k = topk_idx.size(1), S = T / seq_len, n = 2 * E + 4;
   const Device dev = probs.device();
   if (probs.is_cpu()) {
     MoeAuxStats s{Tensor::empty({1, n}, DType::i64), Tensor::empty({S, E}, DType::f32)};
     cpu::moe_aux_stats(static_cast<double*>(s.stats.raw()), s.seq_count.data<float>(),
-                       probs.data<float>(), topk_idx.data<int32_t>(), z_logits.data<float>(), T,
-                       E, k, seq_len);
+                       probs.data<float>(), topk_idx.data<int32_t>(), z_logits.data<float>(), T, E,
+                       k, seq_len);
     return s;
   }
   const cuda::Stream stream = stream_of(probs);
@@ -414,8 +414,8 @@ MoeAuxTerms moe_aux_finalize(const Tensor& all_stats, int64_t top_k, int64_t seq
   const int64_t ranks = all_stats.size(0), n = all_stats.size(1), E = (n - 4) / 2;
   XMOE_CHECK(ranks >= 1 && E >= 1 && n == 2 * E + 4,
              "[{}] all_stats must be [ranks, 2E + 4], got {}", op, shape_str(all_stats.shape()));
-  XMOE_CHECK(top_k >= 1 && seq_len >= 1, "[{}] top_k = {} and seq_len = {} must be >= 1", op,
-             top_k, seq_len);
+  XMOE_CHECK(top_k >= 1 && seq_len >= 1, "[{}] top_k = {} and seq_len = {} must be >= 1", op, top_k,
+             seq_len);
   const Device dev = all_stats.device();
   const auto* all = static_cast<const double*>(all_stats.raw());
   if (all_stats.is_cpu()) {
@@ -428,14 +428,14 @@ MoeAuxTerms moe_aux_finalize(const Tensor& all_stats, int64_t top_k, int64_t seq
   const cuda::Stream stream = stream_of(all_stats);
   MoeAuxTerms t{Tensor::empty({4}, DType::f64, dev), Tensor::empty({E}, DType::f32, dev),
                 Tensor::empty({3}, DType::f64, dev)};
-  cuda::moe_aux_finalize(t.terms.data<double>(), t.frac.data<float>(), t.denoms.data<double>(),
-                         all, ranks, E, top_k, seq_len, w_lb, w_seq, w_z, stream);
+  cuda::moe_aux_finalize(t.terms.data<double>(), t.frac.data<float>(), t.denoms.data<double>(), all,
+                         ranks, E, top_k, seq_len, w_lb, w_seq, w_z, stream);
   return t;
 }
 
 void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, const Tensor& frac,
-                      const Tensor& seq_count, const Tensor& denoms, int64_t seq_len,
-                      int64_t top_k, float w_lb, float w_seq, float w_z) {
+                      const Tensor& seq_count, const Tensor& denoms, int64_t seq_len, int64_t top_k,
+                      float w_lb, float w_seq, float w_z) {
   const char* op = "moe_aux_backward";
   require_on(op, "dprobs", dprobs, DType::f32, "dprobs", dprobs);
   require_on(op, "dlogits", dlogits, DType::f32, "dprobs", dprobs);
@@ -455,8 +455,8 @@ void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, c
   check_shape(denoms, {3}, op, "denoms");
   if (dprobs.is_cpu()) {
     cpu::moe_aux_backward(dprobs.data<float>(), dlogits.data<float>(), z_logits.data<float>(),
-                          frac.data<double>(), seq_count.data<float>(), denoms.data<double>(), T,
-                          E, seq_len, top_k, w_lb, w_seq, w_z);
+                          frac.data<double>(), seq_count.data<float>(), denoms.data<double>(), T, E,
+                          seq_len, top_k, w_lb, w_seq, w_z);
     return;
   }
   cuda::moe_aux_backward(dprobs.data<float>(), dlogits.data<float>(), z_logits.data<float>(),
@@ -478,8 +478,8 @@ Tensor moe_group_limited_scores(const Tensor& scores, const Tensor& bias, int64_
              "[{}] {} experts in {} groups, {} of them kept", op, E, groups, topk_groups);
   Tensor biased = Tensor::empty({T, E}, DType::f32, scores.device());
   if (scores.is_cpu()) {
-    cpu::moe_group_limited_scores(biased.data<float>(), scores.data<float>(), bias.data<float>(),
-                                  T, E, groups, topk_groups);
+    cpu::moe_group_limited_scores(biased.data<float>(), scores.data<float>(), bias.data<float>(), T,
+                                  E, groups, topk_groups);
   } else {
     cuda::moe_group_limited_scores(biased.data<float>(), scores.data<float>(), bias.data<float>(),
                                    T, E, groups, topk_groups, stream_of(scores));

@@ -116,8 +116,8 @@ MoeAuxTerms moe_aux_finalize(const Tensor& all_stats, int64_t top_k, int64_t seq
 /// z_logits f32 [T, E]); frac, seq_count and denoms as moe_aux_stats and moe_aux_finalize gave
 /// them. A zero weight skips its term.
 void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, const Tensor& frac,
-                      const Tensor& seq_count, const Tensor& denoms, int64_t seq_len,
-                      int64_t top_k, float w_lb, float w_seq, float w_z);
+                      const Tensor& seq_count, const Tensor& denoms, int64_t seq_len, int64_t top_k,
+                      float w_lb, float w_seq, float w_z);
 
 // ---- gates ----------------------------------------------------------------------------------
 

@@ -48,8 +48,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
     cpu::gemm(c.data<float>(), a.data<float>(), b.data<float>(), m, n, k, trans_a, trans_b, 1.f,
               0.f);
   } else {
-    cuda::gemm(c.raw(), c.dtype(), a.raw(), b.raw(), a.dtype(), m, n, k, trans_a, trans_b, 1.f,
-               0.f, stream_of(a));
+    cuda::gemm(c.raw(), c.dtype(), a.raw(), b.raw(), a.dtype(), m, n, k, trans_a, trans_b, 1.f, 0.f,
+               stream_of(a));
   }
   return c;
 }
@@ -113,8 +113,8 @@ void grouped_matmul_into(Tensor& y, const Tensor& x, const Tensor& w,
   check_groups(op, group_sizes, groups, x.size(0));
   check_shape(y, {x.size(0), m}, op, "y");
   if (x.is_cpu()) {
-    cpu::grouped_gemm(y.data<float>(), x.data<float>(), w.data<float>(), group_sizes.data(),
-                      groups, k, m, trans_w);
+    cpu::grouped_gemm(y.data<float>(), x.data<float>(), w.data<float>(), group_sizes.data(), groups,
+                      k, m, trans_w);
   } else {
     cuda::grouped_gemm(y.raw(), x.raw(), w.raw(), x.dtype(), group_sizes.data(), groups, k, m,
                        trans_w, stream_of(x));
@@ -136,8 +136,8 @@ void grouped_matmul_weight_grad(Tensor& dw, const Tensor& x, const Tensor& dy,
   if (dw.dtype() == DType::bf16 && x.dtype() == DType::f32) {
     // bf16 gradients of an f32 model (moe.expert_grad_dtype; the CPU): f32 GEMMs into an f32
     // copy, rounded once into dw.
-    Tensor dw32 = accumulate ? cast(dw, DType::f32) : Tensor::empty(dw.shape(), DType::f32,
-                                                                      dw.device());
+    Tensor dw32 =
+        accumulate ? cast(dw, DType::f32) : Tensor::empty(dw.shape(), DType::f32, dw.device());
     grouped_matmul_weight_grad(dw32, x, dy, group_sizes, accumulate);
     dw.copy_from(cast(dw32, DType::bf16));
     return;
@@ -242,7 +242,9 @@ Tensor swiglu_backward(const Tensor& h, const Tensor& da) {
   return dh;
 }
 
-void swiglu_backward_(Tensor& h, const Tensor& da) { swiglu_backward_into(h, h, da); }
+void swiglu_backward_(Tensor& h, const Tensor& da) {
+  swiglu_backward_into(h, h, da);
+}
 
 // ---- normalisation --------------------------------------------------------------------------
 
@@ -264,8 +266,8 @@ RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps) {
   return r;
 }
 
-Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                        const Tensor& dy, Tensor& dweight) {
+Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& dy,
+                        Tensor& dweight) {
   const char* op = "rmsnorm_backward";
   require_float(op, "x", x);
   require_like(op, "dy", dy, "x", x);
@@ -283,9 +285,9 @@ Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rst
                           weight.data<float>(), rstd.data<float>(), dy.data<float>(), rows, d);
   } else {
     const cuda::Stream s = stream_of(x);
-    Tensor ws = Tensor::empty(
-        {static_cast<int64_t>(cuda::rmsnorm_backward_workspace_bytes(rows, d))}, DType::u8,
-        x.device());
+    Tensor ws =
+        Tensor::empty({static_cast<int64_t>(cuda::rmsnorm_backward_workspace_bytes(rows, d))},
+                      DType::u8, x.device());
     cuda::rmsnorm_backward(dx.raw(), dweight.raw(), x.raw(), x.dtype(), weight.raw(),
                            weight.dtype(), rstd.data<float>(), dy.raw(), rows, d, ws.raw(), s);
   }
@@ -305,8 +307,8 @@ TopKResult topk(const Tensor& x, int64_t k) {
     cpu::topk(r.values.data<float>(), r.indices.data<int32_t>(), x.data<float>(), x.size(0),
               x.size(1), k);
   } else {
-    cuda::topk(r.values.raw(), r.indices.data<int32_t>(), x.raw(), x.dtype(), x.size(0),
-               x.size(1), k, stream_of(x));
+    cuda::topk(r.values.raw(), r.indices.data<int32_t>(), x.raw(), x.dtype(), x.size(0), x.size(1),
+               k, stream_of(x));
   }
   return r;
 }
@@ -397,8 +399,7 @@ double cuda_reduce(const Tensor& x, cuda::Reduction kind) {
   const size_t ws = cuda::reduce_workspace_bytes(x.numel());
   Tensor buf = Tensor::empty({static_cast<int64_t>(256 + ws)}, DType::u8, x.device());
   auto* result = static_cast<double*>(buf.raw());
-  cuda::reduce(result, x.raw(), x.dtype(), x.numel(), kind, static_cast<char*>(buf.raw()) + 256,
-               s);
+  cuda::reduce(result, x.raw(), x.dtype(), x.numel(), kind, static_cast<char*>(buf.raw()) + 256, s);
   double value = 0;
   backend::copy_bytes(&value, Device::cpu(), result, x.device(), sizeof(double));
   return value;
@@ -451,7 +452,9 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 namespace {
 /// CPU tensors these ops read as f32: f32 ones, and bf16 ones (moe.expert_grad_dtype gradients)
 /// through an f32 copy.
-bool cpu_bf16(const Tensor& x) { return x.defined() && x.is_cpu() && x.dtype() == DType::bf16; }
+bool cpu_bf16(const Tensor& x) {
+  return x.defined() && x.is_cpu() && x.dtype() == DType::bf16;
+}
 }  // namespace
 
 void scale_(Tensor& a, float s) {

@@ -61,8 +61,8 @@ struct RmsNormResult {
 /// y = x * rstd * weight over rows of x [N, d]; weight [d].
 RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps);
 /// Returns dx; adds the weight gradient into dweight [d].
-Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                        const Tensor& dy, Tensor& dweight);
+Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& dy,
+                        Tensor& dweight);
 
 // ---- selection and indexing -----------------------------------------------------------------
 

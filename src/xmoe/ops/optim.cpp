@@ -47,8 +47,8 @@ void adamw_step(std::span<const AdamWTensors> tensors, const AdamWStep& s) {
     const int64_t n = t.param.numel();
     XMOE_CHECK(detail::is_float(t.grad.dtype()) && t.grad.numel() == n && t.m.numel() == n &&
                    t.v.numel() == n,
-               "[{}] tensor {}: grad {}, m {} and v {} must match param {} (grad f32 or bf16)",
-               op, i, t.grad.str(), t.m.str(), t.v.str(), t.param.str());
+               "[{}] tensor {}: grad {}, m {} and v {} must match param {} (grad f32 or bf16)", op,
+               i, t.grad.str(), t.m.str(), t.v.str(), t.param.str());
     if (t.param_bf16.defined()) {
       require_on(op, "param_bf16", t.param_bf16, DType::bf16, "param", t.param);
       XMOE_CHECK(t.param_bf16.numel() == n, "[{}] tensor {}: param_bf16 {} does not match {}", op,
@@ -116,8 +116,8 @@ Tensor multi_sum_squares(std::span<const Tensor> xs) {
   const int64_t n = static_cast<int64_t>(arrays.size());
   Tensor result = Tensor::empty({1}, DType::f64, d);
   Tensor workspace = Tensor::empty(
-      {static_cast<int64_t>(cuda::multi_sum_squares_workspace_bytes(arrays.data(), n))},
-      DType::u8, d);
+      {static_cast<int64_t>(cuda::multi_sum_squares_workspace_bytes(arrays.data(), n))}, DType::u8,
+      d);
   cuda::multi_sum_squares(result.data<double>(), arrays.data(), n, workspace.raw(),
                           stream_of(xs[0]));
   return result;

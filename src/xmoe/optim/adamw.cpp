@@ -27,7 +27,8 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
     XMOE_CHECK(p->value.dtype() == DType::f32 &&
                    (p->grad.dtype() == DType::f32 || p->grad.dtype() == DType::bf16),
                "[adamw] {}: value must be f32 (master weights) and grad f32 or bf16, got {} and "
-               "{}", p->name, p->value.str(), p->grad.str());
+               "{}",
+               p->name, p->value.str(), p->grad.str());
     XMOE_CHECK(p->value.device() == device_ && p->grad.device() == device_,
                "[adamw] {} is on {} (grad on {}) but the first parameter is on {}: all parameters "
                "of an optimizer must be on one device",

@@ -15,11 +15,11 @@ Device grads_device(const std::vector<Parameter*>& params) {
   if (params.empty()) return Device::cpu();
   const Device d = params[0]->grad.device();
   for (const Parameter* p : params)
-    XMOE_CHECK(p->grad.device() == d &&
-                   (p->grad.dtype() == DType::f32 || p->grad.dtype() == DType::bf16),
-               "[grad_norm] {} has grad {} but {} has {}: gradients must be f32 or bf16 on one "
-               "device",
-               p->name, p->grad.str(), params[0]->name, params[0]->grad.str());
+    XMOE_CHECK(
+        p->grad.device() == d && (p->grad.dtype() == DType::f32 || p->grad.dtype() == DType::bf16),
+        "[grad_norm] {} has grad {} but {} has {}: gradients must be f32 or bf16 on one "
+        "device",
+        p->name, p->grad.str(), params[0]->name, params[0]->grad.str());
   return d;
 }
 

@@ -83,7 +83,8 @@ void GradientSync::sync() {
 double GradientSync::global_grad_sum_squares() const {
   std::vector<Parameter*> dense, expert;
   for (Parameter* p : params_) (p->kind == ParamKind::expert ? expert : dense).push_back(p);
-  ProfileScope scope("optim.grad_norm", params_.empty() ? Device::cpu() : params_[0]->grad.device());
+  ProfileScope scope("optim.grad_norm",
+                     params_.empty() ? Device::cpu() : params_[0]->grad.device());
   const double total = grad_sum_squares(dense).item();
   Tensor t = grad_sum_squares(expert);
   if (layout_.ep > 1) {

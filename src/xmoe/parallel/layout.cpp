@@ -19,6 +19,8 @@ Layout Layout::create(std::shared_ptr<comm::Group> world, int ep) {
   return l;
 }
 
-Layout Layout::single() { return create(comm::make_single_group(), 1); }
+Layout Layout::single() {
+  return create(comm::make_single_group(), 1);
+}
 
 }  // namespace xmoe::parallel

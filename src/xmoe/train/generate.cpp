@@ -19,12 +19,14 @@ namespace {
 
 /// Samples one token id from logits [V] with temperature and top-k.
 int sample(const float* logits, int64_t vocab, const GenerateOptions& o, Rng& rng) {
-  if (o.temperature <= 0) return static_cast<int>(std::max_element(logits, logits + vocab) - logits);
+  if (o.temperature <= 0)
+    return static_cast<int>(std::max_element(logits, logits + vocab) - logits);
   std::vector<int> ids(static_cast<size_t>(vocab));
   std::iota(ids.begin(), ids.end(), 0);
   const int64_t k = o.top_k > 0 ? std::min<int64_t>(o.top_k, vocab) : vocab;
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
-                    [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int a, int b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
   std::vector<double> p(static_cast<size_t>(k));
   const double mx = logits[ids[0]];
   double total = 0;
@@ -43,8 +45,8 @@ std::string generate(const std::string& checkpoint, const GenerateOptions& optio
   std::string dir = checkpoint;
   if (!std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) {
     const auto latest = latest_checkpoint(dir);
-    XMOE_CHECK(latest.has_value(), "[generate] {} is neither a checkpoint nor a run folder with one",
-               checkpoint);
+    XMOE_CHECK(latest.has_value(),
+               "[generate] {} is neither a checkpoint nor a run folder with one", checkpoint);
     dir = *latest;
   }
   const Checkpoint ckpt = load_checkpoint(dir);

@@ -20,8 +20,10 @@ std::string format_duration(double s) {
 // Under mpirun the rank's stdout is a pseudo-terminal even when mpirun's own output goes to a
 // file, so only a process that no launcher started redraws its line.
 Progress::Progress(bool enabled, int first_step, int last_step)
-    : enabled_(enabled), tty_(isatty(fileno(stdout)) != 0 && !comm::launched_by_mpi()),
-      first_step_(first_step), last_step_(last_step) {}
+    : enabled_(enabled),
+      tty_(isatty(fileno(stdout)) != 0 && !comm::launched_by_mpi()),
+      first_step_(first_step),
+      last_step_(last_step) {}
 
 void Progress::on_step(const StepMetrics& m, bool print) {
   if (!m.skipped) {
@@ -37,8 +39,8 @@ void Progress::on_step(const StepMetrics& m, bool print) {
           ? fmt::format("{:.2f}x", static_cast<double>(m.max_expert_load) / m.min_expert_load)
           : std::string("an expert idle");
   // No finite step yet (all skipped): no rate to show.
-  const std::string rate =
-      smoothed_tps_ < 0 ? std::string("      - tok/s") : fmt::format("{:>7.0f} tok/s", smoothed_tps_);
+  const std::string rate = smoothed_tps_ < 0 ? std::string("      - tok/s")
+                                             : fmt::format("{:>7.0f} tok/s", smoothed_tps_);
   const std::string line = fmt::format(
       "step {:>5}/{} | loss {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {}{} | "
       "load max/min {}/{} ({}) | ETA {}{}",
@@ -46,8 +48,9 @@ void Progress::on_step(const StepMetrics& m, bool print) {
       // MFU at the smoothed rate, like tok/s
       m.mfu > 0 && m.tokens_per_s > 0 && smoothed_tps_ > 0
           ? fmt::format(" | MFU {:.1f}%", 100.0 * m.mfu * smoothed_tps_ / m.tokens_per_s)
-          : std::string(), m.max_expert_load,
-      m.min_expert_load, balance, format_duration(eta), m.skipped ? " | SKIPPED" : "");
+          : std::string(),
+      m.max_expert_load, m.min_expert_load, balance, format_duration(eta),
+      m.skipped ? " | SKIPPED" : "");
   if (tty_) {
     std::printf("\r\033[K%s%s", line.c_str(), print ? "\n" : "");
   } else {

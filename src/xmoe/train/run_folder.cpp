@@ -288,9 +288,10 @@ void check_ranks_agree(comm::Group& world, const Config& config) {
                                  k == -2 ? std::string("another xmoe version")
                                          : config_keys()[static_cast<size_t>(k)].name));
   }
-  XMOE_FAIL("[train] the ranks were started with different configs: {} differ from rank 0{}. "
-            "Start every rank with the same command and the same xmoe binary",
-            fmt::join(differ, ", "), detail.empty() ? "" : fmt::format(" ({})", detail));
+  XMOE_FAIL(
+      "[train] the ranks were started with different configs: {} differ from rank 0{}. "
+      "Start every rank with the same command and the same xmoe binary",
+      fmt::join(differ, ", "), detail.empty() ? "" : fmt::format(" ({})", detail));
 }
 
 }  // namespace xmoe::train

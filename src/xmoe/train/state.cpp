@@ -11,10 +11,14 @@ namespace {
 const char* const kAdamSuffixes[] = {".adam_m", ".adam_v"};
 
 /// The sigmoid gate's balancing bias is state, not a parameter.
-std::string bias_name(const moe::MoELayer& layer) { return layer.prefix() + ".router.bias"; }
+std::string bias_name(const moe::MoELayer& layer) {
+  return layer.prefix() + ".router.bias";
+}
 
 /// t itself on the CPU, else a host copy: checkpoints are written from host memory (f32).
-Tensor on_host(const Tensor& t) { return t.is_cpu() ? t : t.to(Device::cpu()); }
+Tensor on_host(const Tensor& t) {
+  return t.is_cpu() ? t : t.to(Device::cpu());
+}
 
 /// Splits an expert tensor [n_local, ...] into per-expert slices named name@g.
 void add_expert_slices(TensorMap& out, const std::string& name, const Tensor& t,
@@ -33,8 +37,8 @@ Tensor gather_expert_slices(const TensorMap& in, const std::string& name, const 
   for (int64_t r = 0; r < shape[0]; ++r) {
     const std::string slice = expert_slice_name(name, row_offset + r);
     auto it = in.find(slice);
-    XMOE_CHECK(it != in.end(), "[checkpoint] {} has no tensor '{}' (was it saved with fewer experts?)",
-               dir, slice);
+    XMOE_CHECK(it != in.end(),
+               "[checkpoint] {} has no tensor '{}' (was it saved with fewer experts?)", dir, slice);
     XMOE_CHECK(it->second.numel() == row_elems && it->second.dtype() == DType::f32,
                "[checkpoint] {}: '{}' is {}, expected {} f32 values", dir, slice, it->second.str(),
                row_elems);
@@ -48,8 +52,9 @@ Tensor find_whole(const TensorMap& in, const std::string& name, const Shape& sha
                   const std::string& dir) {
   auto it = in.find(name);
   XMOE_CHECK(it != in.end(), "[checkpoint] {} has no tensor '{}'", dir, name);
-  XMOE_CHECK(it->second.shape() == shape, "[checkpoint] {}: '{}' has shape {} but the model expects {}",
-             dir, name, shape_str(it->second.shape()), shape_str(shape));
+  XMOE_CHECK(it->second.shape() == shape,
+             "[checkpoint] {}: '{}' has shape {} but the model expects {}", dir, name,
+             shape_str(it->second.shape()), shape_str(shape));
   return it->second;
 }
 

@@ -77,8 +77,10 @@ void place_experts(model::Transformer& model, optim::AdamW& opt, const data::Dat
   const MoeConfig& moe_cfg = model.config().moe;
   if (moe_cfg.gate == "sigmoid" && moe_cfg.num_groups > 1) {
     if (leader)
-      spdlog::warn("expert placement skipped: group-limited routing (moe.num_groups = {}) ties "
-                   "experts to their groups", moe_cfg.num_groups);
+      spdlog::warn(
+          "expert placement skipped: group-limited routing (moe.num_groups = {}) ties "
+          "experts to their groups",
+          moe_cfg.num_groups);
     return;
   }
   const auto layers = model.moe_layers();
@@ -228,7 +230,11 @@ class Run {
  public:
   Run(const Config& config, const TrainOptions& options, const parallel::Layout& layout,
       Device device)
-      : config_(config), tc_(config.train), options_(options), layout_(layout), device_(device),
+      : config_(config),
+        tc_(config.train),
+        options_(options),
+        layout_(layout),
+        device_(device),
         leader_(layout.world_rank == 0) {}
 
   /// Rank 0 takes the run folder (the lock; for a fresh run, the refusal to write over a run
@@ -263,8 +269,8 @@ class Run {
     opt_ = std::make_unique<optim::AdamW>(params_, optim::AdamWConfig::from(tc_));
     schedule_.emplace(optim::LrSchedule::from(tc_));
     grad_sync_ = std::make_unique<parallel::GradientSync>(params_, layout_);
-    tokens_per_step_ = static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum *
-                       layout_.world_size;
+    tokens_per_step_ =
+        static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum * layout_.world_size;
     result.out_dir = tc_.out_dir;
   }
 
@@ -274,8 +280,8 @@ class Run {
     XMOE_CHECK(latest.has_value(), "[train] --resume: no checkpoint in train.out_dir = {} ({})",
                tc_.out_dir, inspect_run_folder(tc_.out_dir).describe());
     const Checkpoint ckpt = load_checkpoint(*latest);
-    const Config saved = load_config_string(ckpt.state.at("config").get<std::string>(),
-                                            *latest + "/manifest.json");
+    const Config saved =
+        load_config_string(ckpt.state.at("config").get<std::string>(), *latest + "/manifest.json");
     const std::vector<std::string> differ = config_differences(saved, config_, "model.");
     XMOE_CHECK(differ.empty(),
                "[train] --resume: the model of {} differs from the configured model in {} "
@@ -293,8 +299,10 @@ class Run {
     if (leader_) {
       truncate_metrics(tc_.out_dir, step);
       if (step == tc_.steps)
-        spdlog::info("{} is at step {} = train.steps: nothing to train (to continue, give a "
-                     "larger train.steps: --set train.steps=N)", *latest, step);
+        spdlog::info(
+            "{} is at step {} = train.steps: nothing to train (to continue, give a "
+            "larger train.steps: --set train.steps=N)",
+            *latest, step);
       else
         spdlog::info("resumed from {} at step {}", *latest, step);
     }
@@ -347,17 +355,17 @@ class Run {
       m.skipped = true;
       ++bad_in_a_row_;
       if (leader_)
-        spdlog::warn("step {}: non-finite {} ({}); update skipped ({} in a row, limit {}); no "
-                     "checkpoint is saved until a step is finite again",
-                     step, std::isfinite(m.loss) ? "gradient norm" : "loss",
-                     std::isfinite(m.loss) ? m.grad_norm : m.loss, bad_in_a_row_,
-                     tc_.max_bad_steps);
-      XMOE_CHECK(bad_in_a_row_ < tc_.max_bad_steps,
-                 "[train] {} consecutive steps with a non-finite loss or gradient (last at step "
-                 "{}); stopping. The last good checkpoint is {}",
-                 bad_in_a_row_, step,
-                 result.last_checkpoint.empty() ? std::string("(none yet)")
-                                                : result.last_checkpoint);
+        spdlog::warn(
+            "step {}: non-finite {} ({}); update skipped ({} in a row, limit {}); no "
+            "checkpoint is saved until a step is finite again",
+            step, std::isfinite(m.loss) ? "gradient norm" : "loss",
+            std::isfinite(m.loss) ? m.grad_norm : m.loss, bad_in_a_row_, tc_.max_bad_steps);
+      XMOE_CHECK(
+          bad_in_a_row_ < tc_.max_bad_steps,
+          "[train] {} consecutive steps with a non-finite loss or gradient (last at step "
+          "{}); stopping. The last good checkpoint is {}",
+          bad_in_a_row_, step,
+          result.last_checkpoint.empty() ? std::string("(none yet)") : result.last_checkpoint);
     } else {
       bad_in_a_row_ = 0;
       // The clip factor rides on the update (no pass of its own over the gradients).
@@ -379,9 +387,12 @@ class Run {
   /// A metrics.jsonl line (rank 0; every write checked).
   void log(const StepMetrics& m) {
     if (!metrics_) return;
-    nlohmann::json line{{"step", m.step},           {"loss", m.loss},
-                        {"aux_loss", m.aux_loss},   {"lr", m.lr},
-                        {"grad_norm", m.grad_norm}, {"tokens_per_s", m.tokens_per_s},
+    nlohmann::json line{{"step", m.step},
+                        {"loss", m.loss},
+                        {"aux_loss", m.aux_loss},
+                        {"lr", m.lr},
+                        {"grad_norm", m.grad_norm},
+                        {"tokens_per_s", m.tokens_per_s},
                         {"max_expert_load", m.max_expert_load},
                         {"min_expert_load", m.min_expert_load},
                         {"skipped", m.skipped}};
@@ -402,9 +413,10 @@ class Run {
   void save(int step) {
     if (bad_in_a_row_ > 0) {
       if (leader_)
-        spdlog::warn("step {}: checkpoint not saved (the step was not finite); the last good "
-                     "checkpoint stays {}",
-                     step, result.last_checkpoint.empty() ? "(none yet)" : result.last_checkpoint);
+        spdlog::warn(
+            "step {}: checkpoint not saved (the step was not finite); the last good "
+            "checkpoint stays {}",
+            step, result.last_checkpoint.empty() ? "(none yet)" : result.last_checkpoint);
       return;
     }
     nlohmann::json state;

@@ -12,17 +12,17 @@
 namespace xmoe::train {
 
 struct StepMetrics {
-  int step = 0;               ///< 1-based step just finished
-  double loss = 0;            ///< mean cross-entropy over the global batch (nats/token)
-  double aux_loss = 0;        ///< weighted MoE auxiliary losses
+  int step = 0;         ///< 1-based step just finished
+  double loss = 0;      ///< mean cross-entropy over the global batch (nats/token)
+  double aux_loss = 0;  ///< weighted MoE auxiliary losses
   double lr = 0;
-  double grad_norm = 0;       ///< global norm before clipping
+  double grad_norm = 0;  ///< global norm before clipping
   double tokens_per_s = 0;
-  double seconds = 0;         ///< wall time of this step
-  double mfu = 0;             ///< model FLOPs utilisation on CUDA (train/flops.h); 0 on the CPU
+  double seconds = 0;           ///< wall time of this step
+  double mfu = 0;               ///< model FLOPs utilisation on CUDA (train/flops.h); 0 on the CPU
   int64_t max_expert_load = 0;  ///< over all MoE layers, tokens routed to the busiest expert
   int64_t min_expert_load = 0;
-  bool skipped = false;       ///< non-finite loss or gradient: no update was made
+  bool skipped = false;  ///< non-finite loss or gradient: no update was made
 };
 
 struct EvalMetrics {
@@ -31,16 +31,16 @@ struct EvalMetrics {
 };
 
 struct TrainOptions {
-  bool resume = false;        ///< continue from the latest checkpoint of train.out_dir
-  bool overwrite = false;     ///< start over in a train.out_dir that holds a run (deletes it)
-  bool progress = true;       ///< print the live progress line
-  int stop_after = -1;        ///< stop (with a checkpoint) after this step; -1 = train.steps
+  bool resume = false;     ///< continue from the latest checkpoint of train.out_dir
+  bool overwrite = false;  ///< start over in a train.out_dir that holds a run (deletes it)
+  bool progress = true;    ///< print the live progress line
+  int stop_after = -1;     ///< stop (with a checkpoint) after this step; -1 = train.steps
   /// The processes to train on; null = comm::world() (MPI under mpirun/srun, else one process).
   std::shared_ptr<comm::Group> world;
 };
 
 struct TrainResult {
-  int first_step = 0;         ///< step the run started from (0, or the resumed checkpoint's)
+  int first_step = 0;  ///< step the run started from (0, or the resumed checkpoint's)
   int last_step = 0;
   double seconds = 0;
   std::vector<StepMetrics> steps;

@@ -8,8 +8,7 @@
 
 namespace xmoe::cpu {
 
-void topk(float* values, int32_t* indices, const float* x, int64_t rows, int64_t cols,
-          int64_t k) {
+void topk(float* values, int32_t* indices, const float* x, int64_t rows, int64_t cols, int64_t k) {
 #pragma omp parallel
   {
     std::vector<int32_t> order(static_cast<size_t>(cols));

@@ -5,7 +5,8 @@
 
 namespace xmoe::cpu {
 
-// C[M,N] = alpha * op(A) @ op(B) + beta * C   (OpenBLAS sgemm; lda/ldb from the untransposed shapes)
+// C[M,N] = alpha * op(A) @ op(B) + beta * C   (OpenBLAS sgemm; lda/ldb from the untransposed
+// shapes)
 void gemm(float* c, const float* a, const float* b, int64_t m, int64_t n, int64_t k, bool trans_a,
           bool trans_b, float alpha, float beta);
 // y[o_g:o_g+n_g] = x[o_g:o_g+n_g] @ w[g]  (w[g] is [K, M], or [M, K] when trans_w)
@@ -24,8 +25,8 @@ void sigmoid_backward(float* dx, const float* y, const float* dy, int64_t n);
 void swiglu_forward(float* a, const float* h, int64_t rows, int64_t f);
 void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, int64_t f);
 
-void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
-                     int64_t d, float eps);
+void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t d,
+                     float eps);
 // dx; dw += sum over rows
 void rmsnorm_backward(float* dx, float* dw, const float* x, const float* w, const float* rstd,
                       const float* dy, int64_t rows, int64_t d);

@@ -201,9 +201,9 @@ double logsumexp_row(const float* x, int64_t n) {
 }
 }  // namespace
 
-void moe_aux_stats(double* stats, float* seq_count_out, const float* probs,
-                   const int32_t* topk_idx, const float* z_logits, int64_t tokens,
-                   int64_t experts, int64_t top_k, int64_t seq_len) {
+void moe_aux_stats(double* stats, float* seq_count_out, const float* probs, const int32_t* topk_idx,
+                   const float* z_logits, int64_t tokens, int64_t experts, int64_t top_k,
+                   int64_t seq_len) {
   const int64_t T = tokens, E = experts, k = top_k, S = T / seq_len;
   // Counts are exact in double.
   double* g = stats;
@@ -271,9 +271,8 @@ void moe_aux_finalize(double* terms, double* frac, double* denoms, const double*
 }
 
 void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, const double* frac,
-                      const float* seq_count, const double* denoms, int64_t tokens,
-                      int64_t experts, int64_t seq_len, int64_t top_k, float w_lb, float w_seq,
-                      float w_z) {
+                      const float* seq_count, const double* denoms, int64_t tokens, int64_t experts,
+                      int64_t seq_len, int64_t top_k, float w_lb, float w_seq, float w_z) {
   const int64_t T = tokens, E = experts, L = seq_len;
   float* dP = dprobs;
   // d/dP[t,e] of E * sum_e f_e * mean_t P[t,e] is E * f_e / T (f_e held fixed); over ranks
@@ -304,9 +303,8 @@ void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, cons
 
 // ---- gates ----------------------------------------------------------------------------------
 
-void moe_group_limited_scores(float* biased, const float* scores, const float* bias,
-                              int64_t tokens, int64_t experts, int64_t groups,
-                              int64_t topk_groups) {
+void moe_group_limited_scores(float* biased, const float* scores, const float* bias, int64_t tokens,
+                              int64_t experts, int64_t groups, int64_t topk_groups) {
   const int64_t T = tokens, E = experts, G = groups, per = E / G;
   float* b = biased;
   std::memcpy(b, scores, sizeof(float) * static_cast<size_t>(T * E));

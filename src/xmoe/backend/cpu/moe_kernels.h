@@ -81,17 +81,15 @@ void moe_aux_finalize(double* terms, double* frac, double* denoms, const double*
 // dprobs (T, E) += w_lb E f_e / denoms[0] + w_seq E f_se / denoms[1], f_se = seq_count / (L k);
 // dlogits (T, E) += 2 w_z lse_t / denoms[2] * softmax(z_logits_t). A zero weight skips its term.
 void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, const double* frac,
-                      const float* seq_count, const double* denoms, int64_t tokens,
-                      int64_t experts, int64_t seq_len, int64_t top_k, float w_lb, float w_seq,
-                      float w_z);
+                      const float* seq_count, const double* denoms, int64_t tokens, int64_t experts,
+                      int64_t seq_len, int64_t top_k, float w_lb, float w_seq, float w_z);
 
 // ---- gates ----------------------------------------------------------------------------------
 
 // biased (T, E) = scores + bias; with topk_groups < groups, the experts outside the topk_groups
 // best groups (group score: sum of its top-2 biased scores; ties to the lower group) get -inf.
-void moe_group_limited_scores(float* biased, const float* scores, const float* bias,
-                              int64_t tokens, int64_t experts, int64_t groups,
-                              int64_t topk_groups);
+void moe_group_limited_scores(float* biased, const float* scores, const float* bias, int64_t tokens,
+                              int64_t experts, int64_t groups, int64_t topk_groups);
 // out (n) = x * (1 / max(temperature, min_temperature))
 void moe_div_temperature(float* out, const float* x, float temperature, float min_temperature,
                          int64_t n);

@@ -7,8 +7,8 @@
 
 namespace xmoe::cpu {
 
-void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows,
-                     int64_t d, float eps) {
+void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t d,
+                     float eps) {
 #pragma omp parallel for schedule(static) if (rows * d > (1 << 14))
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * d;

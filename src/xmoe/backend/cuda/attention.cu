@@ -28,9 +28,9 @@ namespace xmoe::cuda {
 
 namespace {
 
-constexpr int kWarps = 4;   // rows per block, one per warp
-constexpr int kTile = 32;   // rows per shared-memory tile, one per lane
-constexpr int kDims = 8;    // head dims per lane: head_dim <= 32 * kDims
+constexpr int kWarps = 4;  // rows per block, one per warp
+constexpr int kTile = 32;  // rows per shared-memory tile, one per lane
+constexpr int kDims = 8;   // head dims per lane: head_dim <= 32 * kDims
 static_assert(32 * kDims == kAttentionMaxHeadDim);
 constexpr int kThreads = kWarps * 32;
 
@@ -48,8 +48,8 @@ __device__ __forceinline__ int64_t row_offset(int b, int i, int h, int seq, int 
 // Loads rows r0 .. r0 + kTile of head h of a (B, S, heads, hd) tensor into a (kTile, ld) f32
 // tile (rows past the end are zero).
 template <class T>
-__device__ __forceinline__ void load_tile(float* tile, int ld, const T* src, int b, int r0,
-                                          int h, int seq, int heads, int hd) {
+__device__ __forceinline__ void load_tile(float* tile, int ld, const T* src, int b, int r0, int h,
+                                          int seq, int heads, int hd) {
   for (int e = threadIdx.x; e < kTile * hd; e += blockDim.x) {
     const int rr = e / hd, d = e - rr * hd, r = r0 + rr;
     tile[rr * ld + d] = r < seq ? to_float(src[row_offset(b, r, h, seq, heads, hd) + d]) : 0.f;
@@ -129,7 +129,8 @@ __global__ void attention_dot_kernel(float* dsum, const T* out, const T* dout, i
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        r < rows; r += warps) {
     float s = 0.f;
-    for (int d = lane; d < p.hd; d += 32) s += to_float(out[r * p.hd + d]) * to_float(dout[r * p.hd + d]);
+    for (int d = lane; d < p.hd; d += 32)
+      s += to_float(out[r * p.hd + d]) * to_float(dout[r * p.hd + d]);
     s = warp_sum(s);
     if (lane == 0) {
       const int64_t h = r % p.heads, bi = r / p.heads, i = bi % p.seq, b = bi / p.seq;
@@ -144,10 +145,10 @@ __global__ void __launch_bounds__(kThreads)
                         const float* dsum, const T* dout, Dims p) {
   extern __shared__ float smem[];
   const int hd = p.hd, ld = hd + 1;
-  float* ks = smem;              // (kTile, ld)
-  float* vs = ks + kTile * ld;   // (kTile, ld): lane j reads row j for dout . v_j
-  float* qs = vs + kTile * ld;   // (kWarps, hd)
-  float* dos = qs + kWarps * hd; // (kWarps, hd)
+  float* ks = smem;               // (kTile, ld)
+  float* vs = ks + kTile * ld;    // (kTile, ld): lane j reads row j for dout . v_j
+  float* qs = vs + kTile * ld;    // (kWarps, hd)
+  float* dos = qs + kWarps * hd;  // (kWarps, hd)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int b = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
   const int kvh = h / (p.heads / p.kv_heads);
@@ -205,12 +206,12 @@ __global__ void __launch_bounds__(kThreads)
                           const float* dsum, const T* dout, Dims p) {
   extern __shared__ float smem[];
   const int hd = p.hd, ld = hd + 1;
-  float* qt = smem;                // (kTile, ld) query rows
-  float* dot = qt + kTile * ld;    // (kTile, ld) their dout rows
-  float* kw = dot + kTile * ld;    // (kWarps, hd)
-  float* vw = kw + kWarps * hd;    // (kWarps, hd)
-  float* lt = vw + kWarps * hd;    // (kTile) lse of the tile's rows
-  float* dt = lt + kTile;          // (kTile) D of the tile's rows
+  float* qt = smem;              // (kTile, ld) query rows
+  float* dot = qt + kTile * ld;  // (kTile, ld) their dout rows
+  float* kw = dot + kTile * ld;  // (kWarps, hd)
+  float* vw = kw + kWarps * hd;  // (kWarps, hd)
+  float* lt = vw + kWarps * hd;  // (kTile) lse of the tile's rows
+  float* dt = lt + kTile;        // (kTile) D of the tile's rows
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int b = blockIdx.x / p.kv_heads, kvh = blockIdx.x % p.kv_heads;
   const int group = p.heads / p.kv_heads;
@@ -281,8 +282,12 @@ Dims make_dims(int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim, f
     fail("[attention] head_dim must be in [1, 256] for the CUDA kernels");
   if (seq >= (int64_t{1} << 30) || heads >= (int64_t{1} << 20))
     fail("[attention] sequence or head count too large for the CUDA kernels");
-  return {static_cast<int>(seq), static_cast<int>(heads), static_cast<int>(kv_heads),
-          static_cast<int>(head_dim), scale, causal};
+  return {static_cast<int>(seq),
+          static_cast<int>(heads),
+          static_cast<int>(kv_heads),
+          static_cast<int>(head_dim),
+          scale,
+          causal};
 }
 
 // Grid: x = (batch, head) pairs, y = blocks of kWarps rows.
@@ -294,7 +299,8 @@ dim3 grid_of(int64_t pairs, int64_t seq) {
 }
 
 // Dynamic shared memory above 48 KiB must be opted into per kernel.
-template <class Kernel> void allow_smem(Kernel kernel, size_t bytes) {
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(bytes)));
@@ -319,8 +325,8 @@ std::atomic<AttentionBackend>& backend_setting() {
 
 // cuDNN takes bf16 with head_dim a multiple of 8 up to 128 (its fused kernels' limit).
 bool cudnn_candidate(DType dt, int64_t head_dim) {
-  return attention_backend() == AttentionBackend::cudnn && dt == DType::bf16 &&
-         head_dim % 8 == 0 && head_dim <= 128 && cudnn_attention_available();
+  return attention_backend() == AttentionBackend::cudnn && dt == DType::bf16 && head_dim % 8 == 0 &&
+         head_dim <= 128 && cudnn_attention_available();
 }
 
 CudnnAttentionShape cudnn_shape(int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
@@ -329,20 +335,26 @@ CudnnAttentionShape cudnn_shape(int64_t batch, int64_t seq, int64_t heads, int64
 }
 
 // The scale the ops pass (1 / sqrt(head_dim)): workspace queries come before the call.
-float default_scale(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+float default_scale(int64_t head_dim) {
+  return 1.0f / std::sqrt(static_cast<float>(head_dim));
+}
 
 }  // namespace
 
-AttentionBackend attention_backend() { return backend_setting().load(); }
-void set_attention_backend(AttentionBackend backend) { backend_setting().store(backend); }
+AttentionBackend attention_backend() {
+  return backend_setting().load();
+}
+void set_attention_backend(AttentionBackend backend) {
+  backend_setting().store(backend);
+}
 
 const char* attention_impl(DType dt, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
                            int64_t head_dim, bool causal) {
   size_t bytes = 0;
   if (cudnn_candidate(dt, head_dim) &&
-      cudnn_attention_forward_ready(cudnn_shape(batch, seq, heads, kv_heads, head_dim,
-                                                default_scale(head_dim), causal),
-                                    &bytes))
+      cudnn_attention_forward_ready(
+          cudnn_shape(batch, seq, heads, kv_heads, head_dim, default_scale(head_dim), causal),
+          &bytes))
     return "cudnn";
   return flash_attention_supported(dt, head_dim) ? "flash" : "cuda-core";
 }
@@ -359,8 +371,7 @@ size_t attention_forward_workspace_bytes(DType dt, int64_t batch, int64_t seq, i
 
 void attention_forward(void* out, float* lse, const void* q, const void* k, const void* v, DType dt,
                        int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
-                       int64_t head_dim, float scale, bool causal, void* workspace,
-                       Stream stream) {
+                       int64_t head_dim, float scale, bool causal, void* workspace, Stream stream) {
   if (batch * seq * heads == 0) return;
   if (cudnn_candidate(dt, head_dim) && aligned16({out, q, k, v})) {
     const CudnnAttentionShape shape =
@@ -370,8 +381,8 @@ void attention_forward(void* out, float* lse, const void* q, const void* k, cons
       return cudnn_attention_forward(shape, out, lse, q, k, v, workspace, stream);
   }
   if (flash_attention_supported(dt, head_dim) && aligned16({out, q, k, v}))
-    return flash_attention_forward(out, lse, q, k, v, batch, seq, heads, kv_heads, head_dim,
-                                   scale, causal, stream);
+    return flash_attention_forward(out, lse, q, k, v, batch, seq, heads, kv_heads, head_dim, scale,
+                                   causal, stream);
   const Dims p = make_dims(seq, heads, kv_heads, head_dim, scale, causal);
   const size_t smem = sizeof(float) * (kTile * (p.hd + 1) + kTile * p.hd + kWarps * p.hd);
   dispatch_float(dt, "attention", [&](auto tag) {

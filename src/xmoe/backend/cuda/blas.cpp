@@ -24,11 +24,11 @@
 #include "xmoe/core/env.h"
 
 /// CUBLAS_CHECK(cublasGemmEx(...)): throws xmoe::Error naming the call and the status.
-#define CUBLAS_CHECK(call)                                                                 \
-  do {                                                                                     \
-    const cublasStatus_t status_ = (call);                                                 \
-    XMOE_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "[cublas] {} failed: {} ({})", #call,     \
-               cublasGetStatusString(status_), static_cast<int>(status_));                \
+#define CUBLAS_CHECK(call)                                                             \
+  do {                                                                                 \
+    const cublasStatus_t status_ = (call);                                             \
+    XMOE_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "[cublas] {} failed: {} ({})", #call, \
+               cublasGetStatusString(status_), static_cast<int>(status_));             \
   } while (0)
 
 namespace xmoe::cuda {
@@ -40,10 +40,10 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS' recommendation 
 struct BlasContext {
   cublasHandle_t handle = nullptr;
   void* workspace = nullptr;
-  Stream stream = nullptr;          // stream the handle is bound to
+  Stream stream = nullptr;  // stream the handle is bound to
   // [inputs bf16][output bf16]: cleared once cublasGemmGroupedBatchedEx declines those dtypes
   bool grouped_supported[2][2] = {{true, true}, {true, true}};
-  std::mutex mutex;                 // one handle per device: calls are serialised
+  std::mutex mutex;  // one handle per device: calls are serialised
 };
 
 /// The cuBLAS handle of the current device, bound to `stream`. The 32 MiB workspace is held
@@ -78,9 +78,12 @@ BlasContext& blas_context(Stream stream) {
 
 cudaDataType_t cuda_type(DType dt, const char* op) {
   switch (dt) {
-    case DType::f32: return CUDA_R_32F;
-    case DType::bf16: return CUDA_R_16BF;
-    default: XMOE_FAIL("[{}] dtype {} has no cuBLAS path (expected f32 or bf16)", op, dtype_name(dt));
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    default:
+      XMOE_FAIL("[{}] dtype {} has no cuBLAS path (expected f32 or bf16)", op, dtype_name(dt));
   }
 }
 
@@ -106,8 +109,8 @@ void scale_output(void* c, DType c_dt, int64_t count, float beta, Stream stream)
 
 // One column-major cublasGemmEx for row-major c (m, n) = alpha op(a) op(b) + beta c.
 void gemm_ex(cublasHandle_t handle, void* c, cudaDataType_t ct, const void* a, const void* b,
-             cudaDataType_t abt, int m, int n, int k, bool ta, bool tb, int lda_rows,
-             int ldb_rows, float alpha, float beta) {
+             cudaDataType_t abt, int m, int n, int k, bool ta, bool tb, int lda_rows, int ldb_rows,
+             float alpha, float beta) {
   CUBLAS_CHECK(cublasGemmEx(handle, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
                             n, m, k, &alpha, b, abt, ldb_rows, a, abt, lda_rows, &beta, c, ct, n,
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -186,14 +189,13 @@ void run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stre
     auto** ptrs = static_cast<void**>(dev);  // [a pointers | b pointers | c pointers]
     const cublasStatus_t status = cublasGemmGroupedBatchedEx(
         ctx.handle, p.ta.data(), p.tb.data(), p.m.data(), p.n.data(), p.k.data(), p.alpha.data(),
-        ptrs, abt, p.lda.data(), ptrs + count, abt, p.ldb.data(), p.beta.data(),
-        ptrs + 2 * count, ct, p.ldc.data(),
-        static_cast<int>(count), p.batch.data(), CUBLAS_COMPUTE_32F);
+        ptrs, abt, p.lda.data(), ptrs + count, abt, p.ldb.data(), p.beta.data(), ptrs + 2 * count,
+        ct, p.ldc.data(), static_cast<int>(count), p.batch.data(), CUBLAS_COMPUTE_32F);
     alloc.deallocate(dev, bytes);
     if (status == CUBLAS_STATUS_SUCCESS) return;
     XMOE_CHECK(status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE,
-               "[{}] cublasGemmGroupedBatchedEx failed: {} ({})", op,
-               cublasGetStatusString(status), static_cast<int>(status));
+               "[{}] cublasGemmGroupedBatchedEx failed: {} ({})", op, cublasGetStatusString(status),
+               static_cast<int>(status));
     grouped = false;  // this cuBLAS declines these dtypes: loop from now on
     spdlog::warn("[{}] cublasGemmGroupedBatchedEx declined ({}); using one cublasGemmEx per group",
                  op, cublasGetStatusString(status));
@@ -204,7 +206,9 @@ void run_grouped(GroupedProblems& p, cudaDataType_t abt, cudaDataType_t ct, Stre
                               p.ldc[i], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-const char* byte_ptr(const void* p) { return static_cast<const char*>(p); }
+const char* byte_ptr(const void* p) {
+  return static_cast<const char*>(p);
+}
 
 /// XMOE_GROUPED_GEMM: `cutlass` (default) runs the expert GEMMs on the sm90 kernels where they
 /// apply; `cublas` keeps them on cuBLAS (a comparison, or a GPU where CUTLASS misbehaves).
@@ -213,7 +217,9 @@ bool cutlass_grouped_enabled() {
   return on;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 
 /// Weight gradients reduce over each group's rows, so all of a group's (K/128) x (M/256) tiles
 /// are as long as the group: one group far above the mean leaves a few SMs working after the
@@ -267,8 +273,8 @@ void count_call(GroupedGemmKind kind, bool sm90) {
 bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* w_or_dy,
                   const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m, float beta,
                   Stream stream) {
-  if (!cutlass_grouped_enabled() || k <= 0 || m <= 0 || k % 8 != 0 || m % 8 != 0 ||
-      k > INT_MAX || m > INT_MAX || !aligned16(out) || !aligned16(x) || !aligned16(w_or_dy))
+  if (!cutlass_grouped_enabled() || k <= 0 || m <= 0 || k % 8 != 0 || m % 8 != 0 || k > INT_MAX ||
+      m > INT_MAX || !aligned16(out) || !aligned16(x) || !aligned16(w_or_dy))
     return false;
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -328,9 +334,10 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
   if (bytes == 0) {  // CUTLASS's can_implement said no: unexpected once the checks above passed
     static std::atomic<bool> warned{false};
     if (!warned.exchange(true))
-      spdlog::warn("[grouped_matmul] the sm90 kernel (kind {}) cannot take K = {}, M = {}, {} "
-                   "problems: cuBLAS instead",
-                   static_cast<int>(kind), k, m, list.count);
+      spdlog::warn(
+          "[grouped_matmul] the sm90 kernel (kind {}) cannot take K = {}, M = {}, {} "
+          "problems: cuBLAS instead",
+          static_cast<int>(kind), k, m, list.count);
     return false;
   }
   Allocator& alloc = backend::cuda_allocator(device);
@@ -370,7 +377,8 @@ bool grouped_gemm_sm90_available(int device) {
 void grouped_gemm(void* y, const void* x, const void* w, DType dt, const int64_t* group_sizes,
                   int64_t groups, int64_t k, int64_t m, bool trans_w, Stream stream) {
   const char* op = "grouped_matmul";
-  const GroupedGemmKind kind = trans_w ? GroupedGemmKind::forward_trans_w : GroupedGemmKind::forward;
+  const GroupedGemmKind kind =
+      trans_w ? GroupedGemmKind::forward_trans_w : GroupedGemmKind::forward;
   if (dt == DType::bf16 &&
       sm90_grouped(trans_w ? sm90::GroupedKind::forward_trans_w : sm90::GroupedKind::forward, y, x,
                    w, group_sizes, groups, k, m, 0.f, stream)) {
@@ -413,8 +421,8 @@ constexpr double kMaxPaddedWork = 1.5;
 /// nothing), and one strided-batched GEMM computes every group. Returns false (nothing done) where
 /// it does not apply: other dtypes, one group, or routing too uneven (kMaxPaddedWork).
 bool padded_weight_grad(size_t problems, void* dw, DType dw_dt, const void* x, const void* dy,
-                        DType dt, const int64_t* group_sizes, int64_t groups, int64_t k,
-                        int64_t m, bool accumulate, Stream stream, const char* op) {
+                        DType dt, const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
+                        bool accumulate, Stream stream, const char* op) {
   int64_t total = 0, cap = 0;
   for (int64_t g = 0; g < groups; ++g) {
     total += group_sizes[g];
@@ -446,10 +454,10 @@ bool padded_weight_grad(size_t problems, void* dw, DType dw_dt, const void* x, c
     const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
     // dw_g (K, M) = xp_g^T dyp_g: column-major dw_g^T (M, K) = dyp_g^T (M, cap) xp_g (cap, K)
     CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-        ctx.handle, CUBLAS_OP_N, CUBLAS_OP_T, to_int(m, op), to_int(k, op), to_int(cap, op),
-        &alpha, yp, CUDA_R_16BF, to_int(m, op), cap * m, xp, CUDA_R_16BF, to_int(k, op), cap * k,
-        &beta, dw, cuda_type(dw_dt, op), to_int(m, op), k * m, to_int(groups, op),
-        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        ctx.handle, CUBLAS_OP_N, CUBLAS_OP_T, to_int(m, op), to_int(k, op), to_int(cap, op), &alpha,
+        yp, CUDA_R_16BF, to_int(m, op), cap * m, xp, CUDA_R_16BF, to_int(k, op), cap * k, &beta, dw,
+        cuda_type(dw_dt, op), to_int(m, op), k * m, to_int(groups, op), CUBLAS_COMPUTE_32F,
+        CUBLAS_GEMM_DEFAULT));
   }
   // Stream-ordered reuse: later work on `stream` runs after the GEMM.
   alloc.deallocate(yp, yb);

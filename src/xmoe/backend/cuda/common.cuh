@@ -16,12 +16,21 @@ namespace xmoe::cuda {
 
 using bf16_t = __nv_bfloat16;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(bf16_t x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(bf16_t x) {
+  return __bfloat162float(x);
+}
 
-template <class T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
   return __float2bfloat16_rn(x);  // round to nearest even, like xmoe::bf16 on the host
 }
 
@@ -40,7 +49,6 @@ __device__ __forceinline__ double block_tree_sum(double acc) {
   }
   return sh[0];
 }
-
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -101,7 +109,7 @@ __device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
 }
 
 // Grid-stride loop over [0, n) with 64-bit indices.
-#define XMOE_GRID_STRIDE(i, n)                                                       \
+#define XMOE_GRID_STRIDE(i, n)                                                           \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
@@ -113,7 +121,8 @@ inline unsigned grid_for(int64_t n, int64_t per_block = kBlock) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
 }
 
-template <class T> struct Tag {
+template <class T>
+struct Tag {
   using type = T;
 };
 
@@ -124,14 +133,22 @@ template <class T> struct Tag {
   throw_message(buf, __FILE__, __LINE__);
 }
 
-[[noreturn]] inline void fail(const char* message) { throw_message(message, __FILE__, __LINE__); }
+[[noreturn]] inline void fail(const char* message) {
+  throw_message(message, __FILE__, __LINE__);
+}
 
 // f(Tag<float>{}) or f(Tag<bf16_t>{}) by dtype; anything else throws naming `op`.
-template <class F> void dispatch_float(DType dt, const char* op, F&& f) {
+template <class F>
+void dispatch_float(DType dt, const char* op, F&& f) {
   switch (dt) {
-    case DType::f32: f(Tag<float>{}); return;
-    case DType::bf16: f(Tag<bf16_t>{}); return;
-    default: fail_dtype(op, dt);
+    case DType::f32:
+      f(Tag<float>{});
+      return;
+    case DType::bf16:
+      f(Tag<bf16_t>{});
+      return;
+    default:
+      fail_dtype(op, dt);
   }
 }
 

@@ -14,12 +14,12 @@ namespace xmoe::cuda {
 
 #ifndef CUDA_CHECK
 /// CUDA_CHECK(cudaMemsetAsync(...)): throws xmoe::Error naming the call and the CUDA error.
-#define CUDA_CHECK(call)                                                                    \
-  do {                                                                                      \
-    const cudaError_t status_ = (call);                                                     \
-    if (status_ != cudaSuccess) [[unlikely]]                                                \
-      ::xmoe::cuda::throw_cuda_error(#call, static_cast<int>(status_),                      \
-                                     cudaGetErrorString(status_), __FILE__, __LINE__);      \
+#define CUDA_CHECK(call)                                                               \
+  do {                                                                                 \
+    const cudaError_t status_ = (call);                                                \
+    if (status_ != cudaSuccess) [[unlikely]]                                           \
+      ::xmoe::cuda::throw_cuda_error(#call, static_cast<int>(status_),                 \
+                                     cudaGetErrorString(status_), __FILE__, __LINE__); \
   } while (0)
 #endif
 

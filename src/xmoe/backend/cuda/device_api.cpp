@@ -5,6 +5,8 @@
 // copies and memsets of that device are queued on it.
 // Memory: a caching allocator per device (see CachingAllocator): after the first steps of a
 // training loop every request is served from its free lists, without cudaMalloc or cudaFree.
+#include "xmoe/core/device_api.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,14 +20,12 @@
 #include "xmoe/backend/cuda/check.h"
 #include "xmoe/backend/cuda/cuda_check.cuh"
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/core/device_api.h"
 
 namespace xmoe::cuda {
 
 void throw_cuda_error(const char* call, int status, const char* message, const char* file,
                       int line) {
-  ::xmoe::throw_error(file, line,
-                      fmt::format("[cuda] {} failed: {} ({})", call, message, status));
+  ::xmoe::throw_error(file, line, fmt::format("[cuda] {} failed: {} ({})", call, message, status));
 }
 
 void throw_message(const char* message, const char* file, int line) {
@@ -171,7 +171,7 @@ class CachingAllocator final : public Allocator {
     Stream stream;
   };
 
-  static constexpr size_t kSmall = size_t{1} << 20;      // 1 MiB
+  static constexpr size_t kSmall = size_t{1} << 20;  // 1 MiB
   static constexpr size_t kSmallRound = 512;
   static constexpr size_t kLargeRound = size_t{2} << 20;  // 2 MiB
 
@@ -254,18 +254,28 @@ CachingAllocator& caching_allocator(int device) {
 
 }  // namespace
 
-CacheStats cache_stats(int device) { return caching_allocator(device).cache_stats(); }
-void empty_cache(int device) { caching_allocator(device).empty_cache(); }
+CacheStats cache_stats(int device) {
+  return caching_allocator(device).cache_stats();
+}
+void empty_cache(int device) {
+  caching_allocator(device).empty_cache();
+}
 
 }  // namespace xmoe::cuda
 
 namespace xmoe::backend {
 
-bool cuda_available() { return cuda_device_count() > 0; }
+bool cuda_available() {
+  return cuda_device_count() > 0;
+}
 
-int cuda_device_count() { return cuda::visible_devices(); }
+int cuda_device_count() {
+  return cuda::visible_devices();
+}
 
-Allocator& cuda_allocator(int device_index) { return cuda::caching_allocator(device_index); }
+Allocator& cuda_allocator(int device_index) {
+  return cuda::caching_allocator(device_index);
+}
 
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (bytes == 0) return;

@@ -6,11 +6,13 @@ namespace xmoe::cuda {
 
 namespace {
 
-template <class D, class S> __global__ void cast_kernel(D* dst, const S* src, int64_t n) {
+template <class D, class S>
+__global__ void cast_kernel(D* dst, const S* src, int64_t n) {
   XMOE_GRID_STRIDE(i, n) dst[i] = from_float<D>(to_float(src[i]));
 }
 
-template <class T> __global__ void add_kernel(T* c, const T* a, const T* b, int64_t n) {
+template <class T>
+__global__ void add_kernel(T* c, const T* a, const T* b, int64_t n) {
   XMOE_GRID_STRIDE(i, n) c[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
 }
 
@@ -19,15 +21,18 @@ __global__ void add_inplace_kernel(A* a, const B* b, float alpha, int64_t n) {
   XMOE_GRID_STRIDE(i, n) a[i] = from_float<A>(to_float(a[i]) + alpha * to_float(b[i]));
 }
 
-template <class T> __global__ void mul_kernel(T* c, const T* a, const T* b, int64_t n) {
+template <class T>
+__global__ void mul_kernel(T* c, const T* a, const T* b, int64_t n) {
   XMOE_GRID_STRIDE(i, n) c[i] = from_float<T>(to_float(a[i]) * to_float(b[i]));
 }
 
-template <class T> __global__ void scale_kernel(T* a, float s, int64_t n) {
+template <class T>
+__global__ void scale_kernel(T* a, float s, int64_t n) {
   XMOE_GRID_STRIDE(i, n) a[i] = from_float<T>(to_float(a[i]) * s);
 }
 
-template <class T> __global__ void sigmoid_forward_kernel(T* y, const T* x, int64_t n) {
+template <class T>
+__global__ void sigmoid_forward_kernel(T* y, const T* x, int64_t n) {
   XMOE_GRID_STRIDE(i, n) y[i] = from_float<T>(1.0f / (1.0f + expf(-to_float(x[i]))));
 }
 
@@ -40,7 +45,8 @@ __global__ void sigmoid_backward_kernel(T* dx, const T* y, const T* dy, int64_t 
 }
 
 // h (rows, 2f) = [gate | up]; a (rows, f)
-template <class T> __global__ void swiglu_forward_kernel(T* a, const T* h, int64_t rows, int64_t f) {
+template <class T>
+__global__ void swiglu_forward_kernel(T* a, const T* h, int64_t rows, int64_t f) {
   XMOE_GRID_STRIDE(i, rows * f) {
     const int64_t r = i / f, j = i - r * f;
     const float g = to_float(h[r * 2 * f + j]), u = to_float(h[r * 2 * f + f + j]);
@@ -69,8 +75,8 @@ void cast(void* dst, DType dst_dt, const void* src, DType src_dt, int64_t n, Str
     using D = typename decltype(dtag)::type;
     dispatch_float(src_dt, "cast", [&](auto stag) {
       using S = typename decltype(stag)::type;
-      cast_kernel<D, S><<<grid_for(n), kBlock, 0, stream>>>(static_cast<D*>(dst),
-                                                            static_cast<const S*>(src), n);
+      cast_kernel<D, S>
+          <<<grid_for(n), kBlock, 0, stream>>>(static_cast<D*>(dst), static_cast<const S*>(src), n);
       CUDA_CHECK_LAUNCH();
     });
   });
@@ -80,8 +86,8 @@ void add(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stre
   if (n == 0) return;
   dispatch_float(dt, "add", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    add_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(
-        static_cast<T*>(c), static_cast<const T*>(a), static_cast<const T*>(b), n);
+    add_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(c), static_cast<const T*>(a),
+                                                      static_cast<const T*>(b), n);
     CUDA_CHECK_LAUNCH();
   });
 }
@@ -104,8 +110,8 @@ void mul(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stre
   if (n == 0) return;
   dispatch_float(dt, "mul", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    mul_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(
-        static_cast<T*>(c), static_cast<const T*>(a), static_cast<const T*>(b), n);
+    mul_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(c), static_cast<const T*>(a),
+                                                      static_cast<const T*>(b), n);
     CUDA_CHECK_LAUNCH();
   });
 }
@@ -123,14 +129,13 @@ void sigmoid_forward(void* y, const void* x, DType dt, int64_t n, Stream stream)
   if (n == 0) return;
   dispatch_float(dt, "sigmoid", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    sigmoid_forward_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(y),
-                                                                  static_cast<const T*>(x), n);
+    sigmoid_forward_kernel<T>
+        <<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(y), static_cast<const T*>(x), n);
     CUDA_CHECK_LAUNCH();
   });
 }
 
-void sigmoid_backward(void* dx, const void* y, const void* dy, DType dt, int64_t n,
-                      Stream stream) {
+void sigmoid_backward(void* dx, const void* y, const void* dy, DType dt, int64_t n, Stream stream) {
   if (n == 0) return;
   dispatch_float(dt, "sigmoid_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;

@@ -20,11 +20,11 @@ namespace xmoe::cuda {
 
 namespace {
 
-constexpr int kRows = 64;      // rows of a tile (queries or keys)
-constexpr int kWarps = 4;      // 16 rows per warp
+constexpr int kRows = 64;  // rows of a tile (queries or keys)
+constexpr int kWarps = 4;  // 16 rows per warp
 constexpr int kThreads = 32 * kWarps;
-constexpr int kPad = 8;        // bf16 per smem row beyond head_dim: 16 B, so ldmatrix rows hit
-                               // distinct banks
+constexpr int kPad = 8;  // bf16 per smem row beyond head_dim: 16 B, so ldmatrix rows hit
+                         // distinct banks
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -46,8 +46,11 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
@@ -83,7 +86,8 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 //   B 16x8:  b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
 //   C 16x8:  c0 c1 (g, 2t..2t+1), c2 c3 (g+8, 2t..2t+1)
 
-template <int HD> struct Tile {
+template <int HD>
+struct Tile {
   static constexpr int kLd = HD + kPad;  // bf16 per smem row
   static constexpr int kElems = kRows * kLd;
 };
@@ -91,8 +95,10 @@ template <int HD> struct Tile {
 // Query rows per warp, in m16 tiles: a B fragment read from shared memory feeds MT products.
 // Two halve the shared-memory traffic per product (which bounds these kernels) where the
 // registers allow it (head_dim 64); head_dim 128 keeps one.
-template <int HD> constexpr int kMTiles = HD <= 64 ? 2 : 1;
-template <int HD> constexpr int kQueryRows = 16 * kMTiles<HD> * kWarps;  // per block
+template <int HD>
+constexpr int kMTiles = HD <= 64 ? 2 : 1;
+template <int HD>
+constexpr int kQueryRows = 16 * kMTiles<HD>* kWarps;  // per block
 
 // Copies rows r0 .. r0 + ROWS of head `h` of a (B, S, heads, HD) tensor into a smem tile; rows
 // past `seq` become zeros.
@@ -103,7 +109,8 @@ __device__ __forceinline__ void load_tile_async(bf16_t* tile, const bf16_t* src,
   for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
     const int rr = c / kChunks, cc = c % kChunks, r = r0 + rr;
     const bool in = r < seq;
-    const bf16_t* g = src + ((static_cast<int64_t>(b) * seq + (in ? r : 0)) * heads + h) * HD + cc * 8;
+    const bf16_t* g =
+        src + ((static_cast<int64_t>(b) * seq + (in ? r : 0)) * heads + h) * HD + cc * 8;
     cp_async_16(tile + rr * Tile<HD>::kLd + cc * 8, g, in ? 16 : 0);
   }
 }
@@ -137,7 +144,8 @@ __device__ __forceinline__ void mm_rows_by_tile(float (&acc)[MT][kRows / 8][4],
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int n = 0; n < kRows / 8; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.f;
+    for (int n = 0; n < kRows / 8; ++n)
+      acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
     uint32_t a[MT][4];
@@ -214,8 +222,8 @@ __device__ __forceinline__ bool visible(int i, int j, const FlashDims& p) {
 // buf ^ 1 was last read in the previous step, which ended at a barrier.
 template <int HD>
 __device__ __forceinline__ void next_kv_tile(bf16_t* ks, bf16_t* vs, const bf16_t* k,
-                                             const bf16_t* v, int buf, bool more, int b,
-                                             int j_next, int kvh, const FlashDims& p) {
+                                             const bf16_t* v, int buf, bool more, int b, int j_next,
+                                             int kvh, const FlashDims& p) {
   if (more) {
     load_tile_async<HD>(ks + (buf ^ 1) * Tile<HD>::kElems, k, b, j_next, kvh, p.seq, p.kv_heads);
     load_tile_async<HD>(vs + (buf ^ 1) * Tile<HD>::kElems, v, b, j_next, kvh, p.seq, p.kv_heads);
@@ -274,8 +282,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[kRows / 8][4], float (
 
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
-    flash_forward_kernel(bf16_t* out, float* lse, const bf16_t* q, const bf16_t* k,
-                         const bf16_t* v, FlashDims p) {
+    flash_forward_kernel(bf16_t* out, float* lse, const bf16_t* q, const bf16_t* k, const bf16_t* v,
+                         FlashDims p) {
   constexpr int MT = kMTiles<HD>, BQ = kQueryRows<HD>;
   constexpr int kQElems = BQ * Tile<HD>::kLd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -323,8 +331,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float x = s[mt][n][e] * p.scale_log2;
-          if (masked && !visible(r0 + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1), p))
-            x = -INFINITY;
+          if (masked && !visible(r0 + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1), p)) x = -INFINITY;
           s[mt][n][e] = x;
         }
       online_softmax<HD>(s[mt], o[mt], m[mt][0], m[mt][1], l[mt][0], l[mt][1]);
@@ -386,8 +393,8 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16_t* ks = reinterpret_cast<bf16_t*>(smem_raw);
   bf16_t* vs = ks + Tile<HD>::kElems;
-  bf16_t* qs = vs + Tile<HD>::kElems;       // [2]
-  bf16_t* dos = qs + 2 * Tile<HD>::kElems;  // [2]
+  bf16_t* qs = vs + Tile<HD>::kElems;                                  // [2]
+  bf16_t* dos = qs + 2 * Tile<HD>::kElems;                             // [2]
   float* lses = reinterpret_cast<float*>(dos + 2 * Tile<HD>::kElems);  // [2][64], log2 units
   float* ds_ = lses + 2 * kRows;                                       // [2][64]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -468,15 +475,15 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int HD>
 __global__ void __launch_bounds__(kThreads)
-    flash_dq_kernel(bf16_t* dq, const bf16_t* q, const bf16_t* k, const bf16_t* v,
-                    const float* lse, const float* dsum, const bf16_t* dout, FlashDims p) {
+    flash_dq_kernel(bf16_t* dq, const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
+                    const float* dsum, const bf16_t* dout, FlashDims p) {
   constexpr int MT = kMTiles<HD>, BQ = kQueryRows<HD>;
   constexpr int kQElems = BQ * Tile<HD>::kLd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16_t* qs = reinterpret_cast<bf16_t*>(smem_raw);
   bf16_t* dos = qs + kQElems;
-  bf16_t* ks = dos + kQElems;               // [2]
-  bf16_t* vs = ks + 2 * Tile<HD>::kElems;   // [2]
+  bf16_t* ks = dos + kQElems;              // [2]
+  bf16_t* vs = ks + 2 * Tile<HD>::kElems;  // [2]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int qtile = gridDim.x - 1 - blockIdx.x;
   const int b = blockIdx.y / p.heads, h = blockIdx.y % p.heads;
@@ -503,7 +510,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int n = 0; n < HD / 8; ++n) dqa[mt][n][0] = dqa[mt][n][1] = dqa[mt][n][2] = dqa[mt][n][3] = 0.f;
+    for (int n = 0; n < HD / 8; ++n)
+      dqa[mt][n][0] = dqa[mt][n][1] = dqa[mt][n][2] = dqa[mt][n][3] = 0.f;
 
   const int key_end = p.causal ? min(p.seq, i0 + BQ) : p.seq;
   const int tiles = (key_end + kRows - 1) / kRows;
@@ -537,15 +545,20 @@ __global__ void __launch_bounds__(kThreads)
     store_rows<HD>(dq, dqa[mt], p.scale, p.scale, b, i0 + wrow + 16 * mt, h, p.seq, p.heads);
 }
 
-template <class Kernel> void allow_smem(Kernel kernel, size_t bytes) {
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(bytes)));
 }
 
 FlashDims flash_dims(int64_t seq, int64_t heads, int64_t kv_heads, float scale, bool causal) {
-  return {static_cast<int>(seq), static_cast<int>(heads), static_cast<int>(kv_heads),
-          scale * kLog2e, scale, causal};
+  return {static_cast<int>(seq),
+          static_cast<int>(heads),
+          static_cast<int>(kv_heads),
+          scale * kLog2e,
+          scale,
+          causal};
 }
 
 dim3 flash_grid(int64_t seq, int64_t rows_per_block, int64_t pairs) {
@@ -559,9 +572,9 @@ void forward_hd(bf16_t* out, float* lse, const bf16_t* q, const bf16_t* k, const
                 int64_t batch, const FlashDims& p, Stream stream) {
   const size_t smem = sizeof(bf16_t) * (kQueryRows<HD> * Tile<HD>::kLd + 4 * Tile<HD>::kElems);
   allow_smem(flash_forward_kernel<HD>, smem);
-  flash_forward_kernel<HD><<<flash_grid(p.seq, kQueryRows<HD>, batch * p.heads), kThreads, smem,
-                             stream>>>(
-      out, lse, q, k, v, p);
+  flash_forward_kernel<HD>
+      <<<flash_grid(p.seq, kQueryRows<HD>, batch * p.heads), kThreads, smem, stream>>>(out, lse, q,
+                                                                                       k, v, p);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -571,21 +584,22 @@ void backward_hd(bf16_t* dq, bf16_t* dk, bf16_t* dv, const bf16_t* q, const bf16
                  float* dsum, int64_t batch, const FlashDims& p, Stream stream) {
   const int64_t rows = batch * p.seq * p.heads;
   constexpr int kDotWarps = 8;
-  flash_dot_kernel<HD><<<static_cast<unsigned>((rows + kDotWarps - 1) / kDotWarps), 32 * kDotWarps,
-                         0, stream>>>(dsum, out, dout, rows, p.seq, p.heads);
+  flash_dot_kernel<HD>
+      <<<static_cast<unsigned>((rows + kDotWarps - 1) / kDotWarps), 32 * kDotWarps, 0, stream>>>(
+          dsum, out, dout, rows, p.seq, p.heads);
   CUDA_CHECK_LAUNCH();
   const size_t smem_kv = sizeof(bf16_t) * 6 * Tile<HD>::kElems + sizeof(float) * 4 * kRows;
   allow_smem(flash_dkdv_kernel<HD>, smem_kv);
-  flash_dkdv_kernel<HD><<<flash_grid(p.seq, kRows, batch * p.kv_heads), kThreads, smem_kv,
-                          stream>>>(
-      dk, dv, q, k, v, lse, dsum, dout, p);
+  flash_dkdv_kernel<HD>
+      <<<flash_grid(p.seq, kRows, batch * p.kv_heads), kThreads, smem_kv, stream>>>(
+          dk, dv, q, k, v, lse, dsum, dout, p);
   CUDA_CHECK_LAUNCH();
   const size_t smem_q =
       sizeof(bf16_t) * (2 * kQueryRows<HD> * Tile<HD>::kLd + 4 * Tile<HD>::kElems);
   allow_smem(flash_dq_kernel<HD>, smem_q);
-  flash_dq_kernel<HD><<<flash_grid(p.seq, kQueryRows<HD>, batch * p.heads), kThreads, smem_q,
-                        stream>>>(
-      dq, q, k, v, lse, dsum, dout, p);
+  flash_dq_kernel<HD>
+      <<<flash_grid(p.seq, kQueryRows<HD>, batch * p.heads), kThreads, smem_q, stream>>>(
+          dq, q, k, v, lse, dsum, dout, p);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -604,9 +618,12 @@ void flash_attention_forward(void* out, float* lse, const void* q, const void* k
   const auto* tq = static_cast<const bf16_t*>(q);
   const auto* tk = static_cast<const bf16_t*>(k);
   const auto* tv = static_cast<const bf16_t*>(v);
-  if (head_dim == 64) forward_hd<64>(o, lse, tq, tk, tv, batch, p, stream);
-  else if (head_dim == 128) forward_hd<128>(o, lse, tq, tk, tv, batch, p, stream);
-  else fail("[attention] the tensor-core kernels take head_dim 64 or 128");
+  if (head_dim == 64)
+    forward_hd<64>(o, lse, tq, tk, tv, batch, p, stream);
+  else if (head_dim == 128)
+    forward_hd<128>(o, lse, tq, tk, tv, batch, p, stream);
+  else
+    fail("[attention] the tensor-core kernels take head_dim 64 or 128");
 }
 
 void flash_attention_backward(void* dq, void* dk, void* dv, const void* q, const void* k,

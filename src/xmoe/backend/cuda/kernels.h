@@ -49,11 +49,10 @@ void add(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stre
 void add_inplace(void* a, DType a_dt, const void* b, DType b_dt, float alpha, int64_t n,
                  Stream stream);
 void mul(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stream);  // c = a * b
-void scale_inplace(void* a, DType dt, float s, int64_t n, Stream stream);              // a *= s
+void scale_inplace(void* a, DType dt, float s, int64_t n, Stream stream);             // a *= s
 void sigmoid_forward(void* y, const void* x, DType dt, int64_t n, Stream stream);
 // dx = dy * y * (1 - y)
-void sigmoid_backward(void* dx, const void* y, const void* dy, DType dt, int64_t n,
-                      Stream stream);
+void sigmoid_backward(void* dx, const void* y, const void* dy, DType dt, int64_t n, Stream stream);
 // h (rows, 2f) = [gate | up] -> a (rows, f) = silu(gate) * up
 void swiglu_forward(void* a, const void* h, DType dt, int64_t rows, int64_t f, Stream stream);
 void swiglu_backward(void* dh, const void* h, const void* da, DType dt, int64_t rows, int64_t f,
@@ -77,8 +76,8 @@ void row_dot(void* out, const void* a, const void* b, DType dt, int64_t rows, in
 // over the last dimension of (rows, cols)
 void softmax_forward(void* y, const void* x, DType dt, int64_t rows, int64_t cols, Stream stream);
 // dx = y * (dy - sum(dy * y))
-void softmax_backward(void* dx, const void* y, const void* dy, DType dt, int64_t rows,
-                      int64_t cols, Stream stream);
+void softmax_backward(void* dx, const void* y, const void* dy, DType dt, int64_t rows, int64_t cols,
+                      Stream stream);
 
 // ---- RMSNorm (norm.cu) ----------------------------------------------------------------------
 
@@ -89,8 +88,8 @@ size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d);
 // dx (rows, d) of x_dt; dw (d) of w_dt += sum over rows of dy * x * rstd, deterministically
 // (fixed per-block partials, then a fixed-order reduction).
 void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void* w, DType w_dt,
-                      const float* rstd, const void* dy, int64_t rows, int64_t d,
-                      void* workspace, Stream stream);
+                      const float* rstd, const void* dy, int64_t rows, int64_t d, void* workspace,
+                      Stream stream);
 
 // ---- selection and indexing (topk.cu, index.cu) ---------------------------------------------
 
@@ -150,8 +149,7 @@ size_t attention_backward_workspace_bytes(DType dt, int64_t batch, int64_t seq, 
 void attention_backward(void* dq, void* dk, void* dv, const void* q, const void* k, const void* v,
                         const void* out, const float* lse, const void* dout, DType dt,
                         int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, float scale, bool causal, void* workspace,
-                        Stream stream);
+                        int64_t head_dim, float scale, bool causal, void* workspace, Stream stream);
 
 // Which implementation runs bf16 attention. XMOE_ATTENTION=cudnn (the default where the build
 // has cuDNN) or native (xmoe's kernels) sets the starting value; tests switch it to compare.
@@ -174,13 +172,11 @@ struct CudnnAttentionShape {
 bool cudnn_attention_available();  // built with cuDNN and a cuDNN library is loadable
 bool cudnn_attention_forward_ready(const CudnnAttentionShape& shape, size_t* workspace_bytes);
 bool cudnn_attention_backward_ready(const CudnnAttentionShape& shape, size_t* workspace_bytes);
-void cudnn_attention_forward(const CudnnAttentionShape& shape, void* out, float* lse,
-                             const void* q, const void* k, const void* v, void* workspace,
-                             Stream stream);
+void cudnn_attention_forward(const CudnnAttentionShape& shape, void* out, float* lse, const void* q,
+                             const void* k, const void* v, void* workspace, Stream stream);
 void cudnn_attention_backward(const CudnnAttentionShape& shape, void* dq, void* dk, void* dv,
                               const void* q, const void* k, const void* v, const void* out,
-                              const float* lse, const void* dout, void* workspace,
-                              Stream stream);
+                              const float* lse, const void* dout, void* workspace, Stream stream);
 // The tensor-core kernels (flash_attention.cu) behind the two above: bf16 with head_dim 64 or
 // 128 and 16-byte aligned rows go there, everything else to the CUDA-core kernels.
 bool flash_attention_supported(DType dt, int64_t head_dim);

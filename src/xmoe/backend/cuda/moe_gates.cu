@@ -49,7 +49,9 @@ __global__ void group_limited_kernel(float* biased, const float* scores, const f
 __global__ void div_temperature_kernel(float* out, const float* x, const float* temperature,
                                        float min_temperature, int64_t n) {
   const float inv = 1.0f / fmaxf(*temperature, min_temperature);
-  XMOE_GRID_STRIDE(i, n) { out[i] = x[i] * inv; }
+  XMOE_GRID_STRIDE(i, n) {
+    out[i] = x[i] * inv;
+  }
 }
 
 constexpr int kTempThreads = 1024;
@@ -76,9 +78,8 @@ __global__ void temperature_grad_kernel(float* grad, const float* dlogits, const
 
 }  // namespace
 
-void moe_group_limited_scores(float* biased, const float* scores, const float* bias,
-                              int64_t tokens, int64_t experts, int64_t groups,
-                              int64_t topk_groups, Stream stream) {
+void moe_group_limited_scores(float* biased, const float* scores, const float* bias, int64_t tokens,
+                              int64_t experts, int64_t groups, int64_t topk_groups, Stream stream) {
   if (tokens == 0) return;
   if (groups > 64) fail("[moe gate sigmoid] more than 64 expert groups on CUDA");
   group_limited_kernel<<<grid_for(tokens), kBlock, 0, stream>>>(biased, scores, bias, tokens,

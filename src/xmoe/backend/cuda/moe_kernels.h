@@ -29,8 +29,8 @@ void moe_take_along_rows(void* out, const void* x, DType dt, const int32_t* idx,
                          int64_t e, int64_t k, Stream stream);
 // out (n, e)[i, idx[i, j]] += src (n, k)[i, j], j in increasing order per row (the CPU's order);
 // an index outside [0, e) is skipped.
-void moe_put_along_rows_add(void* out, DType dt, const int32_t* idx, const void* src,
-                            DType src_dt, int64_t n, int64_t e, int64_t k, Stream stream);
+void moe_put_along_rows_add(void* out, DType dt, const int32_t* idx, const void* src, DType src_dt,
+                            int64_t n, int64_t e, int64_t k, Stream stream);
 // y (n, m) = x (m, n)^T
 void moe_transpose(void* y, const void* x, DType dt, int64_t m, int64_t n, Stream stream);
 // y (n, d) = x / norm, norm (n) f32 = max(||x_i||, eps)
@@ -71,9 +71,8 @@ void moe_layout(const int32_t* topk_idx, const float* topk_weight, int64_t pairs
 // probs, z_logits (T, E) f32; topk_idx (T, k); seq_len divides T; S = T / seq_len.
 // scratch: moe_aux_stats_scratch(tokens, experts, seq_len) doubles of partial sums.
 void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const float* probs,
-                   const int32_t* topk_idx, const float* z_logits, int64_t tokens,
-                   int64_t experts, int64_t top_k, int64_t seq_len, double* scratch,
-                   Stream stream);
+                   const int32_t* topk_idx, const float* z_logits, int64_t tokens, int64_t experts,
+                   int64_t top_k, int64_t seq_len, double* scratch, Stream stream);
 int64_t moe_aux_stats_scratch(int64_t tokens, int64_t experts, int64_t seq_len);
 // all_stats (ranks, 2E + 4): every rank's stats, summed in rank order into the global ones;
 // then terms (4) f64 = [load balance, seq balance, z-loss, weighted sum], frac (E) f32 = f_e and
@@ -85,18 +84,17 @@ void moe_aux_finalize(double* terms, float* frac, double* denoms, const double* 
 // dlogits (T, E) += 2 w_z / denoms[2] * lse_t * softmax(z_logits_t)
 // A zero weight skips its term.
 void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, const float* frac,
-                      const float* seq_count, const double* denoms, int64_t tokens,
-                      int64_t experts, int64_t seq_len, int64_t top_k, double w_lb, double w_seq,
-                      double w_z, Stream stream);
+                      const float* seq_count, const double* denoms, int64_t tokens, int64_t experts,
+                      int64_t seq_len, int64_t top_k, double w_lb, double w_seq, double w_z,
+                      Stream stream);
 
 // ---- gates (moe_gates.cu) -------------------------------------------------------------------
 
 // biased (T, E) = scores + bias; with topk_groups < groups, the experts outside the topk_groups
 // best groups (group score: sum of its top-2 biased scores; ties to the lower group) get -inf.
 // groups <= 64.
-void moe_group_limited_scores(float* biased, const float* scores, const float* bias,
-                              int64_t tokens, int64_t experts, int64_t groups,
-                              int64_t topk_groups, Stream stream);
+void moe_group_limited_scores(float* biased, const float* scores, const float* bias, int64_t tokens,
+                              int64_t experts, int64_t groups, int64_t topk_groups, Stream stream);
 // out (n) = x (n) / max(*temperature, min_temperature)
 void moe_div_temperature(float* out, const float* x, const float* temperature,
                          float min_temperature, int64_t n, Stream stream);

@@ -21,7 +21,9 @@ namespace {
 
 constexpr int64_t kChunk = 512;
 
-size_t align256(size_t b) { return (b + 255) / 256 * 256; }
+size_t align256(size_t b) {
+  return (b + 255) / 256 * 256;
+}
 
 __global__ void layout_histogram_kernel(int32_t* chunk_counts, unsigned long long* first_bad,
                                         const int32_t* topk_idx, int64_t pairs, int64_t experts) {

@@ -57,7 +57,9 @@ __global__ void seq_count_kernel(float* seq_count, const int32_t* topk_idx, int6
 constexpr int64_t kChunk = 64;
 constexpr int kLseBlocks = 264;  // 2 per SM of an H200; fixed, so the sum order is too
 
-int64_t chunks_of(int64_t seq_len) { return (seq_len + kChunk - 1) / kChunk; }
+int64_t chunks_of(int64_t seq_len) {
+  return (seq_len + kChunk - 1) / kChunk;
+}
 
 __global__ void chunk_psum_kernel(double* partial, const float* probs, int64_t seqs,
                                   int64_t seq_len, int64_t experts) {
@@ -134,8 +136,8 @@ __global__ void totals_kernel(double* stats, const float* seq_count, const doubl
 // One block: the ranks' statistics [ranks, 2E + 4] summed in rank order (as all_sum_f64 on the
 // host), then the terms, f_e and the gradient denominators, as the CPU path computes them.
 __global__ void aux_finalize_kernel(double* terms, float* frac, double* denoms, const double* all,
-                                    int64_t ranks, int64_t experts, int64_t top_k,
-                                    int64_t seq_len, double w_lb, double w_seq, double w_z) {
+                                    int64_t ranks, int64_t experts, int64_t top_k, int64_t seq_len,
+                                    double w_lb, double w_seq, double w_z) {
   __shared__ double scratch[kStatsThreads];
   const int64_t n = 2 * experts + 4;
   auto global = [&](int64_t i) {
@@ -205,21 +207,20 @@ int64_t moe_aux_stats_scratch(int64_t tokens, int64_t experts, int64_t seq_len) 
 }
 
 void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const float* probs,
-                   const int32_t* topk_idx, const float* z_logits, int64_t tokens,
-                   int64_t experts, int64_t top_k, int64_t seq_len, double* scratch,
-                   Stream stream) {
+                   const int32_t* topk_idx, const float* z_logits, int64_t tokens, int64_t experts,
+                   int64_t top_k, int64_t seq_len, double* scratch, Stream stream) {
   if (tokens == 0 || experts == 0) {
-    CUDA_CHECK(cudaMemsetAsync(stats, 0, static_cast<size_t>(2 * experts + 4) * sizeof(double),
-                               stream));
+    CUDA_CHECK(
+        cudaMemsetAsync(stats, 0, static_cast<size_t>(2 * experts + 4) * sizeof(double), stream));
     return;
   }
   const int64_t seqs = tokens / seq_len, chunks = chunks_of(seq_len);
   const size_t smem = static_cast<size_t>(experts) * sizeof(int32_t);
   if (smem > 48 * 1024) fail("[moe aux losses] more than 12288 experts");
   seq_count_kernel<<<static_cast<unsigned>(seqs), kBlock, smem, stream>>>(seq_count, topk_idx,
-                                                                         seq_len, top_k, experts);
+                                                                          seq_len, top_k, experts);
   CUDA_CHECK_LAUNCH();
-  double* lse_partial = scratch;                // [kLseBlocks]
+  double* lse_partial = scratch;                 // [kLseBlocks]
   double* chunk_partial = scratch + kLseBlocks;  // [S, chunks, E]
   chunk_psum_kernel<<<grid_for(seqs * chunks * experts), kBlock, 0, stream>>>(
       chunk_partial, probs, seqs, seq_len, experts);
@@ -228,7 +229,7 @@ void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const floa
                                                                    chunks, experts);
   CUDA_CHECK_LAUNCH();
   lse_squares_partial_kernel<<<kLseBlocks, kBlock, 0, stream>>>(lse_partial, z_logits, tokens,
-                                                               experts);
+                                                                experts);
   CUDA_CHECK_LAUNCH();
   lse_squares_total_kernel<<<1, 512, 0, stream>>>(stats, lse_partial, experts);
   CUDA_CHECK_LAUNCH();
@@ -241,14 +242,14 @@ void moe_aux_finalize(double* terms, float* frac, double* denoms, const double* 
                       int64_t ranks, int64_t experts, int64_t top_k, int64_t seq_len, double w_lb,
                       double w_seq, double w_z, Stream stream) {
   aux_finalize_kernel<<<1, kStatsThreads, 0, stream>>>(terms, frac, denoms, all_stats, ranks,
-                                                      experts, top_k, seq_len, w_lb, w_seq, w_z);
+                                                       experts, top_k, seq_len, w_lb, w_seq, w_z);
   CUDA_CHECK_LAUNCH();
 }
 
 void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, const float* frac,
-                      const float* seq_count, const double* denoms, int64_t tokens,
-                      int64_t experts, int64_t seq_len, int64_t top_k, double w_lb, double w_seq,
-                      double w_z, Stream stream) {
+                      const float* seq_count, const double* denoms, int64_t tokens, int64_t experts,
+                      int64_t seq_len, int64_t top_k, double w_lb, double w_seq, double w_z,
+                      Stream stream) {
   if (tokens == 0 || experts == 0) return;
   if (w_lb != 0.0 || w_seq != 0.0) {
     aux_probs_grad_kernel<<<grid_for(tokens * experts), kBlock, 0, stream>>>(

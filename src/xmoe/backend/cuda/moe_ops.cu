@@ -13,7 +13,9 @@ constexpr int kWarpsPerBlock = kBlock / 32;
 
 template <class T>
 __global__ void scale_rows_kernel(T* x, const float* w, int64_t n, int64_t d) {
-  XMOE_GRID_STRIDE(i, n * d) { x[i] = from_float<T>(to_float(x[i]) * w[i / d]); }
+  XMOE_GRID_STRIDE(i, n * d) {
+    x[i] = from_float<T>(to_float(x[i]) * w[i / d]);
+  }
 }
 
 // One warp per row.
@@ -70,8 +72,8 @@ __global__ void gather_weighted_rows_dot_kernel(T* d_rows, float* dot, const TY*
 }
 
 template <class T>
-__global__ void take_along_rows_kernel(T* out, const T* x, const int32_t* idx, int64_t n,
-                                       int64_t e, int64_t k) {
+__global__ void take_along_rows_kernel(T* out, const T* x, const int32_t* idx, int64_t n, int64_t e,
+                                       int64_t k) {
   XMOE_GRID_STRIDE(i, n * k) {
     const int32_t j = idx[i];
     out[i] = (j >= 0 && j < e) ? x[(i / k) * e + j] : from_float<T>(0.f);
@@ -91,7 +93,8 @@ __global__ void put_along_rows_add_kernel(T* out, const int32_t* idx, const S* s
   }
 }
 
-template <class T> __global__ void transpose_kernel(T* y, const T* x, int64_t m, int64_t n) {
+template <class T>
+__global__ void transpose_kernel(T* y, const T* x, int64_t m, int64_t n) {
   XMOE_GRID_STRIDE(i, m * n) {  // i indexes y (n, m)
     const int64_t r = i / m, c = i % m;
     y[i] = x[c * n + r];
@@ -111,7 +114,8 @@ __global__ void l2_normalize_kernel(T* y, float* norm, const T* x, int64_t n, in
     }
     const float nrm = fmaxf(sqrtf(warp_sum(ss)), eps);
     if (lane == 0) norm[r] = nrm;
-    for (int64_t c = lane; c < d; c += 32) y[r * d + c] = from_float<T>(to_float(x[r * d + c]) / nrm);
+    for (int64_t c = lane; c < d; c += 32)
+      y[r * d + c] = from_float<T>(to_float(x[r * d + c]) / nrm);
   }
 }
 
@@ -140,7 +144,8 @@ __global__ void renormalize_kernel(T* w, float* sums, const T* v, int64_t n, int
     for (int64_t j = 0; j < k; ++j) s += to_float(v[r * k + j]);
     s = fmaxf(s, 1e-20f);
     sums[r] = s;
-    for (int64_t j = 0; j < k; ++j) w[r * k + j] = from_float<T>(scale * to_float(v[r * k + j]) / s);
+    for (int64_t j = 0; j < k; ++j)
+      w[r * k + j] = from_float<T>(scale * to_float(v[r * k + j]) / s);
   }
 }
 
@@ -155,7 +160,9 @@ __global__ void renormalize_backward_kernel(T* dv, const T* w, const float* sums
   }
 }
 
-unsigned warp_rows_grid(int64_t n) { return grid_for(n, kWarpsPerBlock); }
+unsigned warp_rows_grid(int64_t n) {
+  return grid_for(n, kWarpsPerBlock);
+}
 
 }  // namespace
 
@@ -173,8 +180,8 @@ void moe_row_dot_f32(float* out, const void* a, const void* b, DType dt, int64_t
   if (n == 0) return;
   dispatch_float(dt, "row_dot", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    row_dot_f32_kernel<T><<<warp_rows_grid(n), kBlock, 0, stream>>>(
-        out, static_cast<const T*>(a), static_cast<const T*>(b), n, d);
+    row_dot_f32_kernel<T><<<warp_rows_grid(n), kBlock, 0, stream>>>(out, static_cast<const T*>(a),
+                                                                    static_cast<const T*>(b), n, d);
     CUDA_CHECK_LAUNCH();
   });
 }
@@ -201,8 +208,10 @@ void moe_gather_weighted_rows_dot(void* d_rows, float* dot, const void* dy, DTyp
             <<<warp_rows_grid(n), kBlock, 0, stream>>>(o, dot, g, x, idx, w, n, t, d);
       CUDA_CHECK_LAUNCH();
     };
-    if (dy_dt == DType::f32) launch(Tag<float>{});
-    else launch(tag);
+    if (dy_dt == DType::f32)
+      launch(Tag<float>{});
+    else
+      launch(tag);
   });
 }
 
@@ -217,8 +226,8 @@ void moe_take_along_rows(void* out, const void* x, DType dt, const int32_t* idx,
   });
 }
 
-void moe_put_along_rows_add(void* out, DType dt, const int32_t* idx, const void* src,
-                            DType src_dt, int64_t n, int64_t e, int64_t k, Stream stream) {
+void moe_put_along_rows_add(void* out, DType dt, const int32_t* idx, const void* src, DType src_dt,
+                            int64_t n, int64_t e, int64_t k, Stream stream) {
   if (n * k == 0) return;
   dispatch_float(dt, "put_along_rows_add", [&](auto otag) {
     using T = typename decltype(otag)::type;
@@ -279,9 +288,9 @@ void moe_renormalize_rows_backward(void* dv, const void* w, const float* sums, c
   if (n == 0) return;
   dispatch_float(dt, "renormalize_rows_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    renormalize_backward_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(
-        static_cast<T*>(dv), static_cast<const T*>(w), sums, static_cast<const T*>(dw), n, k,
-        scale);
+    renormalize_backward_kernel<T>
+        <<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(dv), static_cast<const T*>(w), sums,
+                                             static_cast<const T*>(dw), n, k, scale);
     CUDA_CHECK_LAUNCH();
   });
 }

@@ -14,13 +14,17 @@ namespace xmoe::cuda {
 namespace {
 
 constexpr int kNormBlock = 256;
-constexpr int64_t kMaxPartials = 256;      // block path
+constexpr int64_t kMaxPartials = 256;       // block path
 constexpr int64_t kMaxWarpPartials = 2048;  // warp path: 16 warps on each of 128 SMs
-constexpr int kWarpRowMax = 1024;          // 4 chunks of 8 values per lane (more spill)
-constexpr int kRowWarps = 4;               // warps per block of the warp path
+constexpr int kWarpRowMax = 1024;           // 4 chunks of 8 values per lane (more spill)
+constexpr int kRowWarps = 4;                // warps per block of the warp path
 
-int64_t clamp_partials(int64_t rows, int64_t most) { return rows < most ? (rows < 1 ? 1 : rows) : most; }
-int64_t num_partials(int64_t rows) { return clamp_partials(rows, kMaxPartials); }
+int64_t clamp_partials(int64_t rows, int64_t most) {
+  return rows < most ? (rows < 1 ? 1 : rows) : most;
+}
+int64_t num_partials(int64_t rows) {
+  return clamp_partials(rows, kMaxPartials);
+}
 
 bool warp_path(const void* x, const void* y, const void* w, int64_t d) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
@@ -28,12 +32,14 @@ bool warp_path(const void* x, const void* y, const void* w, int64_t d) {
 }
 
 // Lane `lane` of a warp-path kernel holds columns warp_col(lane, c), c < CH (CH * 256 >= d).
-__device__ __forceinline__ int64_t warp_col(int lane, int c) { return lane * 8 + c * 256; }
+__device__ __forceinline__ int64_t warp_col(int lane, int c) {
+  return lane * 8 + c * 256;
+}
 
 template <int CH, class T, class W>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    rmsnorm_forward_warp_kernel(T* y, float* rstd, const T* x, const W* w, int64_t rows,
-                                int64_t d, float eps) {
+    rmsnorm_forward_warp_kernel(T* y, float* rstd, const T* x, const W* w, int64_t rows, int64_t d,
+                                float eps) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
   float wv[CH][8];
@@ -70,8 +76,8 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 
 template <int CH, class T, class W>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    rmsnorm_backward_warp_kernel(T* dx, float* partial, const T* x, const W* w,
-                                 const float* rstd, const T* dy, int64_t rows, int64_t d) {
+    rmsnorm_backward_warp_kernel(T* dx, float* partial, const T* x, const W* w, const float* rstd,
+                                 const T* dy, int64_t rows, int64_t d) {
   const int lane = threadIdx.x & 31;
   const int64_t worker = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
@@ -139,15 +145,19 @@ __global__ void __launch_bounds__(1024)
 
 template <class W>
 void add_partials(W* dw, const float* partial, int64_t parts, int64_t d, Stream stream) {
-  rmsnorm_dweight_columns_kernel<W><<<static_cast<unsigned>((d + 31) / 32), dim3(32, 32), 0,
-                                      stream>>>(dw, partial, parts, d);
+  rmsnorm_dweight_columns_kernel<W>
+      <<<static_cast<unsigned>((d + 31) / 32), dim3(32, 32), 0, stream>>>(dw, partial, parts, d);
   CUDA_CHECK_LAUNCH();
 }
 
-template <class F> void dispatch_chunks(int64_t d, F&& f) {
-  if (d <= 256) f(std::integral_constant<int, 1>{});
-  else if (d <= 512) f(std::integral_constant<int, 2>{});
-  else f(std::integral_constant<int, 4>{});
+template <class F>
+void dispatch_chunks(int64_t d, F&& f) {
+  if (d <= 256)
+    f(std::integral_constant<int, 1>{});
+  else if (d <= 512)
+    f(std::integral_constant<int, 2>{});
+  else
+    f(std::integral_constant<int, 4>{});
 }
 
 unsigned warp_grid(int64_t rows, int64_t most) {
@@ -233,8 +243,8 @@ size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d) {
 }
 
 void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void* w, DType w_dt,
-                      const float* rstd, const void* dy, int64_t rows, int64_t d,
-                      void* workspace, Stream stream) {
+                      const float* rstd, const void* dy, int64_t rows, int64_t d, void* workspace,
+                      Stream stream) {
   if (rows == 0 || d == 0) return;
   auto* partial = static_cast<float*>(workspace);
   if (warp_path(x, dx, w, d) && reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
@@ -248,8 +258,8 @@ void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void*
         dispatch_chunks(d, [&](auto ch) {
           rmsnorm_backward_warp_kernel<decltype(ch)::value, T, W>
               <<<blocks, kRowWarps * 32, 0, stream>>>(
-                  static_cast<T*>(dx), partial, static_cast<const T*>(x),
-                  static_cast<const W*>(w), rstd, static_cast<const T*>(dy), rows, d);
+                  static_cast<T*>(dx), partial, static_cast<const T*>(x), static_cast<const W*>(w),
+                  rstd, static_cast<const T*>(dy), rows, d);
         });
         CUDA_CHECK_LAUNCH();
         add_partials(static_cast<W*>(dw), partial, parts, d, stream);

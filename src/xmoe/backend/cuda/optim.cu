@@ -5,10 +5,10 @@
 // copies may be bf16, a per-tensor flag; the block branches once, outside its loop); the AdamW
 // update uses explicit round-to-nearest intrinsics so that nvcc does not fuse a*b+c into an
 // FMA, which keeps the CPU's formula and operation order.
+#include <vector>
+
 #include "xmoe/backend/cuda/common.cuh"
 #include "xmoe/backend/cuda/optim_kernels.h"
-
-#include <vector>
 
 namespace xmoe::cuda {
 
@@ -26,7 +26,7 @@ struct TensorBatch {
   void* d[kMultiTensorMax];
   void* e[kMultiTensorMax];
   int64_t n[kMultiTensorMax];
-  uint8_t flag[kMultiTensorMax];  // kDecay, kABf16, kBBf16
+  uint8_t flag[kMultiTensorMax];             // kDecay, kABf16, kBBf16
   int32_t first_block[kMultiTensorMax + 1];  // first_block[count] = blocks of the launch
   int32_t count;
 };
@@ -35,13 +35,17 @@ constexpr uint8_t kDecay = 1;  // AdamW: apply the weight decay
 constexpr uint8_t kABf16 = 2;  // a[] holds bf16 elements
 constexpr uint8_t kBBf16 = 4;  // b[] holds bf16 elements
 
-int64_t chunks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
+int64_t chunks_of(int64_t n) {
+  return (n + kChunk - 1) / kChunk;
+}
 
 // f(Tag<float>{}) or f(Tag<bf16_t>{}) by a per-tensor bf16 flag (uniform over the block).
 template <class F>
 __device__ __forceinline__ void by_flag(bool bf16, F&& f) {
-  if (bf16) f(Tag<bf16_t>{});
-  else f(Tag<float>{});
+  if (bf16)
+    f(Tag<bf16_t>{});
+  else
+    f(Tag<float>{});
 }
 
 // Tensor of this block (first_block ascending, first_block[0] = 0) and its element range.
@@ -49,8 +53,10 @@ __device__ __forceinline__ int find_tensor(const TensorBatch& t, int block) {
   int lo = 0, hi = t.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (t.first_block[mid] <= block) lo = mid;
-    else hi = mid - 1;
+    if (t.first_block[mid] <= block)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -83,8 +89,7 @@ void for_each_batch(const int64_t* sizes, int64_t count, Fill&& fill, Launch&& l
   flush();
 }
 
-__global__ void __launch_bounds__(kOptimBlock)
-    adamw_kernel(TensorBatch t, AdamWScalars s) {
+__global__ void __launch_bounds__(kOptimBlock) adamw_kernel(TensorBatch t, AdamWScalars s) {
   const int ti = find_tensor(t, blockIdx.x);
   const int64_t n = t.n[ti];
   const int64_t begin = (blockIdx.x - t.first_block[ti]) * kChunk;

@@ -23,9 +23,12 @@ __global__ void __launch_bounds__(kReduceBlock)
   double acc = 0.0;
   XMOE_GRID_STRIDE(i, n) {
     const float v = to_float(x[i]);
-    if (kind == Reduction::sum) acc += v;
-    else if (kind == Reduction::sum_squares) acc += static_cast<double>(v) * v;
-    else acc += isfinite(v) ? 0.0 : 1.0;
+    if (kind == Reduction::sum)
+      acc += v;
+    else if (kind == Reduction::sum_squares)
+      acc += static_cast<double>(v) * v;
+    else
+      acc += isfinite(v) ? 0.0 : 1.0;
   }
   const double sum = block_tree_sum<kReduceBlock>(acc);
   if (threadIdx.x == 0) partial[blockIdx.x] = sum;
@@ -65,8 +68,8 @@ void reduce(double* result, const void* x, DType dt, int64_t n, Reduction kind, 
   auto* partial = static_cast<double*>(workspace);
   dispatch_float(dt, "reduce", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    reduce_partial_kernel<T><<<blocks, kReduceBlock, 0, stream>>>(
-        partial, static_cast<const T*>(x), n, kind);
+    reduce_partial_kernel<T>
+        <<<blocks, kReduceBlock, 0, stream>>>(partial, static_cast<const T*>(x), n, kind);
     CUDA_CHECK_LAUNCH();
   });
   reduce_final_kernel<<<1, kReduceBlock, 0, stream>>>(result, partial, blocks);

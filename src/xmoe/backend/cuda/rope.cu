@@ -12,7 +12,7 @@ __global__ void rope_kernel(T* x, const float* cos_table, const float* sin_table
                             int64_t heads, int64_t half, int64_t pairs, float sign) {
   XMOE_GRID_STRIDE(p, pairs) {
     const int64_t j = p % half;
-    const int64_t row_head = p / half;      // (b * S + s) * H + h
+    const int64_t row_head = p / half;           // (b * S + s) * H + h
     const int64_t s = (row_head / heads) % seq;  // position inside its sequence
     T* x1 = x + row_head * 2 * half + j;
     T* x2 = x1 + half;
@@ -32,9 +32,8 @@ void rope_apply(void* x, DType dt, const float* cos_table, const float* sin_tabl
   if (pairs == 0) return;
   dispatch_float(dt, "rope", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    rope_kernel<T><<<grid_for(pairs), kBlock, 0, stream>>>(static_cast<T*>(x), cos_table,
-                                                           sin_table, seq, heads, half, pairs,
-                                                           inverse ? -1.f : 1.f);
+    rope_kernel<T><<<grid_for(pairs), kBlock, 0, stream>>>(
+        static_cast<T*>(x), cos_table, sin_table, seq, heads, half, pairs, inverse ? -1.f : 1.f);
     CUDA_CHECK_LAUNCH();
   });
 }

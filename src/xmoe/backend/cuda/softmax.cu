@@ -8,8 +8,8 @@ namespace {
 
 constexpr int kWarpsPerBlock = kBlock / 32;
 
-#define XMOE_FOR_EACH_ROW_WARP(r, rows)                                                       \
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);   \
+#define XMOE_FOR_EACH_ROW_WARP(r, rows)                                                    \
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); \
        r < (rows); r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock)
 
 template <class T>
@@ -24,7 +24,8 @@ __global__ void softmax_forward_kernel(T* y, const T* x, int64_t rows, int64_t c
     float s = 0.f;
     for (int64_t j = lane; j < cols; j += 32) s += expf(to_float(xr[j]) - m);
     const float inv = 1.0f / warp_sum(s);
-    for (int64_t j = lane; j < cols; j += 32) yr[j] = from_float<T>(expf(to_float(xr[j]) - m) * inv);
+    for (int64_t j = lane; j < cols; j += 32)
+      yr[j] = from_float<T>(expf(to_float(xr[j]) - m) * inv);
   }
 }
 
@@ -54,8 +55,8 @@ void softmax_forward(void* y, const void* x, DType dt, int64_t rows, int64_t col
   });
 }
 
-void softmax_backward(void* dx, const void* y, const void* dy, DType dt, int64_t rows,
-                      int64_t cols, Stream stream) {
+void softmax_backward(void* dx, const void* y, const void* dy, DType dt, int64_t rows, int64_t cols,
+                      Stream stream) {
   if (rows == 0 || cols == 0) return;
   dispatch_float(dt, "softmax_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;

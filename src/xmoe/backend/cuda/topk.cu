@@ -23,8 +23,8 @@ template <class T>
 __global__ void topk_kernel(T* values, int32_t* indices, const T* x, int64_t rows, int64_t cols,
                             int64_t k) {
   const int lane = threadIdx.x & 31;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-       r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const T* xr = x + r * cols;
     float pv = INFINITY;
     int pi = -1;  // previous pick; every element comes after (+inf, -1)

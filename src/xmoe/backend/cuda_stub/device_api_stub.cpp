@@ -6,8 +6,12 @@
 
 namespace xmoe::backend {
 
-bool cuda_available() { return false; }
-int cuda_device_count() { return 0; }
+bool cuda_available() {
+  return false;
+}
+int cuda_device_count() {
+  return 0;
+}
 
 Allocator& cuda_allocator(int device_index) {
   XMOE_FAIL("[device] cuda:{} requested, but this xmoe was built without CUDA (XMOE_CUDA=OFF)",

@@ -15,60 +15,96 @@ namespace {
 }  // namespace
 
 // ---- device model ---------------------------------------------------------------------------
-Stream current_stream(int) { no_cuda("current_stream"); }
-void set_current_stream(int, Stream) { no_cuda("set_current_stream"); }
-Stream activate(int) { no_cuda("activate"); }
-CacheStats cache_stats(int) { no_cuda("cache_stats"); }
-void empty_cache(int) { no_cuda("empty_cache"); }
+Stream current_stream(int) {
+  no_cuda("current_stream");
+}
+void set_current_stream(int, Stream) {
+  no_cuda("set_current_stream");
+}
+Stream activate(int) {
+  no_cuda("activate");
+}
+CacheStats cache_stats(int) {
+  no_cuda("cache_stats");
+}
+void empty_cache(int) {
+  no_cuda("empty_cache");
+}
 
 // ---- cuBLAS ---------------------------------------------------------------------------------
 void gemm(void*, DType, const void*, const void*, DType, int64_t, int64_t, int64_t, bool, bool,
           float, float, Stream) {
   no_cuda("matmul");
 }
-void grouped_gemm(void*, const void*, const void*, DType, const int64_t*, int64_t, int64_t,
-                  int64_t, bool, Stream) {
+void grouped_gemm(void*, const void*, const void*, DType, const int64_t*, int64_t, int64_t, int64_t,
+                  bool, Stream) {
   no_cuda("grouped_matmul");
 }
 void grouped_gemm_weight_grad(void*, DType, const void*, const void*, DType, const int64_t*,
                               int64_t, int64_t, int64_t, bool, Stream) {
   no_cuda("grouped_matmul_weight_grad");
 }
-GroupedGemmCalls grouped_gemm_calls(GroupedGemmKind) { return {}; }
-bool grouped_gemm_sm90_available(int) { return false; }
+GroupedGemmCalls grouped_gemm_calls(GroupedGemmKind) {
+  return {};
+}
+bool grouped_gemm_sm90_available(int) {
+  return false;
+}
 
 // ---- elementwise ----------------------------------------------------------------------------
-void cast(void*, DType, const void*, DType, int64_t, Stream) { no_cuda("cast"); }
-void add(void*, const void*, const void*, DType, int64_t, Stream) { no_cuda("add"); }
-void add_inplace(void*, DType, const void*, DType, float, int64_t, Stream) { no_cuda("add_"); }
-void mul(void*, const void*, const void*, DType, int64_t, Stream) { no_cuda("mul"); }
-void scale_inplace(void*, DType, float, int64_t, Stream) { no_cuda("scale_"); }
-void sigmoid_forward(void*, const void*, DType, int64_t, Stream) { no_cuda("sigmoid"); }
+void cast(void*, DType, const void*, DType, int64_t, Stream) {
+  no_cuda("cast");
+}
+void add(void*, const void*, const void*, DType, int64_t, Stream) {
+  no_cuda("add");
+}
+void add_inplace(void*, DType, const void*, DType, float, int64_t, Stream) {
+  no_cuda("add_");
+}
+void mul(void*, const void*, const void*, DType, int64_t, Stream) {
+  no_cuda("mul");
+}
+void scale_inplace(void*, DType, float, int64_t, Stream) {
+  no_cuda("scale_");
+}
+void sigmoid_forward(void*, const void*, DType, int64_t, Stream) {
+  no_cuda("sigmoid");
+}
 void sigmoid_backward(void*, const void*, const void*, DType, int64_t, Stream) {
   no_cuda("sigmoid_backward");
 }
-void swiglu_forward(void*, const void*, DType, int64_t, int64_t, Stream) { no_cuda("swiglu"); }
+void swiglu_forward(void*, const void*, DType, int64_t, int64_t, Stream) {
+  no_cuda("swiglu");
+}
 void swiglu_backward(void*, const void*, const void*, DType, int64_t, int64_t, Stream) {
   no_cuda("swiglu_backward");
 }
 
 // ---- reductions -----------------------------------------------------------------------------
-size_t reduce_workspace_bytes(int64_t) { no_cuda("reduce"); }
-void reduce(double*, const void*, DType, int64_t, Reduction, void*, Stream) { no_cuda("reduce"); }
+size_t reduce_workspace_bytes(int64_t) {
+  no_cuda("reduce");
+}
+void reduce(double*, const void*, DType, int64_t, Reduction, void*, Stream) {
+  no_cuda("reduce");
+}
 void row_dot(void*, const void*, const void*, DType, int64_t, int64_t, Stream) {
   no_cuda("row_dot");
 }
 
 // ---- softmax, RMSNorm -----------------------------------------------------------------------
-void softmax_forward(void*, const void*, DType, int64_t, int64_t, Stream) { no_cuda("softmax"); }
+void softmax_forward(void*, const void*, DType, int64_t, int64_t, Stream) {
+  no_cuda("softmax");
+}
 void softmax_backward(void*, const void*, const void*, DType, int64_t, int64_t, Stream) {
   no_cuda("softmax_backward");
 }
-void rmsnorm_forward(void*, float*, const void*, DType, const void*, DType, int64_t, int64_t,
-                     float, Stream) {
+void rmsnorm_forward(void*, float*, const void*, DType, const void*, DType, int64_t, int64_t, float,
+                     Stream) {
   no_cuda("rmsnorm");
 }
-size_t rmsnorm_backward_workspace_bytes(int64_t, int64_t) { no_cuda("rmsnorm_backward"); }
+size_t rmsnorm_backward_workspace_bytes(int64_t, int64_t) {
+  no_cuda("rmsnorm_backward");
+}
 void rmsnorm_backward(void*, void*, const void*, DType, const void*, DType, const float*,
                       const void*, int64_t, int64_t, void*, Stream) {
   no_cuda("rmsnorm_backward");
@@ -85,9 +121,11 @@ void gather_sum_rows(void*, DType, const void*, DType, const int32_t*, const voi
                      int64_t, int64_t, int64_t, Stream) {
   no_cuda("gather_sum_rows");
 }
-size_t scatter_add_rows_workspace_bytes(int64_t, int64_t) { no_cuda("scatter_add_rows"); }
-void scatter_add_rows(void*, DType, const void*, DType, const int32_t*, const void*, DType,
-                      int64_t, int64_t, int64_t, void*, size_t, Stream) {
+size_t scatter_add_rows_workspace_bytes(int64_t, int64_t) {
+  no_cuda("scatter_add_rows");
+}
+void scatter_add_rows(void*, DType, const void*, DType, const int32_t*, const void*, DType, int64_t,
+                      int64_t, int64_t, void*, size_t, Stream) {
   no_cuda("scatter_add_rows");
 }
 void find_bad_index(int64_t*, const int32_t*, int64_t, int64_t, bool, Stream) {
@@ -99,8 +137,7 @@ void rope_apply(void*, DType, const float*, const float*, int64_t, int64_t, int6
                 Stream) {
   no_cuda("rope");
 }
-size_t attention_forward_workspace_bytes(DType, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                         bool) {
+size_t attention_forward_workspace_bytes(DType, int64_t, int64_t, int64_t, int64_t, int64_t, bool) {
   no_cuda("attention");
 }
 void attention_forward(void*, float*, const void*, const void*, const void*, DType, int64_t,
@@ -116,7 +153,9 @@ void attention_backward(void*, void*, void*, const void*, const void*, const voi
                         int64_t, float, bool, void*, Stream) {
   no_cuda("attention_backward");
 }
-AttentionBackend attention_backend() { return AttentionBackend::native; }
+AttentionBackend attention_backend() {
+  return AttentionBackend::native;
+}
 void set_attention_backend(AttentionBackend) {}
 const char* attention_impl(DType, int64_t, int64_t, int64_t, int64_t, int64_t, bool) {
   return "none";

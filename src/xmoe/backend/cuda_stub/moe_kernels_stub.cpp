@@ -13,7 +13,9 @@ namespace {
 }
 }  // namespace
 
-void moe_scale_rows(void*, DType, const float*, int64_t, int64_t, Stream) { no_cuda("scale_rows_"); }
+void moe_scale_rows(void*, DType, const float*, int64_t, int64_t, Stream) {
+  no_cuda("scale_rows_");
+}
 void moe_row_dot_f32(float*, const void*, const void*, DType, int64_t, int64_t, Stream) {
   no_cuda("row_dot");
 }
@@ -25,7 +27,9 @@ void moe_put_along_rows_add(void*, DType, const int32_t*, const void*, DType, in
                             int64_t, Stream) {
   no_cuda("put_along_rows_add");
 }
-void moe_transpose(void*, const void*, DType, int64_t, int64_t, Stream) { no_cuda("transpose"); }
+void moe_transpose(void*, const void*, DType, int64_t, int64_t, Stream) {
+  no_cuda("transpose");
+}
 void moe_l2_normalize_rows(void*, float*, const void*, DType, int64_t, int64_t, float, Stream) {
   no_cuda("l2_normalize_rows");
 }
@@ -40,7 +44,9 @@ void moe_renormalize_rows_backward(void*, const void*, const float*, const void*
                                    int64_t, float, Stream) {
   no_cuda("renormalize_rows_backward");
 }
-size_t moe_layout_workspace_bytes(int64_t, int64_t) { no_cuda("moe order"); }
+size_t moe_layout_workspace_bytes(int64_t, int64_t) {
+  no_cuda("moe order");
+}
 void moe_layout(const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t, int32_t*,
                 int32_t*, float*, int32_t*, int64_t*, void*, size_t, Stream) {
   no_cuda("moe order");
@@ -53,7 +59,9 @@ void moe_aux_stats(double*, float*, double*, const float*, const int32_t*, const
                    int64_t, int64_t, int64_t, double*, Stream) {
   no_cuda("moe aux losses");
 }
-int64_t moe_aux_stats_scratch(int64_t, int64_t, int64_t) { no_cuda("moe aux losses"); }
+int64_t moe_aux_stats_scratch(int64_t, int64_t, int64_t) {
+  no_cuda("moe aux losses");
+}
 void moe_aux_finalize(double*, float*, double*, const double*, int64_t, int64_t, int64_t, int64_t,
                       double, double, double, Stream) {
   no_cuda("moe aux losses");

@@ -13,14 +13,18 @@ namespace {
 }
 }  // namespace
 
-void adamw_step(const AdamWTensor*, int64_t, const AdamWScalars&, Stream) { no_cuda("adamw"); }
+void adamw_step(const AdamWTensor*, int64_t, const AdamWScalars&, Stream) {
+  no_cuda("adamw");
+}
 size_t multi_sum_squares_workspace_bytes(const FloatArray*, int64_t) {
   no_cuda("grad_sum_squares");
 }
 void multi_sum_squares(double*, const FloatArray*, int64_t, void*, Stream) {
   no_cuda("grad_sum_squares");
 }
-void multi_scale(const FloatArray*, int64_t, float, Stream) { no_cuda("scale_grads"); }
+void multi_scale(const FloatArray*, int64_t, float, Stream) {
+  no_cuda("scale_grads");
+}
 void multi_copy_scaled(const FloatArray*, const FloatArray*, int64_t, float, Stream) {
   no_cuda("grad_sync");
 }

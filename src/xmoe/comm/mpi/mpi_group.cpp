@@ -4,7 +4,6 @@
 
 #include <mpi.h>
 
-
 namespace xmoe::comm::mpi {
 
 namespace {
@@ -21,21 +20,30 @@ void check_mpi(int code, const char* call) {
 
 MPI_Datatype mpi_type(DType t) {
   switch (t) {
-    case DType::f32: return MPI_FLOAT;
-    case DType::i32: return MPI_INT32_T;
-    case DType::i64: return MPI_INT64_T;
-    case DType::u8: return MPI_UINT8_T;
-    case DType::f64: return MPI_DOUBLE;
-    case DType::bf16: break;
+    case DType::f32:
+      return MPI_FLOAT;
+    case DType::i32:
+      return MPI_INT32_T;
+    case DType::i64:
+      return MPI_INT64_T;
+    case DType::u8:
+      return MPI_UINT8_T;
+    case DType::f64:
+      return MPI_DOUBLE;
+    case DType::bf16:
+      break;
   }
   XMOE_FAIL("[mpi] no reduction for dtype {}", dtype_name(t));
 }
 
 MPI_Op mpi_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return MPI_SUM;
-    case ReduceOp::max: return MPI_MAX;
-    case ReduceOp::min: return MPI_MIN;
+    case ReduceOp::sum:
+      return MPI_SUM;
+    case ReduceOp::max:
+      return MPI_MAX;
+    case ReduceOp::min:
+      return MPI_MIN;
   }
   return MPI_SUM;
 }
@@ -60,8 +68,7 @@ class RowType {
 std::vector<int> to_int_counts(std::span<const int64_t> rows, const char* what) {
   std::vector<int> out(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) {
-    XMOE_CHECK(rows[i] <= INT32_MAX, "[all_to_all_v] {}[{}] = {} out of range",
-               what, i, rows[i]);
+    XMOE_CHECK(rows[i] <= INT32_MAX, "[all_to_all_v] {}[{}] = {} out of range", what, i, rows[i]);
     out[i] = static_cast<int>(rows[i]);
   }
   return out;
@@ -78,7 +85,9 @@ class MpiWork final : public Work {
  public:
   MpiWork(MPI_Request request, std::vector<Tensor> keep, std::unique_ptr<RowType> type,
           std::vector<std::vector<int>> counts)
-      : request_(request), keep_(std::move(keep)), type_(std::move(type)),
+      : request_(request),
+        keep_(std::move(keep)),
+        type_(std::move(type)),
         counts_(std::move(counts)) {}
   ~MpiWork() override {
     if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
@@ -149,8 +158,7 @@ class MpiGroup final : public Group {
   }
 
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                                        std::span<const int64_t> recv_rows,
-                                        Tensor& recv) override {
+                                        std::span<const int64_t> recv_rows, Tensor& recv) override {
     auto sc = to_int_counts(send_rows, "send_rows"), rc = to_int_counts(recv_rows, "recv_rows");
     auto sd = displacements(sc), rd = displacements(rc);
     auto type = std::make_unique<RowType>(row_bytes(send));

@@ -28,8 +28,8 @@
 
 #include "xmoe/backend/cuda/check.h"
 #include "xmoe/backend/cuda/runtime.h"
-#include "xmoe/core/device_api.h"
 #include "xmoe/comm/nccl/check.h"
+#include "xmoe/core/device_api.h"
 
 namespace xmoe::comm::nccl {
 
@@ -262,8 +262,7 @@ class NcclGroup final : public Group {
   }
 
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                                        std::span<const int64_t> recv_rows,
-                                        Tensor& recv) override {
+                                        std::span<const int64_t> recv_rows, Tensor& recv) override {
     const int64_t rb = row_bytes(send);
     cudaStream_t s = begin();
     // One group of point-to-point calls (the self pair included); a peer with zero rows each

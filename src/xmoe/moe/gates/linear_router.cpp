@@ -35,7 +35,7 @@ Tensor LinearRouter::backward(const Tensor& dlogits) {
   XMOE_CHECK(x_.defined(), "[moe router] backward without a forward");
   const Tensor dl = operand(dlogits);
   xmoe::ops::matmul_into(weight_.grad, operand(x_), dl, true, false, 1.f, 1.f);  // dW += x^T dl
-  return xmoe::ops::matmul_f32(dl, weight_operand(), false, true);      // dx = dl W^T
+  return xmoe::ops::matmul_f32(dl, weight_operand(), false, true);               // dx = dl W^T
 }
 
 }  // namespace xmoe::moe

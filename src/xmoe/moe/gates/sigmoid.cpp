@@ -21,8 +21,8 @@ class SigmoidGate final : public Gate {
                "[moe] moe.topk_groups = {} must be in [1, moe.num_groups = {}]", cfg_.topk_groups,
                G);
     XMOE_CHECK(top_k_ <= cfg_.topk_groups * (num_experts_ / G),
-               "[moe] moe.top_k = {} exceeds the {} experts of moe.topk_groups = {} groups",
-               top_k_, cfg_.topk_groups * (num_experts_ / G), cfg_.topk_groups);
+               "[moe] moe.top_k = {} exceeds the {} experts of moe.topk_groups = {} groups", top_k_,
+               cfg_.topk_groups * (num_experts_ / G), cfg_.topk_groups);
     bias_ = Tensor::zeros({num_experts_});
   }
 
@@ -45,9 +45,9 @@ class SigmoidGate final : public Gate {
     const int64_t T = scores_.size(0);
     const Device dev = scores_.device();
     Tensor dscores = Tensor::zeros({T, num_experts_}, DType::f32, dev);
-    xmoe::ops::put_along_rows_add(dscores, idx_,
-                                  xmoe::ops::renormalize_rows_backward(
-                                      weights_, wsums_, d_topk_weight, cfg_.routed_scaling));
+    xmoe::ops::put_along_rows_add(
+        dscores, idx_,
+        xmoe::ops::renormalize_rows_backward(weights_, wsums_, d_topk_weight, cfg_.routed_scaling));
     Tensor dprobs = Tensor::zeros({T, num_experts_}, DType::f32, dev);
     Tensor dlogits = Tensor::zeros({T, num_experts_}, DType::f32, dev);
     aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits);

@@ -4,9 +4,9 @@
 
 namespace xmoe::moe {
 
-GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len,
-                                   const Tensor& fixed_idx, comm::Group* world) {
-  logits_ = logits;                 // [T, E]
+GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len, const Tensor& fixed_idx,
+                                   comm::Group* world) {
+  logits_ = logits;                     // [T, E]
   probs_ = xmoe::ops::softmax(logits);  // [T, E], for the balance losses (and GShard weights)
   GateOutput out;
   if (o_.softmax_before_topk) {
@@ -44,6 +44,8 @@ Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale) {
   return dlogits;
 }
 
-void SoftmaxRouting::release() { logits_ = probs_ = idx_ = weights_ = sums_ = Tensor(); }
+void SoftmaxRouting::release() {
+  logits_ = probs_ = idx_ = weights_ = sums_ = Tensor();
+}
 
 }  // namespace xmoe::moe

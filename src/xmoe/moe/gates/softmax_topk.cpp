@@ -47,7 +47,9 @@ std::unique_ptr<Gate> make_softmax_topk_gate(const GateArgs& a) {
   const MoeConfig& c = a.config;
   return make_linear_softmax_gate(
       a, "softmax_topk",
-      SoftmaxRouting::Options{c.top_k, c.softmax_before_topk, c.renormalize,
+      SoftmaxRouting::Options{c.top_k,
+                              c.softmax_before_topk,
+                              c.renormalize,
                               {c.aux_loss_weight, c.seq_aux_loss_weight, c.z_loss_weight}});
 }
 

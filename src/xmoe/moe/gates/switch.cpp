@@ -10,8 +10,8 @@ std::unique_ptr<Gate> make_switch_gate(const GateArgs& a) {
   const MoeConfig& c = a.config;
   return make_linear_softmax_gate(
       a, "switch",
-      SoftmaxRouting::Options{1, true, false,
-                              {c.aux_loss_weight, c.seq_aux_loss_weight, c.z_loss_weight}});
+      SoftmaxRouting::Options{
+          1, true, false, {c.aux_loss_weight, c.seq_aux_loss_weight, c.z_loss_weight}});
 }
 
 }  // namespace xmoe::moe

@@ -18,11 +18,14 @@ class XmoeGate final : public Gate {
  public:
   explicit XmoeGate(const GateArgs& a)
       : Gate(a),
-        routing_({cfg_.top_k, true, cfg_.renormalize,
+        routing_({cfg_.top_k,
+                  true,
+                  cfg_.renormalize,
                   {cfg_.aux_loss_weight, cfg_.seq_aux_loss_weight, cfg_.z_loss_weight}}) {
     XMOE_CHECK(cfg_.router_dtype == "f32",
                "[moe] moe.router_dtype = \"{}\" applies to the linear routers; the xmoe cosine "
-               "router runs in f32", cfg_.router_dtype);
+               "router runs in f32",
+               cfg_.router_dtype);
     XMOE_CHECK(cfg_.router_dim >= 1, "[moe] moe.router_dim = {} must be >= 1", cfg_.router_dim);
     XMOE_CHECK(cfg_.router_temperature > 0.f, "[moe] moe.router_temperature = {} must be > 0",
                cfg_.router_temperature);
@@ -40,8 +43,8 @@ class XmoeGate final : public Gate {
     x_ = x;  // bf16 activations are cast again in backward: no f32 copy kept
     zn_ = xmoe::ops::l2_normalize_rows(
         xmoe::ops::matmul(xmoe::ops::as_dtype(x, DType::f32), proj_.value));  // [T, r]
-    en_ = xmoe::ops::l2_normalize_rows(xmoe::ops::transpose(emb_.value));  // [E, r]
-    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                   // [T, E]
+    en_ = xmoe::ops::l2_normalize_rows(xmoe::ops::transpose(emb_.value));     // [E, r]
+    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                      // [T, E]
     // On CUDA the temperature is read on the device: no wait for its value.
     Tensor logits = xmoe::ops::moe_div_temperature(cos_, temp_.value, kMinTemperature);
     return routing_.forward(logits, seq_len, fixed_idx, world_.get());
@@ -52,8 +55,8 @@ class XmoeGate final : public Gate {
     // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
     xmoe::ops::moe_temperature_grad(temp_.grad, dlogits, cos_, temp_.value, kMinTemperature);
     Tensor dcos = xmoe::ops::moe_div_temperature(dlogits, temp_.value, kMinTemperature);
-    Tensor dzn = xmoe::ops::matmul(dcos, en_.y);              // [T, r]
-    Tensor den = xmoe::ops::matmul(dcos, zn_.y, true, false); // [E, r]
+    Tensor dzn = xmoe::ops::matmul(dcos, en_.y);               // [T, r]
+    Tensor den = xmoe::ops::matmul(dcos, zn_.y, true, false);  // [E, r]
     Tensor demb = xmoe::ops::transpose(
         xmoe::ops::l2_normalize_rows_backward(en_.y, en_.norm, den));  // [r, E]
     xmoe::ops::add_(emb_.grad, demb);
@@ -84,6 +87,8 @@ class XmoeGate final : public Gate {
 
 }  // namespace
 
-std::unique_ptr<Gate> make_xmoe_gate(const GateArgs& a) { return std::make_unique<XmoeGate>(a); }
+std::unique_ptr<Gate> make_xmoe_gate(const GateArgs& a) {
+  return std::make_unique<XmoeGate>(a);
+}
 
 }  // namespace xmoe::moe

@@ -7,9 +7,9 @@
 // its first plan) and kept for the process: a training run meets a handful of shapes. A shape
 // cuDNN declines is remembered as declined, with one warning, and attention.cu falls back to
 // xmoe's kernels.
+#include <cuda_runtime.h>
 #include <cudnn.h>
 #include <cudnn_frontend.h>
-#include <cuda_runtime.h>
 #include <spdlog/spdlog.h>
 
 #include <cstdlib>
@@ -164,8 +164,10 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const Key& k) {
 }
 
 Key key_of(const CudnnAttentionShape& shape, bool backward) {
-  return Key{current_device(), backward,   shape.batch, shape.seq,
-             shape.heads,      shape.kv_heads, shape.head_dim, shape.scale,
+  return Key{current_device(), backward,
+             shape.batch,      shape.seq,
+             shape.heads,      shape.kv_heads,
+             shape.head_dim,   shape.scale,
              shape.causal,     backward && deterministic_backward()};
 }
 
@@ -185,11 +187,12 @@ const Entry& entry_for(State& s, const Key& key) {
                   key.backward ? "backward" : "forward", key.batch, key.seq, key.heads,
                   key.kv_heads, key.head_dim, key.causal ? " causal" : "", workspace);
   } else {
-    spdlog::warn("[attention] cuDNN declined the {} of B={} S={} H={} Hkv={} hd={}{}{} ({}); "
-                 "xmoe's kernels run it",
-                 key.backward ? "backward" : "forward", key.batch, key.seq, key.heads,
-                 key.kv_heads, key.head_dim, key.causal ? " causal" : "",
-                 key.deterministic ? " deterministic" : "", built.get_message());
+    spdlog::warn(
+        "[attention] cuDNN declined the {} of B={} S={} H={} Hkv={} hd={}{}{} ({}); "
+        "xmoe's kernels run it",
+        key.backward ? "backward" : "forward", key.batch, key.seq, key.heads, key.kv_heads,
+        key.head_dim, key.causal ? " causal" : "", key.deterministic ? " deterministic" : "",
+        built.get_message());
   }
   return s.graphs.emplace(key, std::move(entry)).first->second;
 }
@@ -208,12 +211,13 @@ void execute(const CudnnAttentionShape& shape, bool backward,
   std::lock_guard lock(s.mutex);
   const Key key = key_of(shape, backward);
   const Entry& e = entry_for(s, key);
-  XMOE_CHECK(e.graph != nullptr, "[attention] cuDNN has no graph for this shape (ask *_ready first)");
+  XMOE_CHECK(e.graph != nullptr,
+             "[attention] cuDNN has no graph for this shape (ask *_ready first)");
   cudnnHandle_t handle = handle_for(s, key.device);
   check_cudnn(cudnnSetStream(handle, stream), "cudnnSetStream");
   fe::error_t status = e.graph->execute(handle, pack, workspace);
-  XMOE_CHECK(status.is_good(), "[attention] cuDNN {} failed: {}",
-             backward ? "backward" : "forward", status.get_message());
+  XMOE_CHECK(status.is_good(), "[attention] cuDNN {} failed: {}", backward ? "backward" : "forward",
+             status.get_message());
 }
 
 }  // namespace
@@ -240,9 +244,8 @@ bool cudnn_attention_backward_ready(const CudnnAttentionShape& shape, size_t* wo
   return ready(shape, /*backward=*/true, workspace_bytes);
 }
 
-void cudnn_attention_forward(const CudnnAttentionShape& shape, void* out, float* lse,
-                             const void* q, const void* k, const void* v, void* workspace,
-                             Stream stream) {
+void cudnn_attention_forward(const CudnnAttentionShape& shape, void* out, float* lse, const void* q,
+                             const void* k, const void* v, void* workspace, Stream stream) {
   std::unordered_map<int64_t, void*> pack{{kQ, const_cast<void*>(q)},
                                           {kK, const_cast<void*>(k)},
                                           {kV, const_cast<void*>(v)},
@@ -253,8 +256,7 @@ void cudnn_attention_forward(const CudnnAttentionShape& shape, void* out, float*
 
 void cudnn_attention_backward(const CudnnAttentionShape& shape, void* dq, void* dk, void* dv,
                               const void* q, const void* k, const void* v, const void* out,
-                              const float* lse, const void* dout, void* workspace,
-                              Stream stream) {
+                              const float* lse, const void* dout, void* workspace, Stream stream) {
   std::unordered_map<int64_t, void*> pack{{kQ, const_cast<void*>(q)},
                                           {kK, const_cast<void*>(k)},
                                           {kV, const_cast<void*>(v)},

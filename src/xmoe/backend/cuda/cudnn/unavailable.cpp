@@ -5,9 +5,15 @@
 
 namespace xmoe::cuda {
 
-bool cudnn_attention_available() { return false; }
-bool cudnn_attention_forward_ready(const CudnnAttentionShape&, size_t*) { return false; }
-bool cudnn_attention_backward_ready(const CudnnAttentionShape&, size_t*) { return false; }
+bool cudnn_attention_available() {
+  return false;
+}
+bool cudnn_attention_forward_ready(const CudnnAttentionShape&, size_t*) {
+  return false;
+}
+bool cudnn_attention_backward_ready(const CudnnAttentionShape&, size_t*) {
+  return false;
+}
 void cudnn_attention_forward(const CudnnAttentionShape&, void*, float*, const void*, const void*,
                              const void*, void*, Stream) {
   XMOE_FAIL("[attention] this build has no cuDNN (XMOE_CUDNN is off)");

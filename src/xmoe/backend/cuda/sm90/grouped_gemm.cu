@@ -52,8 +52,10 @@ bool supported(int device) {
 
 size_t scratch_bytes(GroupedKind kind, const ProblemList& list, float beta) {
   switch (kind) {
-    case GroupedKind::forward: return detail::forward_scratch_bytes(list);
-    case GroupedKind::forward_trans_w: return detail::forward_trans_w_scratch_bytes(list);
+    case GroupedKind::forward:
+      return detail::forward_scratch_bytes(list);
+    case GroupedKind::forward_trans_w:
+      return detail::forward_trans_w_scratch_bytes(list);
     case GroupedKind::weight_grad:  // the instantiation run() picks for this beta
       return beta == 0.f ? detail::weight_grad_overwrite_scratch_bytes(list)
                          : detail::weight_grad_scratch_bytes(list);
@@ -66,16 +68,16 @@ size_t scratch_bytes(GroupedKind kind, const ProblemList& list, float beta) {
 
 void run(GroupedKind kind, const ProblemList& list, float beta, void* scratch, Stream stream) {
   switch (kind) {
-    case GroupedKind::forward: return detail::forward_run(list, beta, scratch, stream);
-    case GroupedKind::forward_trans_w: return detail::forward_trans_w_run(list, beta, scratch, stream);
+    case GroupedKind::forward:
+      return detail::forward_run(list, beta, scratch, stream);
+    case GroupedKind::forward_trans_w:
+      return detail::forward_trans_w_run(list, beta, scratch, stream);
     case GroupedKind::weight_grad:
       // Overwriting needs no source tile: measured 5% faster than the beta kernel with beta 0.
-      if (beta == 0.f)
-        return detail::weight_grad_overwrite_run(list, scratch, stream);
+      if (beta == 0.f) return detail::weight_grad_overwrite_run(list, scratch, stream);
       return detail::weight_grad_run(list, beta, scratch, stream);
     case GroupedKind::weight_grad_bf16:
-      if (beta == 0.f)
-        return detail::weight_grad_bf16_overwrite_run(list, scratch, stream);
+      if (beta == 0.f) return detail::weight_grad_bf16_overwrite_run(list, scratch, stream);
       return detail::weight_grad_bf16_run(list, beta, scratch, stream);
   }
 }
@@ -133,7 +135,8 @@ void add_partials(const PartialSums& sums, Stream stream) {
   if (sums.count == 0) return;
   constexpr int kThreads = 256;
   const int64_t n4 = sums.k * sums.m / 4;
-  const auto blocks_x = static_cast<unsigned>(std::min<int64_t>((n4 + kThreads - 1) / kThreads, 64));
+  const auto blocks_x =
+      static_cast<unsigned>(std::min<int64_t>((n4 + kThreads - 1) / kThreads, 64));
   const dim3 grid(blocks_x, static_cast<unsigned>(sums.count));
   auto* s = static_cast<cudaStream_t>(stream);
   if (sums.bf16) {

@@ -13,10 +13,10 @@
 namespace xmoe::cuda::sm90 {
 
 enum class GroupedKind : uint8_t {
-  forward,          // y_g (rows, M) bf16 = x_g (rows, K) @ w_g (K, M)
-  forward_trans_w,  // y_g (rows, M) bf16 = x_g (rows, K) @ w_g^T, w_g (M, K)
-  weight_grad,      // dw_g (K, M) f32 = x_g^T (K, rows) @ dy_g (rows, M) (+ beta dw_g)
-  weight_grad_bf16, // the same into bf16 dw (f32 accumulation, one rounding on the store)
+  forward,           // y_g (rows, M) bf16 = x_g (rows, K) @ w_g (K, M)
+  forward_trans_w,   // y_g (rows, M) bf16 = x_g (rows, K) @ w_g^T, w_g (M, K)
+  weight_grad,       // dw_g (K, M) f32 = x_g^T (K, rows) @ dy_g (rows, M) (+ beta dw_g)
+  weight_grad_bf16,  // the same into bf16 dw (f32 accumulation, one rounding on the store)
 };
 
 /// Most non-empty groups one launch takes (the list travels as kernel parameters, 32 KB max).

@@ -3,9 +3,12 @@
 
 namespace xmoe::cuda::sm90::detail {
 
-using ForwardGemm = GroupedGemm<RowMajor, RowMajor, void, cutlass::bfloat16_t, Cooperative128x256, false>;
+using ForwardGemm =
+    GroupedGemm<RowMajor, RowMajor, void, cutlass::bfloat16_t, Cooperative128x256, false>;
 
-size_t forward_scratch_bytes(const ProblemList& list) { return ForwardGemm::scratch_bytes(list); }
+size_t forward_scratch_bytes(const ProblemList& list) {
+  return ForwardGemm::scratch_bytes(list);
+}
 void forward_run(const ProblemList& list, float beta, void* scratch, Stream stream) {
   ForwardGemm::run(list, beta, scratch, stream);
 }

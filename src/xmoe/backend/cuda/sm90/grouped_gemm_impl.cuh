@@ -1,17 +1,17 @@
 #pragma once
 // One CUTLASS 3 ptr-array grouped GEMM instantiation (see grouped_gemm.h). Each kind lives in a
 // .cu of its own: a CUTLASS kernel is minutes of nvcc, and separate files build in parallel.
-#include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+
+#include <cute/tensor.hpp>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/operations.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
-
 #include <type_traits>
 #include <vector>
 
@@ -59,8 +59,8 @@ struct GroupedGemm {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 8;  // 16 bytes: TMA's rule for addresses and strides
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD
-                                                          : 128 / cutlass::sizeof_bits<ElementC>::value;
+  static constexpr int kAlignC =
+      std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -70,8 +70,8 @@ struct GroupedGemm {
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignAB, Element,
       LayoutB*, kAlignAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
       typename Config::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -128,12 +128,11 @@ struct GroupedGemm {
 
   static typename Gemm::Arguments arguments(const ProblemList& list, const Shape3* host_shapes,
                                             const Arrays& arr, float beta, int device) {
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGrouped,
-        {list.count, arr.shapes, host_shapes},
-        {arr.a, arr.stride_a, arr.b, arr.stride_b},
-        {{}, nullptr, nullptr, arr.d, arr.stride_d},
-        hardware(device)};
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                  {list.count, arr.shapes, host_shapes},
+                                  {arr.a, arr.stride_a, arr.b, arr.stride_b},
+                                  {{}, nullptr, nullptr, arr.d, arr.stride_d},
+                                  hardware(device)};
     const TileOrder order = tile_order();
     using Raster = decltype(args.scheduler.raster_order);
     args.scheduler.raster_order = order.raster == 1 ? Raster::AlongN : Raster::AlongM;
@@ -208,8 +207,8 @@ void GroupedGemm<LayoutA, LayoutB, ElementC, ElementD, Config, kRowsAreK>::run(
   CUDA_CHECK(cudaGetDevice(&device));
   const Arrays arr = carve(scratch, list.count);
   constexpr int kThreads = 128;
-  write_problems_kernel<GroupedGemm><<<(list.count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      list, arr);
+  write_problems_kernel<GroupedGemm>
+      <<<(list.count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(list, arr);
   CUDA_CHECK_LAUNCH();
   // The host shapes size the persistent grid; CUTLASS reads them until run() returns.
   const std::vector<Shape3> shapes = host_shapes(list);
@@ -224,7 +223,8 @@ using Cluster1 = cute::Shape<cute::_1, cute::_1, cute::_1>;
 // 128 x 256 tiles, 64-deep k-blocks, two consumer warpgroups of 64 x 256 each. On the H200 it
 // matched or beat ping-pong 128 x 128, ping-pong 64 x 256 and a 2 x 1 cluster for every kind
 // at the MoE shapes of docs/benchmarks.md, so all three kinds use it.
-using Cooperative128x256 = TileConfig<cute::Shape<cute::_128, cute::_256, cute::_64>, Cluster1, false>;
+using Cooperative128x256 =
+    TileConfig<cute::Shape<cute::_128, cute::_256, cute::_64>, Cluster1, false>;
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
 

@@ -5,7 +5,9 @@ namespace xmoe::cuda::sm90::detail {
 
 using WeightGradGemm = GroupedGemm<ColumnMajor, RowMajor, float, float, Cooperative128x256, true>;
 
-size_t weight_grad_scratch_bytes(const ProblemList& list) { return WeightGradGemm::scratch_bytes(list); }
+size_t weight_grad_scratch_bytes(const ProblemList& list) {
+  return WeightGradGemm::scratch_bytes(list);
+}
 void weight_grad_run(const ProblemList& list, float beta, void* scratch, Stream stream) {
   WeightGradGemm::run(list, beta, scratch, stream);
 }

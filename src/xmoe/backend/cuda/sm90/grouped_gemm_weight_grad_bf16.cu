@@ -4,9 +4,8 @@
 
 namespace xmoe::cuda::sm90::detail {
 
-using WeightGradBf16Gemm =
-    GroupedGemm<ColumnMajor, RowMajor, cutlass::bfloat16_t, cutlass::bfloat16_t, Cooperative128x256,
-                true>;
+using WeightGradBf16Gemm = GroupedGemm<ColumnMajor, RowMajor, cutlass::bfloat16_t,
+                                       cutlass::bfloat16_t, Cooperative128x256, true>;
 
 size_t weight_grad_bf16_scratch_bytes(const ProblemList& list) {
   return WeightGradBf16Gemm::scratch_bytes(list);

@@ -5,9 +5,15 @@
 
 namespace xmoe::cuda::sm90 {
 
-int sm_count(int) { return 0; }
-bool supported(int) { return false; }
-size_t scratch_bytes(GroupedKind, const ProblemList&, float) { return 0; }
+int sm_count(int) {
+  return 0;
+}
+bool supported(int) {
+  return false;
+}
+size_t scratch_bytes(GroupedKind, const ProblemList&, float) {
+  return 0;
+}
 void run(GroupedKind, const ProblemList&, float, void*, Stream) {
   XMOE_FAIL("[grouped_matmul] this build has no CUTLASS sm90 kernels (XMOE_CUTLASS is off)");
 }
