@@ -155,15 +155,17 @@ inline train::TrainOptions quiet() {
   return o;
 }
 
-/// A fresh folder per test, temp/<prefix><test name>, with `proverbs` lines of English in
-/// root/corpus/text.txt (write_proverbs); removed afterwards.
+/// A fresh folder per test, temp/<prefix><test name>-<pid>, with `proverbs` lines of English
+/// in root/corpus/text.txt (write_proverbs); removed afterwards.
 class MicroCorpusTest : public ::testing::Test {
  protected:
   explicit MicroCorpusTest(std::string prefix, int proverbs = 600)
       : prefix_(std::move(prefix)), proverbs_(proverbs) {}
   void SetUp() override {
     root_ = std::filesystem::temp_directory_path() /
-            (prefix_ + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+            fmt::format("{}{}-{}", prefix_,
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name(),
+                        static_cast<long>(::getpid()));
     std::filesystem::remove_all(root_);
     std::filesystem::create_directories(root_ / "corpus");
     write_proverbs(root_ / "corpus" / "text.txt", proverbs_);
@@ -179,11 +181,15 @@ class MicroCorpusTest : public ::testing::Test {
 
 // ---- a run over a group against one process --------------------------------------------------
 
-/// temp/<name>, shared by the ranks of `world`: rank 0 makes it afresh with a corpus (800
-/// proverbs, stride 7) and prepares its tokens (root/data, 10% held out, as
-/// micro_parallel_config) before any rank's one-process reference needs them.
+/// temp/<name>-<rank 0's pid>, shared by the ranks of `world` (a CPU group): rank 0 makes it
+/// afresh with a corpus (800 proverbs, stride 7) and prepares its tokens (root/data, 10% held
+/// out, as micro_parallel_config) before any rank's one-process reference needs them. The pid
+/// keeps two jobs of one test (two build trees' suites at once) out of each other's folder.
 inline std::filesystem::path shared_corpus(comm::Group& world, const std::string& name) {
-  const std::filesystem::path root = std::filesystem::temp_directory_path() / name;
+  Tensor pid = Tensor::from_vector<int64_t>({world.rank() == 0 ? int64_t{::getpid()} : 0}, {1});
+  world.broadcast(pid, 0);
+  const std::filesystem::path root = std::filesystem::temp_directory_path() /
+                                     fmt::format("{}-{}", name, pid.to_vector<int64_t>()[0]);
   if (world.rank() == 0) {
     std::filesystem::remove_all(root);
     std::filesystem::create_directories(root / "corpus");
