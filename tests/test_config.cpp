@@ -226,8 +226,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 22 model.moe + 3 data + 21 train + 5 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 22u + 3u + 21u + 5u);
+  // 13 model + 22 model.moe + 3 data + 21 train + 6 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 22u + 3u + 21u + 6u);
 }
 
 TEST(Config, ParameterCounts) {

@@ -174,6 +174,11 @@ const std::vector<Key>& table() {
                "nodes so that experts chosen together share a node)"),
       XMOE_KEY(parallel.placement_batches, at_least(1), {},
                "batches whose routing is recorded to choose the affinity placement"),
+      XMOE_KEY(parallel.zero, {0, 2}, {},
+               "optimizer-state sharding over data-parallel replicas: 0: every rank holds the "
+               "whole optimizer state; 1: AdamW moments sharded over each parameter's "
+               "data-parallel group; 2: also gradients reduce-scattered, each rank keeps its "
+               "shard (CPU ranks only: not yet on CUDA)"),
   };
   return keys;
 }
@@ -664,6 +669,11 @@ void validate(const Config& c) {
   if (c.parallel.tp > 1)
     fail("parallel.tp = {}: tensor parallelism is not implemented yet; set parallel.tp = 1",
          c.parallel.tp);
+  if (c.parallel.zero > 0 && c.parallel.expert_placement == "affinity")
+    fail(
+        "parallel.zero = {} shards the AdamW moments, but parallel.expert_placement = affinity "
+        "permutes whole moments; set parallel.expert_placement = none or parallel.zero = 0",
+        c.parallel.zero);
   if (moe.gate == "xmoe" && moe.router_dtype != "f32")
     fail(
         "model.moe.router_dtype = \"{}\" applies to the linear routers; the xmoe cosine "
@@ -755,7 +765,7 @@ std::string config_reference_markdown() {
       "- `model.d_model % model.num_heads == 0`, the head dimension is even (RoPE),\n"
       "  `model.num_heads % model.num_kv_heads == 0`\n"
       "- `model.moe.num_experts % parallel.ep == 0`; `parallel.tp == 1` (tensor parallelism is\n"
-      "  not implemented yet)\n"
+      "  not implemented yet); `parallel.zero > 0` needs `parallel.expert_placement: none`\n"
       "- `sigmoid` gate: `num_experts % num_groups == 0`, `topk_groups <= num_groups`,\n"
       "  `top_k <= topk_groups * num_experts / num_groups`\n"
       "- `model.first_dense_layers <= model.num_layers`; `train.seq_len <= model.max_seq_len`;\n"

@@ -102,6 +102,7 @@ struct ParallelConfig {
   int ranks_per_node = 0;  ///< 0 = detect; >0 declares simulated nodes
   std::string expert_placement = "none";  ///< none | affinity
   int placement_batches = 8;              ///< batches recorded to choose the affinity placement
+  int zero = 0;  ///< 0 | 1 (AdamW moments sharded over dp) | 2 (also gradients reduce-scattered)
 
   bool operator==(const ParallelConfig&) const = default;
 };

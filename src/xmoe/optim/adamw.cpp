@@ -12,16 +12,35 @@ AdamWConfig AdamWConfig::from(const TrainConfig& t) {
   return {t.beta1, t.beta2, t.adam_eps, t.weight_decay};
 }
 
-AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
-    : params_(std::move(params)), cfg_(cfg) {
+namespace {
+
+std::vector<AdamWPiece> whole_pieces(const std::vector<Parameter*>& params) {
+  std::vector<AdamWPiece> out;
+  for (Parameter* p : params) out.emplace_back(p);
+  return out;
+}
+
+/// t as one flat [numel] view.
+Tensor flat(const Tensor& t) {
+  return t.reshape({t.numel()});
+}
+
+}  // namespace
+
+AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg) : AdamW(whole_pieces(params), cfg) {}
+
+AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
+    : pieces_(pieces.begin(), pieces.end()), cfg_(cfg) {
   XMOE_CHECK(cfg.beta1 >= 0 && cfg.beta1 < 1, "[adamw] beta1 = {} must be in [0, 1)", cfg.beta1);
   XMOE_CHECK(cfg.beta2 >= 0 && cfg.beta2 < 1, "[adamw] beta2 = {} must be in [0, 1)", cfg.beta2);
   XMOE_CHECK(cfg.eps > 0, "[adamw] eps = {} must be positive", cfg.eps);
   XMOE_CHECK(cfg.weight_decay >= 0, "[adamw] weight_decay = {} must be >= 0", cfg.weight_decay);
   std::set<std::string> names;
-  if (!params_.empty() && params_[0]) device_ = params_[0]->value.device();
-  for (Parameter* p : params_) {
+  if (!pieces_.empty() && pieces_[0].param) device_ = pieces_[0].param->value.device();
+  for (AdamWPiece& piece : pieces_) {
+    Parameter* p = piece.param;
     XMOE_CHECK(p && p->value.defined(), "[adamw] undefined parameter");
+    params_.push_back(p);
     XMOE_CHECK(names.insert(p->name).second, "[adamw] parameter name '{}' appears twice", p->name);
     check_shape(p->grad, p->value.shape(), "adamw", p->name.c_str());
     XMOE_CHECK(p->value.dtype() == DType::f32 &&
@@ -33,9 +52,29 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWConfig cfg)
                "[adamw] {} is on {} (grad on {}) but the first parameter is on {}: all parameters "
                "of an optimizer must be on one device",
                p->name, p->value.device().str(), p->grad.device().str(), device_.str());
-    m_.push_back(Tensor::zeros(p->value.shape(), DType::f32, device_));
-    v_.push_back(Tensor::zeros(p->value.shape(), DType::f32, device_));
+    const int64_t n = p->value.numel();
+    if (piece.count < 0) piece.count = n;
+    XMOE_CHECK(piece.offset >= 0 && piece.count > 0 && piece.offset + piece.count <= n,
+               "[adamw] {}: piece [{}, {}) outside its {} elements", p->name, piece.offset,
+               piece.offset + piece.count, n);
+    if (piece.grad.defined())
+      XMOE_CHECK(piece.grad.numel() == piece.count && piece.grad.device() == device_ &&
+                     (piece.grad.dtype() == DType::f32 || piece.grad.dtype() == DType::bf16),
+                 "[adamw] {}: the piece's grad is {}, expected {} f32 or bf16 values on {}",
+                 p->name, piece.grad.str(), piece.count, device_.str());
+    // A whole piece keeps the parameter's shape (the exported state's); a part is flat.
+    const Shape shape = piece.whole() ? p->value.shape() : Shape{piece.count};
+    sharded_ = sharded_ || !piece.whole();
+    m_.push_back(Tensor::zeros(shape, DType::f32, device_));
+    v_.push_back(Tensor::zeros(shape, DType::f32, device_));
   }
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t bytes = 0;
+  for (size_t i = 0; i < m_.size(); ++i)
+    bytes += static_cast<int64_t>(m_[i].nbytes() + v_[i].nbytes());
+  return bytes;
 }
 
 void AdamW::step(float lr, float grad_scale) {
@@ -56,8 +95,9 @@ void AdamW::step(float lr, float grad_scale) {
   // tensors), the CPU loop's formula in its operation order; bf16 copies rewritten in passing.
   std::vector<ops::AdamWTensors> list;
   list.reserve(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Parameter& p = *params_[i];
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const AdamWPiece& piece = pieces_[i];
+    Parameter& p = *piece.param;
     XMOE_CHECK(p.value.device() == device_ && p.grad.device() == device_,
                "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
                p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str());
@@ -66,7 +106,15 @@ void AdamW::step(float lr, float grad_scale) {
                      p.compute_copy.numel() == p.value.numel(),
                  "[adamw] {}: compute copy {} does not match value {}", p.name,
                  p.compute_copy.str(), p.value.str());
-    list.push_back({p.value, p.grad, m_[i], v_[i], p.compute_copy, p.weight_decay});
+    if (piece.whole()) {
+      list.push_back({p.value, p.grad, m_[i], v_[i], p.compute_copy, p.weight_decay});
+      continue;
+    }
+    const int64_t a = piece.offset, b = piece.offset + piece.count;
+    list.push_back({flat(p.value).rows(a, b),
+                    piece.grad.defined() ? piece.grad : flat(p.grad).rows(a, b), m_[i], v_[i],
+                    p.compute_copy.defined() ? flat(p.compute_copy).rows(a, b) : Tensor(),
+                    p.weight_decay});
   }
   ops::adamw_step(list, s);
 }
@@ -76,6 +124,9 @@ void AdamW::zero_grad() {
 }
 
 void AdamW::export_state(std::map<std::string, Tensor>& out) const {
+  XMOE_CHECK(!sharded_,
+             "[adamw] export_state: the moments are sharded over ranks (parallel.zero >= 1); "
+             "gather them into whole tensors first");
   for (size_t i = 0; i < params_.size(); ++i) {
     out[params_[i]->name + ".adam_m"] = m_[i];
     out[params_[i]->name + ".adam_v"] = v_[i];
@@ -102,9 +153,10 @@ void AdamW::import_state(const std::map<std::string, Tensor>& in) {
   }
   const int64_t s = step.to_vector<int64_t>()[0];
   XMOE_CHECK(s >= 0, "[adamw] state step = {} is negative", s);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    m_[i].copy_from(ms[i]->to(Device::cpu()));
-    v_[i].copy_from(vs[i]->to(Device::cpu()));
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const int64_t a = pieces_[i].offset, b = a + pieces_[i].count;
+    m_[i].copy_from(flat(ms[i]->to(Device::cpu())).rows(a, b).reshape(m_[i].shape()));
+    v_[i].copy_from(flat(vs[i]->to(Device::cpu())).rows(a, b).reshape(v_[i].shape()));
   }
   step_ = s;
 }

@@ -5,6 +5,7 @@
 //   p <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 #include <cstdint>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,11 +24,33 @@ struct AdamWConfig {
   static AdamWConfig from(const TrainConfig& t);
 };
 
+/// A run of one parameter's elements that an AdamW updates: the whole parameter (the default),
+/// or the flat range [offset, offset + count) of it (a ZeRO shard, parallel.zero >= 1; a
+/// parameter may straddle the shards of two ranks). Each piece is updated with the same
+/// per-element formula and order, so a parameter split into pieces over ranks gets the bits it
+/// gets whole.
+struct AdamWPiece {
+  explicit AdamWPiece(Parameter* p, int64_t offset_ = 0, int64_t count_ = -1, Tensor grad_ = {})
+      : param(p), offset(offset_), count(count_), grad(std::move(grad_)) {}
+
+  Parameter* param = nullptr;
+  int64_t offset = 0;
+  int64_t count = -1;  ///< -1: the whole parameter
+  /// [count] gradient of the range (f32 or bf16), e.g. a view of a reduce-scattered shard;
+  /// undefined: the range of param->grad, read at every step
+  Tensor grad;
+
+  bool whole() const { return offset == 0 && count == param->value.numel() && !grad.defined(); }
+};
+
 class AdamW {
  public:
   /// Keeps the pointers (the parameters must outlive the optimizer) and zeroed m, v per
   /// parameter. Parameter names must be unique (they key the exported state).
   AdamW(std::vector<Parameter*> params, AdamWConfig cfg);
+  /// m, v only for each piece's elements: [count] f32, or the parameter's shape for a whole
+  /// piece. A parameter appears in at most one piece.
+  AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg);
 
   /// One update of every parameter from grad * grad_scale with learning rate `lr`; step() += 1.
   /// grad_scale is the clip factor (clip_factor): applying it here instead of scale_grads saves
@@ -42,25 +65,35 @@ class AdamW {
   /// Number of updates done (t of the bias correction).
   int64_t step_count() const { return step_; }
   const AdamWConfig& config() const { return cfg_; }
+  /// The parameter of each piece (piece i updates parameters()[i]).
   const std::vector<Parameter*>& parameters() const { return params_; }
+  const std::vector<AdamWPiece>& pieces() const { return pieces_; }
+  /// True when some piece is a part of its parameter (the moments are sharded).
+  bool sharded() const { return sharded_; }
+  /// Bytes of m and v held here (what ZeRO divides).
   /// Device of the parameters and of m, v (all on one device).
   Device device() const { return device_; }
-  /// First / second moment of parameter i.
+  int64_t state_bytes() const;
+  /// First / second moment of piece i.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
 
   /// Name of the tensor holding the step count in exported state (i64 [1]).
   static constexpr const char* kStepKey = "optim.step";
   /// Adds "<param>.adam_m", "<param>.adam_v" (f32, the parameter's shape) and "optim.step"
-  /// (i64 [1]) to `out`, for checkpoints. The tensors share storage with the optimizer.
+  /// (i64 [1]) to `out`, for checkpoints. The tensors share storage with the optimizer. Sharded
+  /// moments throw: whoever knows the shards gathers them (train/state.cpp).
   void export_state(std::map<std::string, Tensor>& out) const;
-  /// Loads what export_state wrote (other tensors in `in`, e.g. parameters, are ignored). Every
-  /// parameter's moments must be present with its shape; a missing or mis-shaped one throws
-  /// "[adamw] ..." and leaves the optimizer unchanged.
+  /// Loads what export_state wrote (other tensors in `in`, e.g. parameters, are ignored): each
+  /// piece takes its range of its parameter's whole moments. Every parameter's moments must be
+  /// present with its shape; a missing or mis-shaped one throws "[adamw] ..." and leaves the
+  /// optimizer unchanged.
   void import_state(const std::map<std::string, Tensor>& in);
 
  private:
+  std::vector<AdamWPiece> pieces_;
   std::vector<Parameter*> params_;
+  bool sharded_ = false;
   AdamWConfig cfg_;
   Device device_ = Device::cpu();
   std::vector<Tensor> m_, v_;

@@ -1,5 +1,7 @@
 #include "xmoe/parallel/grad_sync.h"
 
+#include <algorithm>
+
 #include "xmoe/core/profile.h"
 #include "xmoe/ops/optim.h"
 
@@ -17,11 +19,28 @@ Tensor grad_sum_squares(const std::vector<Parameter*>& params) {
   return ops::multi_sum_squares(grads);
 }
 
+/// t as one flat [numel] view.
+Tensor flat(const Tensor& t) {
+  return t.reshape({t.numel()});
+}
+
+/// `collective(t)` run where `group`'s tensors live: device tensors go through the host for a
+/// group of host tensors (MPI); the result comes back on t's device.
+template <typename F>
+Tensor on_group(comm::Group& group, const Tensor& t, F&& collective) {
+  if (group.device() == t.device()) return collective(t);
+  XMOE_CHECK(group.device().is_cpu(),
+             "[grad_sync] tensors on {} but the group's tensors live on {}", t.device().str(),
+             group.device().str());
+  return collective(t.to(Device::cpu())).to(t.device());
+}
+
 }  // namespace
 
 GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
-                           int64_t bucket_bytes)
-    : params_(std::move(params)), layout_(layout) {
+                           int64_t bucket_bytes, int zero)
+    : params_(std::move(params)), layout_(layout), zero_(zero) {
+  XMOE_CHECK(zero >= 0 && zero <= 2, "[grad_sync] parallel.zero = {} is not 0, 1 or 2", zero);
   const int64_t bucket_numel = std::max<int64_t>(1, bucket_bytes / 4);
   for (bool expert : {false, true}) {
     Bucket b;
@@ -38,17 +57,33 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     }
     if (b.numel > 0) buckets_.push_back(std::move(b));
   }
+  if (zero_ == 0) return;
+  for (Bucket& b : buckets_) {
+    const comm::Group& group = group_of(b);
+    std::vector<int64_t> numels;
+    for (const Parameter* p : b.params) numels.push_back(p->value.numel());
+    b.shards = BucketShards::plan(numels, group.size(), group.rank());
+    if (zero_ == 2)
+      b.grad_shard = Tensor::zeros({b.shards.shard}, DType::f32, b.params[0]->grad.device());
+  }
+}
+
+comm::Group& GradientSync::group_of(const Bucket& b) const {
+  return b.expert ? *layout_.dp_group : *layout_.world;
 }
 
 void GradientSync::reduce(Bucket& b) {
-  comm::Group& group = b.expert ? *layout_.dp_group : *layout_.world;
+  comm::Group& group = group_of(b);
   // Pack the bucket's gradients into one f32 buffer (bf16 gradients are widened, so the sum is
   // f32 whatever they are; CUDA: one multi-tensor copy), all-reduce it where the group's tensors
   // live (NCCL: on this device; MPI: on the host, CUDA buffers staged through it), and unpack
   // with the 1/world scale (bf16 rounded once). Nothing waits for the device except staging.
   const Device d = b.params[0]->grad.device();
   const float scale = 1.0f / static_cast<float>(layout_.world_size);
-  Tensor flat = Tensor::empty({b.numel}, DType::f32, d);
+  // zero 2 packs the padded bucket (the padding zeroed) for the reduce-scatter.
+  const int64_t packed = zero_ == 2 ? b.shards.padded : b.numel;
+  Tensor flat = Tensor::empty({packed}, DType::f32, d);
+  if (packed > b.numel) flat.rows(b.numel, packed).zero_();
   std::vector<Tensor> grads, views;
   int64_t offset = 0;
   for (Parameter* p : b.params) {
@@ -59,6 +94,17 @@ void GradientSync::reduce(Bucket& b) {
     offset += p->grad.numel();
   }
   ops::multi_copy_scaled(views, grads, 1.0f);
+  if (zero_ == 2) {
+    // This rank's shard of the sum, scaled as the all-reduced gradients are.
+    const Tensor sum =
+        group.size() > 1
+            ? on_group(group, flat, [&](const Tensor& t) { return group.reduce_scatter(t); })
+            : flat;
+    std::vector<Tensor> dst{b.grad_shard};
+    const std::vector<Tensor> src{sum};
+    ops::multi_copy_scaled(dst, src, scale);
+    return;
+  }
   if (group.size() > 1) {
     if (group.device() == d) {
       group.all_reduce(flat);
@@ -75,12 +121,28 @@ void GradientSync::reduce(Bucket& b) {
 }
 
 void GradientSync::sync() {
-  if (layout_.world_size == 1) return;
+  if (layout_.world_size == 1 && zero_ < 2) return;
   settle_grads(params_);
   for (Bucket& b : buckets_) reduce(b);
 }
 
 double GradientSync::global_grad_sum_squares() const {
+  if (zero_ == 2) {
+    // Every element of a bucket is in exactly one rank's shard of its group, and the groups
+    // (the world; the dp groups, one per ep rank) cover every parameter once: the world's sum
+    // of the shards' squares is the norm².
+    std::vector<Tensor> dense, expert;
+    for (const Bucket& b : buckets_) (b.expert ? expert : dense).push_back(b.grad_shard);
+    ProfileScope scope("optim.grad_norm",
+                       buckets_.empty() ? Device::cpu() : buckets_[0].grad_shard.device());
+    const double mine =
+        ops::multi_sum_squares(dense).item() + ops::multi_sum_squares(expert).item();
+    comm::Group& world = *layout_.world;
+    if (world.size() == 1) return mine;
+    Tensor t = Tensor::from_vector<double>({mine}, {1}, world.device());
+    world.all_reduce(t);
+    return t.item();
+  }
   std::vector<Parameter*> dense, expert;
   for (Parameter* p : params_) (p->kind == ParamKind::expert ? expert : dense).push_back(p);
   ProfileScope scope("optim.grad_norm",
@@ -95,6 +157,88 @@ double GradientSync::global_grad_sum_squares() const {
     ep.all_reduce(t);
   }
   return total + t.item();
+}
+
+std::vector<OwnedPiece> GradientSync::owned_pieces() const {
+  std::vector<OwnedPiece> out;
+  if (zero_ == 0) {
+    for (Parameter* p : params_) out.push_back({p, 0, p->value.numel(), {}});
+    return out;
+  }
+  for (const Bucket& b : buckets_)
+    for (const ShardPiece& s : b.shards.pieces) {
+      OwnedPiece o{b.params[s.param], s.offset, s.count, {}};
+      if (zero_ == 2) o.grad = b.grad_shard.rows(s.shard_offset, s.shard_offset + s.count);
+      out.push_back(std::move(o));
+    }
+  return out;
+}
+
+Tensor GradientSync::all_gather(const Bucket& b, const Tensor& shard) const {
+  comm::Group& group = group_of(b);
+  if (group.size() == 1) return shard;
+  return on_group(group, shard, [&](const Tensor& t) { return group.all_gather(t); });
+}
+
+void GradientSync::gather_params() {
+  if (zero_ == 0) return;
+  ProfileScope scope("optim.zero_gather",
+                     params_.empty() ? Device::cpu() : params_[0]->value.device());
+  for (const Bucket& b : buckets_) {
+    // Pack this rank's updated elements (padding zero), gather [padded], unpack every parameter.
+    Tensor shard = Tensor::zeros({b.shards.shard}, DType::f32, b.params[0]->value.device());
+    std::vector<Tensor> dst, src;
+    for (const ShardPiece& s : b.shards.pieces) {
+      dst.push_back(shard.rows(s.shard_offset, s.shard_offset + s.count));
+      src.push_back(flat(b.params[s.param]->value).rows(s.offset, s.offset + s.count));
+    }
+    ops::multi_copy_scaled(dst, src, 1.0f);
+    const Tensor all = all_gather(b, shard);
+    std::vector<Tensor> values, views, copies, copy_views;
+    int64_t offset = 0;
+    for (Parameter* p : b.params) {
+      const int64_t n = p->value.numel();
+      values.push_back(flat(p->value));
+      views.push_back(all.rows(offset, offset + n));
+      if (p->compute_copy.defined()) {
+        copies.push_back(flat(p->compute_copy));
+        copy_views.push_back(views.back());
+      }
+      offset += n;
+    }
+    ops::multi_copy_scaled(values, views, 1.0f);
+    ops::multi_copy_scaled(copies, copy_views, 1.0f);  // bf16(p), as AdamW writes it
+  }
+}
+
+std::vector<Tensor> GradientSync::gather_pieces(std::span<const Tensor> pieces) const {
+  XMOE_CHECK(zero_ >= 1, "[grad_sync] gather_pieces needs parallel.zero >= 1");
+  std::vector<Tensor> out(params_.size());
+  size_t k = 0;
+  for (const Bucket& b : buckets_) {
+    Tensor shard = Tensor::zeros({b.shards.shard}, DType::f32, b.params[0]->value.device());
+    std::vector<Tensor> dst, src;
+    for (const ShardPiece& s : b.shards.pieces) {
+      XMOE_CHECK(k < pieces.size() && pieces[k].numel() == s.count,
+                 "[grad_sync] gather_pieces: piece {} is {}, expected {} elements", k,
+                 k < pieces.size() ? pieces[k].str() : std::string("missing"), s.count);
+      dst.push_back(shard.rows(s.shard_offset, s.shard_offset + s.count));
+      src.push_back(flat(pieces[k++]));
+    }
+    ops::multi_copy_scaled(dst, src, 1.0f);
+    const Tensor all = all_gather(b, shard);
+    int64_t offset = 0;
+    for (const Parameter* p : b.params) {
+      const size_t i =
+          static_cast<size_t>(std::find(params_.begin(), params_.end(), p) - params_.begin());
+      const int64_t n = p->value.numel();
+      out[i] = all.rows(offset, offset + n).clone().reshape(p->value.shape());
+      offset += n;
+    }
+  }
+  XMOE_CHECK(k == pieces.size(), "[grad_sync] gather_pieces: {} pieces given, {} owned",
+             pieces.size(), k);
+  return out;
 }
 
 }  // namespace xmoe::parallel

@@ -72,11 +72,31 @@ std::string expert_slice_name(const std::string& name, int64_t global_expert) {
   return name + "@" + std::to_string(global_expert);
 }
 
-TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const optim::AdamW& opt,
+TensorMap optimizer_state(const optim::AdamW& opt, const parallel::GradientSync& sync) {
+  TensorMap out;
+  if (sync.zero() == 0) {
+    opt.export_state(out);
+    return out;
+  }
+  // The AdamW pieces are the sync's owned pieces, in that order (train/trainer.cpp).
+  const size_t n = opt.parameters().size();
+  std::vector<Tensor> ms, vs;
+  for (size_t i = 0; i < n; ++i) {
+    ms.push_back(opt.m(i));
+    vs.push_back(opt.v(i));
+  }
+  const std::vector<Tensor> m = sync.gather_pieces(ms), v = sync.gather_pieces(vs);
+  for (size_t i = 0; i < sync.parameters().size(); ++i) {
+    out[sync.parameters()[i]->name + ".adam_m"] = m[i];
+    out[sync.parameters()[i]->name + ".adam_v"] = v[i];
+  }
+  out[optim::AdamW::kStepKey] = Tensor::from_vector<int64_t>({opt.step_count()}, {1});
+  return out;
+}
+
+TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const TensorMap& opt_state,
                              const std::vector<moe::MoELayer*>& moe_layers,
                              const parallel::Layout& layout) {
-  TensorMap opt_state;
-  opt.export_state(opt_state);
   TensorMap out;
   const bool dense_writer = layout.world_rank == 0;
   const bool expert_writer = layout.dp_rank == 0;
@@ -112,16 +132,13 @@ void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Para
                                 optim::AdamW& opt, const std::vector<moe::MoELayer*>& moe_layers,
                                 const std::string& dir) {
   restore_parameters(tensors, params, dir);
-  // Rebuild the optimizer's own (local-shape) state map and let it validate and load it.
+  // The whole (local-shape) moments of the optimizer's parameters; it validates them and takes
+  // its pieces' ranges.
   TensorMap local;
-  opt.export_state(local);
-  for (auto& [name, t] : local) {
-    const Parameter* owner = nullptr;
-    for (const Parameter* p : params)
-      for (const char* s : kAdamSuffixes)
-        if (name == p->name + s) owner = p;
-    t = owner ? load_for(tensors, *owner, name, dir) : find_whole(tensors, name, t.shape(), dir);
-  }
+  for (const Parameter* p : opt.parameters())
+    for (const char* s : kAdamSuffixes)
+      local[p->name + s] = load_for(tensors, *p, p->name + s, dir);
+  local[optim::AdamW::kStepKey] = find_whole(tensors, optim::AdamW::kStepKey, {1}, dir);
   opt.import_state(local);
   for (moe::MoELayer* layer : moe_layers)
     if (Tensor* bias = layer->gate().routing_bias())

@@ -10,6 +10,7 @@
 
 #include "xmoe/core/parameter.h"
 #include "xmoe/optim/adamw.h"
+#include "xmoe/parallel/grad_sync.h"
 #include "xmoe/parallel/layout.h"
 
 namespace xmoe::moe {
@@ -23,14 +24,20 @@ using TensorMap = std::map<std::string, Tensor>;
 /// Name of global expert g's slice of an expert tensor.
 std::string expert_slice_name(const std::string& name, int64_t global_expert);
 
-/// This rank's part of the checkpoint.
-TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const optim::AdamW& opt,
+/// The optimizer's state as a checkpoint holds it, whatever parallel.zero: whole
+/// "<param>.adam_m" / ".adam_v" of every parameter (this rank's local shape) and "optim.step".
+/// Sharded moments (zero >= 1) are all-gathered per bucket by `sync`'s plan: collective.
+TensorMap optimizer_state(const optim::AdamW& opt, const parallel::GradientSync& sync);
+
+/// This rank's part of the checkpoint; `opt_state` as optimizer_state gives it.
+TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const TensorMap& opt_state,
                              const std::vector<moe::MoELayer*>& moe_layers,
                              const parallel::Layout& layout);
 
 /// Loads parameters, optimizer state and routing biases from a merged checkpoint (all ranks'
-/// files), taking the expert slices this rank owns. Every missing or misshapen tensor is an
-/// error naming `dir` and the tensor.
+/// files), taking the expert slices this rank owns; the optimizer takes its pieces' ranges of
+/// the moments (any parallel.zero). Every missing or misshapen tensor is an error naming `dir`
+/// and the tensor.
 void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Parameter*>& params,
                                 optim::AdamW& opt, const std::vector<moe::MoELayer*>& moe_layers,
                                 const std::string& dir);

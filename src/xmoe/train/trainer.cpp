@@ -266,9 +266,16 @@ class Run {
     model_->set_compute_dtype(compute_dtype(tc_, device_));
     params_ = model_->parameters();
     moe_layers_ = model_->moe_layers();
-    opt_ = std::make_unique<optim::AdamW>(params_, optim::AdamWConfig::from(tc_));
+    // parallel.zero >= 1: AdamW holds moments only for the pieces of the buckets' shards this
+    // rank owns (zero 0: every parameter whole, one piece each).
+    grad_sync_ =
+        std::make_unique<parallel::GradientSync>(params_, layout_, 32 << 20, config_.parallel.zero);
+    std::vector<optim::AdamWPiece> pieces;
+    for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
+      pieces.emplace_back(p.param, p.offset, p.count, p.grad);
+    opt_ = std::make_unique<optim::AdamW>(pieces, optim::AdamWConfig::from(tc_));
+    result.optimizer_bytes = opt_->state_bytes();
     schedule_.emplace(optim::LrSchedule::from(tc_));
-    grad_sync_ = std::make_unique<parallel::GradientSync>(params_, layout_);
     tokens_per_step_ =
         static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum * layout_.world_size;
     result.out_dir = tc_.out_dir;
@@ -370,6 +377,7 @@ class Run {
       bad_in_a_row_ = 0;
       // The clip factor rides on the update (no pass of its own over the gradients).
       opt_->step(static_cast<float>(m.lr), optim::clip_factor(m.grad_norm, tc_.grad_clip));
+      grad_sync_->gather_params();  // zero >= 1: every rank's updated shard to every replica
       for (moe::MoELayer* layer : moe_layers_) layer->update_routing_bias();
     }
     if (!load.empty()) {
@@ -426,7 +434,8 @@ class Run {
     state["seed"] = tc_.seed;
     state["layout"] = {{"world", layout_.world_size}, {"ep", layout_.ep}, {"dp", layout_.dp}};
     const std::string dir = (fs::path(tc_.out_dir) / fmt::format("step-{}", step)).string();
-    save_checkpoint(dir, checkpoint_tensors(params_, *opt_, moe_layers_, layout_), state,
+    const TensorMap opt_state = optimizer_state(*opt_, *grad_sync_);  // collective (zero >= 1)
+    save_checkpoint(dir, checkpoint_tensors(params_, opt_state, moe_layers_, layout_), state,
                     layout_.world_rank, layout_.world_size, [&] { layout_.world->barrier(); });
     result.last_checkpoint = dir;
     if (metrics_) metrics_->sync();  // the log on disk reaches at least the checkpoint
@@ -464,6 +473,10 @@ TrainResult train(const Config& config, const TrainOptions& options) {
              "[train] parallel.tp = {}: tensor parallelism (sequence-sharded MoE blocks) is not "
              "implemented yet; use parallel.tp = 1",
              config.parallel.tp);
+  XMOE_CHECK(config.parallel.zero == 0 || parse_device(tc.device).is_cpu(),
+             "[train] parallel.zero = {} is not yet on CUDA (train.device = {}): ZeRO sharding "
+             "runs on CPU ranks over MPI; use parallel.zero = 0 on CUDA",
+             config.parallel.zero, tc.device);
   XMOE_CHECK(!(options.resume && options.overwrite),
              "[train] --resume continues the run in {} and --overwrite deletes it: give one",
              tc.out_dir);

@@ -47,6 +47,7 @@ struct TrainResult {
   std::vector<EvalMetrics> evals;
   std::string out_dir;
   std::string last_checkpoint;
+  int64_t optimizer_bytes = 0;  ///< AdamW moment bytes held by this rank (parallel.zero divides)
 };
 
 /// Trains `config` (already validated; for a resume, train::resume_config's). Prepares the

@@ -1,0 +1,31 @@
+#include "xmoe/parallel/zero.h"
+
+#include <algorithm>
+
+#include "xmoe/core/error.h"
+
+namespace xmoe::parallel {
+
+BucketShards BucketShards::plan(std::span<const int64_t> numels, int size, int rank) {
+  XMOE_CHECK(size >= 1 && rank >= 0 && rank < size, "[zero] rank {} of a group of {} ranks", rank,
+             size);
+  BucketShards b;
+  for (int64_t n : numels) {
+    XMOE_CHECK(n >= 0, "[zero] a parameter of {} elements", n);
+    b.numel += n;
+  }
+  // At least one element per rank, so that every shard (and every collective) is non-empty.
+  b.shard = std::max<int64_t>(1, (b.numel + size - 1) / size);
+  b.padded = b.shard * size;
+  b.begin = b.shard * rank;
+  const int64_t end = b.begin + b.shard;
+  int64_t start = 0;  // of parameter i in the packed bucket
+  for (size_t i = 0; i < numels.size(); ++i) {
+    const int64_t lo = std::max(start, b.begin), hi = std::min(start + numels[i], end);
+    if (lo < hi) b.pieces.push_back({i, lo - start, hi - lo, lo - b.begin});
+    start += numels[i];
+  }
+  return b;
+}
+
+}  // namespace xmoe::parallel

@@ -1,0 +1,33 @@
+#pragma once
+// The ZeRO shard plan of one gradient bucket (parallel.zero, docs/training.md). A bucket packs
+// its parameters' elements in order into one flat buffer of `numel` elements; over a group of N
+// ranks it is padded to a multiple of N and rank r owns the elements [r·s, (r+1)·s), s =
+// padded / N. A parameter may straddle two (or more) shards, and a shard may hold no parameter
+// element at all (numel < N: the tail shards are all padding).
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace xmoe::parallel {
+
+/// One run of a parameter's elements inside this rank's shard.
+struct ShardPiece {
+  size_t param = 0;          ///< index of the parameter in the bucket
+  int64_t offset = 0;        ///< first element in the parameter (flat, row-major)
+  int64_t count = 0;         ///< elements (> 0)
+  int64_t shard_offset = 0;  ///< first element in this rank's shard
+};
+
+/// How one bucket splits over a group; `pieces` are this rank's, in bucket order.
+struct BucketShards {
+  int64_t numel = 0;   ///< the bucket's elements (Σ of its parameters' numel)
+  int64_t padded = 0;  ///< numel rounded up to a multiple of the group size (at least one each)
+  int64_t shard = 0;   ///< padded / group size: every rank's shard has this many elements
+  int64_t begin = 0;   ///< this rank's first element in the packed bucket (rank · shard)
+  std::vector<ShardPiece> pieces;
+
+  /// The plan of a bucket whose parameters have `numels` elements, for `rank` of `size` ranks.
+  static BucketShards plan(std::span<const int64_t> numels, int size, int rank);
+};
+
+}  // namespace xmoe::parallel
