@@ -115,6 +115,20 @@ TEST(DistributedTraining, ZeroShardsTheOptimizerAndTrainsTheSame) {
       if (n > 1) {
         EXPECT_LT(b, z0b) << tag;
       }
+      // Gradients held between steps: zero 0 and 1 keep every parameter's whole gradient
+      // (f32 here); zero 2 keeps only its shards (4 bytes per element, padding included).
+      const int64_t g0 = z0.gradient_bytes, g = got.gradient_bytes;
+      if (zero == 1) {
+        EXPECT_EQ(g, g0) << tag;
+      } else {
+        EXPECT_GE(g, g0 / n - 2 * 4 * n) << tag;
+        EXPECT_LE(g, g0 / dp + 2 * 4 * n) << tag;
+      }
+      if (world()->rank() == 0)
+        std::printf(
+            "[zero] np %d ep %d zero %d: gradients held between steps %lld bytes/rank "
+            "(zero 0: %lld)\n",
+            n, ep, zero, static_cast<long long>(g), static_cast<long long>(g0));
       if (world()->rank() == 0)
         std::printf(
             "[zero] np %d ep %d dp %d zero %d: AdamW moments %lld bytes/rank (zero 0: "

@@ -20,7 +20,7 @@ Parameter Parameter::make(std::string name, Shape shape, ParamKind kind, bool we
 void Parameter::to(Device device) {
   if (value.device() == device) return;
   value = value.to(device);
-  grad = grad.to(device);
+  if (grad.defined()) grad = grad.to(device);
   if (compute_copy.defined()) compute_copy = compute_copy.to(device);
 }
 

@@ -36,11 +36,18 @@ struct Parameter {
   bool lazy_zero_grad = false;
   /// grad is logically zero but its memory is stale (zero_grad() deferred the memset).
   bool grad_zero_pending = false;
+  /// grad's dtype while release_grad() has freed it (zero_grad() allocates it again).
+  DType released_grad_dtype = DType::f32;
 
   /// Allocates value and a zeroed grad (f32 or bf16) of `shape`.
   static Parameter make(std::string name, Shape shape, ParamKind kind = ParamKind::dense,
                         bool weight_decay = true, DType grad_dtype = DType::f32);
   void zero_grad() {
+    if (!grad.defined()) {  // released after the last step: a fresh zeroed gradient
+      grad = Tensor::zeros(value.shape(), released_grad_dtype, value.device());
+      grad_zero_pending = false;
+      return;
+    }
     if (lazy_zero_grad) {
       grad_zero_pending = true;
     } else {
@@ -53,7 +60,14 @@ struct Parameter {
   /// For whoever reads grad (optimizer, norm, gradient sync): makes a deferred zero real, for a
   /// parameter no backward wrote since zero_grad().
   void settle_grad() {
-    if (grad_zero_pending) grad.zero_();
+    if (grad_zero_pending && grad.defined()) grad.zero_();
+    grad_zero_pending = false;
+  }
+  /// Frees grad until the next zero_grad() (parallel.zero = 2: once the gradient sync has
+  /// reduce-scattered it, this rank keeps only its shard between steps).
+  void release_grad() {
+    if (grad.defined()) released_grad_dtype = grad.dtype();
+    grad = Tensor();
     grad_zero_pending = false;
   }
   /// The weight as forward and backward use it: the bf16 copy when there is one, else value.

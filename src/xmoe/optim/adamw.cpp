@@ -98,7 +98,8 @@ void AdamW::step(float lr, float grad_scale) {
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const AdamWPiece& piece = pieces_[i];
     Parameter& p = *piece.param;
-    XMOE_CHECK(p.value.device() == device_ && p.grad.device() == device_,
+    // A piece with its own gradient (a zero 2 shard) may have released the parameter's.
+    XMOE_CHECK(p.value.device() == device_ && (!p.grad.defined() || p.grad.device() == device_),
                "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
                p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str());
     if (p.compute_copy.defined())

@@ -103,6 +103,9 @@ void GradientSync::reduce(Bucket& b) {
     std::vector<Tensor> dst{b.grad_shard};
     const std::vector<Tensor> src{sum};
     ops::multi_copy_scaled(dst, src, scale);
+    // The whole per-parameter gradients are not needed again before the next backward (the
+    // update reads the shard): free them until zero_grad() (4 of the 4 + 12/N bytes).
+    for (Parameter* p : b.params) p->release_grad();
     return;
   }
   if (group.size() > 1) {
@@ -118,6 +121,15 @@ void GradientSync::reduce(Bucket& b) {
     }
   }
   ops::multi_copy_scaled(grads, views, scale);
+}
+
+int64_t GradientSync::gradient_bytes() const {
+  int64_t bytes = 0;
+  for (const Parameter* p : params_)
+    if (p->grad.defined()) bytes += static_cast<int64_t>(p->grad.nbytes());
+  for (const Bucket& b : buckets_)
+    if (b.grad_shard.defined()) bytes += static_cast<int64_t>(b.grad_shard.nbytes());
+  return bytes;
 }
 
 void GradientSync::sync() {

@@ -41,9 +41,12 @@ class GradientSync {
                int64_t bucket_bytes = 32 << 20, int zero = 0);
 
   /// Averages every gradient as described above (a no-op for one process without zero 2);
-  /// zero 2: reduce-scatters into this rank's gradient shards instead, leaving param->grad as
-  /// backward wrote it.
+  /// zero 2: reduce-scatters into this rank's gradient shards instead and frees every
+  /// param->grad (Parameter::release_grad) until the next zero_grad().
   void sync();
+  /// Gradient bytes this rank holds now: the per-parameter gradients still allocated and, with
+  /// zero 2, the shards.
+  int64_t gradient_bytes() const;
   /// Global gradient norm² after sync: dense counted once, each expert shard once (zero 2: the
   /// world's sum of every rank's gradient shards, each element being in exactly one).
   double global_grad_sum_squares() const;

@@ -380,6 +380,7 @@ class Run {
       grad_sync_->gather_params();  // zero >= 1: every rank's updated shard to every replica
       for (moe::MoELayer* layer : moe_layers_) layer->update_routing_bias();
     }
+    result.gradient_bytes = grad_sync_->gradient_bytes();
     if (!load.empty()) {
       m.max_expert_load = *std::max_element(load.begin(), load.end());
       m.min_expert_load = *std::min_element(load.begin(), load.end());

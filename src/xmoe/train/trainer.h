@@ -48,6 +48,8 @@ struct TrainResult {
   std::string out_dir;
   std::string last_checkpoint;
   int64_t optimizer_bytes = 0;  ///< AdamW moment bytes held by this rank (parallel.zero divides)
+  /// Gradient bytes this rank holds between steps, after the last one (zero 2: the shards)
+  int64_t gradient_bytes = 0;
 };
 
 /// Trains `config` (already validated; for a resume, train::resume_config's). Prepares the
