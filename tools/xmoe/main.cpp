@@ -47,22 +47,6 @@ Docs: README.md, docs/training.md, docs/config.md)";
 const std::vector<std::string> kCommandNames = {"train", "generate", "prepare", "config",
                                                 "inspect"};
 
-/// Edit distance, for "did you mean".
-size_t distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1 : 0)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
 /// A whole number in [lo, hi], checked with a message in plain words (CLI11's own range check
 /// prints the double limits of the type).
 CLI::Validator whole_number(long long lo, long long hi) {
@@ -189,10 +173,11 @@ bool unknown_command(int argc, char** argv) {
     return false;
   std::string best = kCommandNames.front();
   for (const std::string& c : kCommandNames)
-    if (distance(given, c) < distance(given, best)) best = c;
-  std::fprintf(stderr, "xmoe: error: unknown command '%s'%s\n\n%s\n", given.c_str(),
-               distance(given, best) <= 3 ? fmt::format(" (did you mean '{}'?)", best).c_str() : "",
-               kCommands);
+    if (edit_distance(given, c) < edit_distance(given, best)) best = c;
+  std::fprintf(
+      stderr, "xmoe: error: unknown command '%s'%s\n\n%s\n", given.c_str(),
+      edit_distance(given, best) <= 3 ? fmt::format(" (did you mean '{}'?)", best).c_str() : "",
+      kCommands);
   return true;
 }
 

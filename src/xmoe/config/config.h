@@ -153,6 +153,10 @@ std::string to_yaml(const Config& config);
 /// docs/config.md, generated from the key table.
 std::string config_reference_markdown();
 
+/// Levenshtein distance: how "did you mean" picks the closest key (and the CLI the closest
+/// command).
+size_t edit_distance(const std::string& a, const std::string& b);
+
 /// Named model/run shapes. "tiny" is exactly the struct defaults.
 Config preset(const std::string& name);
 std::vector<std::string> preset_names();

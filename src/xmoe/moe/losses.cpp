@@ -44,23 +44,17 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
                         int64_t seq_len, const AuxLossWeights& w, AuxLossState& st,
                         comm::Group* world) {
   ProfileScope scope("moe.aux_loss.fwd", probs.device());
-  const char* op = "moe aux losses";
-  check_shape(probs, {-1, -1}, op, "probs");
-  const int64_t T = probs.size(0), E = probs.size(1);
-  check_shape(topk_idx, {T, -1}, op, "topk_idx");
-  check_shape(z_logits, {T, E}, op, "z_logits");
-  XMOE_CHECK(seq_len > 0 && T % seq_len == 0, "[{}] {} tokens are not a multiple of seq_len {}", op,
-             T, seq_len);
+  // ops::moe_aux_stats checks the shapes and seq_len (the one place they are checked).
   const Device dev = probs.device();
   st = AuxLossState{};
-  st.tokens = T;
-  st.experts = E;
+  xmoe::ops::MoeAuxStats mine = xmoe::ops::moe_aux_stats(probs, topk_idx, z_logits, seq_len);
+  st.tokens = probs.size(0);
+  st.experts = probs.size(1);
   st.top_k = topk_idx.size(1);
   st.seq_len = seq_len;
   // This rank's sums (f64, held as i64 bits), then every rank's [W, 2E + 4]: on the GPU for an
   // NCCL world; an MPI world moves host tensors, which costs CUDA statistics this layer's one
   // wait.
-  xmoe::ops::MoeAuxStats mine = xmoe::ops::moe_aux_stats(probs, topk_idx, z_logits, seq_len);
   const int64_t W = world ? world->size() : 1;
   Tensor all = mine.stats;
   if (W > 1)
