@@ -54,7 +54,7 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
                p->name, p->value.device().str(), p->grad.device().str(), device_.str());
     const int64_t n = p->value.numel();
     if (piece.count < 0) piece.count = n;
-    XMOE_CHECK(piece.offset >= 0 && piece.count > 0 && piece.offset + piece.count <= n,
+    XMOE_CHECK(piece.offset >= 0 && piece.count >= 0 && piece.offset + piece.count <= n,
                "[adamw] {}: piece [{}, {}) outside its {} elements", p->name, piece.offset,
                piece.offset + piece.count, n);
     if (piece.grad.defined())
