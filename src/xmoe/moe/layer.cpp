@@ -294,6 +294,13 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   // experts: one chunk's a or da, and with recompute the re-gathered rows and h
   const int64_t expert_phase = shared_dx + d_cw + recv * f / chunks * cb +
                                (recompute ? h + (ep > 1 ? 0 : in_rows) : 0);
+  // the gate/up weight gradient: the input rows in place of d_out; bf16 gradients of f32
+  // activations go through an f32 [E_local, d, 2f] and its bf16 cast (ops grouped_matmul_weight_grad)
+  const int64_t grad_temp = c.expert_grad_dtype == "bf16" && dtype == DType::f32
+                                ? 6 * (c.num_experts / ep) * d * 2 * f
+                                : 0;
+  const int64_t weight_phase = shared_dx + d_cw + grad_temp + (recompute ? h : 0) -
+                               (ep > 1 ? out : 0);
   // dispatch back and order: d_rows [N, d] (and the received ones), dx [T, d]; h and out gone
   const int64_t freed = (recompute ? 0 : h) + out + (ep > 1 ? in_rows : 0);
   const int64_t order_phase = shared_dx + d_cw + out + (ep > 1 ? in_rows : 0) + dx +
@@ -301,7 +308,8 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   // gate: its temporaries and dx beside the order's dx and the shared experts'
   const int64_t gate_phase =
       shared_dx + dx + pairs * 4 + gate_backward_bytes_for(c, tokens) + dx - freed;
-  a.backward_extra = std::max({shared_phase, expert_phase, order_phase, gate_phase});
+  a.backward_extra =
+      std::max({shared_phase, expert_phase, weight_phase, order_phase, gate_phase});
   return a;
 }
 
