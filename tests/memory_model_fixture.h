@@ -39,13 +39,12 @@ class MemoryModelTest : public MicroCorpusTest {
   void expect_predicted(Config c, const std::string& what) {
     validate(c);
     const train::MemoryModel m = train::predict_memory(c);
-    const train::TrainResult r =
-        run_training(c, c.train.out_dir, comm::make_single_group());
+    const train::TrainResult r = run_training(c, c.train.out_dir, comm::make_single_group());
     ASSERT_GT(r.peak_step_bytes, 0) << what;
     const double peak_err = static_cast<double>(m.peak_bytes - r.peak_step_bytes) /
                             static_cast<double>(r.peak_step_bytes);
-    const double steady_err = static_cast<double>(m.steady_bytes - r.steady_bytes) /
-                              static_cast<double>(r.steady_bytes);
+    const double steady_err =
+        static_cast<double>(m.steady_bytes - r.steady_bytes) / static_cast<double>(r.steady_bytes);
     std::printf(
         "[memory] %-28s peak predicted %10lld measured %10lld (%+.1f%%); between steps "
         "predicted %10lld measured %10lld (%+.2f%%)\n",

@@ -20,7 +20,8 @@ using namespace xmoe;
 TEST(DistributedMemory, PredictedBytesPerRankMatchTheRun) {
   auto world = comm::world();
   const int n = world->size(), rank = world->rank();
-  const fs::path root = xmoe::testing::shared_corpus(*world, "xmoe-mpi-memory-" + std::to_string(n));
+  const fs::path root =
+      xmoe::testing::shared_corpus(*world, "xmoe-mpi-memory-" + std::to_string(n));
   Config c = xmoe::testing::micro_parallel_config(root, {.experts = 12});
   c.train.steps = 2;
   c.train.eval_every = 0;

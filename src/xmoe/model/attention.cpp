@@ -85,7 +85,8 @@ ActivationBytes Attention::activation_bytes_for(const AttentionShape& s, int64_t
   const int64_t q = t * s.num_heads * s.head_dim * c, kv = t * s.num_kv_heads * s.head_dim * c;
   const int64_t inner = 2 * q + 2 * kv + batch * s.num_heads * seq_len * 4;  // q, a, k, v, lse
   const int64_t x = t * s.d_model * c;
-  return {x + (recompute ? 0 : inner), (recompute ? inner : 0) + 2 * q + 2 * kv + t * s.d_model * 4};
+  return {x + (recompute ? 0 : inner),
+          (recompute ? inner : 0) + 2 * q + 2 * kv + t * s.d_model * 4};
 }
 
 void Attention::collect_parameters(std::vector<Parameter*>& out) {

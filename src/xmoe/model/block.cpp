@@ -77,9 +77,9 @@ Tensor TransformerBlock::backward(const Tensor& dy) {
 }
 
 ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, int index,
-                                                       int64_t batch, int64_t seq_len,
-                                                       DType dtype, const RecomputeOptions& r,
-                                                       int ep, double load_imbalance) {
+                                                       int64_t batch, int64_t seq_len, DType dtype,
+                                                       const RecomputeOptions& r, int ep,
+                                                       double load_imbalance) {
   const int64_t t = batch * seq_len, d = cfg.d_model;
   const ActivationBytes norm = RMSNorm::activation_bytes_for(t, d);
   const ActivationBytes attn = Attention::activation_bytes_for(

@@ -262,17 +262,16 @@ Tensor MoELayer::backward(const Tensor& dy) {
   return dx;
 }
 
-ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, int64_t tokens, int ep,
-                                               DType dtype, bool recompute,
+ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, int64_t tokens,
+                                               int ep, DType dtype, bool recompute,
                                                double load_imbalance) {
   const auto cb = static_cast<int64_t>(dtype_size(dtype));
   const int64_t f = c.expert_hidden, sf = static_cast<int64_t>(c.num_shared_experts) * f;
   const int64_t pairs = tokens * c.top_k;
-  const int64_t n =
-      c.impl == "padded"
-          ? static_cast<int64_t>(c.num_experts) *
-                padded_capacity(c.capacity_factor, tokens, c.top_k, c.num_experts)
-          : pairs;
+  const int64_t n = c.impl == "padded"
+                        ? static_cast<int64_t>(c.num_experts) *
+                              padded_capacity(c.capacity_factor, tokens, c.top_k, c.num_experts)
+                        : pairs;
   // Rows this rank's experts get: all of its own with one ep rank, else the busiest share.
   const int64_t recv =
       ep > 1 ? static_cast<int64_t>(static_cast<double>(n) * load_imbalance + 0.5) : n;
@@ -292,24 +291,24 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   const int64_t shared_phase = sf > 0 ? tokens * sf * cb + shared_dx : 0;
   const int64_t d_cw = n * 4;  // the combine weights' gradient
   // experts: one chunk's a or da, and with recompute the re-gathered rows and h
-  const int64_t expert_phase = shared_dx + d_cw + recv * f / chunks * cb +
-                               (recompute ? h + (ep > 1 ? 0 : in_rows) : 0);
+  const int64_t expert_phase =
+      shared_dx + d_cw + recv * f / chunks * cb + (recompute ? h + (ep > 1 ? 0 : in_rows) : 0);
   // the gate/up weight gradient: the input rows in place of d_out; bf16 gradients of f32
-  // activations go through an f32 [E_local, d, 2f] and its bf16 cast (ops grouped_matmul_weight_grad)
+  // activations go through an f32 [E_local, d, 2f] and its bf16 cast (ops
+  // grouped_matmul_weight_grad)
   const int64_t grad_temp = c.expert_grad_dtype == "bf16" && dtype == DType::f32
                                 ? 6 * (c.num_experts / ep) * d * 2 * f
                                 : 0;
-  const int64_t weight_phase = shared_dx + d_cw + grad_temp + (recompute ? h : 0) -
-                               (ep > 1 ? out : 0);
+  const int64_t weight_phase =
+      shared_dx + d_cw + grad_temp + (recompute ? h : 0) - (ep > 1 ? out : 0);
   // dispatch back and order: d_rows [N, d] (and the received ones), dx [T, d]; h and out gone
   const int64_t freed = (recompute ? 0 : h) + out + (ep > 1 ? in_rows : 0);
-  const int64_t order_phase = shared_dx + d_cw + out + (ep > 1 ? in_rows : 0) + dx +
-                              pairs * 4 - freed;
+  const int64_t order_phase =
+      shared_dx + d_cw + out + (ep > 1 ? in_rows : 0) + dx + pairs * 4 - freed;
   // gate: its temporaries and dx beside the order's dx and the shared experts'
   const int64_t gate_phase =
       shared_dx + dx + pairs * 4 + gate_backward_bytes_for(c, tokens) + dx - freed;
-  a.backward_extra =
-      std::max({shared_phase, expert_phase, weight_phase, order_phase, gate_phase});
+  a.backward_extra = std::max({shared_phase, expert_phase, weight_phase, order_phase, gate_phase});
   return a;
 }
 

@@ -84,8 +84,8 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   r.ep = config.parallel.ep;
   r.zero = config.parallel.zero;
   XMOE_CHECK(o.world >= 1 && r.ep >= 1 && o.world % r.ep == 0,
-             "[memory] {} ranks do not split into parallel.ep = {} expert-parallel groups",
-             o.world, r.ep);
+             "[memory] {} ranks do not split into parallel.ep = {} expert-parallel groups", o.world,
+             r.ep);
   XMOE_CHECK(o.rank >= 0 && o.rank < o.world, "[memory] rank {} of {} ranks", o.rank, o.world);
   XMOE_CHECK(m.moe.num_experts % r.ep == 0,
              "[memory] model.moe.num_experts = {} is not divisible by parallel.ep = {}",
@@ -150,7 +150,8 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   // working peak; an f32 dx [T, d] is carried between them.
   const int64_t batch = config.train.batch_size, seq = config.train.seq_len;
   const model::RecomputeOptions rc = model::parse_recompute(m.recompute);
-  const ActivationBytes ends = model::Transformer::ends_activation_bytes_for(m, batch, seq, compute);
+  const ActivationBytes ends =
+      model::Transformer::ends_activation_bytes_for(m, batch, seq, compute);
   std::vector<ActivationBytes> blocks;
   int64_t saved = ends.saved;
   for (int i = 0; i < m.num_layers; ++i) {
@@ -210,7 +211,8 @@ std::string memory_table(const MemoryModel& r) {
   for (size_t i = 0; i < r.layer_saved.size();) {
     size_t j = i;
     while (j + 1 < r.layer_saved.size() && r.layer_saved[j + 1] == r.layer_saved[i]) ++j;
-    const std::string which = i == j ? fmt::format("layer {}", i) : fmt::format("layers {}-{}", i, j);
+    const std::string which =
+        i == j ? fmt::format("layer {}", i) : fmt::format("layers {}-{}", i, j);
     out += fmt::format("#     saved by {:<38} {:>12} each\n", which, human_bytes(r.layer_saved[i]));
     i = j + 1;
   }

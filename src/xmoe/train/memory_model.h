@@ -51,7 +51,7 @@ struct MemoryModel {
   int64_t compute_copy_bytes = 0;
   int64_t gradient_bytes = 0;  ///< between steps (zero 2: the shards only)
   int64_t whole_gradient_bytes = 0;
-  int64_t optimizer_bytes = 0;  ///< AdamW m and v
+  int64_t optimizer_bytes = 0;        ///< AdamW m and v
   int64_t activation_peak_bytes = 0;  ///< saved activations + backward's working set at its peak
   int64_t comm_bytes = 0;             ///< the largest gradient-sync / zero gather buffers
   int64_t steady_bytes = 0;           ///< live between steps
