@@ -21,6 +21,7 @@
 #include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
+#include "xmoe/train/memory_model.h"
 #include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
 
@@ -94,11 +95,16 @@ struct ConfigArgs {
   }
 };
 
-void print_config(const Config& c) {
+/// The resolved YAML, the parameter counts and the memory model of a step per rank on `world`
+/// ranks (0: parallel.ep, the smallest world the config allows).
+void print_config(const Config& c, int world) {
   const ParamCount n = count_parameters(c.model);
   std::printf("%s", to_yaml(c).c_str());
   std::printf("# parameters: %.2fM total, %.2fM active per token (embedding %.2fM)\n",
               n.total / 1e6, n.active / 1e6, n.embedding / 1e6);
+  train::MemoryModelOptions o;
+  o.world = world > 0 ? world : c.parallel.ep;
+  std::printf("%s", train::memory_table(train::predict_memory(c, o)).c_str());
 }
 
 void inspect(const std::string& dir) {
@@ -258,10 +264,16 @@ int main(int argc, char** argv) {
   auto* show_cmd =
       config_cmd->add_subcommand("show", "Print the resolved config and parameter counts");
   show_cfg.add_to(show_cmd);
+  int show_world = 0;
+  show_cmd
+      ->add_option("--world", show_world,
+                   "Ranks the memory table models (dp = world / parallel.ep); 0: parallel.ep")
+      ->check(whole_number(0, std::numeric_limits<int>::max()));
   auto* presets_cmd = config_cmd->add_subcommand("presets", "List the presets");
   auto* keys_cmd = config_cmd->add_subcommand("keys", "Print the config reference (Markdown)");
   config_cmd->footer(
       "Examples:\n  xmoe config show --preset moe-1b --set model.moe.top_k=8\n"
+      "  xmoe config show --preset moe-1b --set parallel.zero=1 --world 8\n"
       "  xmoe config presets\n  xmoe config keys > keys.md");
 
   std::string inspect_dir;
@@ -287,7 +299,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(r.train_tokens), static_cast<long long>(r.val_tokens),
                   r.files.size(), prep.dir.c_str());
     } else if (*show_cmd) {
-      print_config(show_cfg.resolve());
+      print_config(show_cfg.resolve(), show_world);
     } else if (*presets_cmd) {
       for (const std::string& name : preset_names())
         std::printf("%-18s %s\n", name.c_str(), preset_description(name).c_str());

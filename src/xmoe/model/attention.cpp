@@ -78,6 +78,17 @@ int64_t Attention::saved_bytes() const {
          held_bytes(lse_);
 }
 
+ActivationBytes Attention::activation_bytes_for(const AttentionShape& s, int64_t batch,
+                                                int64_t seq_len, DType dtype, bool recompute) {
+  const auto c = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t t = batch * seq_len;
+  const int64_t q = t * s.num_heads * s.head_dim * c, kv = t * s.num_kv_heads * s.head_dim * c;
+  const int64_t inner = 2 * q + 2 * kv + batch * s.num_heads * seq_len * 4;  // q, a, k, v, lse
+  const int64_t x = t * s.d_model * c;
+  return {x + (recompute ? 0 : inner),
+          (recompute ? inner : 0) + 2 * q + 2 * kv + t * s.d_model * 4};
+}
+
 void Attention::collect_parameters(std::vector<Parameter*>& out) {
   out.push_back(&wq_);
   out.push_back(&wk_);

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "xmoe/core/activation_bytes.h"
 #include "xmoe/core/parameter.h"
 #include "xmoe/model/embedding.h"
 #include "xmoe/ops/model_ops.h"
@@ -42,6 +43,11 @@ class Attention : public Module {
   void set_recompute(bool on) { recompute_ = on; }
   bool recompute() const { return recompute_; }
   int64_t saved_bytes() const;
+  /// What forward saves and backward adds, for `batch` sequences of `seq_len` tokens in
+  /// `dtype` (the formula of forward's comment; backward adds da, dq, dk, dv, its f32 dx and,
+  /// with recompute, what forward dropped).
+  static ActivationBytes activation_bytes_for(const AttentionShape& shape, int64_t batch,
+                                              int64_t seq_len, DType dtype, bool recompute);
   void collect_parameters(std::vector<Parameter*>& out) override;
 
   Parameter& wq() { return wq_; }

@@ -1,9 +1,11 @@
 #include "xmoe/model/block.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "xmoe/core/profile.h"
 #include "xmoe/model/moe_ffn.h"
+#include "xmoe/moe/layer.h"
 #include "xmoe/ops/ops.h"
 
 namespace xmoe::model {
@@ -72,6 +74,29 @@ Tensor TransformerBlock::backward(const Tensor& dy) {
   Tensor dx = attn_norm_->backward(as_dtype(dhn, dh.dtype()));
   ops::add_(dx, dh);
   return dx;
+}
+
+ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, int index,
+                                                       int64_t batch, int64_t seq_len, DType dtype,
+                                                       const RecomputeOptions& r, int ep,
+                                                       double load_imbalance) {
+  const int64_t t = batch * seq_len, d = cfg.d_model;
+  const ActivationBytes norm = RMSNorm::activation_bytes_for(t, d);
+  const ActivationBytes attn = Attention::activation_bytes_for(
+      {d, cfg.num_heads, cfg.num_kv_heads, d / cfg.num_heads}, batch, seq_len, dtype, r.attention);
+  const ActivationBytes ffn =
+      index < cfg.first_dense_layers
+          ? DenseFFN::activation_bytes_for(t, d, cfg.dense_hidden, dtype, r.ffn)
+          : moe::MoELayer::activation_bytes_for(cfg.moe, d, t, ep, dtype, r.moe, load_imbalance);
+  // backward(): dyn, dh, dhn and dx [T, d] f32 appear in turn and stay until it returns; the
+  // FFN and attention get their gradient cast to the compute dtype (a copy unless f32).
+  const int64_t g = t * d * 4, cast = dtype == DType::f32 ? 0 : t * d * 2;
+  const int64_t ffn_phase = cast + ffn.backward_extra;
+  const int64_t ffn_norm_phase = g + norm.backward_extra - ffn.saved;
+  const int64_t attn_phase = 2 * g + cast + attn.backward_extra - ffn.saved - norm.saved;
+  const int64_t attn_norm_phase = 3 * g + norm.backward_extra - ffn.saved - norm.saved - attn.saved;
+  return {2 * norm.saved + attn.saved + ffn.saved,
+          std::max({ffn_phase, ffn_norm_phase, attn_phase, attn_norm_phase}), 0};
 }
 
 void TransformerBlock::release() {

@@ -39,6 +39,14 @@ Tensor DenseFFN::backward(const Tensor& dy) {
   return dx;
 }
 
+ActivationBytes DenseFFN::activation_bytes_for(int64_t tokens, int64_t d_model, int64_t hidden,
+                                               DType dtype, bool recompute) {
+  const auto c = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t x = tokens * d_model * c, h = tokens * 2 * hidden * c;
+  return {x + (recompute ? 0 : h),
+          (recompute ? h : 0) + tokens * hidden * c + tokens * d_model * 4};
+}
+
 void DenseFFN::collect_parameters(std::vector<Parameter*>& out) {
   out.push_back(&gate_up_);
   out.push_back(&down_);

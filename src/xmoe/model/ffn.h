@@ -3,6 +3,7 @@
 // dense SwiGLU FFN or the MoE layer (model/moe_ffn.h) without knowing which.
 #include <string>
 
+#include "xmoe/core/activation_bytes.h"
 #include "xmoe/core/parameter.h"
 #include "xmoe/model/embedding.h"
 
@@ -46,6 +47,10 @@ class DenseFFN : public FeedForward {
   void release() override { x_ = h_ = Tensor(); }
   void set_recompute(bool on) override { recompute_ = on; }
   int64_t saved_bytes() const override { return held_bytes(x_) + held_bytes(h_); }
+  /// What forward saves (x, and h unless recompute) for `tokens` rows in `dtype`; backward adds
+  /// silu(g)·u or its gradient [T, hidden] (one at a time), its f32 dx and, with recompute, h.
+  static ActivationBytes activation_bytes_for(int64_t tokens, int64_t d_model, int64_t hidden,
+                                              DType dtype, bool recompute);
   void collect_parameters(std::vector<Parameter*>& out) override;
 
   Parameter& gate_up() { return gate_up_; }

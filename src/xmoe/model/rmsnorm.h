@@ -2,6 +2,7 @@
 // RMSNorm module: y = x / sqrt(mean(x^2) + eps) * weight over the last dimension.
 #include <string>
 
+#include "xmoe/core/activation_bytes.h"
 #include "xmoe/core/parameter.h"
 #include "xmoe/model/embedding.h"
 
@@ -21,6 +22,11 @@ class RMSNorm : public Module {
   void release() { x_ = rstd_ = Tensor(); }
   Parameter& weight() { return weight_; }
   int64_t saved_bytes() const { return held_bytes(x_) + held_bytes(rstd_); }
+  /// x (f32: the norms read the residual stream, which no one else keeps) and rstd for
+  /// `tokens` rows; backward adds its f32 dx.
+  static ActivationBytes activation_bytes_for(int64_t tokens, int64_t d) {
+    return {tokens * d * 4 + tokens * 4, tokens * d * 4};
+  }
   void collect_parameters(std::vector<Parameter*>& out) override { out.push_back(&weight_); }
 
  private:

@@ -1,5 +1,7 @@
 #include "xmoe/model/transformer.h"
 
+#include <algorithm>
+
 #include "xmoe/core/profile.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/ops/ops.h"
@@ -157,6 +159,17 @@ int64_t Transformer::saved_bytes() const {
               held_bytes(logits_) + held_bytes(targets_) + held_bytes(ce_.lse);
   for (const auto& b : blocks_) s += b->saved_bytes();
   return s;
+}
+
+ActivationBytes Transformer::ends_activation_bytes_for(const ModelConfig& cfg, int64_t batch,
+                                                       int64_t seq_len, DType dtype) {
+  const int64_t t = batch * seq_len, c = static_cast<int64_t>(dtype_size(dtype));
+  const ActivationBytes norm = RMSNorm::activation_bytes_for(t, cfg.d_model);
+  const int64_t batch_ids = 2 * t * 4, logits = t * cfg.vocab_size * c;
+  const int64_t xf = t * cfg.d_model * c, lse = t * 4, dx = t * cfg.d_model * 4;
+  // the LM head's dx, then (xf gone) the final norm's beside it
+  return {batch_ids + norm.saved + xf + logits + lse, std::max(dx, dx + norm.backward_extra - xf),
+          batch_ids + logits};
 }
 
 void Transformer::collect_parameters(std::vector<Parameter*>& out) {

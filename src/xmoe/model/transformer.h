@@ -57,6 +57,14 @@ class Transformer : public Module {
   void set_recompute(const RecomputeOptions& r);
   /// Bytes of activations currently held for backward, all modules together.
   int64_t saved_bytes() const;
+  /// The model's two ends for `batch` sequences of `seq_len` tokens in `dtype` (the blocks are
+  /// TransformerBlock::activation_bytes_for): the batch's ids and targets (the embedding and the
+  /// loss keep views of them), the final norm, the LM head's input [T, d], the logits [T, V]
+  /// and the loss's log-sum-exp. Backward turns the logits into their gradient in place and
+  /// holds it to the end (`kept`, with the batch); the LM head and the final norm each make an
+  /// f32 dx [T, d].
+  static ActivationBytes ends_activation_bytes_for(const ModelConfig& cfg, int64_t batch,
+                                                   int64_t seq_len, DType dtype);
 
   /// embed.weight, then per layer: attn_norm, attn.{wq,wk,wv,wo}, ffn_norm, ffn/moe, then
   /// final_norm.weight, lm_head.weight (absent with tie_embeddings).

@@ -62,4 +62,18 @@ std::unique_ptr<Gate> make_gate(const GateArgs& args) {
   return gate_registry().create(args.config.gate, args);
 }
 
+int64_t gate_saved_bytes_for(const MoeConfig& c, int64_t tokens) {
+  const int64_t te = tokens * c.num_experts * 4, choice = tokens * c.top_k * 8;  // idx, weights
+  const int64_t rows = tokens * 4;                                               // a per-token sum
+  if (c.gate == "sigmoid") return 3 * te + choice + 2 * rows;  // logits, scores, probs; 2 sums
+  // softmax routing: logits, probs (+ the renormalisation sums)
+  const int64_t softmax = 2 * te + choice + (c.renormalize && c.softmax_before_topk ? rows : 0);
+  if (c.gate == "xmoe") return softmax + te + tokens * c.router_dim * 4 + rows;  // cos, z, |z|
+  return softmax;
+}
+
+int64_t gate_backward_bytes_for(const MoeConfig& c, int64_t tokens) {
+  return 2 * tokens * c.num_experts * 4;
+}
+
 }  // namespace xmoe::moe

@@ -86,4 +86,11 @@ GateRegistry& gate_registry();
 /// Creates args.config.gate (an unknown name throws, listing the known gates).
 std::unique_ptr<Gate> make_gate(const GateArgs& args);
 
+/// Bytes the gate named by config.gate keeps from forward to backward for `tokens` tokens: its
+/// f32 [T, E] routing tensors and [T, k] choice (the router's input is the layer's, counted by
+/// the layer). Its backward holds about as much again (gate_backward_bytes_for).
+int64_t gate_saved_bytes_for(const MoeConfig& config, int64_t tokens);
+/// The gate's backward temporaries: d logits and the softmax/aux-loss gradients [T, E] (f32).
+int64_t gate_backward_bytes_for(const MoeConfig& config, int64_t tokens);
+
 }  // namespace xmoe::moe

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "xmoe/core/profile.h"
+#include "xmoe/moe/padded.h"
 #include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
@@ -259,6 +260,56 @@ Tensor MoELayer::backward(const Tensor& dy) {
   have_forward_ = false;  // trained on: its load stays in the pending bias update
   release();
   return dx;
+}
+
+ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, int64_t tokens,
+                                               int ep, DType dtype, bool recompute,
+                                               double load_imbalance) {
+  const auto cb = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t f = c.expert_hidden, sf = static_cast<int64_t>(c.num_shared_experts) * f;
+  const int64_t pairs = tokens * c.top_k;
+  const int64_t n = c.impl == "padded"
+                        ? static_cast<int64_t>(c.num_experts) *
+                              padded_capacity(c.capacity_factor, tokens, c.top_k, c.num_experts)
+                        : pairs;
+  // Rows this rank's experts get: all of its own with one ep rank, else the busiest share.
+  const int64_t recv =
+      ep > 1 ? static_cast<int64_t>(static_cast<double>(n) * load_imbalance + 0.5) : n;
+  const int64_t x = tokens * d * cb, layout = 12 * n + 4 * pairs;
+  const int64_t h = recv * 2 * f * cb, in_rows = recv * d * cb, out = n * d * cb;
+  const int64_t shared_h = tokens * 2 * sf * cb;
+  ActivationBytes a;
+  a.saved = x + gate_saved_bytes_for(c, tokens) + layout + (recompute ? 0 : h) +
+            (ep > 1 ? in_rows : 0) + out + shared_h;
+  // Chunks of the experts' [N, f] temporaries (Experts' auto rule: 4 where f > d and each chunk
+  // keeps >= 2048 rows).
+  const int64_t chunks =
+      c.expert_chunks > 0 ? c.expert_chunks : (f > d && recv >= 4 * 2048 ? 4 : 1);
+  const int64_t dx = tokens * d * 4;
+  const int64_t shared_dx = sf > 0 ? tokens * d * cb : 0;
+  // Backward, stage by stage, above what is still saved:
+  const int64_t shared_phase = sf > 0 ? tokens * sf * cb + shared_dx : 0;
+  const int64_t d_cw = n * 4;  // the combine weights' gradient
+  // experts: one chunk's a or da, and with recompute the re-gathered rows and h
+  const int64_t expert_phase =
+      shared_dx + d_cw + recv * f / chunks * cb + (recompute ? h + (ep > 1 ? 0 : in_rows) : 0);
+  // the gate/up weight gradient: the input rows in place of d_out; bf16 gradients of f32
+  // activations go through an f32 [E_local, d, 2f] and its bf16 cast (ops
+  // grouped_matmul_weight_grad)
+  const int64_t grad_temp = c.expert_grad_dtype == "bf16" && dtype == DType::f32
+                                ? 6 * (c.num_experts / ep) * d * 2 * f
+                                : 0;
+  const int64_t weight_phase =
+      shared_dx + d_cw + grad_temp + (recompute ? h : 0) - (ep > 1 ? out : 0);
+  // dispatch back and order: d_rows [N, d] (and the received ones), dx [T, d]; h and out gone
+  const int64_t freed = (recompute ? 0 : h) + out + (ep > 1 ? in_rows : 0);
+  const int64_t order_phase =
+      shared_dx + d_cw + out + (ep > 1 ? in_rows : 0) + dx + pairs * 4 - freed;
+  // gate: its temporaries and dx beside the order's dx and the shared experts'
+  const int64_t gate_phase =
+      shared_dx + dx + pairs * 4 + gate_backward_bytes_for(c, tokens) + dx - freed;
+  a.backward_extra = std::max({shared_phase, expert_phase, weight_phase, order_phase, gate_phase});
+  return a;
 }
 
 void MoELayer::release() {

@@ -26,6 +26,7 @@
 
 #include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
+#include "xmoe/core/activation_bytes.h"
 #include "xmoe/core/parameter.h"
 #include "xmoe/moe/dispatch.h"
 #include "xmoe/moe/expert.h"
@@ -70,6 +71,16 @@ class MoELayer : public Module {
   /// through the combine weights and the weighted aux losses (whose upstream gradient is 1:
   /// the trainer adds aux_loss() to the loss). Frees the saved activations.
   Tensor backward(const Tensor& dy);
+  /// What forward saves and backward adds for `tokens` tokens of width d_model in `dtype`,
+  /// from the stages' own layouts (docs/moe.md, "Activation memory"). Routing is data-dependent:
+  /// the formula takes the expected N = T·k rows (padded: E·C); with ep > 1 the experts of the
+  /// busiest rank receive load_imbalance × N rows and keep them (no re-gather), and dispatch's
+  /// backward sends d_rows back. Saved: the gate's routing tensors, the PFT layout (16 bytes a
+  /// row), the experts' h [N, 2f] (not with recompute), their output [N, d] for the I-Order,
+  /// the shared experts' h [T, 2Sf] (the input x is the caller's norm output, counted here).
+  static ActivationBytes activation_bytes_for(const MoeConfig& config, int64_t d_model,
+                                              int64_t tokens, int ep, DType dtype, bool recompute,
+                                              double load_imbalance);
   /// Upstream gradient of the aux losses in backward (default 1). The model sets it to its loss
   /// scale (e.g. 1/grad_accum) so the aux term is weighted like the cross-entropy.
   void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }

@@ -41,21 +41,20 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
                            int64_t bucket_bytes, int zero)
     : params_(std::move(params)), layout_(layout), zero_(zero) {
   XMOE_CHECK(zero >= 0 && zero <= 2, "[grad_sync] parallel.zero = {} is not 0, 1 or 2", zero);
-  const int64_t bucket_numel = std::max<int64_t>(1, bucket_bytes / 4);
-  for (bool expert : {false, true}) {
+  std::vector<int64_t> numels;
+  std::vector<bool> expert;
+  for (const Parameter* p : params_) {
+    numels.push_back(p->grad.numel());
+    expert.push_back(p->kind == ParamKind::expert);
+  }
+  for (const std::vector<size_t>& members : bucket_plan(numels, expert, bucket_bytes)) {
     Bucket b;
-    b.expert = expert;
-    for (Parameter* p : params_) {
-      if ((p->kind == ParamKind::expert) != expert) continue;
-      if (b.numel > 0 && b.numel + p->grad.numel() > bucket_numel) {
-        buckets_.push_back(std::move(b));
-        b = Bucket{};
-        b.expert = expert;
-      }
-      b.params.push_back(p);
-      b.numel += p->grad.numel();
+    b.expert = expert[members.front()];
+    for (size_t i : members) {
+      b.params.push_back(params_[i]);
+      b.numel += numels[i];
     }
-    if (b.numel > 0) buckets_.push_back(std::move(b));
+    buckets_.push_back(std::move(b));
   }
   if (zero_ == 0) return;
   for (Bucket& b : buckets_) {
@@ -66,6 +65,29 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     if (zero_ == 2)
       b.grad_shard = Tensor::zeros({b.shards.shard}, DType::f32, b.params[0]->grad.device());
   }
+}
+
+std::vector<std::vector<size_t>> GradientSync::bucket_plan(std::span<const int64_t> numels,
+                                                           const std::vector<bool>& expert,
+                                                           int64_t bucket_bytes) {
+  const int64_t bucket_numel = std::max<int64_t>(1, bucket_bytes / 4);
+  std::vector<std::vector<size_t>> out;
+  for (bool kind : {false, true}) {
+    std::vector<size_t> b;
+    int64_t n = 0;
+    for (size_t i = 0; i < numels.size(); ++i) {
+      if (expert[i] != kind) continue;
+      if (n > 0 && n + numels[i] > bucket_numel) {
+        out.push_back(std::move(b));
+        b.clear();
+        n = 0;
+      }
+      b.push_back(i);
+      n += numels[i];
+    }
+    if (n > 0) out.push_back(std::move(b));
+  }
+  return out;
 }
 
 comm::Group& GradientSync::group_of(const Bucket& b) const {

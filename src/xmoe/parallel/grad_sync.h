@@ -65,6 +65,14 @@ class GradientSync {
   /// The parameters, in the order given.
   const std::vector<Parameter*>& parameters() const { return params_; }
 
+  /// How parameters of `numels` elements (`expert[i]`: an expert parameter) fill buckets of
+  /// about `bucket_bytes`: the dense ones first, then the expert ones, each in order, a bucket
+  /// closed before a parameter that would take it past the size. Each bucket lists its
+  /// parameters' indices. (The memory model plans the same buckets without a model.)
+  static std::vector<std::vector<size_t>> bucket_plan(std::span<const int64_t> numels,
+                                                      const std::vector<bool>& expert,
+                                                      int64_t bucket_bytes);
+
  private:
   struct Bucket {
     std::vector<Parameter*> params;

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "xmoe/comm/nccl/nccl_group.h"
+#include "xmoe/core/allocator.h"
 #include "xmoe/core/env.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/data/data_loader.h"
@@ -249,6 +250,7 @@ class Run {
   }
 
   void build() {
+    base_live_bytes_ = memory_stats(device_).live_bytes;
     data::TokenFile::Options topt;
     topt.vocab_size = config_.model.vocab_size;
     topt.min_tokens = tc_.seq_len + 1;
@@ -335,6 +337,7 @@ class Run {
   /// the gradient is not finite. Throws after train.max_bad_steps such steps in a row.
   StepMetrics step(int step) {
     Timer step_timer;
+    reset_peak_memory(device_);
     maybe_inject_fault(layout_.world_rank, step);
     model_->zero_grad();
     double loss = 0, aux = 0;
@@ -381,6 +384,9 @@ class Run {
       for (moe::MoELayer* layer : moe_layers_) layer->update_routing_bias();
     }
     result.gradient_bytes = grad_sync_->gradient_bytes();
+    const MemoryStats mem = memory_stats(device_);
+    result.peak_step_bytes = std::max(result.peak_step_bytes, mem.peak_bytes - base_live_bytes_);
+    result.steady_bytes = mem.live_bytes - base_live_bytes_;
     if (!load.empty()) {
       m.max_expert_load = *std::max_element(load.begin(), load.end());
       m.min_expert_load = *std::min_element(load.begin(), load.end());
@@ -463,6 +469,7 @@ class Run {
   std::unique_ptr<parallel::GradientSync> grad_sync_;
   std::optional<io::AppendFile> metrics_;
   int64_t tokens_per_step_ = 0;
+  int64_t base_live_bytes_ = 0;  // live on the device before the run built anything
   int bad_in_a_row_ = 0;
 };
 

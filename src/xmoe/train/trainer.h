@@ -50,6 +50,11 @@ struct TrainResult {
   int64_t optimizer_bytes = 0;  ///< AdamW moment bytes held by this rank (parallel.zero divides)
   /// Gradient bytes this rank holds between steps, after the last one (zero 2: the shards)
   int64_t gradient_bytes = 0;
+  /// The allocator's measure of the run on its device (train/memory_model.h predicts both):
+  /// the most bytes live inside any step, and the bytes live after the last step, each above
+  /// what was live before the run built its model.
+  int64_t peak_step_bytes = 0;
+  int64_t steady_bytes = 0;
 };
 
 /// Trains `config` (already validated; for a resume, train::resume_config's). Prepares the

@@ -1,0 +1,69 @@
+#pragma once
+// The memory model of a training step, per rank (docs/training.md, "Bytes per parameter"):
+// what each byte a rank holds is for, predicted from the config alone (no model is built), so
+// that `xmoe config show` prints it and a planner can rank layouts that no machine here holds.
+//
+//   between steps: parameters (f32 master) + bf16 compute copies (CUDA bf16) + gradients (whole,
+//                  or zero 2's shards) + AdamW moments (whole, or zero 1/2's shards) + state
+//   peak of a step: that + the whole gradients (zero 2 frees them after the sync) +
+//                  max(activations saved for backward + backward's largest working set,
+//                      the gradient sync's and zero's communication buffers)
+//
+// Activations come from each module's own formula (Attention::activation_bytes_for, ...,
+// MoELayer::activation_bytes_for); the parameters and the gradient buckets follow the model's
+// parameter order and GradientSync::bucket_plan, so the zero shards are those the run makes.
+// A new lever (tensor parallelism, optimizer offload) is one more term of MemoryModel::terms.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "xmoe/config/config.h"
+
+namespace xmoe::train {
+
+struct MemoryModelOptions {
+  int world = 1;  ///< ranks: dp = world / parallel.ep
+  int rank = 0;   ///< whose shards (rank 0 of a group holds the most elements: padding is last)
+  /// Gradient bucket size (GradientSync's, the trainer's default).
+  int64_t bucket_bytes = 32 << 20;
+  /// With parallel.ep > 1, the busiest rank's experts receive this many times the expected
+  /// T·k rows (routing is data-dependent; 1 = perfectly balanced).
+  double load_imbalance = 1.25;
+};
+
+/// One line of the table: a component and its bytes on this rank.
+struct MemoryTerm {
+  std::string name;
+  int64_t bytes = 0;
+  bool steady = false;  ///< held between steps (else only inside a step)
+};
+
+struct MemoryModel {
+  int world = 1, dp = 1, ep = 1, zero = 0;
+  bool cuda = false;
+  bool bf16_compute = false;
+  /// Parameter elements this rank holds (dense ones and its ep share of the experts).
+  int64_t parameters = 0;
+  std::vector<MemoryTerm> terms;
+  /// Saved activations of each layer (one micro-batch), index = layer.
+  std::vector<int64_t> layer_saved;
+  int64_t parameter_bytes = 0;  ///< f32 master weights
+  int64_t compute_copy_bytes = 0;
+  int64_t gradient_bytes = 0;  ///< between steps (zero 2: the shards only)
+  int64_t whole_gradient_bytes = 0;
+  int64_t optimizer_bytes = 0;        ///< AdamW m and v
+  int64_t activation_peak_bytes = 0;  ///< saved activations + backward's working set at its peak
+  int64_t comm_bytes = 0;             ///< the largest gradient-sync / zero gather buffers
+  int64_t steady_bytes = 0;           ///< live between steps
+  int64_t peak_bytes = 0;             ///< the most live inside a step
+};
+
+/// The model of `config` (its train.device, train.dtype, parallel.ep, parallel.zero) on rank
+/// `options.rank` of `options.world` ranks. Throws "[memory] ..." when the layout is impossible
+/// (world not a multiple of parallel.ep).
+MemoryModel predict_memory(const Config& config, const MemoryModelOptions& options = {});
+
+/// The table `xmoe config show` prints: component, bytes, bytes per parameter held here.
+std::string memory_table(const MemoryModel& model);
+
+}  // namespace xmoe::train

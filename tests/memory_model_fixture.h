@@ -1,0 +1,60 @@
+#pragma once
+// Shared by test_memory_model (CPU) and test_cuda_memory_model: real training steps of the tiny
+// preset (and variants) with the allocator's peak and live bytes measured
+// (TrainResult::peak_step_bytes, steady_bytes), compared with train::predict_memory.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "testing.h"
+#include "training_fixture.h"
+#include "xmoe/comm/group.h"
+#include "xmoe/config/config.h"
+#include "xmoe/train/memory_model.h"
+#include "xmoe/train/trainer.h"
+
+namespace xmoe::testing {
+
+class MemoryModelTest : public MicroCorpusTest {
+ protected:
+  MemoryModelTest() : MicroCorpusTest("xmoe-memory-") {}
+
+  /// The tiny preset (full size) trained for 2 steps on the micro corpus, no evaluation.
+  Config tiny() const {
+    Config c = preset("tiny");
+    c.data.corpus = (root_ / "corpus").string();
+    c.data.dir = (root_ / "data").string();
+    c.data.val_fraction = 0.1f;
+    c.train.steps = 2;
+    c.train.eval_every = 0;
+    c.train.save_every = 0;
+    c.train.out_dir = (root_ / "run").string();
+    return c;
+  }
+
+  /// Trains `c`, then checks the measured peak within 10% and the live bytes between steps
+  /// (parameters, gradients, moments, state) within 1% of the prediction.
+  void expect_predicted(Config c, const std::string& what) {
+    validate(c);
+    const train::MemoryModel m = train::predict_memory(c);
+    const train::TrainResult r = run_training(c, c.train.out_dir, comm::make_single_group());
+    ASSERT_GT(r.peak_step_bytes, 0) << what;
+    const double peak_err = static_cast<double>(m.peak_bytes - r.peak_step_bytes) /
+                            static_cast<double>(r.peak_step_bytes);
+    const double steady_err =
+        static_cast<double>(m.steady_bytes - r.steady_bytes) / static_cast<double>(r.steady_bytes);
+    std::printf(
+        "[memory] %-28s peak predicted %10lld measured %10lld (%+.1f%%); between steps "
+        "predicted %10lld measured %10lld (%+.2f%%)\n",
+        what.c_str(), static_cast<long long>(m.peak_bytes),
+        static_cast<long long>(r.peak_step_bytes), 100 * peak_err,
+        static_cast<long long>(m.steady_bytes), static_cast<long long>(r.steady_bytes),
+        100 * steady_err);
+    EXPECT_LE(std::abs(peak_err), 0.10) << what << "\n" << train::memory_table(m);
+    EXPECT_LE(std::abs(steady_err), 0.01) << what << "\n" << train::memory_table(m);
+  }
+};
+
+}  // namespace xmoe::testing

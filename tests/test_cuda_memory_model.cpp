@@ -1,0 +1,37 @@
+// The memory model of a step (train/memory_model.h) against the CUDA allocator on one GPU:
+// bf16 compute (f32 master weights, gradients and moments, bf16 compute copies), the peak inside
+// a step within 10% and the bytes live between steps within 1% of the prediction.
+#include <gtest/gtest.h>
+
+#include "cuda_testing.h"
+#include "memory_model_fixture.h"
+
+using namespace xmoe;
+using CudaMemoryModelTest = xmoe::testing::MemoryModelTest;
+
+TEST_F(CudaMemoryModelTest, TinyPresetOnTheGpu) {
+  XMOE_REQUIRE_CUDA();
+  Config c = tiny();
+  c.train.device = "cuda";
+  expect_predicted(c, "tiny, cuda bf16");
+  c.model.recompute = {"attention", "moe"};
+  c.train.out_dir = (root_ / "run-recompute").string();
+  expect_predicted(c, "tiny, cuda bf16, recompute");
+}
+
+TEST_F(CudaMemoryModelTest, MoE1bShapeOnTheGpu) {
+  XMOE_REQUIRE_CUDA();
+  // moe-1b's layers and micro-batch (8 x 2048), 4 of its 16 layers so that it builds quickly.
+  Config c = preset("moe-1b");
+  const Config t = tiny();
+  c.data = t.data;
+  c.train.steps = 2;
+  c.train.eval_every = 0;
+  c.train.save_every = 0;
+  c.train.out_dir = t.train.out_dir;
+  c.model.num_layers = 4;
+  expect_predicted(c, "moe-1b shape, 4 layers");
+  c.model.moe.expert_grad_dtype = "bf16";
+  c.train.out_dir = (root_ / "run-bf16-grads").string();
+  expect_predicted(c, "moe-1b shape, bf16 expert grads");
+}

@@ -1,0 +1,70 @@
+// The memory model of a step (train/memory_model.h) against the allocator: real training steps
+// of the tiny preset and its variants on the CPU, the peak inside a step and the bytes live
+// between steps measured (TrainResult::peak_step_bytes, steady_bytes) and compared with the
+// prediction made from the config alone.
+#include <gtest/gtest.h>
+
+#include "memory_model_fixture.h"
+#include "xmoe/config/config.h"
+#include "xmoe/train/memory_model.h"
+
+using namespace xmoe;
+using MemoryModelTest = xmoe::testing::MemoryModelTest;
+
+TEST_F(MemoryModelTest, TinyPresetPeakAndSteadyBytes) {
+  expect_predicted(tiny(), "tiny");
+}
+
+TEST_F(MemoryModelTest, RecomputeVariants) {
+  Config c = tiny();
+  c.model.recompute = {"attention", "ffn", "moe"};
+  expect_predicted(c, "tiny, recompute all");
+  c.model.recompute = {"moe"};
+  c.train.out_dir = (root_ / "run-moe").string();
+  expect_predicted(c, "tiny, recompute moe");
+}
+
+TEST_F(MemoryModelTest, MoEVariants) {
+  // A wider MoE: top-4 of 32 experts, 2 shared, bf16 expert gradients, the sigmoid gate.
+  Config c = tiny();
+  c.model.moe.num_experts = 32;
+  c.model.moe.top_k = 4;
+  c.model.moe.num_shared_experts = 2;
+  c.model.moe.expert_grad_dtype = "bf16";
+  c.model.moe.gate = "sigmoid";
+  c.train.batch_size = 8;
+  expect_predicted(c, "top-4 of 32, sigmoid, bf16 grads");
+  // The padded baseline's [E, C, d] buffers.
+  c.model.moe.gate = "softmax_topk";
+  c.model.moe.impl = "padded";
+  c.train.out_dir = (root_ / "run-padded").string();
+  expect_predicted(c, "padded, capacity 1.25");
+}
+
+TEST(MemoryModel, ZeroDividesTheOptimizerState) {
+  Config c = preset("moe-1b");
+  c.parallel.ep = 2;
+  const train::MemoryModel z0 = train::predict_memory(c, {.world = 8});
+  c.parallel.zero = 1;
+  const train::MemoryModel z1 = train::predict_memory(c, {.world = 8});
+  c.parallel.zero = 2;
+  const train::MemoryModel z2 = train::predict_memory(c, {.world = 8});
+  EXPECT_EQ(z0.parameters, z1.parameters);
+  // Dense moments over 8 ranks, expert ones over dp = 4: between 1/8 and 1/4 of zero 0's.
+  EXPECT_LT(z1.optimizer_bytes * 4, z0.optimizer_bytes + 8 * 8 * 8);
+  EXPECT_GT(z1.optimizer_bytes * 8, z0.optimizer_bytes - 8 * 8 * 8);
+  EXPECT_EQ(z1.gradient_bytes, z0.gradient_bytes);
+  EXPECT_LT(z2.gradient_bytes * 4, z0.gradient_bytes + 4 * 8 * 8);
+  EXPECT_LT(z2.steady_bytes, z1.steady_bytes);
+  // bf16 compute on CUDA: the compute copies of the matrices (not of the looked-up embedding).
+  EXPECT_GT(z0.compute_copy_bytes, 0);
+  EXPECT_LT(z0.compute_copy_bytes, z0.parameter_bytes / 2);
+  EXPECT_NE(train::memory_table(z2).find("gradient shards (zero 2"), std::string::npos);
+}
+
+TEST(MemoryModel, RefusesAnImpossibleLayout) {
+  Config c = preset("tiny");
+  c.parallel.ep = 4;
+  const std::string e = xmoe::testing::error_of([&] { train::predict_memory(c, {.world = 6}); });
+  EXPECT_NE(e.find("6 ranks do not split into parallel.ep = 4"), std::string::npos) << e;
+}
