@@ -44,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "run_status.h"
 #include "xmoe/backend/cuda/runtime.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/device_api.h"
@@ -284,24 +285,16 @@ int main(int argc, char** argv) {
       for (const Variant& v : variants) {
         nlohmann::ordered_json j = describe(s, v, device, recompute, expert_chunks, router_dtype,
                                             expert_grad_dtype, weights);
-        Result r;
-        try {  // the layer, its gradients and activations live in this scope only
-          r = run(s, v.impl, v.cf, warmup, iters, device, recompute, expert_chunks, breakdown,
-                  router_dtype, expert_grad_dtype, weights == "bf16");
-        } catch (const OutOfMemory& e) {
-          j["status"] = "out_of_memory";
-          j["bytes_asked"] = e.bytes_asked();
-          j["bytes_free"] = e.bytes_free();
-          j["bytes_total"] = e.bytes_total();
-          j["live_bytes"] = e.live_bytes();
-          j["message"] = e.what();
-        } catch (const std::exception& e) {
-          j["status"] = "error";
-          j["message"] = e.what();
-          failed = true;
-        }
+        Result r;  // the layer, its gradients and activations live inside run() only
+        const bench::RunStatus status = bench::run_reporting_failure(
+            [&] {
+              r = run(s, v.impl, v.cf, warmup, iters, device, recompute, expert_chunks, breakdown,
+                      router_dtype, expert_grad_dtype, weights == "bf16");
+            },
+            j);
+        failed = failed || status == bench::RunStatus::error;
         if (device.is_cuda()) cuda::empty_cache(device.index);  // the next run starts clean
-        if (j.contains("status")) {
+        if (status != bench::RunStatus::ok) {
           std::fprintf(stderr, "bench_moe_layer: %s %s: %s\n", j["impl"].get<std::string>().c_str(),
                        j["shape"].get<std::string>().c_str(),
                        j["message"].get<std::string>().c_str());

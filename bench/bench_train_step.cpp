@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "run_status.h"
 #include "xmoe/backend/cuda/runtime.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/allocator.h"
@@ -261,28 +262,13 @@ int main(int argc, char** argv) {
   for (std::string name; std::getline(list, name, ',');) {
     if (name.empty()) continue;
     nlohmann::ordered_json j;
-    try {
-      run_preset(name, o);
-      if (device.is_cuda()) cuda::empty_cache(device.index);  // the next preset starts clean
-      continue;
-    } catch (const OutOfMemory& e) {
-      j["bench"] = "train_step_summary";
-      j["preset"] = name;
-      j["device"] = e.device();
-      j["status"] = "out_of_memory";
-      j["bytes_asked"] = e.bytes_asked();
-      j["bytes_free"] = e.bytes_free();
-      j["bytes_total"] = e.bytes_total();
-      j["live_bytes"] = e.live_bytes();
-      j["message"] = e.what();
-    } catch (const std::exception& e) {
-      j["bench"] = "train_step_summary";
-      j["preset"] = name;
-      j["status"] = "error";
-      j["message"] = e.what();
-      failed = true;
-    }
-    if (device.is_cuda()) cuda::empty_cache(device.index);
+    j["bench"] = "train_step_summary";
+    j["preset"] = name;
+    j["device"] = device.str();
+    const bench::RunStatus status = bench::run_reporting_failure([&] { run_preset(name, o); }, j);
+    if (device.is_cuda()) cuda::empty_cache(device.index);  // the next preset starts clean
+    if (status == bench::RunStatus::ok) continue;
+    failed = failed || status == bench::RunStatus::error;
     std::fprintf(stderr, "bench_train_step: %s: %s\n", name.c_str(),
                  j["message"].get<std::string>().c_str());
     std::printf("%s\n", j.dump().c_str());

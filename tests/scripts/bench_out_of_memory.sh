@@ -48,7 +48,7 @@ rc_is "train step: an unknown preset fails the run" $? 1
 line_is "train step: moe-1b did not fit in 200 MiB" "$out" 1 \
   "\"preset\":\"moe-1b\",\"device\":\"cpu\",\"status\":\"out_of_memory\",\"bytes_asked\":[1-9]"
 line_is "train step: the unknown preset is an error line" "$out" 2 \
-  "\"preset\":\"nosuch\",\"status\":\"error\""
+  "\"preset\":\"nosuch\",\"device\":\"cpu\",\"status\":\"error\""
 line_is "train step: tiny ran after both" "$out" 4 \
   "\"bench\":\"train_step_summary\",\"preset\":\"tiny\".*\"status\":\"ok\""
 
