@@ -10,7 +10,7 @@
 //   bench_moe_layer [--device cpu|cuda|cuda:N] [--shapes TxdxfxExk,...] [--impls pft,padded]
 //                   [--cf 1.0,1.25,2.0] [--iters N] [--warmup N] [--quick] [--recompute]
 //                   [--expert-chunks N] [--breakdown] [--router-dtype f32|bf16]
-//                   [--expert-grad-dtype f32|bf16]
+//                   [--expert-grad-dtype f32|bf16] [--weights f32|bf16]
 //
 // --recompute: the layer keeps neither h nor its input rows (MoELayer::set_recompute): the
 // memory-for-time trade of model.recompute=moe. --expert-chunks: model.moe.expert_chunks (the
@@ -20,6 +20,16 @@
 // every region boundary) and the table on stderr. --router-dtype: model.moe.router_dtype (bf16:
 // the router's GEMMs on bf16 operands; the peer takes the same flag). --expert-grad-dtype:
 // model.moe.expert_grad_dtype (bf16: the experts' weight gradients in bf16, as the peer's).
+// --weights: f32 (default) keeps f32 master weights and, on CUDA, their bf16 compute copies, as
+// a training model holds them; bf16 holds the routed experts' weights in bf16 only
+// (Parameter::drop_master_weights: no f32 master, as the peer's), what a pass that no optimizer
+// follows needs: 2 bytes per expert parameter instead of 4 + 2 (docs/training.md).
+//
+// Each shape and implementation runs in its own scope. One that does not fit (OutOfMemory, from
+// the device or XMOE_MEMORY_LIMIT) prints a line with "status": "out_of_memory" and the bytes
+// asked, free and total, frees everything and the next one runs; any other error prints
+// "status": "error" with the message. The exit code is 1 when some run failed for a reason other
+// than memory. Measured lines have "status": "ok".
 //
 // Defaults: on the CPU the two small shapes of docs/benchmarks.md, pft and padded at capacity
 // factors 1.0, 1.25, 2.0 (with the ratios against pft); on CUDA the three peer shapes of
@@ -34,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "run_status.h"
 #include "xmoe/backend/cuda/runtime.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/device_api.h"
@@ -83,11 +94,42 @@ double layer_flops(const Shape5& s) {
   return 3.0 * 2.0 * static_cast<double>(s.T * s.k) * static_cast<double>(3 * s.d * s.f);
 }
 
+struct Variant {
+  std::string impl;
+  float cf;
+};
+
+/// What a line says about the run, whatever its outcome.
+nlohmann::ordered_json describe(const Shape5& s, const Variant& v, Device device, bool recompute,
+                                int expert_chunks, const std::string& router_dtype,
+                                const std::string& expert_grad_dtype, const std::string& weights) {
+  nlohmann::ordered_json j;
+  j["bench"] = "moe_layer";
+  j["impl"] = "xmoe_" + v.impl;
+  j["device"] = device.str();
+  j["dtype"] = device.is_cuda() ? "bf16" : "f32";
+  j["weights"] = weights;
+  j["recompute"] = recompute;
+  j["expert_chunks"] = expert_chunks;
+  j["router_dtype"] = router_dtype;
+  j["expert_grad_dtype"] = expert_grad_dtype;
+  j["shape"] = fmt::format("{}x{}x{}x{}x{}", s.T, s.d, s.f, s.E, s.k);
+  j["T"] = s.T;
+  j["d"] = s.d;
+  j["f"] = s.f;
+  j["E"] = s.E;
+  j["k"] = s.k;
+  j["capacity_factor"] =
+      v.impl == "pft" ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v.cf);
+  return j;
+}
+
 struct Result {
   double median_ms = 0;
   int64_t peak_bytes = 0;
   int64_t dropped = 0;
-  int64_t reserved_bytes = -1;             // CUDA caching allocator, after the timed passes
+  int64_t held_bytes = 0;       // live before a timed pass: parameters, gradients, copies, inputs
+  int64_t reserved_bytes = -1;  // CUDA caching allocator, after the timed passes
   std::vector<profiling::Region> regions;  // --breakdown: kProfiledPasses passes, totals
   std::string region_table;
 };
@@ -96,7 +138,7 @@ constexpr int kProfiledPasses = 2;
 
 Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters, Device device,
            bool recompute, int expert_chunks, bool breakdown, const std::string& router,
-           const std::string& expert_grad) {
+           const std::string& expert_grad, bool bf16_weights) {
   MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
   c.top_k = static_cast<int>(s.k);
@@ -110,18 +152,25 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
   c.expert_chunks = expert_chunks;
   moe::MoELayer layer(c, s.d, "bench.moe", 1, 0.02f);
   layer.set_recompute(recompute);
-  if (device.is_cuda()) {
-    // Values go over; gradients are made zero on the device (no host copy of E·3·d·f floats).
-    // Matrices get the bf16 compute copies a bf16 model keeps (read by the experts, and by the
-    // router with --router-dtype bf16).
-    for (Parameter* p : layer.parameters()) {
-      const Shape shape = p->grad.shape();
-      const DType grad_dtype = p->grad.dtype();
-      p->grad = Tensor();
-      p->value = p->value.to(device);
-      p->grad = Tensor::zeros(shape, grad_dtype, device);
-      if (p->value.dim() >= 2) p->compute_copy = ops::cast(p->value, DType::bf16);
+  // --weights bf16: the routed experts' weights cast on the host and their f32 master freed
+  // (after their host gradient: the host holds the least), before anything goes to the device.
+  // On CUDA, values go over; gradients are made zero on the device (no host copy of E·3·d·f
+  // floats); f32 matrices get the bf16 compute copies a bf16 model keeps (read by the experts,
+  // and by the router with --router-dtype bf16).
+  for (Parameter* p : layer.parameters()) {
+    const bool bf16_only = bf16_weights && p->kind == ParamKind::expert;
+    if (device.is_cpu()) {
+      if (bf16_only) p->drop_master_weights(DType::bf16);
+      continue;
     }
+    const Shape shape = p->grad.shape();
+    const DType grad_dtype = p->grad.dtype();
+    p->grad = Tensor();
+    if (bf16_only) p->drop_master_weights(DType::bf16);
+    p->value = p->value.to(device);
+    p->grad = Tensor::zeros(shape, grad_dtype, device);
+    if (p->value.dim() >= 2 && p->value.dtype() == DType::f32)
+      p->compute_copy = ops::cast(p->value, DType::bf16);
   }
   Tensor x = Tensor::empty({s.T, s.d}), dy = Tensor::empty({s.T, s.d});
   fill_normal(x, 2, 0, 1.0f);
@@ -137,6 +186,7 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
   for (int i = 0; i < warmup + iters; ++i) {
     layer.zero_grad();
     backend::synchronize(device);
+    r.held_bytes = memory_stats(device).live_bytes;
     PeakMemoryScope scope(device);
     Timer t;
     layer.forward(x, seq_len);
@@ -176,7 +226,7 @@ int main(int argc, char** argv) {
   int iters = 5, warmup = 1;
   bool quick = false, recompute = false, breakdown = false;
   int expert_chunks = 0;
-  std::string router_dtype = "f32", expert_grad_dtype = "f32";
+  std::string router_dtype = "f32", expert_grad_dtype = "f32", weights = "f32";
   CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
   app.add_option("--device", device_name, "cpu, cuda or cuda:N");
   app.add_option("--shapes", shapes_text, "comma-separated TxdxfxExk (default: by device)");
@@ -195,6 +245,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--expert-grad-dtype", expert_grad_dtype,
                  "experts' weight gradients (model.moe.expert_grad_dtype)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--weights", weights,
+                 "routed experts' weights: f32 master (+ bf16 copies on CUDA) or bf16 only")
       ->check(CLI::IsMember({"f32", "bf16"}));
   CLI11_PARSE(app, argc, argv);
 
@@ -218,11 +271,8 @@ int main(int argc, char** argv) {
                  "[bench_moe_layer] --impls: unknown '{}' (pft, padded)", impl);
     const bool with_pft = std::find(impls.begin(), impls.end(), "pft") != impls.end();
 
+    bool failed = false;  // a run failed for a reason other than memory
     for (const Shape5& s : shapes) {
-      struct Variant {
-        std::string impl;
-        float cf;
-      };
       std::vector<Variant> variants;
       for (const std::string& impl : impls) {
         if (impl == "pft")
@@ -233,34 +283,37 @@ int main(int argc, char** argv) {
       Result pft;
       bool have_pft = false;
       for (const Variant& v : variants) {
-        const Result r = run(s, v.impl, v.cf, warmup, iters, device, recompute, expert_chunks,
-                             breakdown, router_dtype, expert_grad_dtype);
+        nlohmann::ordered_json j = describe(s, v, device, recompute, expert_chunks, router_dtype,
+                                            expert_grad_dtype, weights);
+        Result r;  // the layer, its gradients and activations live inside run() only
+        const bench::RunStatus status = bench::run_reporting_failure(
+            [&] {
+              r = run(s, v.impl, v.cf, warmup, iters, device, recompute, expert_chunks, breakdown,
+                      router_dtype, expert_grad_dtype, weights == "bf16");
+            },
+            j);
+        failed = failed || status == bench::RunStatus::error;
+        if (device.is_cuda()) cuda::empty_cache(device.index);  // the next run starts clean
+        if (status != bench::RunStatus::ok) {
+          std::fprintf(stderr, "bench_moe_layer: %s %s: %s\n", j["impl"].get<std::string>().c_str(),
+                       j["shape"].get<std::string>().c_str(),
+                       j["message"].get<std::string>().c_str());
+          std::printf("%s\n", j.dump().c_str());
+          std::fflush(stdout);
+          continue;
+        }
         if (v.impl == "pft") {
           pft = r;
           have_pft = true;
         }
-        nlohmann::ordered_json j;
-        j["bench"] = "moe_layer";
-        j["impl"] = "xmoe_" + v.impl;
-        j["device"] = device.str();
-        j["dtype"] = device.is_cuda() ? "bf16" : "f32";
-        j["recompute"] = recompute;
-        j["expert_chunks"] = expert_chunks;
-        j["router_dtype"] = router_dtype;
-        j["expert_grad_dtype"] = expert_grad_dtype;
-        j["T"] = s.T;
-        j["d"] = s.d;
-        j["f"] = s.f;
-        j["E"] = s.E;
-        j["k"] = s.k;
-        j["capacity_factor"] =
-            v.impl == "pft" ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v.cf);
+        j["status"] = "ok";
         j["warmup"] = warmup;
         j["iters"] = iters;
         j["median_ms"] = std::round(r.median_ms * 1000) / 1000;
         j["tflops"] = std::round(layer_flops(s) / (r.median_ms / 1e3) / 1e9) / 1e3;
         j["tokens_per_s"] = std::round(static_cast<double>(s.T) / (r.median_ms / 1e3));
         j["peak_extra_bytes"] = r.peak_bytes;
+        j["held_bytes"] = r.held_bytes;
         if (r.reserved_bytes >= 0) j["reserved_bytes"] = r.reserved_bytes;
         j["dropped"] = r.dropped;
         if (with_pft && have_pft && v.impl != "pft") {
@@ -290,8 +343,8 @@ int main(int argc, char** argv) {
                        r.region_table.c_str());
         std::fflush(stdout);
       }
-      if (device.is_cuda()) cuda::empty_cache(device.index);  // the next shape starts clean
     }
+    return failed ? 1 : 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe_layer: %s\n", e.what());
     return 1;

@@ -4,7 +4,7 @@
 // (PaLM count against train/flops.h's peak; CUDA only), peak device bytes from the allocator
 // counters (live tensors; on CUDA also the bytes reserved by the caching allocator).
 // The first --warmup steps (default 2) are not measured: allocator and cuBLAS warm-up.
-//   bench_train_step [--preset tiny|moe-1b|...] [--device cpu|cuda|cuda:N] [--steps N]
+//   bench_train_step [--preset tiny|moe-1b|...[,...]] [--device cpu|cuda|cuda:N] [--steps N]
 //                    [--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown]
 //                    [--set key=value ...]
 // --set takes config keys (e.g. train.batch_size=4, model.num_layers=2); --dense makes every
@@ -15,14 +15,21 @@
 // to stderr. The profiler synchronises the device at every region boundary, so the profiled
 // step ("profiled_step_ms") is slower than the timed one ("step_ms", the median above).
 // The timed steps always run with profiling off (also under XMOE_PROFILE=1).
+// Several presets (comma-separated) run one after the other, each in its own scope: one that
+// does not fit (OutOfMemory, from the device or XMOE_MEMORY_LIMIT) prints a
+// "train_step_summary" line with "status": "out_of_memory" and the bytes asked, free and total,
+// frees everything and the next preset runs; any other error prints "status": "error" with the
+// message. The exit code is 1 when some preset failed for a reason other than memory.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "run_status.h"
 #include "xmoe/backend/cuda/runtime.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/allocator.h"
@@ -48,190 +55,224 @@ Tensor random_tokens(int64_t b, int64_t s, int64_t vocab, Rng& rng, Device devic
 
 [[noreturn]] void usage() {
   std::fprintf(stderr,
-               "usage: bench_train_step [--preset NAME] [--device cpu|cuda|cuda:N] [--steps N] "
-               "[--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown] "
+               "usage: bench_train_step [--preset NAME[,NAME...]] [--device cpu|cuda|cuda:N] "
+               "[--steps N] [--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown] "
                "[--set key=value ...]\n");
   std::exit(2);
+}
+
+struct Options {
+  std::string device_name, dtype_name_arg = "auto";
+  int steps = 10, warmup = 2;
+  bool dense = false, breakdown = false;
+  std::vector<std::string> sets;
+};
+
+/// Builds the preset's model and optimizer, times its steps and prints their lines; everything
+/// it allocated is freed when it returns or throws.
+void run_preset(const std::string& preset_name, const Options& o) {
+  const std::string& dtype_name_arg = o.dtype_name_arg;
+  const int steps = o.steps, warmup = o.warmup;
+  const bool breakdown = o.breakdown;
+  const std::string& device_name = o.device_name;
+  Config config = preset(preset_name);
+  for (const std::string& s : o.sets) apply_override(config, s);
+  if (o.dense) config.model.first_dense_layers = config.model.num_layers;
+  config.train.device = device_name;
+  config.train.dtype = dtype_name_arg;
+  validate(config);
+  const Device device = parse_device(device_name);
+  const DType dtype = dtype_name_arg == "f32" || (dtype_name_arg == "auto" && device.is_cpu())
+                          ? DType::f32
+                          : DType::bf16;
+  const TrainConfig& tc = config.train;
+  const int64_t batch = tc.batch_size, seq = tc.seq_len, vocab = config.model.vocab_size;
+  const int64_t tokens = batch * seq;
+
+  model::Transformer model(config.model, tc.seed);
+  model.to(device);
+  model.set_compute_dtype(dtype);
+  const auto params = model.parameters();
+  optim::AdamW opt(params, optim::AdamWConfig::from(tc));
+  const auto moe_layers = model.moe_layers();
+  Rng rng(tc.seed, stream_id("bench_train_step"));
+
+  struct StepResult {
+    float loss;
+    double norm;
+  };
+  auto train_step = [&](const Tensor& ids, const Tensor& targets) {
+    {
+      ProfileScope scope("zero_grad", device);
+      model.zero_grad();
+    }
+    const float loss = model.forward_loss(ids, targets);
+    model.backward(1.0f);
+    const double norm = optim::grad_norm(params);
+    opt.step(tc.lr, optim::clip_factor(norm, tc.grad_clip));
+    for (moe::MoELayer* l : moe_layers) l->update_routing_bias();
+    backend::synchronize(device);  // the step is done when the optimizer's kernels are
+    return StepResult{loss, norm};
+  };
+
+  profiling::enable(false);  // timed steps: no synchronisation at region boundaries
+  std::vector<double> ms;
+  for (int step = 0; step < warmup + steps; ++step) {
+    const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
+    const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
+    if (step == warmup) reset_peak_memory(device);
+    Timer t;
+    const auto [loss, norm] = train_step(ids, targets);
+    const double step_ms = t.millis();
+    if (step < warmup) continue;
+    ms.push_back(step_ms);
+    const double tps = static_cast<double>(tokens) / (step_ms / 1e3);
+    nlohmann::ordered_json j;
+    j["bench"] = "train_step";
+    j["preset"] = preset_name;
+    j["device"] = device.str();
+    j["dtype"] = std::string(dtype_name(dtype));
+    j["step"] = step - warmup + 1;
+    j["loss"] = loss;
+    j["grad_norm"] = norm;
+    j["step_ms"] = step_ms;
+    j["tokens_per_s"] = tps;
+    if (device.is_cuda()) j["mfu"] = train::mfu(config.model, seq, tps, 1);
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+  std::vector<double> sorted = ms;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  const double tps = static_cast<double>(tokens) / (median / 1e3);
+  const ParamCount pc = count_parameters(config.model);
+  nlohmann::ordered_json j;
+  j["bench"] = "train_step_summary";
+  j["preset"] = preset_name;
+  j["device"] = device.str();
+  j["dtype"] = std::string(dtype_name(dtype));
+  j["batch_size"] = batch;
+  j["seq_len"] = seq;
+  j["tokens_per_step"] = tokens;
+  j["params_total"] = pc.total;
+  j["params_active"] = pc.active;
+  j["flops_per_token"] = train::training_flops_per_token(config.model, seq);
+  j["steps"] = steps;
+  j["median_step_ms"] = median;
+  j["tokens_per_s"] = tps;
+  j["tflops_per_s"] = train::training_flops_per_token(config.model, seq) * tps / 1e12;
+  if (device.is_cuda()) {
+    j["mfu"] = train::mfu(config.model, seq, tps, 1);
+    j["peak_flops"] = train::kPeakFlopsPerDevice;
+  }
+  j["status"] = "ok";
+  j["peak_live_bytes"] = memory_stats(device).peak_bytes;
+  if (device.is_cuda()) j["reserved_bytes"] = cuda::cache_stats(device.index).reserved_bytes;
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+
+  if (breakdown) {
+    constexpr int kProfiledSteps = 2;
+    profiling::reset();
+    profiling::enable(true);
+    for (int step = 0; step < kProfiledSteps; ++step) {
+      const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
+      const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
+      ProfileScope scope("step", device);
+      train_step(ids, targets);
+    }
+    profiling::enable(false);
+    const std::vector<profiling::Region> regions = profiling::report();
+    double step_total = 0, step_self = 0;
+    for (const profiling::Region& r : regions)
+      if (r.path == "step") step_total = r.total_ms, step_self = r.self_ms;
+    const double profiled_step_ms = step_total / kProfiledSteps;
+    for (const profiling::Region& r : regions) {
+      nlohmann::ordered_json b;
+      b["bench"] = "train_step_breakdown";
+      b["preset"] = preset_name;
+      b["device"] = device.str();
+      b["region"] = r.path;
+      b["name"] = r.name;
+      b["parent"] = r.parent;
+      b["calls_per_step"] = static_cast<double>(r.calls) / kProfiledSteps;
+      b["ms_per_step"] = r.total_ms / kProfiledSteps;
+      b["self_ms_per_step"] = r.self_ms / kProfiledSteps;
+      b["share"] = step_total > 0 ? r.total_ms / step_total : 0.0;
+      std::printf("%s\n", b.dump().c_str());
+    }
+    nlohmann::ordered_json s;
+    s["bench"] = "train_step_breakdown_summary";
+    s["preset"] = preset_name;
+    s["device"] = device.str();
+    s["dtype"] = std::string(dtype_name(dtype));
+    s["profiled_steps"] = kProfiledSteps;
+    // Every region boundary synchronises the device: the profiled step is slower.
+    s["profiled_step_ms"] = profiled_step_ms;
+    s["step_ms"] = median;
+    s["sync_overhead"] = median > 0 ? profiled_step_ms / median - 1.0 : 0.0;
+    s["unattributed_ms_per_step"] = step_self / kProfiledSteps;  // in "step", in no region
+    s["regions"] = regions.size();
+    std::printf("%s\n", s.dump().c_str());
+    std::fflush(stdout);
+    std::fprintf(stderr, "bench_train_step: profile of %d steps (totals, not per step)\n%s",
+                 kProfiledSteps, profiling::report_table().c_str());
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string preset_name = "tiny", device_name, dtype_name_arg = "auto";
-  int steps = 10, warmup = 2;
-  bool dense = false, breakdown = false;
-  std::vector<std::string> sets;
+  std::string presets = "tiny";
+  Options o;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) usage();
       return argv[++i];
     };
     if (!std::strcmp(argv[i], "--preset"))
-      preset_name = next();
+      presets = next();
     else if (!std::strcmp(argv[i], "--device"))
-      device_name = next();
+      o.device_name = next();
     else if (!std::strcmp(argv[i], "--steps"))
-      steps = std::max(1, std::atoi(next().c_str()));
+      o.steps = std::max(1, std::atoi(next().c_str()));
     else if (!std::strcmp(argv[i], "--warmup"))
-      warmup = std::max(0, std::atoi(next().c_str()));
+      o.warmup = std::max(0, std::atoi(next().c_str()));
     else if (!std::strcmp(argv[i], "--dtype"))
-      dtype_name_arg = next();
+      o.dtype_name_arg = next();
     else if (!std::strcmp(argv[i], "--dense"))
-      dense = true;
+      o.dense = true;
     else if (!std::strcmp(argv[i], "--breakdown"))
-      breakdown = true;
+      o.breakdown = true;
     else if (!std::strcmp(argv[i], "--set"))
-      sets.push_back(next());
+      o.sets.push_back(next());
     else
       usage();
   }
+  if (o.device_name.empty()) o.device_name = backend::cuda_available() ? "cuda" : "cpu";
+  Device device;
   try {
-    Config config = preset(preset_name);
-    for (const std::string& s : sets) apply_override(config, s);
-    if (dense) config.model.first_dense_layers = config.model.num_layers;
-    if (device_name.empty()) device_name = backend::cuda_available() ? "cuda" : "cpu";
-    config.train.device = device_name;
-    config.train.dtype = dtype_name_arg;
-    validate(config);
-    const Device device = parse_device(device_name);
-    const DType dtype = dtype_name_arg == "f32" || (dtype_name_arg == "auto" && device.is_cpu())
-                            ? DType::f32
-                            : DType::bf16;
-    const TrainConfig& tc = config.train;
-    const int64_t batch = tc.batch_size, seq = tc.seq_len, vocab = config.model.vocab_size;
-    const int64_t tokens = batch * seq;
-
-    model::Transformer model(config.model, tc.seed);
-    model.to(device);
-    model.set_compute_dtype(dtype);
-    const auto params = model.parameters();
-    optim::AdamW opt(params, optim::AdamWConfig::from(tc));
-    const auto moe_layers = model.moe_layers();
-    Rng rng(tc.seed, stream_id("bench_train_step"));
-
-    struct StepResult {
-      float loss;
-      double norm;
-    };
-    auto train_step = [&](const Tensor& ids, const Tensor& targets) {
-      {
-        ProfileScope scope("zero_grad", device);
-        model.zero_grad();
-      }
-      const float loss = model.forward_loss(ids, targets);
-      model.backward(1.0f);
-      const double norm = optim::grad_norm(params);
-      opt.step(tc.lr, optim::clip_factor(norm, tc.grad_clip));
-      for (moe::MoELayer* l : moe_layers) l->update_routing_bias();
-      backend::synchronize(device);  // the step is done when the optimizer's kernels are
-      return StepResult{loss, norm};
-    };
-
-    profiling::enable(false);  // timed steps: no synchronisation at region boundaries
-    std::vector<double> ms;
-    for (int step = 0; step < warmup + steps; ++step) {
-      const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
-      const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
-      if (step == warmup) reset_peak_memory(device);
-      Timer t;
-      const auto [loss, norm] = train_step(ids, targets);
-      const double step_ms = t.millis();
-      if (step < warmup) continue;
-      ms.push_back(step_ms);
-      const double tps = static_cast<double>(tokens) / (step_ms / 1e3);
-      nlohmann::ordered_json j;
-      j["bench"] = "train_step";
-      j["preset"] = preset_name;
-      j["device"] = device.str();
-      j["dtype"] = std::string(dtype_name(dtype));
-      j["step"] = step - warmup + 1;
-      j["loss"] = loss;
-      j["grad_norm"] = norm;
-      j["step_ms"] = step_ms;
-      j["tokens_per_s"] = tps;
-      if (device.is_cuda()) j["mfu"] = train::mfu(config.model, seq, tps, 1);
-      std::printf("%s\n", j.dump().c_str());
-      std::fflush(stdout);
-    }
-    std::vector<double> sorted = ms;
-    std::sort(sorted.begin(), sorted.end());
-    const double median = sorted[sorted.size() / 2];
-    const double tps = static_cast<double>(tokens) / (median / 1e3);
-    const ParamCount pc = count_parameters(config.model);
-    nlohmann::ordered_json j;
-    j["bench"] = "train_step_summary";
-    j["preset"] = preset_name;
-    j["device"] = device.str();
-    j["dtype"] = std::string(dtype_name(dtype));
-    j["batch_size"] = batch;
-    j["seq_len"] = seq;
-    j["tokens_per_step"] = tokens;
-    j["params_total"] = pc.total;
-    j["params_active"] = pc.active;
-    j["flops_per_token"] = train::training_flops_per_token(config.model, seq);
-    j["steps"] = steps;
-    j["median_step_ms"] = median;
-    j["tokens_per_s"] = tps;
-    j["tflops_per_s"] = train::training_flops_per_token(config.model, seq) * tps / 1e12;
-    if (device.is_cuda()) {
-      j["mfu"] = train::mfu(config.model, seq, tps, 1);
-      j["peak_flops"] = train::kPeakFlopsPerDevice;
-    }
-    j["peak_live_bytes"] = memory_stats(device).peak_bytes;
-    if (device.is_cuda()) j["reserved_bytes"] = cuda::cache_stats(device.index).reserved_bytes;
-    std::printf("%s\n", j.dump().c_str());
-    std::fflush(stdout);
-
-    if (breakdown) {
-      constexpr int kProfiledSteps = 2;
-      profiling::reset();
-      profiling::enable(true);
-      for (int step = 0; step < kProfiledSteps; ++step) {
-        const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
-        const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
-        ProfileScope scope("step", device);
-        train_step(ids, targets);
-      }
-      profiling::enable(false);
-      const std::vector<profiling::Region> regions = profiling::report();
-      double step_total = 0, step_self = 0;
-      for (const profiling::Region& r : regions)
-        if (r.path == "step") step_total = r.total_ms, step_self = r.self_ms;
-      const double profiled_step_ms = step_total / kProfiledSteps;
-      for (const profiling::Region& r : regions) {
-        nlohmann::ordered_json b;
-        b["bench"] = "train_step_breakdown";
-        b["preset"] = preset_name;
-        b["device"] = device.str();
-        b["region"] = r.path;
-        b["name"] = r.name;
-        b["parent"] = r.parent;
-        b["calls_per_step"] = static_cast<double>(r.calls) / kProfiledSteps;
-        b["ms_per_step"] = r.total_ms / kProfiledSteps;
-        b["self_ms_per_step"] = r.self_ms / kProfiledSteps;
-        b["share"] = step_total > 0 ? r.total_ms / step_total : 0.0;
-        std::printf("%s\n", b.dump().c_str());
-      }
-      nlohmann::ordered_json s;
-      s["bench"] = "train_step_breakdown_summary";
-      s["preset"] = preset_name;
-      s["device"] = device.str();
-      s["dtype"] = std::string(dtype_name(dtype));
-      s["profiled_steps"] = kProfiledSteps;
-      // Every region boundary synchronises the device: the profiled step is slower.
-      s["profiled_step_ms"] = profiled_step_ms;
-      s["step_ms"] = median;
-      s["sync_overhead"] = median > 0 ? profiled_step_ms / median - 1.0 : 0.0;
-      s["unattributed_ms_per_step"] = step_self / kProfiledSteps;  // in "step", in no region
-      s["regions"] = regions.size();
-      std::printf("%s\n", s.dump().c_str());
-      std::fflush(stdout);
-      std::fprintf(stderr, "bench_train_step: profile of %d steps (totals, not per step)\n%s",
-                   kProfiledSteps, profiling::report_table().c_str());
-    }
+    device = parse_device(o.device_name);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train_step: %s\n", e.what());
     return 1;
   }
-  return 0;
+  bool failed = false;  // a preset failed for a reason other than memory
+  std::stringstream list(presets);
+  for (std::string name; std::getline(list, name, ',');) {
+    if (name.empty()) continue;
+    nlohmann::ordered_json j;
+    j["bench"] = "train_step_summary";
+    j["preset"] = name;
+    j["device"] = device.str();
+    const bench::RunStatus status = bench::run_reporting_failure([&] { run_preset(name, o); }, j);
+    if (device.is_cuda()) cuda::empty_cache(device.index);  // the next preset starts clean
+    if (status == bench::RunStatus::ok) continue;
+    failed = failed || status == bench::RunStatus::error;
+    std::fprintf(stderr, "bench_train_step: %s: %s\n", name.c_str(),
+                 j["message"].get<std::string>().c_str());
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+  return failed ? 1 : 0;
 }

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "xmoe/core/allocator.h"
+#include "xmoe/core/parameter.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/tensor.h"
 
@@ -86,4 +87,110 @@ TEST(Rng, CounterBasedAndIndependentOfSplitting) {
   EXPECT_NE(Philox::uniform(1, 0, 0), Philox::uniform(2, 0, 0));
   Rng r(3);
   for (int i = 0; i < 100; ++i) EXPECT_LT(r.below(10), 10u);
+}
+
+namespace {
+
+/// Sets the CPU allocator's limit for one scope, then puts the old one back.
+class ScopedLimit {
+ public:
+  explicit ScopedLimit(int64_t bytes) : old_(allocator_for(Device::cpu()).limit()) {
+    allocator_for(Device::cpu()).set_limit(bytes);
+  }
+  ~ScopedLimit() { allocator_for(Device::cpu()).set_limit(old_); }
+  ScopedLimit(const ScopedLimit&) = delete;
+  ScopedLimit& operator=(const ScopedLimit&) = delete;
+
+ private:
+  int64_t old_;
+};
+
+}  // namespace
+
+// A request no host can hold: OutOfMemory with what was asked and what the host has, and the
+// counters exactly as before (nothing was allocated, nothing counted).
+TEST(Allocator, ImpossibleHostAllocationThrowsOutOfMemoryAndCountsNothing) {
+  const MemoryStats before = memory_stats();
+  const int64_t elems = (int64_t{1} << 61) - 1;  // f32: 2^63 - 4 bytes
+  try {
+    Tensor t = Tensor::empty({elems});
+    FAIL() << "allocated " << t.str();
+  } catch (const OutOfMemory& e) {
+    EXPECT_EQ(e.device(), "cpu");
+    EXPECT_EQ(e.bytes_asked(), elems * 4);
+    EXPECT_GT(e.bytes_total(), 0);
+    EXPECT_GE(e.bytes_free(), 0);
+    EXPECT_LE(e.bytes_free(), e.bytes_total());
+    EXPECT_EQ(e.live_bytes(), before.live_bytes);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("[cpu allocator] out of memory: asked 9223372036854775804 bytes"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find(std::to_string(e.bytes_total())), std::string::npos) << what;
+  }
+  // The largest size_t too (no overflow in the rounding), and as an xmoe::Error.
+  EXPECT_THROW(allocator_for(Device::cpu()).allocate(SIZE_MAX), Error);
+  const MemoryStats after = memory_stats();
+  EXPECT_EQ(after.live_bytes, before.live_bytes);
+  EXPECT_EQ(after.num_allocs, before.num_allocs);
+  EXPECT_EQ(after.total_bytes, before.total_bytes);
+}
+
+// Allocator::set_limit (XMOE_MEMORY_LIMIT): a request past the cap is refused as by a device of
+// that size, naming the cap as the total and what is left as free; what a half-built object had
+// allocated is freed as the exception unwinds.
+TEST(Allocator, LimitRefusesWhatADeviceOfThatSizeWould) {
+  const int64_t base = memory_stats().live_bytes;
+  const int64_t old_limit = allocator_for(Device::cpu()).limit();
+  {
+    ScopedLimit limit(base + 65536);
+    EXPECT_EQ(allocator_for(Device::cpu()).limit(), base + 65536);
+    Tensor a = Tensor::empty({8192});  // 32 KiB: fits
+    try {
+      Tensor b = Tensor::empty({16384});  // 64 KiB more: does not
+      FAIL() << "allocated " << b.str();
+    } catch (const OutOfMemory& e) {
+      EXPECT_EQ(e.bytes_asked(), 65536);
+      EXPECT_EQ(e.bytes_free(), 32768);
+      EXPECT_EQ(e.bytes_total(), base + 65536);
+      EXPECT_EQ(e.live_bytes(), base + 32768);
+      EXPECT_NE(std::string(e.what()).find("XMOE_MEMORY_LIMIT"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(memory_stats().live_bytes, base + 32768);
+    // value (32 KiB) just fits, its gradient does not: the value is freed on the way out.
+    EXPECT_THROW(Parameter::make("p", {64, 128}), OutOfMemory);
+    EXPECT_EQ(memory_stats().live_bytes, base + 32768);
+  }
+  EXPECT_EQ(memory_stats().live_bytes, base);
+  EXPECT_EQ(allocator_for(Device::cpu()).limit(), old_limit);
+  allocator_for(Device::cpu()).set_limit(0);  // no cap: fits again
+  Tensor after = Tensor::empty({16384});
+  allocator_for(Device::cpu()).set_limit(old_limit);
+  EXPECT_THROW(allocator_for(Device::cpu()).set_limit(-1), Error);
+}
+
+// Parameter::drop_master_weights: the bf16 weights only, from the compute copy when there is one
+// (no new memory), else cast on the host.
+TEST(Parameter, DropMasterWeightsKeepsTheBf16WeightsOnly) {
+  Parameter p = Parameter::make("w", {4, 8});
+  p.init_normal(1, 0.5f);
+  const std::vector<float> master = p.value.to_vector<float>();
+  const std::vector<float> rounded = p.value.to(DType::bf16).to(DType::f32).to_vector<float>();
+  const int64_t live = memory_stats().live_bytes;
+  p.drop_master_weights(DType::bf16);
+  EXPECT_EQ(p.value.dtype(), DType::bf16);
+  EXPECT_EQ(p.value.shape(), (Shape{4, 8}));
+  EXPECT_EQ(p.value.to(DType::f32).to_vector<float>(), rounded);
+  EXPECT_NE(rounded, master);
+  EXPECT_EQ(memory_stats().live_bytes, live - 4 * 8 * 2);  // 4 bytes an element -> 2
+  EXPECT_EQ(p.grad.dtype(), DType::f32);                   // gradients as they were
+  EXPECT_TRUE(p.compute().shares_storage(p.value));
+
+  Parameter q = Parameter::make("q", {4, 8});
+  q.compute_copy = q.value.to(DType::bf16);
+  const Tensor copy = q.compute_copy;
+  q.drop_master_weights(DType::bf16);
+  EXPECT_TRUE(q.value.shares_storage(copy));
+  EXPECT_FALSE(q.compute_copy.defined());
+  EXPECT_THROW(q.drop_master_weights(DType::f32), Error);
 }

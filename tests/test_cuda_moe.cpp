@@ -352,15 +352,26 @@ struct LayerRun {
 
 constexpr int64_t kD = 16, kT = 64, kSeq = 16;
 
+/// How the routed experts hold their weights on the device.
+enum class ExpertWeights {
+  f32,              ///< f32 values, cast to the activations' dtype per forward
+  master_and_copy,  ///< f32 master + the bf16 compute copy a bf16 model keeps
+  bf16_only,        ///< bf16 only (Parameter::drop_master_weights on the host)
+};
+
 /// Two steps of one MoELayer on `dev` with activations of `act`: forward, backward (dy), then
 /// update_routing_bias (sigmoid gate). Parameters are built on the CPU and moved, as the model
 /// does.
 LayerRun run_layer(const MoeConfig& c, Device dev, DType act, const std::vector<Tensor>& xs,
-                   const std::vector<Tensor>& dys) {
+                   const std::vector<Tensor>& dys, ExpertWeights weights = ExpertWeights::f32) {
   MoELayer layer(c, kD, "moe", 7, 0.5f, 0.2f);
   for (Parameter* p : layer.parameters()) {
+    const bool routed = p->kind == ParamKind::expert;
+    if (routed && weights == ExpertWeights::bf16_only) p->drop_master_weights(DType::bf16);
     p->value = p->value.to(dev);
     p->grad = p->grad.to(dev);
+    if (routed && weights == ExpertWeights::master_and_copy)
+      p->compute_copy = ops::cast(p->value, DType::bf16);
   }
   LayerRun r;
   for (size_t s = 0; s < xs.size(); ++s) {
@@ -500,6 +511,35 @@ TEST_P(CudaMoeLayer, Bf16ActivationsMatchCpuF32) {
   const LayerRun ref = run_layer(lc.config, Device::cpu(), DType::f32, xs, dys);
   const LayerRun got = run_layer(lc.config, kCuda, DType::bf16, xs, dys);
   compare_runs(got, ref, 2e-2, lc.name + " bf16");
+}
+
+// bench_moe_layer --weights bf16: the routed experts' weights in bf16 only give the forward and
+// backward of the f32 master weights with their bf16 compute copies (the same bf16 operands, so
+// the same numbers up to bf16 rounding at most), holding 2 bytes per weight instead of 6.
+TEST_P(CudaMoeLayer, Bf16OnlyExpertWeightsMatchTheMasterWeights) {
+  XMOE_REQUIRE_CUDA();
+  const LayerCase& lc = GetParam();
+  const std::vector<Tensor> xs = {randn({kT, kD}, 101), randn({kT, kD}, 102)};
+  const std::vector<Tensor> dys = {randn({kT, kD}, 103), randn({kT, kD}, 104)};
+  const LayerRun ref =
+      run_layer(lc.config, kCuda, DType::bf16, xs, dys, ExpertWeights::master_and_copy);
+  const int64_t live = memory_stats(kCuda).live_bytes;
+  const LayerRun got = run_layer(lc.config, kCuda, DType::bf16, xs, dys, ExpertWeights::bf16_only);
+  EXPECT_EQ(memory_stats(kCuda).live_bytes, live);  // everything freed after the run
+  compare_runs(got, ref, 1e-2, lc.name + " bf16-only weights");
+  {
+    MoELayer layer(lc.config, kD, "moe", 7, 0.5f, 0.2f);
+    int64_t elems = 0;
+    const int64_t base = memory_stats(kCuda).live_bytes;
+    for (Parameter* p : layer.experts().parameters()) {
+      p->drop_master_weights(DType::bf16);
+      p->value = p->value.to(kCuda);
+      elems += p->value.numel();
+      EXPECT_EQ(p->value.dtype(), DType::bf16);
+      EXPECT_FALSE(p->compute_copy.defined());
+    }
+    EXPECT_EQ(memory_stats(kCuda).live_bytes - base, 2 * elems);
+  }
 }
 
 TEST_P(CudaMoeLayer, DeterministicRunToRun) {

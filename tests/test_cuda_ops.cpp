@@ -813,6 +813,55 @@ TEST(CudaAllocator, NoDeviceMallocAfterWarmup) {
   EXPECT_EQ(cuda::cache_stats(0).num_mallocs, mallocs) << "cudaMalloc after warm-up";
 }
 
+// An allocation larger than the device: OutOfMemory with the device's free and total bytes
+// (cudaMemGetInfo) and nothing counted, and the device works on. Then the allocator's cap
+// (XMOE_MEMORY_LIMIT) refuses what a device of that size would.
+TEST(CudaAllocator, ImpossibleAllocationThrowsOutOfMemoryAndCountsNothing) {
+  XMOE_REQUIRE_CUDA();
+  const Tensor held = Tensor::empty({1 << 20}, DType::f32, kCuda);  // 4 MiB live
+  const MemoryStats before = memory_stats(kCuda);
+  const int64_t asked = int64_t{1} << 50;  // 1 PiB
+  try {
+    Tensor t = Tensor::empty({asked / 2}, DType::bf16, kCuda);
+    FAIL() << "allocated " << t.str();
+  } catch (const OutOfMemory& e) {
+    EXPECT_EQ(e.device(), "cuda:0");
+    EXPECT_EQ(e.bytes_asked(), asked);
+    EXPECT_GT(e.bytes_total(), int64_t{8} << 30);  // any GPU these tests run on
+    EXPECT_GT(e.bytes_free(), 0);
+    EXPECT_LE(e.bytes_free(), e.bytes_total());
+    EXPECT_EQ(e.live_bytes(), before.live_bytes);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("[cuda:0 allocator] out of memory: asked 1125899906842624 bytes"),
+              std::string::npos)
+        << what;
+  }
+  MemoryStats after = memory_stats(kCuda);
+  EXPECT_EQ(after.live_bytes, before.live_bytes);
+  EXPECT_EQ(after.num_allocs, before.num_allocs);
+  EXPECT_EQ(after.total_bytes, before.total_bytes);
+  const Tensor works = Tensor::full({4}, 2.5f, kCuda);
+  EXPECT_EQ(works.to_vector<float>(), (std::vector<float>{2.5f, 2.5f, 2.5f, 2.5f}));
+  EXPECT_EQ(host_f32(held.rows(0, 1)).numel(), 1);
+
+  Allocator& allocator = allocator_for(kCuda);
+  const int64_t old_limit = allocator.limit();
+  const int64_t live = memory_stats(kCuda).live_bytes;
+  allocator.set_limit(live + (3 << 20));  // 3 MiB more
+  try {
+    Tensor t = Tensor::empty({1 << 20}, DType::f32, kCuda);  // 4 MiB: refused
+    ADD_FAILURE() << "allocated " << t.str() << " past the limit";
+  } catch (const OutOfMemory& e) {
+    EXPECT_EQ(e.bytes_asked(), 4 << 20);
+    EXPECT_EQ(e.bytes_free(), 3 << 20);
+    EXPECT_EQ(e.bytes_total(), live + (3 << 20));
+  }
+  EXPECT_EQ(memory_stats(kCuda).live_bytes, live);
+  { const Tensor fits = Tensor::empty({1 << 19}, DType::f32, kCuda); }  // 2 MiB: fits
+  allocator.set_limit(old_limit);
+  EXPECT_EQ(memory_stats(kCuda).live_bytes, live);
+}
+
 // On an sm90 GPU with CUTLASS built in, every bf16 expert GEMM of the shapes training uses runs
 // on the sm90 kernels: a silent cuBLAS fallback is still correct, so only this sees it.
 TEST(CudaGroupedGemm, Sm90KernelsRunWhereTheyApply) {

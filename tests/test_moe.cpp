@@ -14,6 +14,7 @@
 #include "xmoe/moe/padded.h"
 #include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
+#include "xmoe/optim/adamw.h"
 
 using namespace xmoe;
 using namespace xmoe::moe;
@@ -747,4 +748,41 @@ TEST(MoeOps, WeightedGatherDotInPlaceMatchesTheReference) {
   const Tensor bad = Tensor::from_vector<int32_t>({0, 6, 0, 0, 0, 0, 0, 0, 0}, {N});
   Tensor again = rows.clone();
   EXPECT_THROW(gather_weighted_rows_dot(dy, again, bad, w, true), Error);
+}
+
+// bench_moe_layer --weights bf16: the routed experts' weights in bf16 only (no f32 master). On
+// the CPU the layer computes in f32 from those bf16 weights, so it equals, bit for bit, a layer
+// whose f32 master weights were rounded to bf16; the f32 weights' bytes go, the gradients stay
+// f32, and AdamW refuses the bf16-only parameters.
+TEST(MoeLayer, Bf16OnlyExpertWeightsEqualRoundedMasterWeights) {
+  const int64_t T = 24, d = 8;
+  const MoeConfig c = small_config();
+  MoELayer master(c, d, "m", 3, 0.5f), bf16_only(c, d, "m", 3, 0.5f);
+  for (Parameter* p : master.experts().parameters())
+    p->value = p->value.to(DType::bf16).to(DType::f32);
+  int64_t weight_elems = 0;
+  const int64_t live = memory_stats().live_bytes;
+  for (Parameter* p : bf16_only.experts().parameters()) {
+    weight_elems += p->value.numel();
+    p->drop_master_weights(DType::bf16);
+    EXPECT_EQ(p->value.dtype(), DType::bf16) << p->name;
+    EXPECT_EQ(p->grad.dtype(), DType::f32) << p->name;
+  }
+  EXPECT_EQ(memory_stats().live_bytes, live - 2 * weight_elems);
+  const Tensor x = randn({T, d}, 21), dy = randn({T, d}, 22);
+  for (MoELayer* l : {&master, &bf16_only}) l->zero_grad();
+  const Tensor y_ref = master.forward(x, T), y = bf16_only.forward(x, T);
+  EXPECT_EQ(y.to_vector<float>(), y_ref.to_vector<float>());
+  const Tensor dx_ref = master.backward(dy), dx = bf16_only.backward(dy);
+  EXPECT_EQ(dx.to_vector<float>(), dx_ref.to_vector<float>());
+  const auto pr = master.parameters(), pb = bf16_only.parameters();
+  ASSERT_EQ(pr.size(), pb.size());
+  for (size_t i = 0; i < pr.size(); ++i) {
+    pr[i]->settle_grad();
+    pb[i]->settle_grad();
+    EXPECT_EQ(pb[i]->grad.to_vector<float>(), pr[i]->grad.to_vector<float>()) << pb[i]->name;
+  }
+  EXPECT_GT(ops::sum_squares(pb.back()->grad), 0.0);
+  EXPECT_TRUE(contains(error_of([&] { optim::AdamW opt(pb, optim::AdamWConfig{}); }),
+                       "value must be f32 (master weights)"));
 }

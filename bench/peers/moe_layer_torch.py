@@ -21,7 +21,9 @@ Timing: CUDA events around forward + backward, after warm-up passes, median of N
 pass the gradients are set to None (PyTorch's default), so `peak_extra_bytes`
 (torch.cuda.max_memory_allocated() minus the bytes held before the timed passes: parameters
 and inputs) includes the parameter gradients the pass creates; `param_grad_bytes` says how
-much of it that is. FLOPs = 3 x 2*T*k*(2*d*f + f*d). One JSON line per (shape, impl).
+much of it that is. FLOPs = 3 x 2*T*k*(2*d*f + f*d). One JSON line per (shape, impl); one
+that does not fit says "status": "out_of_memory" with the device's free and total bytes, and
+the next one runs (as xmoe's bench_moe_layer does).
 
   python3 bench/peers/moe_layer_torch.py [--impls grouped_mm,padded] [--shapes TxdxfxExk,...]
       [--warmup 3] [--iters 10] [--device cuda|cpu] [--weights bf16|fp32] [--check]
@@ -309,6 +311,14 @@ def check(device, seed):
     return ok
 
 
+def out_of_memory(line, message, device):
+    """Marks a line as a run that did not fit, with the device's free and total bytes now."""
+    line.update({"status": "out_of_memory", "message": message[:500]})
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        line.update({"bytes_free": free, "bytes_total": total})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", default="grouped_mm,padded")
@@ -347,11 +357,14 @@ def main():
         T, d, f, E, k = shape
         try:
             params_and_io = make_params(shape, device, weight_dtype, args.seed)
-        except torch.OutOfMemoryError as e:
-            print(json.dumps({"bench": "moe_layer_peer", "T": T, "d": d, "f": f, "E": E, "k": k,
-                              "error": f"out of memory creating the parameters: {e}"[:300]}),
-                  flush=True)
-            status = 1
+        except torch.OutOfMemoryError as e:  # a result: the next shape runs
+            line = {"bench": "moe_layer_peer", "impl": "grouped_mm", "device": str(device),
+                    "weights": args.weights, "T": T, "d": d, "f": f, "E": E, "k": k}
+            out_of_memory(line, f"creating the parameters: {e}", device)
+            print(json.dumps(line), flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             continue
         w_router, w1, w2, x, dy = params_and_io
         params = (w_router, w1, w2)
@@ -372,7 +385,9 @@ def main():
                              "dropped": dropped, "torch": torch.__version__})
                 if name == "grouped_mm":
                     line["grouped_mm_backend"] = _GROUPED_MM_BACKEND
-            except (torch.OutOfMemoryError, RuntimeError) as e:  # report, go on to the next
+            except torch.OutOfMemoryError as e:  # a result: the next one runs
+                out_of_memory(line, str(e), device)
+            except RuntimeError as e:  # report, go on to the next
                 line["error"] = f"{type(e).__name__}: {e}"[:500]
                 status = 1
             print(json.dumps(line), flush=True)

@@ -12,7 +12,9 @@ pass creates them on the peer's side (xmoe allocates its gradients before the pa
 "train_step_summary" (bench_train_step) against "train_step_peer_summary"; ratio = xmoe
 tokens/s / peer tokens/s. Attention ("attention" lines of bench_attention and
 attention_torch.py): forward + backward ms per implementation and shape, ratio = SDPA ms / xmoe
-ms. Lines that are not JSON are ignored; error lines are listed.
+ms. A run that did not fit ("status": "out_of_memory") shows as "did not fit" with the bytes it
+asked and the device's free and total bytes: a result, not an error. Lines that are not JSON are
+ignored; error lines ("error", or "status": "error") are listed and make the exit code 1.
 """
 import json
 import sys
@@ -45,6 +47,16 @@ def ratio(a, b, spec=".2f"):
     return "—"
 
 
+def did_not_fit(r):
+    return r.get("status") == "out_of_memory"
+
+
+def no_fit_cell(r):
+    asked = f"asked {gib(r['bytes_asked'])} GiB, " if r.get("bytes_asked") is not None else ""
+    return (f"did not fit ({asked}{gib(r.get('bytes_free'))} of {gib(r.get('bytes_total'))} "
+            f"GiB free)")
+
+
 def counted(xmoe_bf16, peer):
     """xmoe's peak with its bf16 gradients counted (they equal the peer's in size)."""
     a, b = xmoe_bf16.get("peak_extra_bytes"), peer.get("param_grad_bytes")
@@ -57,20 +69,31 @@ def main():
         if r.get("bench") == "moe_layer_peer_check":
             print(f"peer agreement check ({r.get('device')}, {r.get('grouped_mm_backend')}): "
                   f"{'ok' if r.get('ok') else 'FAILED'}")
-    errors = [r for r in rows if "error" in r]
+    errors = [r for r in rows if "error" in r or r.get("status") == "error"]
     for r in errors:
-        print(f"ERROR in {r.get('bench')} {r.get('impl', '')}: {str(r['error'])[:200]}")
+        what = r.get("error", r.get("message"))
+        print(f"ERROR in {r.get('bench')} {r.get('impl', r.get('preset', ''))}: {str(what)[:200]}")
+    for r in rows:
+        if did_not_fit(r):
+            what = r.get("impl", r.get("preset", ""))
+            where = r.get("shape") or "x".join(str(r[c]) for c in "TdfEk" if c in r)
+            print(f"{r.get('bench')} {what} {where}: {no_fit_cell(r)}")
 
     # ---- MoE layer ----
     shape_key = lambda r: (r["T"], r["d"], r["f"], r["E"], r["k"])  # noqa: E731
     def xmoe_rows(grad_dtype):
-        return {shape_key(r): r for r in rows
-                if r.get("bench") == "moe_layer" and r.get("impl") == "xmoe_pft"
-                and r.get("expert_grad_dtype", "f32") == grad_dtype and "median_ms" in r}
+        out = {}
+        for r in rows:  # a measured line wins over one that did not fit
+            if (r.get("bench") == "moe_layer" and r.get("impl") == "xmoe_pft"
+                    and r.get("expert_grad_dtype", "f32") == grad_dtype
+                    and ("median_ms" in r or did_not_fit(r))
+                    and "median_ms" not in out.get(shape_key(r), {})):
+                out[shape_key(r)] = r
+        return out
     xmoe, xmoe_bf16 = xmoe_rows("f32"), xmoe_rows("bf16")
     peers = {}
     for r in rows:
-        if r.get("bench") == "moe_layer_peer" and "median_ms" in r:
+        if r.get("bench") == "moe_layer_peer" and ("median_ms" in r or did_not_fit(r)):
             peers.setdefault(shape_key(r), {})[r["impl"]] = r
     shapes = sorted(set(xmoe) | set(peers), key=lambda s: (s[3], s[0]))
     if shapes:
@@ -84,9 +107,15 @@ def main():
             x, g, p = xmoe.get(s, {}), peers.get(s, {}).get("grouped_mm", {}), \
                 peers.get(s, {}).get("padded", {})
             xb = xmoe_bf16.get(s, {})
-            cell = lambda r: (f"{fmt(r.get('tflops'))} ({fmt(r.get('median_ms'), '.2f')} ms, "  # noqa: E731
-                              f"{gib(r.get('peak_extra_bytes'))})" if r else "—")
-            pcell = cell(p) + (f" [{p.get('dropped')}]" if p else "")
+            def cell(r):
+                if not r:
+                    return "—"
+                if did_not_fit(r):
+                    return no_fit_cell(r)
+                weights = " [bf16 weights]" if r.get("weights") == "bf16" else ""
+                return (f"{fmt(r.get('tflops'))} ({fmt(r.get('median_ms'), '.2f')} ms, "
+                        f"{gib(r.get('peak_extra_bytes'))}){weights}")
+            pcell = cell(p) + (f" [{p.get('dropped')}]" if p and not did_not_fit(p) else "")
             print(f"| {', '.join(map(str, s))} | {cell(x)} | {cell(xb)} | {cell(g)} | {pcell} "
                   f"| {ratio(x.get('tflops'), g.get('tflops'))}; "
                   f"{ratio(xb.get('tflops'), g.get('tflops'))} "
@@ -121,13 +150,17 @@ def main():
         for name, r, peak in [("xmoe", r, r.get("peak_live_bytes")) for r in xt] + \
                              [("torch" + (" compiled" if r.get("compiled") else " eager"), r,
                                r.get("peak_bytes")) for r in pt]:
+            if did_not_fit(r) or r.get("status") == "error":
+                what = no_fit_cell(r) if did_not_fit(r) else "error"
+                print(f"| {name} | {r.get('preset')} | {what} | | | | |")
+                continue
             mfu = r.get("mfu")
             print(f"| {name} | {r.get('preset')} | {fmt(r.get('median_step_ms'))} "
                   f"| {fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('tflops_per_s'))} "
                   f"| {fmt(100 * mfu if mfu is not None else None, '.2f')}% | {gib(peak)} |")
         for x in xt:
             for p in pt:
-                if p.get("preset") == x.get("preset"):
+                if p.get("preset") == x.get("preset") and "tokens_per_s" in x:
                     print(f"xmoe / torch tokens/s ({x.get('preset')}): "
                           f"{ratio(x.get('tokens_per_s'), p.get('tokens_per_s'))}; params "
                           f"{x.get('params_total')}/{x.get('params_active')} (xmoe) vs "

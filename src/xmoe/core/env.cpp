@@ -72,6 +72,12 @@ const std::vector<Knob>& knobs() {
        "cudnn",
        {"cudnn", "native"},
        "bf16 attention on cuDNN's fused kernels or on xmoe's own"},
+      {"XMOE_MEMORY_LIMIT",
+       Kind::integer,
+       "0",
+       {"a number of bytes >= 0"},
+       "every device's allocator refuses (OutOfMemory) a request that would take its live bytes "
+       "past this many (0: no cap), as a device of that size would"},
       {"XMOE_ATTENTION_DETERMINISTIC",
        Kind::flag,
        "1",

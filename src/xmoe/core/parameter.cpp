@@ -24,6 +24,22 @@ void Parameter::to(Device device) {
   if (compute_copy.defined()) compute_copy = compute_copy.to(device);
 }
 
+void Parameter::drop_master_weights(DType dtype) {
+  XMOE_CHECK(dtype == DType::bf16, "[parameter] {}: weights held only in {} (expected bf16)", name,
+             dtype_name(dtype));
+  if (value.dtype() == dtype) return;
+  if (compute_copy.defined() && compute_copy.dtype() == dtype) {
+    value = std::move(compute_copy);
+  } else {
+    XMOE_CHECK(value.is_cpu(),
+               "[parameter] {}: dropping the master weights of a parameter on {} needs its {} "
+               "compute copy (or drop them on the host)",
+               name, value.device().str(), dtype_name(dtype));
+    value = value.to(dtype);
+  }
+  compute_copy = Tensor();
+}
+
 void Parameter::init_normal(uint64_t seed, float std) {
   const int64_t rows = value.dim() ? value.size(0) : 1;
   const int64_t row_elems = rows ? value.numel() / rows : 0;

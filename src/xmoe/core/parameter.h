@@ -17,7 +17,7 @@ enum class ParamKind : uint8_t {
 
 struct Parameter {
   std::string name;  ///< stable, hierarchical: "layers.3.moe.experts.gate_up"
-  Tensor value;      ///< f32 master weights
+  Tensor value;      ///< f32 master weights (bf16 after drop_master_weights)
   /// value's shape and device, f32 (bf16 for the routed experts' weights with
   /// model.moe.expert_grad_dtype = bf16); backward accumulates into it
   Tensor grad;
@@ -70,6 +70,11 @@ struct Parameter {
     grad = Tensor();
     grad_zero_pending = false;
   }
+  /// Keeps the weights in `dtype` (bf16) only: value becomes the compute copy (or, on the CPU,
+  /// value cast) and the f32 master is freed, so a bf16 forward and backward hold 2 bytes of
+  /// weight per element instead of 4 + 2. Only for passes that no optimizer follows (benchmarks,
+  /// inference): AdamW refuses a parameter whose value is not f32.
+  void drop_master_weights(DType dtype);
   /// The weight as forward and backward use it: the bf16 copy when there is one, else value.
   const Tensor& compute() const { return compute_copy.defined() ? compute_copy : value; }
   Device device() const { return value.device(); }

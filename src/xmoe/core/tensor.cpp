@@ -133,10 +133,12 @@ Tensor Tensor::to(DType dtype) const {
   if (dtype_ == DType::f32 && dtype == DType::bf16) {
     const float* s = data<float>();
     bf16* d = t.data<bf16>();
+#pragma omp parallel for schedule(static) if (numel_ > 65536)
     for (int64_t i = 0; i < numel_; ++i) d[i] = bf16(s[i]);
   } else if (dtype_ == DType::bf16 && dtype == DType::f32) {
     const bf16* s = data<bf16>();
     float* d = t.data<float>();
+#pragma omp parallel for schedule(static) if (numel_ > 65536)
     for (int64_t i = 0; i < numel_; ++i) d[i] = static_cast<float>(s[i]);
   } else {
     XMOE_FAIL("[tensor] no conversion {} -> {}", dtype_name(dtype_), dtype_name(dtype));

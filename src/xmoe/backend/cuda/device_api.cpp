@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -130,13 +131,16 @@ namespace {
 /// reserved/cached count the rounded blocks held from the driver.
 class CachingAllocator final : public Allocator {
  public:
-  explicit CachingAllocator(int device) : device_(device) {}
+  explicit CachingAllocator(int device) : Allocator(Device::cuda(device)), device_(device) {}
 
   void* allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
-    const size_t size = round_size(bytes);
+    check_limit(bytes);
     const Stream stream = current_stream(device_);
     std::lock_guard<std::mutex> lock(mutex_);
+    // Larger than any device: refused before the rounding could overflow.
+    if (bytes > static_cast<size_t>(PTRDIFF_MAX)) refuse(bytes, "larger than any device");
+    const size_t size = round_size(bytes);
     void* ptr = take_cached(size, stream);
     if (!ptr) ptr = malloc_block(size, bytes, stream);
     record_alloc(bytes);
@@ -196,6 +200,15 @@ class CachingAllocator final : public Allocator {
     return ptr;
   }
 
+  /// Throws OutOfMemory with the device's free and total bytes (caller holds mutex_).
+  [[noreturn]] void refuse(size_t requested, const char* why) {
+    DeviceScope scope(device_);
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) cudaGetLastError();
+    out_of_memory(requested, static_cast<int64_t>(free), static_cast<int64_t>(total),
+                  fmt::format(", {} bytes reserved by its cache ({})", stats_.reserved_bytes, why));
+  }
+
   void* malloc_block(size_t size, size_t requested, Stream stream) {
     DeviceScope scope(device_);
     void* ptr = nullptr;
@@ -205,13 +218,14 @@ class CachingAllocator final : public Allocator {
       release_cached();
       status = cudaMalloc(&ptr, size);
     }
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      refuse(requested, cudaGetErrorString(status));
+    }
     if (status != cudaSuccess) {
       cudaGetLastError();
-      const MemoryStats s = stats();
-      XMOE_FAIL(
-          "[cuda allocator] cuda:{} out of memory allocating {} bytes ({}): {} bytes live in "
-          "tensors, {} reserved",
-          device_, requested, cudaGetErrorString(status), s.live_bytes, stats_.reserved_bytes);
+      XMOE_FAIL("[cuda allocator] cuda:{}: cudaMalloc of {} bytes failed: {}", device_, requested,
+                cudaGetErrorString(status));
     }
     used_.emplace(ptr, Block{size, stream});
     stats_.reserved_bytes += static_cast<int64_t>(size);
