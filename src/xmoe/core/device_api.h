@@ -30,8 +30,8 @@ void* create_copy_stream(int device);
 void destroy_copy_stream(int device, void* stream);
 /// Queues a copy of `bytes` on `stream` (host memory should be pinned to overlap); returns at
 /// once.
-void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes,
-                      void* stream);
+void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device,
+                      size_t bytes, void* stream);
 void* create_event(int device);
 void destroy_event(void* event);
 /// Records `event` on `stream`, or on the device's current stream when `stream` is null.

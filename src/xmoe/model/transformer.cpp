@@ -223,8 +223,8 @@ void Transformer::refresh_compute_weights() {
     if (p->device_f32.defined()) p->device_f32.copy_from(p->value);
     if (!p->compute_copy.defined()) continue;
     // Cast on the device, as without offload: the same bf16 bits.
-    const Tensor& f32 = p->offloaded() && !p->device_f32.defined() ? p->value.to(device_)
-                                                                    : p->weights_f32();
+    const Tensor& f32 =
+        p->offloaded() && !p->device_f32.defined() ? p->value.to(device_) : p->weights_f32();
     p->compute_copy = ops::cast(f32, p->compute_copy.dtype());
   }
 }

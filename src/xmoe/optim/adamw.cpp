@@ -87,8 +87,10 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
     // A whole piece keeps the parameter's shape (the exported state's); a part is flat.
     const Shape shape = piece.whole() ? p->value.shape() : Shape{piece.count};
     sharded_ = sharded_ || !piece.whole();
-    m_.push_back(cfg.offload ? host_zeros(shape, DType::f32) : Tensor::zeros(shape, DType::f32, device_));
-    v_.push_back(cfg.offload ? host_zeros(shape, DType::f32) : Tensor::zeros(shape, DType::f32, device_));
+    m_.push_back(cfg.offload ? host_zeros(shape, DType::f32)
+                             : Tensor::zeros(shape, DType::f32, device_));
+    v_.push_back(cfg.offload ? host_zeros(shape, DType::f32)
+                             : Tensor::zeros(shape, DType::f32, device_));
     if (!cfg.offload) continue;
     // The host buffers this piece's gradient and bf16 copy travel through.
     const DType grad_dtype = piece.grad.defined() ? piece.grad.dtype() : p->grad.dtype();
@@ -133,7 +135,7 @@ Tensor AdamW::piece_grad(size_t i) const {
 }
 
 ops::AdamWTensors AdamW::piece_tensors(size_t i, const Tensor& grad,
-                                        const Tensor& param_bf16) const {
+                                       const Tensor& param_bf16) const {
   const AdamWPiece& piece = pieces_[i];
   const Parameter& p = *piece.param;
   const Tensor value =
@@ -158,10 +160,10 @@ void AdamW::step(float lr, float grad_scale) {
   for (const AdamWPiece& piece : pieces_) {
     const Parameter& p = *piece.param;
     // A piece with its own gradient (a zero 2 shard) may have released the parameter's.
-    XMOE_CHECK(p.value.device() == device_ &&
-                   (!p.grad.defined() || p.grad.device() == compute_device_),
-               "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
-               p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str());
+    XMOE_CHECK(
+        p.value.device() == device_ && (!p.grad.defined() || p.grad.device() == compute_device_),
+        "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
+        p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str());
     if (p.compute_copy.defined())
       XMOE_CHECK(p.compute_copy.dtype() == DType::bf16 &&
                      p.compute_copy.device() == compute_device_ &&
@@ -180,11 +182,10 @@ void AdamW::step(float lr, float grad_scale) {
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const AdamWPiece& piece = pieces_[i];
     const Tensor& copy = piece.param->compute_copy;
-    list.push_back(piece_tensors(
-        i, piece_grad(i),
-        !copy.defined() || piece.whole()
-            ? copy
-            : flat(copy).rows(piece.offset, piece.offset + piece.count)));
+    list.push_back(piece_tensors(i, piece_grad(i),
+                                 !copy.defined() || piece.whole()
+                                     ? copy
+                                     : flat(copy).rows(piece.offset, piece.offset + piece.count)));
   }
   ops::adamw_step(list, s);
 }
@@ -206,7 +207,8 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
     to_host_->host_wait(arrived[g]);
     const auto [begin, end] = groups_[g];
     std::vector<ops::AdamWTensors> list;
-    for (size_t i = begin; i < end; ++i) list.push_back(piece_tensors(i, grad_host_[i], bf16_host_[i]));
+    for (size_t i = begin; i < end; ++i)
+      list.push_back(piece_tensors(i, grad_host_[i], bf16_host_[i]));
     ops::adamw_step(list, s);  // host tensors: the CPU kernel, OpenMP over each tensor
     for (size_t i = begin; i < end; ++i) {
       const AdamWPiece& piece = pieces_[i];

@@ -278,6 +278,7 @@ class Run {
       pieces.emplace_back(p.param, p.offset, p.count, p.grad);
     opt_ = std::make_unique<optim::AdamW>(pieces, optim::AdamWConfig::from(tc_));
     result.optimizer_bytes = opt_->state_bytes();
+    result.offload_staging_bytes = opt_->staging_bytes();
     schedule_.emplace(optim::LrSchedule::from(tc_));
     tokens_per_step_ =
         static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum * layout_.world_size;

@@ -50,6 +50,9 @@ struct TrainResult {
   int64_t optimizer_bytes = 0;  ///< AdamW moment bytes held by this rank (parallel.zero divides)
   /// Gradient bytes this rank holds between steps, after the last one (zero 2: the shards)
   int64_t gradient_bytes = 0;
+  /// train.offload_optimizer: host bytes the gradients and bf16 copies travel through between
+  /// the device and the host update (0 without offload)
+  int64_t offload_staging_bytes = 0;
 };
 
 /// Trains `config` (already validated; for a resume, train::resume_config's). Prepares the

@@ -345,12 +345,13 @@ void destroy_copy_stream(int device, void* stream) {
   cudaStreamDestroy(static_cast<cudaStream_t>(stream));
 }
 
-void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes,
-                      void* stream) {
+void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device,
+                      size_t bytes, void* stream) {
   if (bytes == 0) return;
   const int device = dst_device.is_cuda() ? dst_device.index : src_device.index;
   cuda::activate(device);
-  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+  CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
 }
 
 void* create_event(int device) {

@@ -46,7 +46,7 @@ class XmoeGate final : public Gate {
     zn_ = xmoe::ops::l2_normalize_rows(
         xmoe::ops::matmul(xmoe::ops::as_dtype(x, DType::f32), proj_.weights_f32()));  // [T, r]
     en_ = xmoe::ops::l2_normalize_rows(xmoe::ops::transpose(emb_.weights_f32()));     // [E, r]
-    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                      // [T, E]
+    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                              // [T, E]
     // On CUDA the temperature is read on the device: no wait for its value.
     Tensor logits = xmoe::ops::moe_div_temperature(cos_, temp_.weights_f32(), kMinTemperature);
     return routing_.forward(logits, seq_len, fixed_idx, world_.get());
@@ -55,7 +55,8 @@ class XmoeGate final : public Gate {
   Tensor backward(const Tensor& d_topk_weight) override {
     Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);  // [T, E]
     // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
-    xmoe::ops::moe_temperature_grad(temp_.grad, dlogits, cos_, temp_.weights_f32(), kMinTemperature);
+    xmoe::ops::moe_temperature_grad(temp_.grad, dlogits, cos_, temp_.weights_f32(),
+                                    kMinTemperature);
     Tensor dcos = xmoe::ops::moe_div_temperature(dlogits, temp_.weights_f32(), kMinTemperature);
     Tensor dzn = xmoe::ops::matmul(dcos, en_.y);               // [T, r]
     Tensor den = xmoe::ops::matmul(dcos, zn_.y, true, false);  // [E, r]
