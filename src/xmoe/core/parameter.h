@@ -44,15 +44,16 @@ struct Parameter {
   bool lazy_zero_grad = false;
   /// grad is logically zero but its memory is stale (zero_grad() deferred the memset).
   bool grad_zero_pending = false;
-  /// grad's dtype while release_grad() has freed it (zero_grad() allocates it again).
+  /// grad's dtype and device while release_grad() has freed it (zero_grad() allocates it again).
   DType released_grad_dtype = DType::f32;
+  Device released_grad_device;
 
   /// Allocates value and a zeroed grad (f32 or bf16) of `shape`.
   static Parameter make(std::string name, Shape shape, ParamKind kind = ParamKind::dense,
                         bool weight_decay = true, DType grad_dtype = DType::f32);
   void zero_grad() {
     if (!grad.defined()) {  // released after the last step: a fresh zeroed gradient
-      grad = Tensor::zeros(value.shape(), released_grad_dtype, value.device());
+      grad = Tensor::zeros(value.shape(), released_grad_dtype, released_grad_device);
       grad_zero_pending = false;
       return;
     }
@@ -74,7 +75,10 @@ struct Parameter {
   /// Frees grad until the next zero_grad() (parallel.zero = 2: once the gradient sync has
   /// reduce-scattered it, this rank keeps only its shard between steps).
   void release_grad() {
-    if (grad.defined()) released_grad_dtype = grad.dtype();
+    if (grad.defined()) {
+      released_grad_dtype = grad.dtype();
+      released_grad_device = grad.device();
+    }
     grad = Tensor();
     grad_zero_pending = false;
   }
