@@ -293,8 +293,9 @@ void expect_offloaded_adamw_matches_device(DType big_grad) {
     EXPECT_LE(ve, 1e-6) << dev[i].name;
     EXPECT_LE(me, 1e-6) << dev[i].name;
     EXPECT_LE(vv, 1e-6) << dev[i].name;
-    if (off[i].device_f32.defined())
+    if (off[i].device_f32.defined()) {
       EXPECT_EQ(normalised_error(off[i].device_f32, off[i].value), 0.0) << dev[i].name;
+    }
   }
   EXPECT_EQ(normalised_error(off[0].compute_copy, off[0].value.to(DType::bf16)), 0.0);
   // Checkpoint round trip: the exported host state comes back into a fresh offloaded optimizer.
@@ -345,8 +346,9 @@ TEST(CudaModel, OffloadFreesTheMastersAndMomentsOnTheDevice) {
     const int64_t plain = live_with_optimizer(false, nullptr);
     const int64_t off = live_with_optimizer(true, &saving);
     std::printf("[offload] %s: device bytes %lld -> %lld (saved %lld, masters + moments %lld)\n",
-                dtype_name(dtype), static_cast<long long>(plain), static_cast<long long>(off),
-                static_cast<long long>(plain - off), static_cast<long long>(saving));
+                std::string(dtype_name(dtype)).c_str(), static_cast<long long>(plain),
+                static_cast<long long>(off), static_cast<long long>(plain - off),
+                static_cast<long long>(saving));
     EXPECT_GE(plain - off, saving);
     EXPECT_GT(saving, 0);
   }
