@@ -7,6 +7,9 @@
 //   bench_train_step [--preset tiny|moe-1b|...[,...]] [--device cpu|cuda|cuda:N] [--steps N]
 //                    [--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown]
 //                    [--set key=value ...]
+// --set train.offload_optimizer=true runs the offloaded update: the summary line then gives
+// its median time per step (median_optimizer_ms, also without offload), the device bytes
+// before the offload and with the optimizer built, and the pinned host bytes.
 // --set takes config keys (e.g. train.batch_size=4, model.num_layers=2); --dense makes every
 // block a dense FFN (model.first_dense_layers = model.num_layers).
 // --breakdown: after the timed steps, 2 more steps with the region profiler on
@@ -92,14 +95,20 @@ void run_preset(const std::string& preset_name, const Options& o) {
   model::Transformer model(config.model, tc.seed);
   model.to(device);
   model.set_compute_dtype(dtype);
+  // --set train.offload_optimizer=true: master weights and moments to pinned host memory; the
+  // device bytes before and after show what left the GPU.
+  const int64_t live_before = memory_stats(device).live_bytes;
+  if (tc.offload_optimizer) model.offload_master_weights();
   const auto params = model.parameters();
   optim::AdamW opt(params, optim::AdamWConfig::from(tc));
+  const int64_t live_after = memory_stats(device).live_bytes;
   const auto moe_layers = model.moe_layers();
   Rng rng(tc.seed, stream_id("bench_train_step"));
 
   struct StepResult {
     float loss;
     double norm;
+    double optimizer_ms;  ///< the update (offloaded: copies, host update, copies back)
   };
   auto train_step = [&](const Tensor& ids, const Tensor& targets) {
     {
@@ -108,24 +117,26 @@ void run_preset(const std::string& preset_name, const Options& o) {
     }
     const float loss = model.forward_loss(ids, targets);
     model.backward(1.0f);
-    const double norm = optim::grad_norm(params);
+    const double norm = optim::grad_norm(params);  // the host has waited for backward here
+    Timer update;
     opt.step(tc.lr, optim::clip_factor(norm, tc.grad_clip));
     for (moe::MoELayer* l : moe_layers) l->update_routing_bias();
     backend::synchronize(device);  // the step is done when the optimizer's kernels are
-    return StepResult{loss, norm};
+    return StepResult{loss, norm, update.millis()};
   };
 
   profiling::enable(false);  // timed steps: no synchronisation at region boundaries
-  std::vector<double> ms;
+  std::vector<double> ms, opt_ms;
   for (int step = 0; step < warmup + steps; ++step) {
     const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
     const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
     if (step == warmup) reset_peak_memory(device);
     Timer t;
-    const auto [loss, norm] = train_step(ids, targets);
+    const auto [loss, norm, optimizer_ms] = train_step(ids, targets);
     const double step_ms = t.millis();
     if (step < warmup) continue;
     ms.push_back(step_ms);
+    opt_ms.push_back(optimizer_ms);
     const double tps = static_cast<double>(tokens) / (step_ms / 1e3);
     nlohmann::ordered_json j;
     j["bench"] = "train_step";
@@ -136,6 +147,7 @@ void run_preset(const std::string& preset_name, const Options& o) {
     j["loss"] = loss;
     j["grad_norm"] = norm;
     j["step_ms"] = step_ms;
+    j["optimizer_ms"] = optimizer_ms;
     j["tokens_per_s"] = tps;
     if (device.is_cuda()) j["mfu"] = train::mfu(config.model, seq, tps, 1);
     std::printf("%s\n", j.dump().c_str());
@@ -144,6 +156,7 @@ void run_preset(const std::string& preset_name, const Options& o) {
   std::vector<double> sorted = ms;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
+  std::sort(opt_ms.begin(), opt_ms.end());
   const double tps = static_cast<double>(tokens) / (median / 1e3);
   const ParamCount pc = count_parameters(config.model);
   nlohmann::ordered_json j;
@@ -167,6 +180,16 @@ void run_preset(const std::string& preset_name, const Options& o) {
   }
   j["status"] = "ok";
   j["peak_live_bytes"] = memory_stats(device).peak_bytes;
+  j["offload_optimizer"] = tc.offload_optimizer;
+  j["median_optimizer_ms"] = opt_ms[opt_ms.size() / 2];
+  // The model (and, where it stays on the device, its master weights) before the offload,
+  // and with the optimizer built after it.
+  j["device_live_bytes_before_offload"] = live_before;
+  j["device_live_bytes_with_optimizer"] = live_after;
+  j["optimizer_state_bytes"] = opt.state_bytes();
+  j["offload_staging_bytes"] = opt.staging_bytes();
+  if (device.is_cuda() && tc.offload_optimizer)
+    j["pinned_host_bytes"] = backend::pinned_host_allocator().stats().live_bytes;
   if (device.is_cuda()) j["reserved_bytes"] = cuda::cache_stats(device.index).reserved_bytes;
   std::printf("%s\n", j.dump().c_str());
   std::fflush(stdout);

@@ -127,6 +127,8 @@ TEST(Config, TypeErrorsNameKeyAndValue) {
                   "train.lr = 'fast' is not a valid float");
   EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  tie_embeddings: maybe\n"); }),
                   "model.tie_embeddings = 'maybe' is not a valid bool");
+  EXPECT_CONTAINS(error_of([] { load_config_string("train:\n  offload_optimizer: maybe\n"); }),
+                  "train.offload_optimizer = 'maybe' is not a valid bool");
   EXPECT_CONTAINS(error_of([] { load_config_string("train:\n  seed: -1\n"); }),
                   "train.seed = '-1' is negative; train.seed is a uint64");
   EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  d_model: [1, 2]\n"); }),
@@ -226,8 +228,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 22 model.moe + 3 data + 21 train + 6 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 22u + 3u + 21u + 6u);
+  // 13 model + 22 model.moe + 3 data + 22 train + 6 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 22u + 3u + 22u + 6u);
 }
 
 TEST(Config, ParameterCounts) {

@@ -128,6 +128,60 @@ TEST(AdamW, BadStateAndConfigThrow) {
   EXPECT_THROW(AdamW({&a}, {1.0f, 0.95f, 1e-8f, 0.1f}), Error);  // beta1 = 1
 }
 
+// AdamWConfig::offload on the CPU: the gradients are staged into host buffers group by group
+// (groups of 5 elements here: several groups, pieces that straddle none or several) and updated
+// by the same kernel; whole parameters, parts of parameters, pieces with their own gradients
+// (f32 and bf16) end with the same bits as the plain update, moments included.
+TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
+  auto make = [] {
+    std::vector<Parameter> ps;
+    for (int i = 0; i < 4; ++i) {
+      std::vector<float> v(static_cast<size_t>(3 + 4 * i));
+      for (size_t j = 0; j < v.size(); ++j) v[j] = std::sin(0.7f * static_cast<float>(i * 31 + j));
+      ps.push_back(param("p" + std::to_string(i), v, i != 2));
+    }
+    return ps;
+  };
+  std::vector<Parameter> a = make(), b = make();
+  // p3's own gradients: a bf16 [7] shard of its 15 elements, as parallel.zero = 2 hands over.
+  const Tensor shard_a = Tensor::zeros({7}, DType::bf16), shard_b = Tensor::zeros({7}, DType::bf16);
+  auto pieces = [](std::vector<Parameter>& ps, const Tensor& shard) {
+    return std::vector<optim::AdamWPiece>{
+        optim::AdamWPiece(&ps[0]), optim::AdamWPiece(&ps[1], 2, 5), optim::AdamWPiece(&ps[2]),
+        optim::AdamWPiece(&ps[3], 8, 7, shard)};
+  };
+  AdamWConfig plain_cfg{0.9f, 0.95f, 1e-8f, 0.1f};
+  AdamWConfig off_cfg = plain_cfg;
+  off_cfg.offload = true;
+  off_cfg.offload_group_numel = 5;
+  AdamW plain(pieces(a, shard_a), plain_cfg), off(pieces(b, shard_b), off_cfg);
+  EXPECT_TRUE(off.offloaded());
+  EXPECT_EQ(plain.staging_bytes(), 0);
+  EXPECT_EQ(off.staging_bytes(), (3 + 5 + 11) * 4 + 7 * 2);
+  for (int step = 1; step <= 5; ++step) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      std::vector<float> g(static_cast<size_t>(a[i].grad.numel()));
+      for (size_t j = 0; j < g.size(); ++j)
+        g[j] = std::cos(static_cast<float>(step * 7 + i * 3 + j));
+      set_grad(a[i], g);
+      set_grad(b[i], g);
+    }
+    std::vector<float> sg(7);
+    for (size_t j = 0; j < sg.size(); ++j) sg[j] = 0.25f * static_cast<float>(j) - step;
+    const Tensor s = Tensor::from_vector<float>(sg, {7}).to(DType::bf16);
+    Tensor(shard_a).copy_from(s);
+    Tensor(shard_b).copy_from(s);
+    plain.step(1e-2f, 0.5f);
+    off.step(1e-2f, 0.5f);
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].value.to_vector<float>(), b[i].value.to_vector<float>()) << a[i].name;
+    EXPECT_EQ(plain.m(i).to_vector<float>(), off.m(i).to_vector<float>()) << a[i].name;
+    EXPECT_EQ(plain.v(i).to_vector<float>(), off.v(i).to_vector<float>()) << a[i].name;
+  }
+  EXPECT_NE(a[0].value.to_vector<float>(), make()[0].value.to_vector<float>());  // it did move
+}
+
 TEST(Schedule, WarmupThenCosineToMinLr) {
   const optim::LrSchedule s{1.0f, 0.1f, 10, 110};  // steps 0..109
   EXPECT_FLOAT_EQ(s.at(0), 0.1f);                  // warmup start: peak / warmup

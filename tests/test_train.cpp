@@ -96,6 +96,57 @@ TEST_F(TrainTest, Bf16ExpertGradientsFollowTheF32Run) {
   EXPECT_LT(bf.steps.back().loss, bf.steps.front().loss - 0.5);
 }
 
+// train.offload_optimizer on the CPU runs the offloaded update (gradients staged into host
+// buffers group by group, the CPU kernel, the copies back): the same bits as the plain update,
+// with f32 and bf16 expert gradients, gradient accumulation, and across a resume.
+TEST_F(TrainTest, OffloadedOptimizerTrainsBitForBitLikeThePlainOne) {
+  for (const char* grad_dtype : {"f32", "bf16"}) {
+    Config c = micro_config();
+    c.train.steps = 12;
+    c.train.grad_accum = 2;
+    c.model.moe.expert_grad_dtype = grad_dtype;
+    c.train.out_dir = (root_ / (std::string("plain-") + grad_dtype)).string();
+    const auto plain = train::train(c, quiet());
+    EXPECT_EQ(plain.offload_staging_bytes, 0);
+    c.train.offload_optimizer = true;
+    validate(c);
+    c.train.out_dir = (root_ / (std::string("offload-") + grad_dtype)).string();
+    const auto off = train::train(c, quiet());
+    EXPECT_GT(off.offload_staging_bytes, 0);  // the offload path ran
+    EXPECT_EQ(off.optimizer_bytes, plain.optimizer_bytes);
+    ASSERT_EQ(off.steps.size(), plain.steps.size());
+    for (size_t i = 0; i < off.steps.size(); ++i) {
+      EXPECT_EQ(off.steps[i].loss, plain.steps[i].loss) << grad_dtype << " step " << i + 1;
+      EXPECT_EQ(off.steps[i].grad_norm, plain.steps[i].grad_norm) << grad_dtype;
+    }
+    ASSERT_EQ(off.evals.size(), plain.evals.size());
+    for (size_t i = 0; i < off.evals.size(); ++i)
+      EXPECT_EQ(off.evals[i].val_loss, plain.evals[i].val_loss) << grad_dtype;
+
+    // Saved and resumed with offload: the straight run's steps, bit for bit.
+    c.train.out_dir = (root_ / (std::string("offload-resumed-") + grad_dtype)).string();
+    auto first = quiet();
+    first.stop_after = 6;
+    train::train(c, first);
+    auto second = quiet();
+    second.resume = true;
+    const auto rest = train::train(c, second);
+    ASSERT_EQ(rest.steps.size(), 6u);
+    for (size_t i = 0; i < 6; ++i)
+      EXPECT_EQ(rest.steps[i].loss, plain.steps[6 + i].loss) << grad_dtype << " resumed";
+  }
+}
+
+TEST_F(TrainTest, OffloadWithAffinityPlacementOnCudaIsRefused) {
+  Config c = micro_config();
+  c.train.offload_optimizer = true;
+  c.train.device = "cuda";
+  c.parallel.expert_placement = "affinity";
+  EXPECT_CONTAINS(error_of([&] { train::train(c, quiet()); }),
+                  "[train] train.offload_optimizer with train.device = cuda: "
+                  "parallel.expert_placement = affinity");
+}
+
 TEST_F(TrainTest, NonFiniteStepsAreSkippedThenStopTheRun) {
   Config c = micro_config();
   c.train.lr = 1e30f;  // the first update blows the weights up; later losses are not finite

@@ -162,6 +162,10 @@ const std::vector<Key>& table() {
       XMOE_KEY(train.dtype, any(), {"auto", "f32", "bf16"},
                "compute dtype of activations and matmuls: auto = bf16 on cuda, f32 on cpu; "
                "master weights, gradients and AdamW state stay f32"),
+      XMOE_KEY(train.offload_optimizer, any(), {},
+               "f32 master weights and AdamW moments in pinned host memory, the update on CPU "
+               "threads overlapped with the copies; the GPU keeps gradients and the bf16 (or f32) "
+               "weights forward reads"),
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},

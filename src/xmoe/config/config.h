@@ -92,6 +92,9 @@ struct TrainConfig {
   /// Compute dtype of activations and matmuls: auto (bf16 on cuda, f32 on cpu), f32, bf16.
   /// Master weights, gradients and optimizer state are f32 whatever it is (docs/cuda.md).
   std::string dtype = "auto";
+  /// Master weights and AdamW moments in (pinned) host memory, the update on CPU threads
+  /// (docs/training.md, "Optimizer offload").
+  bool offload_optimizer = false;
 
   bool operator==(const TrainConfig&) const = default;
 };

@@ -19,4 +19,26 @@ void fill_zero(void* dst, size_t bytes, Device device);
 /// Blocks until the device's queued work is done (no-op for CPU).
 void synchronize(Device device);
 
+/// Page-locked host memory (cudaHostAlloc) with its own live/peak counters: copies between it
+/// and a device run asynchronously, at full bandwidth. Throws in a build without CUDA.
+Allocator& pinned_host_allocator();
+
+/// Asynchronous copies beside a CUDA device's current (compute) stream, for CopyQueue
+/// (core/copy_queue.h): a stream of their own, and events to order it against the compute
+/// stream and the host. Handles are opaque (cudaStream_t, cudaEvent_t).
+void* create_copy_stream(int device);
+void destroy_copy_stream(int device, void* stream);
+/// Queues a copy of `bytes` on `stream` (host memory should be pinned to overlap); returns at
+/// once.
+void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device,
+                      size_t bytes, void* stream);
+void* create_event(int device);
+void destroy_event(void* event);
+/// Records `event` on `stream`, or on the device's current stream when `stream` is null.
+void record_event(void* event, int device, void* stream);
+/// `stream` (or the device's current stream when null) waits on the device for `event`.
+void stream_wait_event(int device, void* stream, void* event);
+/// Blocks the host until the work before `event` is done.
+void host_wait_event(void* event);
+
 }  // namespace xmoe::backend

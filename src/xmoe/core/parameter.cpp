@@ -18,6 +18,9 @@ Parameter Parameter::make(std::string name, Shape shape, ParamKind kind, bool we
 }
 
 void Parameter::to(Device device) {
+  XMOE_CHECK(!offloaded(),
+             "[parameter] {}: its master weights are offloaded to the host; it cannot move to {}",
+             name, device.str());
   if (value.device() == device) return;
   value = value.to(device);
   if (grad.defined()) grad = grad.to(device);
@@ -38,6 +41,14 @@ void Parameter::drop_master_weights(DType dtype) {
     value = value.to(dtype);
   }
   compute_copy = Tensor();
+}
+
+void Parameter::offload_master() {
+  if (value.is_cpu()) return;
+  Tensor host = Tensor::empty_pinned(value.shape(), value.dtype());
+  host.copy_from(value);
+  if (reads_f32 || !compute_copy.defined()) device_f32 = value;
+  value = std::move(host);
 }
 
 void Parameter::init_normal(uint64_t seed, float std) {

@@ -26,6 +26,14 @@ struct Parameter {
   /// value (checkpoint load, expert permutation) refreshes it (model::Transformer::
   /// refresh_compute_weights).
   Tensor compute_copy;
+  /// train.offload_optimizer on CUDA (offload_master()): value lives in pinned host memory, and
+  /// this f32 copy of it on the device is what forward and backward read where they read f32
+  /// weights (f32 compute; parameters without a bf16 copy, or reads_f32). Undefined otherwise.
+  /// The offloaded AdamW rewrites it with every update, like compute_copy.
+  Tensor device_f32;
+  /// Its module reads the f32 weights (weights_f32()) even where a bf16 compute copy exists
+  /// (the embedding lookup of a tied table, the f32 routers).
+  bool reads_f32 = false;
   ParamKind kind = ParamKind::dense;
   bool weight_decay = true;  ///< false for norms, biases, temperatures
   int64_t global_rows = 0;   ///< expert params: dim 0 of the unsharded tensor
@@ -36,15 +44,16 @@ struct Parameter {
   bool lazy_zero_grad = false;
   /// grad is logically zero but its memory is stale (zero_grad() deferred the memset).
   bool grad_zero_pending = false;
-  /// grad's dtype while release_grad() has freed it (zero_grad() allocates it again).
+  /// grad's dtype and device while release_grad() has freed it (zero_grad() allocates it again).
   DType released_grad_dtype = DType::f32;
+  Device released_grad_device;
 
   /// Allocates value and a zeroed grad (f32 or bf16) of `shape`.
   static Parameter make(std::string name, Shape shape, ParamKind kind = ParamKind::dense,
                         bool weight_decay = true, DType grad_dtype = DType::f32);
   void zero_grad() {
     if (!grad.defined()) {  // released after the last step: a fresh zeroed gradient
-      grad = Tensor::zeros(value.shape(), released_grad_dtype, value.device());
+      grad = Tensor::zeros(value.shape(), released_grad_dtype, released_grad_device);
       grad_zero_pending = false;
       return;
     }
@@ -66,7 +75,10 @@ struct Parameter {
   /// Frees grad until the next zero_grad() (parallel.zero = 2: once the gradient sync has
   /// reduce-scattered it, this rank keeps only its shard between steps).
   void release_grad() {
-    if (grad.defined()) released_grad_dtype = grad.dtype();
+    if (grad.defined()) {
+      released_grad_dtype = grad.dtype();
+      released_grad_device = grad.device();
+    }
     grad = Tensor();
     grad_zero_pending = false;
   }
@@ -76,10 +88,23 @@ struct Parameter {
   /// inference): AdamW refuses a parameter whose value is not f32.
   void drop_master_weights(DType dtype);
   /// The weight as forward and backward use it: the bf16 copy when there is one, else value.
-  const Tensor& compute() const { return compute_copy.defined() ? compute_copy : value; }
-  Device device() const { return value.device(); }
+  const Tensor& compute() const { return compute_copy.defined() ? compute_copy : weights_f32(); }
+  /// The f32 weights on the device forward and backward run on: device_f32 when value is
+  /// offloaded to the host, else value.
+  const Tensor& weights_f32() const { return device_f32.defined() ? device_f32 : value; }
+  /// The device forward and backward run on (value's, unless offloaded).
+  Device device() const { return grad.defined() ? grad.device() : compute().device(); }
+  /// True when value (the master weights) lives on the host while the parameter computes on a
+  /// device (offload_master()).
+  bool offloaded() const { return value.is_cpu() && !device().is_cpu(); }
   /// Moves value, grad and the compute copy to `device` (copies; a no-op if already there).
+  /// Refused once offloaded.
   void to(Device device);
+  /// train.offload_optimizer: moves value from its CUDA device into pinned host memory; the
+  /// device keeps grad, compute_copy and, where forward reads f32 weights (no compute copy, or
+  /// reads_f32), an f32 copy in device_f32. A no-op on the CPU, where value is already in host
+  /// memory.
+  void offload_master();
   /// value ~ N(0, std^2) from (seed, name, global element index): the same numbers however the
   /// parameter is sharded.
   void init_normal(uint64_t seed, float std);

@@ -22,12 +22,18 @@ int64_t shape_numel(const Shape& shape) {
   return n;
 }
 
-Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
-  data_ = allocator_for(device).allocate(bytes);
+Storage::Storage(size_t bytes, Device device)
+    : bytes_(bytes), device_(device), allocator_(&allocator_for(device)) {
+  data_ = allocator_->allocate(bytes);
+}
+
+Storage::Storage(size_t bytes, Allocator& allocator)
+    : bytes_(bytes), device_(Device::cpu()), allocator_(&allocator) {
+  data_ = allocator_->allocate(bytes);
 }
 
 Storage::~Storage() {
-  allocator_for(device_).deallocate(data_, bytes_);
+  allocator_->deallocate(data_, bytes_);
 }
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
@@ -37,6 +43,15 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   t.dtype_ = dtype;
   t.device_ = device;
   t.storage_ = std::make_shared<Storage>(t.nbytes(), device);
+  return t;
+}
+
+Tensor Tensor::empty_pinned(Shape shape, DType dtype) {
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(t.nbytes(), backend::pinned_host_allocator());
   return t;
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "xmoe/core/allocator.h"
 #include "xmoe/core/device.h"
 #include "xmoe/core/dtype.h"
 #include "xmoe/core/error.h"
@@ -23,6 +24,8 @@ int64_t shape_numel(const Shape& shape);
 class Storage {
  public:
   Storage(size_t bytes, Device device);
+  /// Host bytes from `allocator` (e.g. the pinned host allocator), freed through it.
+  Storage(size_t bytes, Allocator& allocator);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -35,6 +38,7 @@ class Storage {
   void* data_ = nullptr;
   size_t bytes_ = 0;
   Device device_;
+  Allocator* allocator_ = nullptr;
 };
 
 class Tensor {
@@ -43,6 +47,10 @@ class Tensor {
 
   static Tensor empty(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
   static Tensor zeros(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
+  /// Uninitialised host tensor in pinned (page-locked) memory, counted by the pinned host
+  /// allocator (core/device_api.h): copies to and from a CUDA device overlap other work. Needs
+  /// CUDA.
+  static Tensor empty_pinned(Shape shape, DType dtype = DType::f32);
   static Tensor full(Shape shape, float value, Device device = Device::cpu());
   /// Copies host values into a new tensor on `device`.
   template <typename T>

@@ -13,7 +13,7 @@ RMSNorm::RMSNorm(std::string name, int64_t d, float eps)
 
 Tensor RMSNorm::forward(const Tensor& x) {
   ProfileScope scope("norm.fwd", x.device());
-  auto r = ops::rmsnorm(x, weight_.value, eps_);
+  auto r = ops::rmsnorm(x, weight_.weights_f32(), eps_);
   x_ = x;
   rstd_ = r.rstd;
   return r.y;
@@ -22,7 +22,7 @@ Tensor RMSNorm::forward(const Tensor& x) {
 Tensor RMSNorm::backward(const Tensor& dy) {
   XMOE_CHECK(x_.defined(), "[rmsnorm] {}: backward without a forward", weight_.name);
   ProfileScope scope("norm.bwd", dy.device());
-  Tensor dx = ops::rmsnorm_backward(x_, weight_.value, rstd_, dy, weight_.grad);
+  Tensor dx = ops::rmsnorm_backward(x_, weight_.weights_f32(), rstd_, dy, weight_.grad);
   x_ = Tensor();
   rstd_ = Tensor();
   return dx;

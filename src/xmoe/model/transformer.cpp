@@ -184,6 +184,10 @@ void Transformer::to(Device device) {
              "[transformer] cannot move a bf16-compute model to {}: the CPU computes in f32",
              device.str());
   if (device == device_) return;
+  XMOE_CHECK(!offloaded_,
+             "[transformer] cannot move a model whose master weights are offloaded to the host "
+             "(train.offload_optimizer) to {}",
+             device.str());
   release();
   for (Parameter* p : parameters()) p->to(device);
   *rope_ = ops::rope_tables(rope_->max_seq_len, rope_->head_dim, rope_->theta, device);
@@ -205,6 +209,9 @@ void Transformer::set_compute_dtype(DType dtype) {
              "[transformer] compute dtype bf16 needs the model on a CUDA device (it is on {}); "
              "call to(cuda) first",
              device_.str());
+  XMOE_CHECK(!offloaded_,
+             "[transformer] set the compute dtype before offloading the master weights "
+             "(train.offload_optimizer)");
   release();
   compute_ = dtype;
   for (auto& b : blocks_) b->set_compute_dtype(dtype);
@@ -218,9 +225,21 @@ void Transformer::set_compute_dtype(DType dtype) {
   }
 }
 
+void Transformer::offload_master_weights() {
+  if (device_.is_cpu() || offloaded_) return;
+  for (Parameter* p : parameters()) p->offload_master();
+  offloaded_ = true;
+}
+
 void Transformer::refresh_compute_weights() {
-  for (Parameter* p : parameters())
-    if (p->compute_copy.defined()) p->compute_copy = ops::cast(p->value, p->compute_copy.dtype());
+  for (Parameter* p : parameters()) {
+    if (p->device_f32.defined()) p->device_f32.copy_from(p->value);
+    if (!p->compute_copy.defined()) continue;
+    // Cast on the device, as without offload: the same bf16 bits.
+    const Tensor& f32 =
+        p->offloaded() && !p->device_f32.defined() ? p->value.to(device_) : p->weights_f32();
+    p->compute_copy = ops::cast(f32, p->compute_copy.dtype());
+  }
 }
 
 int64_t Transformer::num_parameters() {

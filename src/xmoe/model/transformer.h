@@ -85,8 +85,16 @@ class Transformer : public Module {
   /// statistics and the loss stay f32.
   void set_compute_dtype(DType dtype);
   DType compute_dtype() const { return compute_; }
-  /// Re-casts the bf16 copies from the f32 master weights: after anything other than AdamW
-  /// wrote parameter values (checkpoint load, expert permutation). A no-op in f32.
+  /// train.offload_optimizer on CUDA (docs/training.md, "Optimizer offload"): every parameter's
+  /// f32 master weights move to pinned host memory (Parameter::offload_master); the device
+  /// keeps the gradients, the bf16 copies and an f32 copy only where forward reads f32 (f32
+  /// compute: every parameter). After to() and set_compute_dtype(), which it then refuses. A
+  /// no-op on the CPU.
+  void offload_master_weights();
+  bool master_offloaded() const { return offloaded_; }
+  /// Re-casts the bf16 copies (and, offloaded, the device's f32 copies) from the f32 master
+  /// weights: after anything other than AdamW wrote parameter values (checkpoint load, expert
+  /// permutation). A no-op in f32 without offload.
   void refresh_compute_weights();
 
   const ModelConfig& config() const { return cfg_; }
@@ -106,6 +114,7 @@ class Transformer : public Module {
   std::unique_ptr<Parameter> lm_head_;
   Device device_ = Device::cpu();
   DType compute_ = DType::f32;
+  bool offloaded_ = false;
 
   // Saved by forward / forward_loss.
   int64_t batch_ = 0, seq_ = 0;

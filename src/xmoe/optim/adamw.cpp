@@ -9,7 +9,13 @@
 namespace xmoe::optim {
 
 AdamWConfig AdamWConfig::from(const TrainConfig& t) {
-  return {t.beta1, t.beta2, t.adam_eps, t.weight_decay};
+  AdamWConfig c;
+  c.beta1 = t.beta1;
+  c.beta2 = t.beta2;
+  c.eps = t.adam_eps;
+  c.weight_decay = t.weight_decay;
+  c.offload = t.offload_optimizer;
+  return c;
 }
 
 namespace {
@@ -35,8 +41,22 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
   XMOE_CHECK(cfg.beta2 >= 0 && cfg.beta2 < 1, "[adamw] beta2 = {} must be in [0, 1)", cfg.beta2);
   XMOE_CHECK(cfg.eps > 0, "[adamw] eps = {} must be positive", cfg.eps);
   XMOE_CHECK(cfg.weight_decay >= 0, "[adamw] weight_decay = {} must be >= 0", cfg.weight_decay);
+  XMOE_CHECK(cfg.offload_group_numel > 0, "[adamw] offload_group_numel = {} must be positive",
+             cfg.offload_group_numel);
   std::set<std::string> names;
-  if (!pieces_.empty() && pieces_[0].param) device_ = pieces_[0].param->value.device();
+  if (!pieces_.empty() && pieces_[0].param) {
+    const AdamWPiece& first = pieces_[0];
+    // Offloaded, the values live on the host and the gradients on the compute device.
+    compute_device_ = first.grad.defined() ? first.grad.device() : first.param->device();
+    device_ = cfg.offload ? Device::cpu() : first.param->value.device();
+  }
+  const bool pinned = cfg.offload && compute_device_.is_cuda();
+  auto host_zeros = [&](const Shape& shape, DType dtype) {
+    if (!pinned) return Tensor::zeros(shape, dtype);
+    Tensor t = Tensor::empty_pinned(shape, dtype);
+    t.zero_();
+    return t;
+  };
   for (AdamWPiece& piece : pieces_) {
     Parameter* p = piece.param;
     XMOE_CHECK(p && p->value.defined(), "[adamw] undefined parameter");
@@ -48,26 +68,49 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
                "[adamw] {}: value must be f32 (master weights) and grad f32 or bf16, got {} and "
                "{}",
                p->name, p->value.str(), p->grad.str());
-    XMOE_CHECK(p->value.device() == device_ && p->grad.device() == device_,
-               "[adamw] {} is on {} (grad on {}) but the first parameter is on {}: all parameters "
-               "of an optimizer must be on one device",
-               p->name, p->value.device().str(), p->grad.device().str(), device_.str());
+    XMOE_CHECK(p->value.device() == device_ && p->grad.device() == compute_device_,
+               "[adamw] {} is on {} (grad on {}) but the first parameter is on {} (grad on {}): "
+               "all parameters of an optimizer must be on one device{}",
+               p->name, p->value.device().str(), p->grad.device().str(), device_.str(),
+               compute_device_.str(),
+               cfg.offload ? " (offloaded: values on the host, the first grad's device)" : "");
     const int64_t n = p->value.numel();
     if (piece.count < 0) piece.count = n;
     XMOE_CHECK(piece.offset >= 0 && piece.count >= 0 && piece.offset + piece.count <= n,
                "[adamw] {}: piece [{}, {}) outside its {} elements", p->name, piece.offset,
                piece.offset + piece.count, n);
     if (piece.grad.defined())
-      XMOE_CHECK(piece.grad.numel() == piece.count && piece.grad.device() == device_ &&
+      XMOE_CHECK(piece.grad.numel() == piece.count && piece.grad.device() == compute_device_ &&
                      (piece.grad.dtype() == DType::f32 || piece.grad.dtype() == DType::bf16),
                  "[adamw] {}: the piece's grad is {}, expected {} f32 or bf16 values on {}",
-                 p->name, piece.grad.str(), piece.count, device_.str());
+                 p->name, piece.grad.str(), piece.count, compute_device_.str());
     // A whole piece keeps the parameter's shape (the exported state's); a part is flat.
     const Shape shape = piece.whole() ? p->value.shape() : Shape{piece.count};
     sharded_ = sharded_ || !piece.whole();
-    m_.push_back(Tensor::zeros(shape, DType::f32, device_));
-    v_.push_back(Tensor::zeros(shape, DType::f32, device_));
+    m_.push_back(cfg.offload ? host_zeros(shape, DType::f32)
+                             : Tensor::zeros(shape, DType::f32, device_));
+    v_.push_back(cfg.offload ? host_zeros(shape, DType::f32)
+                             : Tensor::zeros(shape, DType::f32, device_));
+    if (!cfg.offload) continue;
+    // The host buffers this piece's gradient and bf16 copy travel through.
+    const DType grad_dtype = piece.grad.defined() ? piece.grad.dtype() : p->grad.dtype();
+    grad_host_.push_back(pinned ? Tensor::empty_pinned({piece.count}, grad_dtype)
+                                : Tensor::empty({piece.count}, grad_dtype));
+    bf16_host_.push_back(!p->compute_copy.defined() ? Tensor()
+                         : pinned ? Tensor::empty_pinned({piece.count}, DType::bf16)
+                                  : Tensor::empty({piece.count}, DType::bf16));
   }
+  if (!cfg.offload) return;
+  for (size_t i = 0, numel = 0; i < pieces_.size(); ++i) {
+    if (groups_.empty() || numel >= static_cast<size_t>(cfg.offload_group_numel)) {
+      groups_.emplace_back(i, i);
+      numel = 0;
+    }
+    groups_.back().second = i + 1;
+    numel += static_cast<size_t>(pieces_[i].count);
+  }
+  to_host_ = std::make_unique<CopyQueue>(compute_device_);
+  to_device_ = std::make_unique<CopyQueue>(compute_device_);
 }
 
 int64_t AdamW::state_bytes() const {
@@ -77,8 +120,31 @@ int64_t AdamW::state_bytes() const {
   return bytes;
 }
 
+int64_t AdamW::staging_bytes() const {
+  int64_t bytes = 0;
+  for (size_t i = 0; i < grad_host_.size(); ++i)
+    bytes += static_cast<int64_t>(grad_host_[i].nbytes() + bf16_host_[i].nbytes());
+  return bytes;
+}
+
+Tensor AdamW::piece_grad(size_t i) const {
+  const AdamWPiece& piece = pieces_[i];
+  if (piece.grad.defined()) return piece.grad;
+  const Tensor& g = piece.param->grad;
+  return piece.whole() ? g : flat(g).rows(piece.offset, piece.offset + piece.count);
+}
+
+ops::AdamWTensors AdamW::piece_tensors(size_t i, const Tensor& grad,
+                                       const Tensor& param_bf16) const {
+  const AdamWPiece& piece = pieces_[i];
+  const Parameter& p = *piece.param;
+  const Tensor value =
+      piece.whole() ? p.value : flat(p.value).rows(piece.offset, piece.offset + piece.count);
+  return {value, grad, m_[i], v_[i], param_bf16, p.weight_decay};
+}
+
 void AdamW::step(float lr, float grad_scale) {
-  ProfileScope scope("optim.adamw", device_);
+  ProfileScope scope(cfg_.offload ? "optim.adamw_offload" : "optim.adamw", compute_device_);
   settle_grads(params_);
   ++step_;
   const double t = static_cast<double>(step_);
@@ -91,33 +157,69 @@ void AdamW::step(float lr, float grad_scale) {
   s.bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg_.beta1), t));
   s.bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg_.beta2), t));
   s.grad_scale = grad_scale;
-  // One update of every parameter: on CUDA one fused multi-tensor kernel (a launch per 48
-  // tensors), the CPU loop's formula in its operation order; bf16 copies rewritten in passing.
-  std::vector<ops::AdamWTensors> list;
-  list.reserve(params_.size());
-  for (size_t i = 0; i < pieces_.size(); ++i) {
-    const AdamWPiece& piece = pieces_[i];
-    Parameter& p = *piece.param;
+  for (const AdamWPiece& piece : pieces_) {
+    const Parameter& p = *piece.param;
     // A piece with its own gradient (a zero 2 shard) may have released the parameter's.
-    XMOE_CHECK(p.value.device() == device_ && (!p.grad.defined() || p.grad.device() == device_),
-               "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
-               p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str());
+    XMOE_CHECK(
+        p.value.device() == device_ && (!p.grad.defined() || p.grad.device() == compute_device_),
+        "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
+        p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str());
     if (p.compute_copy.defined())
-      XMOE_CHECK(p.compute_copy.dtype() == DType::bf16 && p.compute_copy.device() == device_ &&
+      XMOE_CHECK(p.compute_copy.dtype() == DType::bf16 &&
+                     p.compute_copy.device() == compute_device_ &&
                      p.compute_copy.numel() == p.value.numel(),
                  "[adamw] {}: compute copy {} does not match value {}", p.name,
                  p.compute_copy.str(), p.value.str());
-    if (piece.whole()) {
-      list.push_back({p.value, p.grad, m_[i], v_[i], p.compute_copy, p.weight_decay});
-      continue;
-    }
-    const int64_t a = piece.offset, b = piece.offset + piece.count;
-    list.push_back({flat(p.value).rows(a, b),
-                    piece.grad.defined() ? piece.grad : flat(p.grad).rows(a, b), m_[i], v_[i],
-                    p.compute_copy.defined() ? flat(p.compute_copy).rows(a, b) : Tensor(),
-                    p.weight_decay});
+  }
+  if (cfg_.offload) {
+    step_offloaded(s);
+    return;
+  }
+  // One update of every parameter: on CUDA one fused multi-tensor kernel (a launch per 48
+  // tensors), the CPU loop's formula in its operation order; bf16 copies rewritten in passing.
+  std::vector<ops::AdamWTensors> list;
+  list.reserve(pieces_.size());
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const AdamWPiece& piece = pieces_[i];
+    const Tensor& copy = piece.param->compute_copy;
+    list.push_back(piece_tensors(i, piece_grad(i),
+                                 !copy.defined() || piece.whole()
+                                     ? copy
+                                     : flat(copy).rows(piece.offset, piece.offset + piece.count)));
   }
   ops::adamw_step(list, s);
+}
+
+void AdamW::step_offloaded(const ops::AdamWStep& s) {
+  // Both queues start after the device's queued work: the gradients are final, and nothing
+  // queued still reads the weights the updates overwrite.
+  to_host_->after_compute();
+  to_device_->after_compute();
+  auto send_grads = [&](size_t g) {
+    for (size_t i = groups_[g].first; i < groups_[g].second; ++i)
+      to_host_->copy(grad_host_[i], flat(piece_grad(i)));
+    return to_host_->mark();
+  };
+  std::vector<int> arrived(groups_.size());
+  if (!groups_.empty()) arrived[0] = send_grads(0);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (g + 1 < groups_.size()) arrived[g + 1] = send_grads(g + 1);
+    to_host_->host_wait(arrived[g]);
+    const auto [begin, end] = groups_[g];
+    std::vector<ops::AdamWTensors> list;
+    for (size_t i = begin; i < end; ++i)
+      list.push_back(piece_tensors(i, grad_host_[i], bf16_host_[i]));
+    ops::adamw_step(list, s);  // host tensors: the CPU kernel, OpenMP over each tensor
+    for (size_t i = begin; i < end; ++i) {
+      const AdamWPiece& piece = pieces_[i];
+      const Parameter& p = *piece.param;
+      const int64_t a = piece.offset, b = piece.offset + piece.count;
+      if (bf16_host_[i].defined()) to_device_->copy(flat(p.compute_copy).rows(a, b), bf16_host_[i]);
+      if (p.device_f32.defined())
+        to_device_->copy(flat(p.device_f32).rows(a, b), flat(p.value).rows(a, b));
+    }
+  }
+  to_device_->compute_waits();
 }
 
 void AdamW::zero_grad() {

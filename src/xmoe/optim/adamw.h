@@ -5,12 +5,15 @@
 //   p <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "xmoe/config/config.h"
+#include "xmoe/core/copy_queue.h"
 #include "xmoe/core/parameter.h"
+#include "xmoe/ops/optim.h"
 #include "xmoe/optim/clip.h"  // clip_grad_norm, grads_finite: used with every step
 
 namespace xmoe::optim {
@@ -20,7 +23,14 @@ struct AdamWConfig {
   float beta2 = 0.95f;
   float eps = 1e-8f;
   float weight_decay = 0.1f;
-  /// train.beta1, train.beta2, train.adam_eps, train.weight_decay.
+  /// train.offload_optimizer: the update runs on the host (docs/training.md, "Optimizer
+  /// offload"); the parameters' values must be host tensors (model::Transformer::
+  /// offload_master_weights on CUDA).
+  bool offload = false;
+  /// Offload: elements per group of the pipeline that copies gradients to the host, updates
+  /// and copies the weights back (group i+1's gradients travel while group i updates).
+  int64_t offload_group_numel = int64_t{16} << 20;
+  /// train.beta1, train.beta2, train.adam_eps, train.weight_decay, train.offload_optimizer.
   static AdamWConfig from(const TrainConfig& t);
 };
 
@@ -58,6 +68,14 @@ class AdamW {
   /// ops::adamw_step: on CUDA a fused multi-tensor kernel, the CPU's formula in the CPU's
   /// operation order, which also rewrites each parameter's bf16 compute copy; nothing waits
   /// for the device.
+  ///
+  /// Offloaded (AdamWConfig::offload): m, v and the master weights are host tensors (pinned
+  /// when the gradients are on a CUDA device); group by group, the gradients are copied to host
+  /// buffers on a copy stream, updated by the CPU kernel of ops::adamw_step (OpenMP), and the
+  /// updated bf16 copies (and f32 device copies) copied back on another, so the copies of group
+  /// i+1 and i-1 overlap the update of group i. The device's next work waits for the last copy
+  /// (on the device; the host does not wait). The same code runs on the CPU, with host copies:
+  /// the same bits as without offload.
   void step(float lr, float grad_scale = 1.0f);
   /// Zeroes every parameter's grad.
   void zero_grad();
@@ -70,10 +88,13 @@ class AdamW {
   const std::vector<AdamWPiece>& pieces() const { return pieces_; }
   /// True when some piece is a part of its parameter (the moments are sharded).
   bool sharded() const { return sharded_; }
-  /// Bytes of m and v held here (what ZeRO divides).
-  /// Device of the parameters and of m, v (all on one device).
+  /// Device of the parameters' values and of m, v (all on one device; the CPU when offloaded).
   Device device() const { return device_; }
+  /// Bytes of m and v held here (what ZeRO divides).
   int64_t state_bytes() const;
+  bool offloaded() const { return cfg_.offload; }
+  /// Offload: bytes of the host buffers the gradients and bf16 copies travel through.
+  int64_t staging_bytes() const;
   /// First / second moment of piece i.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
@@ -91,6 +112,13 @@ class AdamW {
   void import_state(const std::map<std::string, Tensor>& in);
 
  private:
+  /// Piece i's gradient where backward (or the gradient sync) left it: its own, or its range
+  /// of param->grad.
+  Tensor piece_grad(size_t i) const;
+  /// Piece i's tensors for ops::adamw_step reading the gradient `grad`.
+  ops::AdamWTensors piece_tensors(size_t i, const Tensor& grad, const Tensor& param_bf16) const;
+  void step_offloaded(const ops::AdamWStep& s);
+
   std::vector<AdamWPiece> pieces_;
   std::vector<Parameter*> params_;
   bool sharded_ = false;
@@ -98,6 +126,12 @@ class AdamW {
   Device device_ = Device::cpu();
   std::vector<Tensor> m_, v_;
   int64_t step_ = 0;
+  // Offload: the device of the gradients, groups of pieces [begin, end), per piece the host
+  // buffers of its gradient and of its bf16 copy (undefined without one), the two copy queues.
+  Device compute_device_ = Device::cpu();
+  std::vector<std::pair<size_t, size_t>> groups_;
+  std::vector<Tensor> grad_host_, bf16_host_;
+  std::unique_ptr<CopyQueue> to_host_, to_device_;
 };
 
 }  // namespace xmoe::optim

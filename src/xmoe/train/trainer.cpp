@@ -266,6 +266,9 @@ class Run {
     model_ = std::make_unique<model::Transformer>(config_.model, tc_.seed, &layout_);
     model_->to(device_);
     model_->set_compute_dtype(compute_dtype(tc_, device_));
+    // train.offload_optimizer: the master weights go to pinned host memory (on the CPU they are
+    // there already); AdamWConfig::from(tc_) makes the optimizer update them on the host.
+    if (tc_.offload_optimizer) model_->offload_master_weights();
     params_ = model_->parameters();
     moe_layers_ = model_->moe_layers();
     // parallel.zero >= 1: AdamW holds moments only for the pieces of the buckets' shards this
@@ -277,6 +280,7 @@ class Run {
       pieces.emplace_back(p.param, p.offset, p.count, p.grad);
     opt_ = std::make_unique<optim::AdamW>(pieces, optim::AdamWConfig::from(tc_));
     result.optimizer_bytes = opt_->state_bytes();
+    result.offload_staging_bytes = opt_->staging_bytes();
     schedule_.emplace(optim::LrSchedule::from(tc_));
     tokens_per_step_ =
         static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum * layout_.world_size;
@@ -485,6 +489,12 @@ TrainResult train(const Config& config, const TrainOptions& options) {
              "[train] parallel.zero = {} is not yet on CUDA (train.device = {}): ZeRO sharding "
              "runs on CPU ranks over MPI; use parallel.zero = 0 on CUDA",
              config.parallel.zero, tc.device);
+  XMOE_CHECK(!tc.offload_optimizer || parse_device(tc.device).is_cpu() ||
+                 config.parallel.expert_placement == "none",
+             "[train] train.offload_optimizer with train.device = {}: parallel.expert_placement = "
+             "{} would permute host master weights over a device (NCCL) group; use "
+             "parallel.expert_placement = none",
+             tc.device, config.parallel.expert_placement);
   XMOE_CHECK(!(options.resume && options.overwrite),
              "[train] --resume continues the run in {} and --overwrite deletes it: give one",
              tc.out_dir);

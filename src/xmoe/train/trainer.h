@@ -55,6 +55,9 @@ struct TrainResult {
   /// what was live before the run built its model.
   int64_t peak_step_bytes = 0;
   int64_t steady_bytes = 0;
+  /// train.offload_optimizer: host bytes the gradients and bf16 copies travel through between
+  /// the device and the host update (0 without offload)
+  int64_t offload_staging_bytes = 0;
 };
 
 /// Trains `config` (already validated; for a resume, train::resume_config's). Prepares the

@@ -268,6 +268,29 @@ CachingAllocator& caching_allocator(int device) {
 
 }  // namespace
 
+/// Page-locked host memory straight from cudaHostAlloc (no cache: the offloaded optimizer
+/// allocates its buffers once). Portable: usable with every device of the process.
+class PinnedHostAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* ptr = nullptr;
+    const cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      XMOE_FAIL("[pinned allocator] cudaHostAlloc of {} bytes failed ({}): {} pinned bytes live",
+                bytes, cudaGetErrorString(status), stats().live_bytes);
+    }
+    record_alloc(bytes);
+    return ptr;
+  }
+  void deallocate(void* ptr, size_t bytes) override {
+    if (!ptr) return;
+    cudaFreeHost(ptr);
+    record_free(bytes);
+  }
+};
+
 CacheStats cache_stats(int device) {
   return caching_allocator(device).cache_stats();
 }
@@ -314,6 +337,60 @@ void fill_zero(void* dst, size_t bytes, Device device) {
     return;
   }
   CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cuda::activate(device.index)));
+}
+
+Allocator& pinned_host_allocator() {
+  static auto* allocator = new cuda::PinnedHostAllocator();  // leaked: see caching_allocator
+  return *allocator;
+}
+
+void* create_copy_stream(int device) {
+  cuda::check_device(device);
+  cuda::DeviceScope scope(device);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return stream;
+}
+
+void destroy_copy_stream(int device, void* stream) {
+  if (!stream) return;
+  cuda::DeviceScope scope(device);
+  cudaStreamSynchronize(static_cast<cudaStream_t>(stream));  // no throw: a destructor path
+  cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device,
+                      size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  const int device = dst_device.is_cuda() ? dst_device.index : src_device.index;
+  cuda::activate(device);
+  CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+}
+
+void* create_event(int device) {
+  cuda::DeviceScope scope(device);
+  cudaEvent_t event = nullptr;
+  CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return event;
+}
+
+void destroy_event(void* event) {
+  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+void record_event(void* event, int device, void* stream) {
+  const cuda::Stream s = stream ? static_cast<cuda::Stream>(stream) : cuda::activate(device);
+  CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), s));
+}
+
+void stream_wait_event(int device, void* stream, void* event) {
+  const cuda::Stream s = stream ? static_cast<cuda::Stream>(stream) : cuda::activate(device);
+  CUDA_CHECK(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(event), 0));
+}
+
+void host_wait_event(void* event) {
+  CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
 }
 
 void synchronize(Device device) {

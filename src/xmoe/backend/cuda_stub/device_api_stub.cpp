@@ -34,4 +34,34 @@ void fill_zero(void* dst, size_t bytes, Device device) {
 
 void synchronize(Device) {}
 
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  XMOE_FAIL("[device] {} needs CUDA, but this xmoe was built without CUDA (XMOE_CUDA=OFF)", what);
+}
+}  // namespace
+
+Allocator& pinned_host_allocator() {
+  no_cuda("pinned host memory");
+}
+void* create_copy_stream(int) {
+  no_cuda("a copy stream");
+}
+void destroy_copy_stream(int, void*) {}
+void copy_bytes_async(void*, Device, const void*, Device, size_t, void*) {
+  no_cuda("an asynchronous copy");
+}
+void* create_event(int) {
+  no_cuda("an event");
+}
+void destroy_event(void*) {}
+void record_event(void*, int, void*) {
+  no_cuda("an event");
+}
+void stream_wait_event(int, void*, void*) {
+  no_cuda("an event");
+}
+void host_wait_event(void*) {
+  no_cuda("an event");
+}
+
 }  // namespace xmoe::backend

@@ -10,6 +10,7 @@ LinearRouter::LinearRouter(const GateArgs& a)
       bf16_(a.config.router_dtype == "bf16") {
   XMOE_CHECK(a.config.router_dtype == "f32" || bf16_,
              "[moe] moe.router_dtype = \"{}\" is not f32 or bf16", a.config.router_dtype);
+  weight_.reads_f32 = !bf16_;  // an f32 router reads the f32 weights, not the bf16 copy
   weight_.init_normal(a.seed, a.init_std);
 }
 
@@ -23,7 +24,7 @@ Tensor LinearRouter::operand(const Tensor& t) const {
 Tensor LinearRouter::weight_operand() const {
   const Tensor& copy = weight_.compute_copy;  // bf16, rewritten by AdamW with every update
   if (bf16_ && copy.defined() && !copy.is_cpu()) return copy;
-  return operand(weight_.value);
+  return operand(weight_.weights_f32());
 }
 
 Tensor LinearRouter::forward(const Tensor& x) {

@@ -31,8 +31,10 @@ class XmoeGate final : public Gate {
                cfg_.router_temperature);
     const int64_t r = cfg_.router_dim;
     proj_ = Parameter::make(prefix_ + ".router.weight", {d_model_, r});
+    proj_.reads_f32 = true;  // the cosine router runs in f32
     proj_.init_normal(a.seed, a.init_std);
     emb_ = Parameter::make(prefix_ + ".router.expert_embeddings", {r, num_experts_});
+    emb_.reads_f32 = true;
     emb_.init_normal(a.seed, a.init_std);
     temp_ = Parameter::make(prefix_ + ".router.temperature", {1}, ParamKind::dense, false);
     temp_.init_constant(cfg_.router_temperature);
@@ -42,19 +44,20 @@ class XmoeGate final : public Gate {
     check_forward_args(x, seq_len, fixed_idx);
     x_ = x;  // bf16 activations are cast again in backward: no f32 copy kept
     zn_ = xmoe::ops::l2_normalize_rows(
-        xmoe::ops::matmul(xmoe::ops::as_dtype(x, DType::f32), proj_.value));  // [T, r]
-    en_ = xmoe::ops::l2_normalize_rows(xmoe::ops::transpose(emb_.value));     // [E, r]
-    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                      // [T, E]
+        xmoe::ops::matmul(xmoe::ops::as_dtype(x, DType::f32), proj_.weights_f32()));  // [T, r]
+    en_ = xmoe::ops::l2_normalize_rows(xmoe::ops::transpose(emb_.weights_f32()));     // [E, r]
+    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                              // [T, E]
     // On CUDA the temperature is read on the device: no wait for its value.
-    Tensor logits = xmoe::ops::moe_div_temperature(cos_, temp_.value, kMinTemperature);
+    Tensor logits = xmoe::ops::moe_div_temperature(cos_, temp_.weights_f32(), kMinTemperature);
     return routing_.forward(logits, seq_len, fixed_idx, world_.get());
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
     Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);  // [T, E]
     // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
-    xmoe::ops::moe_temperature_grad(temp_.grad, dlogits, cos_, temp_.value, kMinTemperature);
-    Tensor dcos = xmoe::ops::moe_div_temperature(dlogits, temp_.value, kMinTemperature);
+    xmoe::ops::moe_temperature_grad(temp_.grad, dlogits, cos_, temp_.weights_f32(),
+                                    kMinTemperature);
+    Tensor dcos = xmoe::ops::moe_div_temperature(dlogits, temp_.weights_f32(), kMinTemperature);
     Tensor dzn = xmoe::ops::matmul(dcos, en_.y);               // [T, r]
     Tensor den = xmoe::ops::matmul(dcos, zn_.y, true, false);  // [E, r]
     Tensor demb = xmoe::ops::transpose(
@@ -63,7 +66,7 @@ class XmoeGate final : public Gate {
     Tensor dz = xmoe::ops::l2_normalize_rows_backward(zn_.y, zn_.norm, dzn);  // [T, r]
     xmoe::ops::matmul_into(proj_.grad, xmoe::ops::as_dtype(x_, DType::f32), dz, true, false, 1.f,
                            1.f);
-    return xmoe::ops::matmul(dz, proj_.value, false, true);
+    return xmoe::ops::matmul(dz, proj_.weights_f32(), false, true);
   }
 
   void collect_parameters(std::vector<Parameter*>& out) override {
