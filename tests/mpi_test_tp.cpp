@@ -62,10 +62,10 @@ struct TpLayout {
 std::vector<TpLayout> layouts(int n) {
   if (n == 2) return {{2, 1, true}, {2, 1, false}, {2, 2, true, 2}};
   if (n == 4)
-    return {{2, 1, true},         // tp 2 × dp 2
-            {2, 2, true},         // ep 2 over the world (SSMB)
-            {2, 2, false, 1},     // ep 2 over the tp-replica group, zero 1
-            {4, 1, true},  {4, 1, false}, {4, 4, true, 2}};
+    return {{2, 1, true},      // tp 2 × dp 2
+            {2, 2, true},      // ep 2 over the world (SSMB)
+            {2, 2, false, 1},  // ep 2 over the tp-replica group, zero 1
+            {4, 1, true},     {4, 1, false}, {4, 4, true, 2}};
   return {};
 }
 
@@ -81,10 +81,9 @@ Config with_layout(Config c, const TpLayout& l) {
 /// The one-process run of the same global batch: world / tp micro-batches of B.
 train::TrainResult reference(const Config& c, const fs::path& root, int tp,
                              const std::string& tag) {
-  return run_training(
-      xmoe::testing::one_process(c, world()->size() / tp),
-      (root / ("ref-" + tag + "-rank" + std::to_string(world()->rank()))).string(),
-      comm::make_single_group());
+  return run_training(xmoe::testing::one_process(c, world()->size() / tp),
+                      (root / ("ref-" + tag + "-rank" + std::to_string(world()->rank()))).string(),
+                      comm::make_single_group());
 }
 
 /// Deterministic token ids [b, s] below `vocab`, the same on every rank.
@@ -107,8 +106,8 @@ void expect_close(const Tensor& got, const Tensor& ref, const std::string& what)
     diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - b[i]));
     scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
   }
-  EXPECT_LE(diff, 2e-5 * scale + 1e-8) << what << ": max |diff| " << diff << ", max |ref| "
-                                       << scale;
+  EXPECT_LE(diff, 2e-5 * scale + 1e-8)
+      << what << ": max |diff| " << diff << ", max |ref| " << scale;
 }
 
 }  // namespace
@@ -148,9 +147,8 @@ TEST(TensorParallel, GradientsMatchOneProcess) {
     ModelConfig mc = m;
     mc.moe.dispatch = l.ep > 1 ? "all_to_all" : "local";
     const int64_t global_b = b * layout.data_ranks();
-    const Tensor ids = token_ids(global_b, s, m.vocab_size, 1), targets =
-                                                                   token_ids(global_b, s,
-                                                                             m.vocab_size, 2);
+    const Tensor ids = token_ids(global_b, s, m.vocab_size, 1),
+                 targets = token_ids(global_b, s, m.vocab_size, 2);
     model::Transformer ref(m, 7);
     const float ref_loss = ref.forward_loss(ids, targets);
     ref.backward();
@@ -172,8 +170,7 @@ TEST(TensorParallel, GradientsMatchOneProcess) {
       ASSERT_EQ(p.name, rs[i]->name);
       const std::string what = l.tag() + " " + p.name;
       if (p.kind == ParamKind::tensor_shard) {
-        expect_close(parallel::gather_shards(*layout.tp_group, p.grad, p.shard), rs[i]->grad,
-                     what);
+        expect_close(parallel::gather_shards(*layout.tp_group, p.grad, p.shard), rs[i]->grad, what);
       } else if (p.kind == ParamKind::expert) {
         expect_close(p.grad, rs[i]->grad.rows(p.shard.offset, p.shard.offset + p.value.size(0)),
                      what);
@@ -218,13 +215,13 @@ TEST(TensorParallel, ResumesAcrossAChangeOfTp) {
 // an ep that does not divide the MoE layers' ranks, are refused naming the keys.
 TEST(TensorParallel, BadLayoutsAreRefusedNamingTheKey) {
   const int n = world()->size();
-  const std::string e = xmoe::testing::error_of(
-      [&] { parallel::Layout::create(world(), 1, n + 1); });
-  EXPECT_CONTAINS(e, fmt::format("parallel.tp = {} does not divide the number of processes {}",
-                                 n + 1, n));
+  const std::string e =
+      xmoe::testing::error_of([&] { parallel::Layout::create(world(), 1, n + 1); });
+  EXPECT_CONTAINS(
+      e, fmt::format("parallel.tp = {} does not divide the number of processes {}", n + 1, n));
   if (n % 2 == 0 && n > 2) {
-    const std::string ep = xmoe::testing::error_of(
-        [&] { parallel::Layout::create(world(), n, 2, /*ssmb=*/false); });
+    const std::string ep =
+        xmoe::testing::error_of([&] { parallel::Layout::create(world(), n, 2, /*ssmb=*/false); });
     EXPECT_CONTAINS(ep, fmt::format("parallel.ep = {} does not divide the {} ranks", n, n / 2));
     EXPECT_CONTAINS(ep, "parallel.ssmb = false");
   }

@@ -70,9 +70,9 @@ class Attention : public Module {
   Parameter wq_, wk_, wv_, wo_;
   bool recompute_ = false;
   int64_t batch_ = 0, seq_ = 0;  // of the whole (gathered) micro-batch
-  Tensor x_;          // [T, d] (gathered)
-  Tensor q_, k_, v_;  // [B, S, H|Hkv, hd]
-  Tensor a_, lse_;    // [B, S, H, hd], [B, H, S]
+  Tensor x_;                     // [T, d] (gathered)
+  Tensor q_, k_, v_;             // [B, S, H|Hkv, hd]
+  Tensor a_, lse_;               // [B, S, H, hd], [B, H, S]
 };
 
 }  // namespace xmoe::model

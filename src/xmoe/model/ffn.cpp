@@ -19,10 +19,10 @@ DenseFFN::DenseFFN(std::string prefix, int64_t d_model, int64_t hidden, uint64_t
                    float init_std, float out_std, std::shared_ptr<comm::Group> tp)
     : tp_(std::move(tp)),
       // gate_up [d, 2h] seen as [d, 2, h] (gate | up): split along the hidden units.
-      gate_up_(parallel::make_split_parameter(
-          prefix + ".gate_up", {d_model, 2 * hidden},
-          {d_model, 2 * local_hidden(prefix, hidden, tp_.get())}, {d_model, 2, hidden}, 2,
-          tp_.get())),
+      gate_up_(
+          parallel::make_split_parameter(prefix + ".gate_up", {d_model, 2 * hidden},
+                                         {d_model, 2 * local_hidden(prefix, hidden, tp_.get())},
+                                         {d_model, 2, hidden}, 2, tp_.get())),
       down_(parallel::make_split_parameter(prefix + ".down", {hidden, d_model},
                                            {local_hidden(prefix, hidden, tp_.get()), d_model}, {},
                                            0, tp_.get())) {

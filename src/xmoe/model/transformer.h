@@ -110,9 +110,9 @@ class Transformer : public Module {
 
   // Saved by forward / forward_loss.
   int64_t batch_ = 0, seq_ = 0;  // batch_: this rank's sequences
-  Tensor xf_;       // [T, d] final-norm output, input of the LM head
-  Tensor logits_;   // [T, V] (kept by forward_loss until backward)
-  Tensor targets_;  // [T] i32
+  Tensor xf_;                    // [T, d] final-norm output, input of the LM head
+  Tensor logits_;                // [T, V] (kept by forward_loss until backward)
+  Tensor targets_;               // [T] i32
   ops::CrossEntropyResult ce_;
 };
 

@@ -14,9 +14,9 @@ Layout Layout::create(std::shared_ptr<comm::Group> world, int ep, int tp, bool s
   l.tp_rank = l.world_rank % tp;
   const int data_rank = l.world_rank / tp;
   l.tp_group = tp == 1 ? comm::make_single_group() : world->split(data_rank, l.tp_rank);
-  l.tp_replica_group = tp == 1                      ? world
-                       : tp == l.world_size         ? comm::make_single_group()
-                                                    : world->split(l.tp_rank, data_rank);
+  l.tp_replica_group = tp == 1              ? world
+                       : tp == l.world_size ? comm::make_single_group()
+                                            : world->split(l.tp_rank, data_rank);
   l.moe_world = ssmb ? world : l.tp_replica_group;
   const int moe_size = l.moe_world->size(), moe_rank = l.moe_world->rank();
   XMOE_CHECK(ep >= 1 && moe_size % ep == 0,

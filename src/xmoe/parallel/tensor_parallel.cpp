@@ -34,9 +34,8 @@ Tensor gather_shards(comm::Group& tp, const Tensor& shard, const ShardSpec& spec
   XMOE_CHECK(spec.sharded(), "[parallel] gather_shards of a tensor that is not sharded");
   const Tensor host = shard.is_cpu() ? shard : shard.to(Device::cpu());
   const Tensor flat = host.reshape({host.numel()});
-  const Tensor all = tp.size() == 1 ? flat : on_group(tp, flat, [&](const Tensor& t) {
-    return tp.all_gather(t);
-  });
+  const Tensor all =
+      tp.size() == 1 ? flat : on_group(tp, flat, [&](const Tensor& t) { return tp.all_gather(t); });
   Tensor whole = Tensor::empty(spec.whole, host.dtype());
   const int64_t n = host.numel() / (spec.outer() * spec.inner());  // along spec.dim
   for (int t = 0; t < tp.size(); ++t) {

@@ -109,7 +109,9 @@ TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const Tensor
     if (p->kind == ParamKind::tensor_shard) {
       // Whole tensors, so that any tp resumes: every tp group gathers (collective), rank 0
       // writes.
-      auto whole = [&](const Tensor& t) { return parallel::gather_shards(*layout.tp_group, t, p->shard); };
+      auto whole = [&](const Tensor& t) {
+        return parallel::gather_shards(*layout.tp_group, t, p->shard);
+      };
       const Tensor value = whole(p->value);
       std::vector<Tensor> moments;
       for (const char* s : kAdamSuffixes) moments.push_back(whole(opt_state.at(p->name + s)));
