@@ -32,23 +32,21 @@ Tensor own_rows(comm::Group* tp, const Tensor& x) {
 
 Tensor gather_shards(comm::Group& tp, const Tensor& shard, const ShardSpec& spec) {
   XMOE_CHECK(spec.sharded(), "[parallel] gather_shards of a tensor that is not sharded");
-  const Tensor host = shard.is_cpu() ? shard : shard.to(Device::cpu());
-  const Tensor flat = host.reshape({host.numel()});
-  const Tensor all =
+  // Gathered where the group moves tensors (NCCL: on the device), assembled on the host.
+  const Tensor flat = shard.reshape({shard.numel()});
+  Tensor all =
       tp.size() == 1 ? flat : on_group(tp, flat, [&](const Tensor& t) { return tp.all_gather(t); });
-  Tensor whole = Tensor::empty(spec.whole, host.dtype());
-  const int64_t n = host.numel() / (spec.outer() * spec.inner());  // along spec.dim
+  if (!all.is_cpu()) all = all.to(Device::cpu());
+  const int64_t numel = shard.numel();
+  Tensor whole = Tensor::empty(spec.whole, shard.dtype());
+  const int64_t n = numel / (spec.outer() * spec.inner());  // along spec.dim
   for (int t = 0; t < tp.size(); ++t) {
     ShardSpec s = spec;
     s.offset = t * n;
-    place_shard(whole, s, all.rows(t * host.numel(), (t + 1) * host.numel()));
+    place_shard(whole, s, all.rows(t * numel, (t + 1) * numel));
   }
   return whole;
 }
-
-}  // namespace xmoe::parallel
-
-namespace xmoe::parallel {
 
 Parameter make_split_parameter(std::string name, const Shape& whole, const Shape& local,
                                const Shape& view, int dim, comm::Group* tp) {
