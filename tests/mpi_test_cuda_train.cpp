@@ -139,11 +139,11 @@ class CudaNcclTrain : public ::testing::Test {
     return run(c, tag, world_, resume, stop_after);
   }
 
-  /// The one-process run of the same global batch, by every rank for itself: on its own GPU
-  /// (device "cuda") or on the CPU (device "cpu", f32).
+  /// The one-process run of the same global batch (world / tp micro-batches), by every rank for
+  /// itself: on its own GPU (device "cuda") or on the CPU (device "cpu", f32).
   static train::TrainResult reference(const Config& global, const std::string& device,
-                                      const std::string& tag) {
-    Config c = xmoe::testing::one_process(global, world_->size());
+                                      const std::string& tag, int tp = 1) {
+    Config c = xmoe::testing::one_process(global, world_->size() / tp);
     if (device == "cpu") {
       c.train.device = "cpu";
       c.train.dtype = "f32";
@@ -179,6 +179,39 @@ TEST_F(CudaNcclTrain, F32MatchesOneProcessForEveryLayout) {
       expect_close(ref_cpu, got, 0, kF32VsCpu, tag + " vs one-process CPU");
       expect_close_evals(ref_cuda, got, kF32.loss, tag);
       for (const auto& s : got.steps) EXPECT_GT(s.mfu, 0.0) << tag;
+    }
+  }
+}
+
+// Tensor parallelism over NCCL (mpi_test_tp.cpp on the CPU): tp = 2 with and without SSMB, the
+// tp all-gathers (bf16 activations in bf16) and reduce-scatters on the device.
+TEST_F(CudaNcclTrain, TensorParallelFollowsOneProcess) {
+  const int n = world_size();
+  if (n % 2 != 0) GTEST_SKIP() << "tp = 2 needs an even number of GPUs";
+  for (const std::string dtype : {"f32", "bf16"}) {
+    Config c0 = micro_config("softmax_topk", dtype);
+    c0.model.num_heads = 4;
+    c0.model.num_kv_heads = 2;
+    validate(c0);
+    const auto ref_cuda = reference(c0, "cuda", "tp-" + dtype, 2);
+    const auto ref_cpu = reference(c0, "cpu", "tp-" + dtype, 2);
+    for (const bool ssmb : {true, false}) {
+      Config c = c0;
+      c.parallel.tp = 2;
+      c.parallel.ssmb = ssmb;
+      c.parallel.ep = ssmb ? n : n / 2;
+      validate(c);
+      const std::string tag =
+          fmt::format("{}-tp2-ep{}-{}", dtype, c.parallel.ep, ssmb ? "ssmb" : "nossmb");
+      const auto got = run_nccl(c, tag);
+      ASSERT_EQ(got.steps.size(), ref_cuda.steps.size()) << tag;
+      if (dtype == "f32") {
+        expect_close(ref_cuda, got, 0, kF32, tag + " vs one-process CUDA");
+        expect_close(ref_cpu, got, 0, kF32VsCpu, tag + " vs one-process CPU");
+      } else {
+        expect_close(ref_cpu, got, 0, kBf16, tag + " vs one-process CPU");
+        expect_close(ref_cuda, got, 0, kBf16, tag + " vs one-process CUDA bf16");
+      }
     }
   }
 }

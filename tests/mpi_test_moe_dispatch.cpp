@@ -298,7 +298,7 @@ void check_equal_to_one_process(const std::string& gate, int ep, bool skewed) {
       if (pm[i]->kind == ParamKind::expert) {
         // Sum over the replicas of these experts (every ep group contributes its tokens), / W.
         par.dp_group->all_reduce(grad);
-        const int64_t first = pm[i]->row_offset, n = pm[i]->value.size(0);
+        const int64_t first = pm[i]->shard.offset, n = pm[i]->value.size(0);
         EXPECT_EQ(first, par.first_expert(kE));
         ref = ps[i]->grad.rows(first, first + n).clone();
         // The single-process values of this shard are the same numbers (sharding-independent).

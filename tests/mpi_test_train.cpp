@@ -17,6 +17,7 @@
 
 namespace fs = std::filesystem;
 using namespace xmoe;
+using xmoe::testing::expect_same_losses;
 using xmoe::testing::run_training;
 
 namespace {
@@ -41,18 +42,6 @@ train::TrainResult reference(const Config& c, const fs::path& root, const std::s
   return run_training(xmoe::testing::one_process(c, world()->size()),
                       (root / ("ref-" + tag + "-rank" + std::to_string(world()->rank()))).string(),
                       comm::make_single_group());
-}
-
-void expect_same_losses(const train::TrainResult& ref, const train::TrainResult& got,
-                        size_t ref_offset, const std::string& what) {
-  ASSERT_GE(ref.steps.size(), ref_offset + got.steps.size()) << what;
-  for (size_t i = 0; i < got.steps.size(); ++i) {
-    const double a = ref.steps[ref_offset + i].loss, b = got.steps[i].loss;
-    EXPECT_LE(std::fabs(a - b), 1e-5 * std::fabs(a)) << what << " step " << got.steps[i].step;
-    const double na = ref.steps[ref_offset + i].grad_norm, nb = got.steps[i].grad_norm;
-    EXPECT_LE(std::fabs(na - nb), 1e-4 * std::fabs(na))
-        << what << " grad norm, step " << got.steps[i].step;
-  }
 }
 
 /// Per-step losses and gradient norms of two runs of one layout that differ only in

@@ -228,8 +228,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 22 model.moe + 3 data + 22 train + 6 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 22u + 3u + 22u + 6u);
+  // 13 model + 22 model.moe + 3 data + 22 train + 7 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 22u + 3u + 22u + 7u);
 }
 
 TEST(Config, ParameterCounts) {
@@ -406,17 +406,22 @@ TEST(Config, NumbersRefuseGarbageAndOutOfRangeValues) {
   EXPECT_GT(c.train.adam_eps, 0.0f);
 }
 
-TEST(Config, TensorParallelMustBeOne) {
-  Config c;
+TEST(Config, TensorParallelDividesHeadsHiddenAndBatch) {
+  Config c;  // tiny: 4 kv heads, dense hidden 512, batch 16
+  apply_override(c, "parallel.tp=4");
+  EXPECT_NO_THROW(validate(c));
+  EXPECT_TRUE(c.parallel.ssmb);
+  apply_override(c, "parallel.tp=8");
+  EXPECT_CONTAINS(error_of([&] { validate(c); }),
+                  "model.num_kv_heads = 4 is not divisible by parallel.tp = 8");
   apply_override(c, "parallel.tp=2");
+  apply_override(c, "train.batch_size=3");
+  apply_override(c, "model.dense_hidden=511");
   const std::string e = error_of([&] { validate(c); });
-  EXPECT_CONTAINS(e,
-                  "[config] parallel.tp = 2: tensor parallelism is not implemented yet; set "
-                  "parallel.tp = 1");
+  EXPECT_CONTAINS(e, "train.batch_size = 3 is not divisible by parallel.tp = 2");
+  EXPECT_CONTAINS(e, "model.dense_hidden = 511 is not divisible by parallel.tp = 2");
   c.parallel.tp = 0;
   EXPECT_CONTAINS(error_of([&] { validate(c); }), "parallel.tp = 0 is outside [1, inf)");
-  for (const ConfigKeyInfo& k : config_keys())
-    if (k.name == "parallel.tp") {
-      EXPECT_CONTAINS(k.doc, "must be 1 until tensor parallelism");
-    }
+  apply_override(c, "parallel.ssmb=false");
+  EXPECT_FALSE(c.parallel.ssmb);
 }

@@ -598,7 +598,7 @@ TEST(MoeLayer, ParametersAreNamedAndShardable) {
   auto ps = layer.parameters();
   EXPECT_EQ(ps[3]->value.shape(), (Shape{6, 8, 8}));
   EXPECT_EQ(ps[3]->kind, ParamKind::expert);
-  EXPECT_EQ(ps[3]->global_rows, 6);
+  EXPECT_EQ(ps[3]->shard.whole, (Shape{6, 8, 8}));
   EXPECT_EQ(ps[4]->value.shape(), (Shape{6, 4, 8}));
   EXPECT_EQ(ps[5]->value.shape(), (Shape{8, 2 * 2 * 4}));
   EXPECT_EQ(ps[5]->kind, ParamKind::dense);

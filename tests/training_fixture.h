@@ -5,6 +5,7 @@
 // run of the same global batch.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -223,6 +224,20 @@ inline Config one_process(Config c, int world_size) {
   c.train.batch_size *= world_size;
   c.parallel = ParallelConfig{};
   return c;
+}
+
+/// Per-step losses (1e-5 relative) and gradient norms (1e-4) of `got` equal those of `ref` from
+/// step ref_offset on.
+inline void expect_same_losses(const train::TrainResult& ref, const train::TrainResult& got,
+                               size_t ref_offset, const std::string& what) {
+  ASSERT_GE(ref.steps.size(), ref_offset + got.steps.size()) << what;
+  for (size_t i = 0; i < got.steps.size(); ++i) {
+    const double a = ref.steps[ref_offset + i].loss, b = got.steps[i].loss;
+    EXPECT_LE(std::fabs(a - b), 1e-5 * std::fabs(a)) << what << " step " << got.steps[i].step;
+    const double na = ref.steps[ref_offset + i].grad_norm, nb = got.steps[i].grad_norm;
+    EXPECT_LE(std::fabs(na - nb), 1e-4 * std::fabs(na))
+        << what << " grad norm, step " << got.steps[i].step;
+  }
 }
 
 }  // namespace xmoe::testing

@@ -169,8 +169,13 @@ const std::vector<Key>& table() {
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},
-               "tensor-parallel degree; must be 1 until tensor parallelism (of attention and "
-               "dense layers, with SSMB) lands"),
+               "tensor-parallel degree: attention heads and dense FFN columns split over tp "
+               "consecutive ranks, which share a micro-batch, each on 1/tp of its tokens "
+               "(divides the processes, num_kv_heads, dense_hidden and batch_size)"),
+      XMOE_KEY(parallel.ssmb, any(), {},
+               "sequence-sharded MoE blocks (tp > 1): each tp rank routes only its 1/tp of the "
+               "tokens; false: the MoE layer runs the whole micro-batch replicated on the tp "
+               "ranks"),
       XMOE_KEY(parallel.ranks_per_node, at_least(0), {},
                "ranks per node: 0 = detect, >0 declares simulated nodes"),
       XMOE_KEY(parallel.expert_placement, any(), {"none", "affinity"},
@@ -669,10 +674,19 @@ void validate(const Config& c) {
   if (c.parallel.ep > 0 && moe.num_experts % c.parallel.ep != 0)
     fail("model.moe.num_experts = {} is not divisible by parallel.ep = {}", moe.num_experts,
          c.parallel.ep);
-  // One clear rule until tensor parallelism lands (then: heads divisible by tp).
-  if (c.parallel.tp > 1)
-    fail("parallel.tp = {}: tensor parallelism is not implemented yet; set parallel.tp = 1",
-         c.parallel.tp);
+  // Tensor parallelism splits the kv heads (so the query heads too), the dense FFN's hidden
+  // units, and each micro-batch's sequences over the tp ranks.
+  if (const int tp = c.parallel.tp; tp > 1) {
+    if (m.num_kv_heads > 0 && m.num_kv_heads % tp != 0)
+      fail("model.num_kv_heads = {} is not divisible by parallel.tp = {}", m.num_kv_heads, tp);
+    if (m.first_dense_layers > 0 && m.dense_hidden % tp != 0)
+      fail("model.dense_hidden = {} is not divisible by parallel.tp = {}", m.dense_hidden, tp);
+    if (c.train.batch_size % tp != 0)
+      fail(
+          "train.batch_size = {} is not divisible by parallel.tp = {} (each tp rank takes "
+          "whole sequences of the micro-batch)",
+          c.train.batch_size, tp);
+  }
   if (c.parallel.zero > 0 && c.parallel.expert_placement == "affinity")
     fail(
         "parallel.zero = {} shards the AdamW moments, but parallel.expert_placement = affinity "
@@ -768,8 +782,9 @@ std::string config_reference_markdown() {
       "  `model.moe.router_dtype: bf16` needs a linear router (not the `xmoe` gate)\n"
       "- `model.d_model % model.num_heads == 0`, the head dimension is even (RoPE),\n"
       "  `model.num_heads % model.num_kv_heads == 0`\n"
-      "- `model.moe.num_experts % parallel.ep == 0`; `parallel.tp == 1` (tensor parallelism is\n"
-      "  not implemented yet); `parallel.zero > 0` needs `parallel.expert_placement: none`\n"
+      "- `model.moe.num_experts % parallel.ep == 0`; `parallel.tp` divides `model.num_kv_heads`,\n"
+      "  `model.dense_hidden` (with dense layers) and `train.batch_size`; `parallel.zero > 0`\n"
+      "  needs `parallel.expert_placement: none`\n"
       "- `sigmoid` gate: `num_experts % num_groups == 0`, `topk_groups <= num_groups`,\n"
       "  `top_k <= topk_groups * num_experts / num_groups`\n"
       "- `model.first_dense_layers <= model.num_layers`; `train.seq_len <= model.max_seq_len`;\n"

@@ -100,9 +100,10 @@ struct TrainConfig {
 };
 
 struct ParallelConfig {
-  int ep = 1;              ///< expert-parallel degree
-  int tp = 1;              ///< tensor-parallel degree; must be 1 (not implemented yet)
-  int ranks_per_node = 0;  ///< 0 = detect; >0 declares simulated nodes
+  int ep = 1;                             ///< expert-parallel degree
+  int tp = 1;                             ///< tensor-parallel degree (parallel/layout.h)
+  bool ssmb = true;                       ///< tp > 1: sequence-sharded MoE blocks
+  int ranks_per_node = 0;                 ///< 0 = detect; >0 declares simulated nodes
   std::string expert_placement = "none";  ///< none | affinity
   int placement_batches = 8;              ///< batches recorded to choose the affinity placement
   int zero = 0;  ///< 0 | 1 (AdamW moments sharded over dp) | 2 (also gradients reduce-scattered)

@@ -13,7 +13,36 @@ namespace xmoe {
 enum class ParamKind : uint8_t {
   dense,   ///< replicated on every rank; gradient all-reduced over the world
   expert,  ///< sharded over the expert-parallel group along dim 0; replicated over dp
+  /// a tensor-parallel shard (Parameter::shard): its gradient already sums the tp group's
+  /// losses; all-reduced over the tp-replica group (the ranks holding the same shard)
+  tensor_shard,
+  /// replicated on every rank, but the tp ranks of a group compute the same gradient (the MoE
+  /// layer without SSMB runs replicated over the tp group): all-reduced over the tp-replica group
+  tensor_replicated,
 };
+
+/// Where a parameter's tensor sits in the whole (unsharded) one, of shape `whole` (empty: not
+/// sharded). The whole tensor is seen as view() (`view`, or `whole` when empty: any shape of its
+/// element count, row-major; e.g. a fused [d, 2h] gate|up as [d, 2, h]); this rank holds indices
+/// [offset, offset + n) along dim `dim` of it and all of every other dim, stored row-major.
+struct ShardSpec {
+  Shape whole;
+  Shape view;
+  int dim = 0;
+  int64_t offset = 0;
+
+  bool sharded() const { return !whole.empty(); }
+  const Shape& view_shape() const { return view.empty() ? whole : view; }
+  /// Product of the view's dims before `dim` (runs of the shard) and after it (run stride).
+  int64_t outer() const;
+  int64_t inner() const;
+};
+
+/// This rank's shard of `whole` (a tensor of spec.whole's element count), a new contiguous
+/// tensor of `local_shape`.
+Tensor slice_shard(const Tensor& whole, const ShardSpec& spec, const Shape& local_shape);
+/// Writes `shard` (of ShardSpec spec) into its place in `whole`.
+void place_shard(Tensor& whole, const ShardSpec& spec, const Tensor& shard);
 
 struct Parameter {
   std::string name;  ///< stable, hierarchical: "layers.3.moe.experts.gate_up"
@@ -36,8 +65,8 @@ struct Parameter {
   bool reads_f32 = false;
   ParamKind kind = ParamKind::dense;
   bool weight_decay = true;  ///< false for norms, biases, temperatures
-  int64_t global_rows = 0;   ///< expert params: dim 0 of the unsharded tensor
-  int64_t row_offset = 0;    ///< expert params: first global row held here
+  /// Expert and tensor-parallel parameters: which part of the whole tensor this is.
+  ShardSpec shard;
   /// Set by an owner whose backward writes every element of grad (the expert weights, whose
   /// f32 gradients are the largest): zero_grad() then only marks grad as zero, and the first
   /// backward overwrites it instead of reading it (no memset, no read of E·3·d·f floats).
@@ -105,8 +134,8 @@ struct Parameter {
   /// reads_f32), an f32 copy in device_f32. A no-op on the CPU, where value is already in host
   /// memory.
   void offload_master();
-  /// value ~ N(0, std^2) from (seed, name, global element index): the same numbers however the
-  /// parameter is sharded.
+  /// value ~ N(0, std^2) from (seed, name, global element index, by `shard`): the same numbers
+  /// however the parameter is sharded.
   void init_normal(uint64_t seed, float std);
   void init_constant(float v) { value.fill_(v); }
 };

@@ -2,21 +2,53 @@
 
 #include "xmoe/core/profile.h"
 #include "xmoe/ops/ops.h"
+#include "xmoe/parallel/tensor_parallel.h"
 
 namespace xmoe::model {
 
-Attention::Attention(std::string prefix, AttentionShape shape,
-                     std::shared_ptr<const ops::RopeTables> rope, uint64_t seed, float init_std,
-                     float out_std)
-    : shape_(shape),
-      rope_(std::move(rope)),
-      wq_(Parameter::make(prefix + ".wq", {shape.d_model, shape.num_heads * shape.head_dim})),
-      wk_(Parameter::make(prefix + ".wk", {shape.d_model, shape.num_kv_heads * shape.head_dim})),
-      wv_(Parameter::make(prefix + ".wv", {shape.d_model, shape.num_kv_heads * shape.head_dim})),
-      wo_(Parameter::make(prefix + ".wo", {shape.num_heads * shape.head_dim, shape.d_model})) {
+namespace {
+
+int tp_size(const std::shared_ptr<comm::Group>& tp) {
+  return tp ? tp->size() : 1;
+}
+
+/// This rank's heads of `shape` over `tp` (which must divide the kv heads).
+AttentionShape local_heads(const std::string& prefix, AttentionShape shape,
+                           const std::shared_ptr<comm::Group>& tp) {
+  const int p = tp_size(tp);
   XMOE_CHECK(shape.num_kv_heads > 0 && shape.num_heads % shape.num_kv_heads == 0,
              "[attention] {}: num_heads = {} is not a multiple of num_kv_heads = {}", prefix,
              shape.num_heads, shape.num_kv_heads);
+  XMOE_CHECK(shape.num_kv_heads % p == 0,
+             "[attention] {}: parallel.tp = {} does not divide model.num_kv_heads = {}", prefix, p,
+             shape.num_kv_heads);
+  shape.num_heads /= p;
+  shape.num_kv_heads /= p;
+  return shape;
+}
+
+/// [d, heads·hd] split by columns (heads) over tp.
+Parameter column_split(std::string name, int64_t d, int64_t local_cols,
+                       const std::shared_ptr<comm::Group>& tp) {
+  const int64_t p = tp_size(tp);
+  return parallel::make_split_parameter(std::move(name), {d, local_cols * p}, {d, local_cols}, {},
+                                        1, tp.get());
+}
+
+}  // namespace
+
+Attention::Attention(std::string prefix, AttentionShape shape,
+                     std::shared_ptr<const ops::RopeTables> rope, uint64_t seed, float init_std,
+                     float out_std, std::shared_ptr<comm::Group> tp)
+    : shape_(local_heads(prefix, shape, tp)),
+      tp_(std::move(tp)),
+      rope_(std::move(rope)),
+      wq_(column_split(prefix + ".wq", shape.d_model, shape_.num_heads * shape.head_dim, tp_)),
+      wk_(column_split(prefix + ".wk", shape.d_model, shape_.num_kv_heads * shape.head_dim, tp_)),
+      wv_(column_split(prefix + ".wv", shape.d_model, shape_.num_kv_heads * shape.head_dim, tp_)),
+      wo_(parallel::make_split_parameter(
+          prefix + ".wo", {shape.num_heads * shape.head_dim, shape.d_model},
+          {shape_.num_heads * shape.head_dim, shape.d_model}, {}, 0, tp_.get())) {
   XMOE_CHECK(rope_ && rope_->head_dim == shape.head_dim,
              "[attention] {}: RoPE tables do not match head_dim {}", prefix, shape.head_dim);
   wq_.init_normal(seed, init_std);
@@ -40,22 +72,23 @@ void Attention::compute_inner() {
 Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
   check_shape(x, {batch * seq_len, shape_.d_model}, "attention", "x");
   ProfileScope scope("block.attention.fwd", x.device());
-  batch_ = batch;
+  batch_ = batch * tp_size(tp_);
   seq_ = seq_len;
-  x_ = x;
+  x_ = parallel::gather_rows(tp_.get(), x);
   compute_inner();
   // f32 out: the output joins the residual stream (docs/cuda.md).
-  Tensor y = ops::matmul_f32(a_.reshape({batch * seq_len, -1}), wo_.compute());
+  Tensor y = ops::matmul_f32(a_.reshape({batch_ * seq_len, -1}), wo_.compute());
   if (recompute_) q_ = k_ = v_ = a_ = lse_ = Tensor();
-  return y;
+  return parallel::scatter_sum_rows(tp_.get(), y);
 }
 
-Tensor Attention::backward(const Tensor& dy) {
+Tensor Attention::backward(const Tensor& dy_in) {
   XMOE_CHECK(x_.defined(), "[attention] {}: backward without a forward", wq_.name);
-  ProfileScope scope("block.attention.bwd", dy.device());
+  ProfileScope scope("block.attention.bwd", dy_in.device());
   if (!a_.defined()) compute_inner();  // recompute: the same ops on the same x give the same bits
   const int64_t t = batch_ * seq_;
-  check_shape(dy, {t, shape_.d_model}, "attention_backward", "dy");
+  check_shape(dy_in, {t / tp_size(tp_), shape_.d_model}, "attention_backward", "dy");
+  const Tensor dy = parallel::gather_rows(tp_.get(), dy_in);
   const Tensor a2 = a_.reshape({t, -1});
   ops::matmul_into(wo_.grad, a2, dy, /*trans_a=*/true, false, 1.f, 1.f);
   Tensor da = ops::matmul(dy, wo_.compute(), false, /*trans_b=*/true).reshape(a_.shape());
@@ -70,7 +103,7 @@ Tensor Attention::backward(const Tensor& dy) {
   ops::matmul_into(dx, dk, wk_.compute(), false, true, 1.f, 1.f);
   ops::matmul_into(dx, dv, wv_.compute(), false, true, 1.f, 1.f);
   release();
-  return dx;
+  return parallel::scatter_sum_rows(tp_.get(), dx);
 }
 
 int64_t Attention::saved_bytes() const {

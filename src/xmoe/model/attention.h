@@ -5,9 +5,16 @@
 //   q, k <- RoPE(q), RoPE(k)
 //   a = softmax(q k^T / sqrt(hd) + causal mask) v        [B, S, H, hd]
 //   y = a wo                                              [T, d]
+//
+// Tensor parallelism over a tp group of size P (Megatron with sequence parallelism): this rank
+// holds H/P query heads and Hkv/P kv heads (column shards of wq, wk, wv, a row shard of wo).
+// Its input is its slice [T/P, d] of the micro-batch's tokens: gathered to [T, d], attended over
+// the local heads, and the partial outputs [T, d] reduce-scattered back to [T/P, d]. Backward
+// mirrors it (gather dy, reduce-scatter dx).
 #include <memory>
 #include <string>
 
+#include "xmoe/comm/group.h"
 #include "xmoe/core/activation_bytes.h"
 #include "xmoe/core/parameter.h"
 #include "xmoe/model/embedding.h"
@@ -26,10 +33,14 @@ class Attention : public Module {
  public:
   /// Parameters "<prefix>.wq" [d, H·hd], ".wk" [d, Hkv·hd], ".wv" [d, Hkv·hd], ".wo" [H·hd, d];
   /// wq, wk, wv ~ N(0, init_std^2), wo ~ N(0, out_std^2). `rope` is shared by all layers.
+  /// `tp` (null = none): this rank's shards of them (shape = the whole model's; P must divide
+  /// num_kv_heads), initialised as the same elements of the whole tensors.
   Attention(std::string prefix, AttentionShape shape, std::shared_ptr<const ops::RopeTables> rope,
-            uint64_t seed, float init_std, float out_std);
+            uint64_t seed, float init_std, float out_std,
+            std::shared_ptr<comm::Group> tp = nullptr);
 
   /// x [B·S, d] -> [B·S, d] (f32 when x is bf16: the output joins the f32 residual stream).
+  /// With tp, x and the output are this rank's rows [B·S/P, d] and `batch` its B/P sequences.
   /// Saves x (shared with the caller) and, unless recompute is on, q, k, v (after RoPE), the
   /// attention output a and the softmax log-sum-exp: T·(2·H + 2·Hkv)·hd + B·H·S floats.
   /// With recompute only x is kept and the rest is recomputed in backward.
@@ -59,14 +70,15 @@ class Attention : public Module {
   // Projections, RoPE and attention from x_ into q_, k_, v_, a_, lse_.
   void compute_inner();
 
-  AttentionShape shape_;
+  AttentionShape shape_;  // this rank's heads
+  std::shared_ptr<comm::Group> tp_;
   std::shared_ptr<const ops::RopeTables> rope_;
   Parameter wq_, wk_, wv_, wo_;
   bool recompute_ = false;
-  int64_t batch_ = 0, seq_ = 0;
-  Tensor x_;          // [T, d]
-  Tensor q_, k_, v_;  // [B, S, H|Hkv, hd]
-  Tensor a_, lse_;    // [B, S, H, hd], [B, H, S]
+  int64_t batch_ = 0, seq_ = 0;  // of the whole (gathered) micro-batch
+  Tensor x_;                     // [T, d] (gathered)
+  Tensor q_, k_, v_;             // [B, S, H|Hkv, hd]
+  Tensor a_, lse_;               // [B, S, H, hd], [B, H, S]
 };
 
 }  // namespace xmoe::model

@@ -35,12 +35,14 @@ TransformerBlock::TransformerBlock(const ModelConfig& cfg, int index,
   const float out_std = cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.num_layers));
   AttentionShape shape{cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_model / cfg.num_heads};
   attn_norm_ = std::make_unique<RMSNorm>(p + ".attn_norm.weight", cfg.d_model, cfg.norm_eps);
-  attn_ =
-      std::make_unique<Attention>(p + ".attn", shape, std::move(rope), seed, cfg.init_std, out_std);
+  // Tensor parallelism: attention heads and dense FFN columns split over the tp group.
+  std::shared_ptr<comm::Group> tp = layout && layout->tp > 1 ? layout->tp_group : nullptr;
+  attn_ = std::make_unique<Attention>(p + ".attn", shape, std::move(rope), seed, cfg.init_std,
+                                      out_std, tp);
   ffn_norm_ = std::make_unique<RMSNorm>(p + ".ffn_norm.weight", cfg.d_model, cfg.norm_eps);
   if (index < cfg.first_dense_layers) {
     ffn_ = std::make_unique<DenseFFN>(p + ".ffn", cfg.d_model, cfg.dense_hidden, seed, cfg.init_std,
-                                      out_std);
+                                      out_std, tp);
   } else {
     ffn_ = make_moe_ffn(cfg.moe, cfg.d_model, p + ".moe", seed, cfg.init_std, out_std, layout);
   }

@@ -29,11 +29,14 @@ class TransformerBlock : public Module {
   /// Layer `index` of a model: parameters "layers.{index}.attn_norm.weight",
   /// "layers.{index}.attn.{wq,wk,wv,wo}", "layers.{index}.ffn_norm.weight", then
   /// "layers.{index}.ffn.{gate_up,down}" (index < first_dense_layers) or
-  /// "layers.{index}.moe.*" (the MoE layer).
+  /// "layers.{index}.moe.*" (the MoE layer). `layout` (null = one process): the tp group splits
+  /// the attention and dense FFN (the block then works on this rank's token slice), and the MoE
+  /// layer takes its groups from it (model/moe_ffn.h).
   TransformerBlock(const ModelConfig& cfg, int index, std::shared_ptr<const ops::RopeTables> rope,
                    uint64_t seed, const parallel::Layout* layout = nullptr);
 
-  /// x [B·S, d] (the f32 residual stream) -> [B·S, d] f32.
+  /// x [B·S, d] (the f32 residual stream) -> [B·S, d] f32. With tensor parallelism, B is this
+  /// rank's B/P sequences of the micro-batch.
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);
   /// dy [B·S, d] -> dx.
   Tensor backward(const Tensor& dy);

@@ -3,6 +3,7 @@
 // dense SwiGLU FFN or the MoE layer (model/moe_ffn.h) without knowing which.
 #include <string>
 
+#include "xmoe/comm/group.h"
 #include "xmoe/core/activation_bytes.h"
 #include "xmoe/core/parameter.h"
 #include "xmoe/model/embedding.h"
@@ -33,12 +34,16 @@ class FeedForward : public Module {
 };
 
 /// SwiGLU FFN: y = (silu(x Wg) * x Wu) Wd with a fused gate|up weight.
+/// Tensor parallelism over a tp group of P ranks: this rank holds hidden units [t·h/P,
+/// (t+1)·h/P) (gate_up's columns of those units, gate and up, and down's rows); its input, its
+/// slice [T/P, d] of the tokens, is gathered to [T, d] and the partial outputs reduce-scattered
+/// back to [T/P, d] (backward: the mirror), as in model/attention.h.
 class DenseFFN : public FeedForward {
  public:
   /// Parameters "<prefix>.gate_up" [d, 2h] ~ N(0, init_std^2), "<prefix>.down" [h, d] ~
-  /// N(0, out_std^2).
+  /// N(0, out_std^2); with `tp`, this rank's shards of them (P must divide h).
   DenseFFN(std::string prefix, int64_t d_model, int64_t hidden, uint64_t seed, float init_std,
-           float out_std);
+           float out_std, std::shared_ptr<comm::Group> tp = nullptr);
 
   /// Saves x (shared with the caller) and, unless recompute is on, h = x gate_up [T, 2h]:
   /// T·2h floats. The SwiGLU output silu(g)·u is recomputed from h in backward (elementwise).
@@ -57,9 +62,10 @@ class DenseFFN : public FeedForward {
   Parameter& down() { return down_; }
 
  private:
+  std::shared_ptr<comm::Group> tp_;
   Parameter gate_up_, down_;
   bool recompute_ = false;
-  Tensor x_, h_;
+  Tensor x_, h_;  // x_: gathered [T, d]
 };
 
 }  // namespace xmoe::model

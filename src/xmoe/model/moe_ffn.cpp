@@ -2,25 +2,44 @@
 
 #include "xmoe/moe/layer.h"
 #include "xmoe/parallel/layout.h"
+#include "xmoe/parallel/tensor_parallel.h"
 
 namespace xmoe::model {
 
 namespace {
 
-/// The groups the layer uses from a run's layout: the world and this rank's ep group.
+/// The groups the layer uses from a run's layout: the MoE world and this rank's ep group.
 moe::LayerGroups groups_of(const parallel::Layout* layout) {
   if (!layout) return {};
-  return {layout->world, layout->ep_group};
+  return {layout->moe_world, layout->ep_group};
 }
 
+/// With tensor parallelism the block's input is this rank's slice [T/P, d] of the micro-batch.
+/// SSMB (sequence-sharded MoE block): the layer routes that slice directly; every rank holds
+/// distinct tokens, so the layer's world is the whole world. Without SSMB (the X-MoE baseline):
+/// the slice is gathered to [T, d], the layer runs the whole micro-batch replicated on the tp
+/// ranks (its world: the tp-replica group) and each rank keeps its rows of the output; backward
+/// gathers dy and keeps this rank's rows of dx, which the replicated compute already holds whole.
 class MoEFFN : public FeedForward {
  public:
   MoEFFN(const MoeConfig& cfg, int64_t d_model, std::string prefix, uint64_t seed, float init_std,
          float out_std, const parallel::Layout* layout)
-      : layer_(cfg, d_model, std::move(prefix), seed, init_std, out_std, groups_of(layout)) {}
+      : layer_(cfg, d_model, std::move(prefix), seed, init_std, out_std, groups_of(layout)) {
+    if (!layout || layout->tp == 1 || layout->ssmb) return;
+    tp_ = layout->tp_group;
+    // Every tp rank of a group computes the same gradient for the layer's replicated
+    // parameters: they sum over the tp-replica group only (parallel/grad_sync.h).
+    for (Parameter* p : layer_.parameters())
+      if (p->kind == ParamKind::dense) p->kind = ParamKind::tensor_replicated;
+  }
 
-  Tensor forward(const Tensor& x, int64_t seq_len) override { return layer_.forward(x, seq_len); }
-  Tensor backward(const Tensor& dy) override { return layer_.backward(dy); }
+  Tensor forward(const Tensor& x, int64_t seq_len) override {
+    return parallel::own_rows(tp_.get(),
+                              layer_.forward(parallel::gather_rows(tp_.get(), x), seq_len));
+  }
+  Tensor backward(const Tensor& dy) override {
+    return parallel::own_rows(tp_.get(), layer_.backward(parallel::gather_rows(tp_.get(), dy)));
+  }
   void release() override { layer_.release(); }
   // The layer's own switch: its experts recompute their gate_up output in backward.
   void set_recompute(bool on) override { layer_.set_recompute(on); }
@@ -32,6 +51,7 @@ class MoEFFN : public FeedForward {
 
  private:
   moe::MoELayer layer_;
+  std::shared_ptr<comm::Group> tp_;  // without SSMB only
 };
 }  // namespace
 

@@ -33,9 +33,19 @@ void validate(const ModelConfig& c) {
 Transformer::Transformer(const ModelConfig& cfg, uint64_t seed, const parallel::Layout* layout)
     : cfg_(cfg) {
   validate(cfg);
+  if (layout && layout->tp > 1) {
+    tp_ = layout->tp;
+    tp_rank_ = layout->tp_rank;
+    // Without SSMB the MoE layers' world is the tp-replica group (1/P of the ranks), whose
+    // gradient convention is P times smaller than the model's; their aux losses' gradients
+    // get the same factor as the cross-entropy's (checked by the distributed tests).
+    if (!layout->ssmb) moe_aux_scale_ = static_cast<float>(layout->tp);
+  }
   const int64_t d = cfg.d_model, v = cfg.vocab_size;
   rope_ = std::make_shared<ops::RopeTables>(
       ops::rope_tables(cfg.max_seq_len, d / cfg.num_heads, cfg.rope_theta));
+  // Sequence parallelism: the embedding, the norms and the LM head are replicated; each rank
+  // applies them to its own slice of the tokens.
   embed_ = std::make_unique<Embedding>("embed.weight", v, d, seed, cfg.init_std);
   for (int i = 0; i < cfg.num_layers; ++i)
     blocks_.push_back(std::make_unique<TransformerBlock>(cfg, i, rope_, seed, layout));
@@ -53,14 +63,15 @@ Tensor Transformer::forward(const Tensor& ids) {
   check_dtype(ids, DType::i32, "transformer", "ids");
   XMOE_CHECK(ids.device() == device_, "[transformer] ids are on {} but the model is on {}",
              ids.device().str(), device_.str());
-  batch_ = ids.size(0);
   seq_ = ids.size(1);
   XMOE_CHECK(seq_ >= 1 && seq_ <= cfg_.max_seq_len,
              "[transformer] sequence length {} outside [1, model.max_seq_len = {}]", seq_,
              cfg_.max_seq_len);
+  const Tensor mine = my_sequences(ids, "ids");
+  batch_ = mine.size(0);
   logits_ = targets_ = Tensor();
   ProfileScope scope("model.fwd", device_);
-  Tensor x = embed_->forward(ids);  // [T, d]
+  Tensor x = embed_->forward(mine);  // [T, d]
   for (auto& b : blocks_) x = b->forward(x, batch_, seq_);
   // The residual stream x and the final norm are f32; the LM head's input is in compute dtype.
   xf_ = as_dtype(final_norm_->forward(x), compute_);
@@ -72,13 +83,24 @@ Tensor Transformer::forward(const Tensor& ids) {
 
 float Transformer::forward_loss(const Tensor& ids, const Tensor& targets) {
   Tensor logits = forward(ids);
-  XMOE_CHECK(targets.numel() == logits.size(0), "[transformer] targets {} do not match ids {}",
+  XMOE_CHECK(targets.numel() == ids.numel(), "[transformer] targets {} do not match ids {}",
              shape_str(targets.shape()), shape_str(ids.shape()));
-  targets_ = targets.reshape({targets.numel()});
+  const Tensor mine = my_sequences(targets.reshape(ids.shape()), "targets");
+  targets_ = mine.reshape({mine.numel()});
   ProfileScope scope("cross_entropy.fwd", device_);
   ce_ = ops::cross_entropy(logits, targets_);
   logits_ = logits;
   return ce_.loss;
+}
+
+Tensor Transformer::my_sequences(const Tensor& t, const char* what) const {
+  if (tp_ == 1) return t;
+  const int64_t b = t.size(0);
+  XMOE_CHECK(b % tp_ == 0,
+             "[transformer] {} hold {} sequences, which do not split over parallel.tp = {} "
+             "(train.batch_size must be a multiple of parallel.tp)",
+             what, b, tp_);
+  return t.rows(tp_rank_ * (b / tp_), (tp_rank_ + 1) * (b / tp_));
 }
 
 float Transformer::loss(const Tensor& logits, const Tensor& targets) {
@@ -111,7 +133,7 @@ void Transformer::backward(float dloss) {
   targets_ = Tensor();
   ce_ = {};
   // The aux losses are part of the objective with the same scale as the cross-entropy.
-  for (moe::MoELayer* layer : moe_layers()) layer->set_aux_grad_scale(dloss);
+  for (moe::MoELayer* layer : moe_layers()) layer->set_aux_grad_scale(dloss * moe_aux_scale_);
   backward_logits(dlogits);
   for (moe::MoELayer* layer : moe_layers()) layer->set_aux_grad_scale(1.0f);
 }

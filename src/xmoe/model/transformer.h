@@ -23,8 +23,11 @@ class Transformer : public Module {
   /// Builds and initialises every parameter from `seed` (matrices N(0, init_std^2), wo and
   /// down scaled by 1/sqrt(2·num_layers), norms 1). The same seed gives the same weights on
   /// any number of ranks.
-  /// `layout` (null = one process) shards the MoE layers' experts over its ep group; dense
-  /// parameters are whole on every rank.
+  /// `layout` (null = one process) shards the MoE layers' experts over its ep group and, with
+  /// parallel.tp = P > 1, the attention heads and dense FFN columns over its tp group: each rank
+  /// then takes its B/P sequences of every micro-batch [B, S] it is given (the tp group is
+  /// given the same one) and computes the logits and the loss of those only (sequence
+  /// parallelism). Other parameters are whole on every rank.
   Transformer(const ModelConfig& cfg, uint64_t seed, const parallel::Layout* layout = nullptr);
   ~Transformer() override;
 
@@ -116,11 +119,17 @@ class Transformer : public Module {
   DType compute_ = DType::f32;
   bool offloaded_ = false;
 
+  /// This rank's rows [B/P, ...] of a [B, ...] tensor (tp = 1: t); `what` names it in errors.
+  Tensor my_sequences(const Tensor& t, const char* what) const;
+
+  int tp_ = 1, tp_rank_ = 0;
+  float moe_aux_scale_ = 1.0f;  // the MoE layers' aux-loss gradient factor (parallel.ssmb off)
+
   // Saved by forward / forward_loss.
-  int64_t batch_ = 0, seq_ = 0;
-  Tensor xf_;       // [T, d] final-norm output, input of the LM head
-  Tensor logits_;   // [T, V] (kept by forward_loss until backward)
-  Tensor targets_;  // [T] i32
+  int64_t batch_ = 0, seq_ = 0;  // batch_: this rank's sequences
+  Tensor xf_;                    // [T, d] final-norm output, input of the LM head
+  Tensor logits_;                // [T, V] (kept by forward_loss until backward)
+  Tensor targets_;               // [T] i32
   ops::CrossEntropyResult ce_;
 };
 

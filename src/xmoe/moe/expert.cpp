@@ -24,8 +24,9 @@ class SwigluExperts final : public Experts {
     down_ = Parameter::make(a.prefix + ".experts.down", {a.num_local, a.hidden, a.d_model},
                             ParamKind::expert, true, a.grad_dtype);
     for (Parameter* p : {&gate_up_, &down_}) {
-      p->global_rows = a.num_experts;
-      p->row_offset = a.first_expert;
+      p->shard.whole = p->value.shape();
+      p->shard.whole[0] = a.num_experts;
+      p->shard.offset = a.first_expert;
       p->lazy_zero_grad = true;  // backward writes every group (empty ones get zeros)
     }
     gate_up_.init_normal(a.seed, a.init_std);

@@ -3,7 +3,7 @@
 // Built-in "swiglu": out = (silu(x Wg) * x Wu) Wd per expert, with
 //   "<prefix>.experts.gate_up" [E_local, d, 2f]  (gate | up fused)
 //   "<prefix>.experts.down"    [E_local, f, d]
-// as ParamKind::expert (global_rows = E, row_offset = first local expert). One grouped GEMM per
+// as ParamKind::expert (shard: whole [E, ...], offset = first local expert). One grouped GEMM per
 // projection. Saved for backward: the input rows (unless the layer can gather them again) and
 // h = rows @ gate_up (not with recompute, which redoes the first grouped GEMM in backward).
 #include <cstdint>

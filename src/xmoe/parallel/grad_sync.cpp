@@ -4,6 +4,7 @@
 
 #include "xmoe/core/profile.h"
 #include "xmoe/ops/optim.h"
+#include "xmoe/parallel/tensor_parallel.h"
 
 namespace xmoe::parallel {
 
@@ -24,17 +25,6 @@ Tensor flat(const Tensor& t) {
   return t.reshape({t.numel()});
 }
 
-/// `collective(t)` run where `group`'s tensors live: device tensors go through the host for a
-/// group of host tensors (MPI); the result comes back on t's device.
-template <typename F>
-Tensor on_group(comm::Group& group, const Tensor& t, F&& collective) {
-  if (group.device() == t.device()) return collective(t);
-  XMOE_CHECK(group.device().is_cpu(),
-             "[grad_sync] tensors on {} but the group's tensors live on {}", t.device().str(),
-             group.device().str());
-  return collective(t.to(Device::cpu())).to(t.device());
-}
-
 }  // namespace
 
 GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
@@ -42,14 +32,14 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     : params_(std::move(params)), layout_(layout), zero_(zero) {
   XMOE_CHECK(zero >= 0 && zero <= 2, "[grad_sync] parallel.zero = {} is not 0, 1 or 2", zero);
   std::vector<int64_t> numels;
-  std::vector<bool> expert;
+  std::vector<ParamKind> kinds;
   for (const Parameter* p : params_) {
     numels.push_back(p->grad.numel());
-    expert.push_back(p->kind == ParamKind::expert);
+    kinds.push_back(p->kind);
   }
-  for (const std::vector<size_t>& members : bucket_plan(numels, expert, bucket_bytes)) {
+  for (const std::vector<size_t>& members : bucket_plan(numels, kinds, bucket_bytes)) {
     Bucket b;
-    b.expert = expert[members.front()];
+    b.kind = kinds[members.front()];
     for (size_t i : members) {
       b.params.push_back(params_[i]);
       b.numel += numels[i];
@@ -68,15 +58,16 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
 }
 
 std::vector<std::vector<size_t>> GradientSync::bucket_plan(std::span<const int64_t> numels,
-                                                           const std::vector<bool>& expert,
+                                                           std::span<const ParamKind> kinds,
                                                            int64_t bucket_bytes) {
   const int64_t bucket_numel = std::max<int64_t>(1, bucket_bytes / 4);
   std::vector<std::vector<size_t>> out;
-  for (bool kind : {false, true}) {
+  for (ParamKind kind : {ParamKind::dense, ParamKind::expert, ParamKind::tensor_shard,
+                         ParamKind::tensor_replicated}) {
     std::vector<size_t> b;
     int64_t n = 0;
     for (size_t i = 0; i < numels.size(); ++i) {
-      if (expert[i] != kind) continue;
+      if (kinds[i] != kind) continue;
       if (n > 0 && n + numels[i] > bucket_numel) {
         out.push_back(std::move(b));
         b.clear();
@@ -91,7 +82,21 @@ std::vector<std::vector<size_t>> GradientSync::bucket_plan(std::span<const int64
 }
 
 comm::Group& GradientSync::group_of(const Bucket& b) const {
-  return b.expert ? *layout_.dp_group : *layout_.world;
+  switch (b.kind) {
+    case ParamKind::dense:
+      return *layout_.world;
+    case ParamKind::expert:
+      return *layout_.dp_group;
+    case ParamKind::tensor_shard:
+    case ParamKind::tensor_replicated:
+      break;
+  }
+  return *layout_.tp_replica_group;
+}
+
+bool GradientSync::replicated_over_tp(ParamKind kind) const {
+  return kind == ParamKind::tensor_replicated ||
+         (kind == ParamKind::expert && layout_.experts_replicated_over_tp());
 }
 
 void GradientSync::reduce(Bucket& b) {
@@ -161,36 +166,43 @@ void GradientSync::sync() {
 }
 
 double GradientSync::global_grad_sum_squares() const {
+  const Device d = params_.empty() ? Device::cpu() : params_[0]->grad.device();
+  ProfileScope scope("optim.grad_norm", d);
+  comm::Group& world = *layout_.world;
   if (zero_ == 2) {
     // Every element of a bucket is in exactly one rank's shard of its group, and the groups
-    // (the world; the dp groups, one per ep rank) cover every parameter once: the world's sum
-    // of the shards' squares is the norm².
-    std::vector<Tensor> dense, expert;
-    for (const Bucket& b : buckets_) (b.expert ? expert : dense).push_back(b.grad_shard);
-    ProfileScope scope("optim.grad_norm",
-                       buckets_.empty() ? Device::cpu() : buckets_[0].grad_shard.device());
-    const double mine =
-        ops::multi_sum_squares(dense).item() + ops::multi_sum_squares(expert).item();
-    comm::Group& world = *layout_.world;
-    if (world.size() == 1) return mine;
-    Tensor t = Tensor::from_vector<double>({mine}, {1}, world.device());
-    world.all_reduce(t);
+    // cover every parameter once, except where the tp ranks of a group hold the same copy
+    // (counted tp times: divided by tp).
+    std::vector<Tensor> once, tp_copies;
+    for (const Bucket& b : buckets_)
+      (replicated_over_tp(b.kind) ? tp_copies : once).push_back(b.grad_shard);
+    Tensor t = Tensor::from_vector<double>(
+        {ops::multi_sum_squares(once).item(), ops::multi_sum_squares(tp_copies).item()}, {2},
+        world.device());
+    if (world.size() > 1) world.all_reduce(t);
+    const std::vector<double> s = t.to_vector<double>();
+    return s[0] + s[1] / layout_.tp;
+  }
+  // After sync the dense and tp-replicated gradients are the same on every rank (counted
+  // here once); the tensor-parallel shards add up over the tp group, the experts over the ep
+  // group (each rank holds different ones).
+  std::vector<Parameter*> local, shards, expert;
+  for (Parameter* p : params_)
+    (p->kind == ParamKind::expert         ? expert
+     : p->kind == ParamKind::tensor_shard ? shards
+                                          : local)
+        .push_back(p);
+  auto summed_over = [](const std::vector<Parameter*>& ps, comm::Group& group) {
+    Tensor t = grad_sum_squares(ps);
+    if (group.size() > 1) {
+      // On the device where the group lives (NCCL), else through the host.
+      if (t.device() != group.device()) t = t.to(group.device());
+      group.all_reduce(t);
+    }
     return t.item();
-  }
-  std::vector<Parameter*> dense, expert;
-  for (Parameter* p : params_) (p->kind == ParamKind::expert ? expert : dense).push_back(p);
-  ProfileScope scope("optim.grad_norm",
-                     params_.empty() ? Device::cpu() : params_[0]->grad.device());
-  const double total = grad_sum_squares(dense).item();
-  Tensor t = grad_sum_squares(expert);
-  if (layout_.ep > 1) {
-    // Each ep rank holds different experts: their squares add up over the ep group (on the
-    // device where the group lives there: NCCL; else through the host).
-    comm::Group& ep = *layout_.ep_group;
-    if (t.device() != ep.device()) t = t.to(ep.device());
-    ep.all_reduce(t);
-  }
-  return total + t.item();
+  };
+  return grad_sum_squares(local).item() + summed_over(shards, *layout_.tp_group) +
+         summed_over(expert, *layout_.ep_group);
 }
 
 std::vector<OwnedPiece> GradientSync::owned_pieces() const {

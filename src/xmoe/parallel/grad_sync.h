@@ -1,16 +1,20 @@
 #pragma once
-// Gradient synchronisation for world = dp × ep. The objective is the mean over ranks of each
-// rank's loss (every rank's loss is a mean over its own tokens, and every rank has as many), so:
-//   dense parameters:  grad = (1/world) Σ_ranks grad_r        (all-reduce over the world)
-//   expert parameters: grad = (1/world) Σ_dp-replicas grad_r  (all-reduce over the dp group;
-//                      each replica already holds the contributions of its whole ep group's
-//                      tokens, which dispatch routed to it)
+// Gradient synchronisation (parallel/layout.h). The objective is the mean over ranks of each
+// rank's loss (every rank's loss is a mean over its own tokens, and every rank has as many), and
+// every parameter follows one rule: grad = (1/world) Σ over the ranks of its replica group:
+//   dense:             the world
+//   expert:            the dp group (each replica already holds the contributions of its whole
+//                      ep group's tokens, which dispatch routed to it)
+//   tensor_shard,
+//   tensor_replicated: the tp-replica group (each rank's gradient already holds its whole tp
+//                      group's contributions, through the tp collectives or the replicated
+//                      MoE layer)
 // Gradients are packed into buckets of about `bucket_bytes` so that few, large all-reduces run.
 // CUDA gradients are packed on the device (multi-tensor copies) and all-reduced there when the
 // group lives on that device (NCCL), else staged through the host (MPI).
 //
-// parallel.zero (docs/training.md, "Memory at scale"): each bucket is split over its group
-// (the world for dense buckets, the dp group for expert ones) by a BucketShards plan, and this
+// parallel.zero (docs/training.md, "Memory at scale"): each bucket (of one kind) is split over
+// its replica group by a BucketShards plan, and this
 // rank's optimizer updates only its shard (owned_pieces()); gather_params() then all-gathers the
 // updated parameters. With zero 2 the buckets are reduce-scattered instead of all-reduced: this
 // rank keeps only its shard of the averaged gradient (a flat f32 buffer per bucket), which the
@@ -47,8 +51,9 @@ class GradientSync {
   /// Gradient bytes this rank holds now: the per-parameter gradients still allocated and, with
   /// zero 2, the shards.
   int64_t gradient_bytes() const;
-  /// Global gradient norm² after sync: dense counted once, each expert shard once (zero 2: the
-  /// world's sum of every rank's gradient shards, each element being in exactly one).
+  /// Global gradient norm² after sync: every element of the whole model counted once (dense
+  /// once, each expert and tensor-parallel shard once; zero 2: the world's sum of every rank's
+  /// gradient shards, the copies replicated over the tp group divided by tp).
   double global_grad_sum_squares() const;
 
   int zero() const { return zero_; }
@@ -65,23 +70,25 @@ class GradientSync {
   /// The parameters, in the order given.
   const std::vector<Parameter*>& parameters() const { return params_; }
 
-  /// How parameters of `numels` elements (`expert[i]`: an expert parameter) fill buckets of
-  /// about `bucket_bytes`: the dense ones first, then the expert ones, each in order, a bucket
-  /// closed before a parameter that would take it past the size. Each bucket lists its
+  /// How parameters of `numels` elements and `kinds` fill buckets of about `bucket_bytes`:
+  /// one kind after another (dense, expert, tensor_shard, tensor_replicated), each in order, a
+  /// bucket closed before a parameter that would take it past the size. Each bucket lists its
   /// parameters' indices. (The memory model plans the same buckets without a model.)
   static std::vector<std::vector<size_t>> bucket_plan(std::span<const int64_t> numels,
-                                                      const std::vector<bool>& expert,
+                                                      std::span<const ParamKind> kinds,
                                                       int64_t bucket_bytes);
 
  private:
   struct Bucket {
     std::vector<Parameter*> params;
     int64_t numel = 0;
-    bool expert = false;
+    ParamKind kind = ParamKind::dense;
     BucketShards shards;  ///< zero >= 1
     Tensor grad_shard;    ///< zero 2: f32 [shards.shard], this rank's averaged gradient
   };
   comm::Group& group_of(const Bucket& b) const;
+  /// Whether the tp ranks of a group hold the same copy of a kind's parameters.
+  bool replicated_over_tp(ParamKind kind) const;
   void reduce(Bucket& b);
   /// The bucket's elements [padded] gathered from every rank's `shard` [shard].
   Tensor all_gather(const Bucket& b, const Tensor& shard) const;

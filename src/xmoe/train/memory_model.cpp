@@ -99,14 +99,14 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   // Parameters, compute copies, gradients.
   const std::vector<ParamSpec> params = parameter_specs(m, r.ep);
   std::vector<int64_t> numels;
-  std::vector<bool> expert;
+  std::vector<ParamKind> kinds;
   for (const ParamSpec& p : params) {
     r.parameters += p.numel;
     r.parameter_bytes += 4 * p.numel;
     if (r.bf16_compute && p.compute_copy) r.compute_copy_bytes += 2 * p.numel;
     r.whole_gradient_bytes += p.grad_bytes * p.numel;
     numels.push_back(p.numel);
-    expert.push_back(p.expert);
+    kinds.push_back(p.expert ? ParamKind::expert : ParamKind::dense);
   }
 
   // The buckets of the gradient sync, their zero shards and buffers. Layout: world rank r has
@@ -114,10 +114,10 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   int64_t shard_bytes = 0, owned = 0;
   const bool syncs = o.world > 1 || r.zero == 2;
   for (const std::vector<size_t>& members :
-       parallel::GradientSync::bucket_plan(numels, expert, o.bucket_bytes)) {
+       parallel::GradientSync::bucket_plan(numels, kinds, o.bucket_bytes)) {
     std::vector<int64_t> sizes;
     for (size_t i : members) sizes.push_back(numels[i]);
-    const bool exp = expert[members.front()];
+    const bool exp = kinds[members.front()] == ParamKind::expert;
     const int group = exp ? r.dp : o.world, rank = exp ? o.rank / r.ep : o.rank;
     const parallel::BucketShards plan = parallel::BucketShards::plan(sizes, group, rank);
     int64_t bucket_numel = 0;

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "xmoe/moe/layer.h"
+#include "xmoe/parallel/tensor_parallel.h"
 
 namespace xmoe::train {
 
@@ -58,12 +59,15 @@ Tensor find_whole(const TensorMap& in, const std::string& name, const Shape& sha
   return it->second;
 }
 
-/// The tensor `name` of parameter p's shape, whole or stacked from expert slices.
+/// The tensor `name` of parameter p's shape: whole, stacked from expert slices, or this rank's
+/// tensor-parallel shard of the whole tensor.
 Tensor load_for(const TensorMap& in, const Parameter& p, const std::string& name,
                 const std::string& dir) {
-  return p.kind == ParamKind::expert
-             ? gather_expert_slices(in, name, p.value.shape(), p.row_offset, dir)
-             : find_whole(in, name, p.value.shape(), dir);
+  if (p.kind == ParamKind::expert)
+    return gather_expert_slices(in, name, p.value.shape(), p.shard.offset, dir);
+  if (p.kind == ParamKind::tensor_shard)
+    return slice_shard(find_whole(in, name, p.shard.whole, dir), p.shard, p.value.shape());
+  return find_whole(in, name, p.value.shape(), dir);
 }
 
 }  // namespace
@@ -99,13 +103,27 @@ TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const Tensor
                              const parallel::Layout& layout) {
   TensorMap out;
   const bool dense_writer = layout.world_rank == 0;
-  const bool expert_writer = layout.dp_rank == 0;
+  const bool expert_writer =
+      layout.dp_rank == 0 && (layout.tp_rank == 0 || !layout.experts_replicated_over_tp());
   for (const Parameter* p : params) {
-    if (p->kind == ParamKind::expert) {
+    if (p->kind == ParamKind::tensor_shard) {
+      // Whole tensors, so that any tp resumes: every tp group gathers (collective), rank 0
+      // writes.
+      auto whole = [&](const Tensor& t) {
+        return parallel::gather_shards(*layout.tp_group, t, p->shard);
+      };
+      const Tensor value = whole(p->value);
+      std::vector<Tensor> moments;
+      for (const char* s : kAdamSuffixes) moments.push_back(whole(opt_state.at(p->name + s)));
+      if (!dense_writer) continue;
+      out.emplace(p->name, value);
+      for (size_t i = 0; i < moments.size(); ++i)
+        out.emplace(p->name + kAdamSuffixes[i], moments[i]);
+    } else if (p->kind == ParamKind::expert) {
       if (!expert_writer) continue;
-      add_expert_slices(out, p->name, on_host(p->value), p->row_offset);
+      add_expert_slices(out, p->name, on_host(p->value), p->shard.offset);
       for (const char* s : kAdamSuffixes)
-        add_expert_slices(out, p->name + s, on_host(opt_state.at(p->name + s)), p->row_offset);
+        add_expert_slices(out, p->name + s, on_host(opt_state.at(p->name + s)), p->shard.offset);
     } else if (dense_writer) {
       out.emplace(p->name, on_host(p->value));
       for (const char* s : kAdamSuffixes)

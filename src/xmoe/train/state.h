@@ -29,13 +29,15 @@ std::string expert_slice_name(const std::string& name, int64_t global_expert);
 /// Sharded moments (zero >= 1) are all-gathered per bucket by `sync`'s plan: collective.
 TensorMap optimizer_state(const optim::AdamW& opt, const parallel::GradientSync& sync);
 
-/// This rank's part of the checkpoint; `opt_state` as optimizer_state gives it.
+/// This rank's part of the checkpoint; `opt_state` as optimizer_state gives it. Tensor-parallel
+/// shards are gathered into whole tensors over the tp group (collective: every rank calls it).
 TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const TensorMap& opt_state,
                              const std::vector<moe::MoELayer*>& moe_layers,
                              const parallel::Layout& layout);
 
 /// Loads parameters, optimizer state and routing biases from a merged checkpoint (all ranks'
-/// files), taking the expert slices this rank owns; the optimizer takes its pieces' ranges of
+/// files), taking the expert slices this rank owns and its tensor-parallel shards of whole
+/// tensors; the optimizer takes its pieces' ranges of
 /// the moments (any parallel.zero). Every missing or misshapen tensor is an error naming `dir`
 /// and the tensor.
 void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Parameter*>& params,

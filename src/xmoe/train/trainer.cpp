@@ -202,7 +202,8 @@ class AbandonOnError {
       : layout_(layout), exceptions_(std::uncaught_exceptions()) {}
   ~AbandonOnError() {
     if (std::uncaught_exceptions() <= exceptions_) return;
-    for (const auto& g : {layout_.dp_group, layout_.ep_group, layout_.world})
+    for (const auto& g : {layout_.dp_group, layout_.ep_group, layout_.tp_replica_group,
+                          layout_.tp_group, layout_.world})
       if (g) comm::nccl::abandon(*g);
   }
   AbandonOnError(const AbandonOnError&) = delete;
@@ -256,8 +257,9 @@ class Run {
     topt.min_tokens = tc_.seq_len + 1;
     const fs::path dir(config_.data.dir);
     auto loader = [&](const char* file) {
+      // The tp ranks of a group read the same micro-batches (each takes its sequences).
       return data::DataLoader(data::TokenFile::open((dir / file).string(), topt), tc_.batch_size,
-                              tc_.seq_len, tc_.seed, layout_.world_rank, layout_.world_size);
+                              tc_.seq_len, tc_.seed, layout_.data_rank(), layout_.data_ranks());
     };
     train_loader_.emplace(loader("train.bin"));
     val_loader_.emplace(loader("val.bin"));
@@ -283,7 +285,7 @@ class Run {
     result.offload_staging_bytes = opt_->staging_bytes();
     schedule_.emplace(optim::LrSchedule::from(tc_));
     tokens_per_step_ =
-        static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum * layout_.world_size;
+        static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum * layout_.data_ranks();
     result.out_dir = tc_.out_dir;
   }
 
@@ -443,7 +445,11 @@ class Run {
     state["step"] = step;
     state["data_position"] = train_loader_->position();
     state["seed"] = tc_.seed;
-    state["layout"] = {{"world", layout_.world_size}, {"ep", layout_.ep}, {"dp", layout_.dp}};
+    state["layout"] = {{"world", layout_.world_size},
+                       {"ep", layout_.ep},
+                       {"dp", layout_.dp},
+                       {"tp", layout_.tp},
+                       {"ssmb", layout_.ssmb}};
     const std::string dir = (fs::path(tc_.out_dir) / fmt::format("step-{}", step)).string();
     const TensorMap opt_state = optimizer_state(*opt_, *grad_sync_);  // collective (zero >= 1)
     save_checkpoint(dir, checkpoint_tensors(params_, opt_state, moe_layers_, layout_), state,
@@ -481,10 +487,6 @@ class Run {
 
 TrainResult train(const Config& config, const TrainOptions& options) {
   const TrainConfig& tc = config.train;
-  XMOE_CHECK(config.parallel.tp == 1,
-             "[train] parallel.tp = {}: tensor parallelism (sequence-sharded MoE blocks) is not "
-             "implemented yet; use parallel.tp = 1",
-             config.parallel.tp);
   XMOE_CHECK(config.parallel.zero == 0 || parse_device(tc.device).is_cpu(),
              "[train] parallel.zero = {} is not yet on CUDA (train.device = {}): ZeRO sharding "
              "runs on CPU ranks over MPI; use parallel.zero = 0 on CUDA",
@@ -506,7 +508,8 @@ TrainResult train(const Config& config, const TrainOptions& options) {
   world_group = device_world(std::move(world_group), device, tc);
   // Every group of the run lives in `layout` (and in the model's copies of it) and goes when
   // train() returns: before comm::finalize(), in the same order on every rank.
-  const parallel::Layout layout = parallel::Layout::create(world_group, config.parallel.ep);
+  const parallel::Layout layout = parallel::Layout::create(
+      world_group, config.parallel.ep, config.parallel.tp, config.parallel.ssmb);
   const AbandonOnError abandon_on_error(layout);
 
   Run run(config, options, layout, device);

@@ -1,0 +1,140 @@
+// One MoE block (model/moe_ffn.h: router, routed experts over the ep group, shared experts)
+// under tensor parallelism, with sequence-sharded MoE blocks (SSMB: each tp rank routes its 1/tp
+// of the micro-batch's tokens) and without (the tp group gathers the micro-batch and runs the
+// layer on all of it, replicated), on CPU ranks under mpirun. Per (tp, ssmb), ep = world / tp
+// (the largest ep both modes can use). One JSON line each, maxima over the ranks:
+//   held_bytes      activations held between forward and backward (allocator live bytes)
+//   peak_bytes      allocator peak of forward + backward above the bytes live before
+//   dispatch_bytes  all-to-all bytes this rank sent over the ep group (dispatch + combine,
+//                   forward and backward; comm byte counters)
+//   gather_bytes    tp all-gather bytes (no SSMB: the block's input and its gradient)
+//   ms              forward + backward, median of --iters (oversubscribed ranks: indicative)
+//
+//   mpirun -np N bench_ssmb [--d 512] [--experts 32] [--hidden 128] [--top-k 6] [--shared 2]
+//                           [--batch 4] [--seq 256] [--iters 3]
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "xmoe/comm/group.h"
+#include "xmoe/core/allocator.h"
+#include "xmoe/core/rng.h"
+#include "xmoe/core/timer.h"
+#include "xmoe/model/moe_ffn.h"
+#include "xmoe/parallel/layout.h"
+
+using namespace xmoe;
+
+namespace {
+
+struct Args {
+  int64_t d = 512, experts = 32, hidden = 128, top_k = 6, shared = 2, batch = 4, seq = 256;
+  int iters = 3;
+};
+
+int64_t sent(const comm::Group& g, comm::ByteCounters::Kind kind) {
+  return g.counters().of(kind, comm::LinkClass::intra_node) +
+         g.counters().of(kind, comm::LinkClass::inter_node);
+}
+
+/// The maximum over the world of each value.
+std::vector<int64_t> world_max(comm::Group& world, std::vector<int64_t> v) {
+  Tensor t = Tensor::from_vector<int64_t>(v, {static_cast<int64_t>(v.size())});
+  world.all_reduce(t, comm::ReduceOp::max);
+  return t.to_vector<int64_t>();
+}
+
+void run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssmb) {
+  const int ep = world->size() / tp;
+  const parallel::Layout layout = parallel::Layout::create(world, ep, tp, ssmb);
+  MoeConfig mc;
+  mc.num_experts = a.experts;
+  mc.expert_hidden = a.hidden;
+  mc.top_k = a.top_k;
+  mc.num_shared_experts = a.shared;
+  mc.dispatch = ep > 1 ? "all_to_all" : "local";
+  auto block = model::make_moe_ffn(mc, a.d, "layers.1.moe", 1, 0.02f, 0.005f, &layout);
+  // This rank's slice of its tp group's micro-batch (the residual stream's rows here).
+  const int64_t rows = a.batch * a.seq / tp;
+  Tensor x = Tensor::empty({rows, a.d});
+  fill_normal(x, 7, 1000 + static_cast<uint64_t>(layout.world_rank), 1.0f);
+  Tensor dy = Tensor::empty({rows, a.d});
+  fill_normal(dy, 7, 2000 + static_cast<uint64_t>(layout.world_rank), 1e-3f);
+
+  std::vector<double> ms;
+  std::vector<int64_t> measured;
+  for (int it = 0; it <= a.iters; ++it) {  // iteration 0 warms up
+    block->zero_grad();
+    for (const auto& g : {layout.ep_group, layout.tp_group}) g->counters().reset();
+    world->barrier();
+    const int64_t before = memory_stats().live_bytes;
+    Timer timer;
+    int64_t held = 0, peak = 0;
+    {
+      PeakMemoryScope scope;
+      Tensor y = block->forward(x, a.seq);
+      held = memory_stats().live_bytes - before - static_cast<int64_t>(y.nbytes());
+      y = Tensor();
+      block->backward(dy);
+      peak = scope.extra_peak_bytes();
+    }
+    const double t = timer.seconds() * 1e3;
+    if (it == 0) continue;
+    ms.push_back(t);
+    measured = {held, peak,
+                sent(*layout.ep_group, comm::ByteCounters::all_to_all) +
+                    sent(*layout.ep_group, comm::ByteCounters::counts),
+                sent(*layout.tp_group, comm::ByteCounters::all_gather)};
+  }
+  std::sort(ms.begin(), ms.end());
+  const std::vector<int64_t> m = world_max(*world, measured);
+  const std::vector<int64_t> t = world_max(*world, {static_cast<int64_t>(ms[ms.size() / 2] * 1e3)});
+  if (layout.world_rank != 0) return;
+  nlohmann::json j{{"bench", "ssmb"},
+                   {"world", layout.world_size},
+                   {"tp", tp},
+                   {"ssmb", ssmb},
+                   {"ep", ep},
+                   {"shape", fmt::format("B={} S={} d={} E={} f={} k={} shared={}", a.batch, a.seq,
+                                         a.d, a.experts, a.hidden, a.top_k, a.shared)},
+                   {"tokens_routed_per_rank", ssmb ? rows : rows * tp},
+                   {"held_bytes", m[0]},
+                   {"peak_bytes", m[1]},
+                   {"dispatch_bytes", m[2]},
+                   {"gather_bytes", m[3]},
+                   {"ms", static_cast<double>(t[0]) / 1e3}};
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"MoE block memory and dispatch bytes with and without SSMB (run under mpirun)"};
+  app.add_option("--d", a.d, "model width");
+  app.add_option("--experts", a.experts, "routed experts (divisible by the world size)");
+  app.add_option("--hidden", a.hidden, "expert hidden size f");
+  app.add_option("--top-k", a.top_k, "experts per token");
+  app.add_option("--shared", a.shared, "shared experts");
+  app.add_option("--batch", a.batch, "sequences per micro-batch (per tp group)");
+  app.add_option("--seq", a.seq, "sequence length");
+  app.add_option("--iters", a.iters, "timed iterations after one warm-up");
+  CLI11_PARSE(app, argc, argv);
+  auto world = comm::world();
+  try {
+    for (int tp : {1, 2, 4}) {
+      if (world->size() % tp != 0 || a.batch % tp != 0) continue;
+      for (bool ssmb : {true, false})
+        if (tp > 1 || ssmb) run(world, a, tp, ssmb);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[bench_ssmb] rank %d: %s\n", world->rank(), e.what());
+    world->abort(1);
+  }
+  world.reset();
+  comm::finalize();
+  return 0;
+}
