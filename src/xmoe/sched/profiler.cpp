@@ -116,8 +116,8 @@ double Profiler::time(comm::Group& group, Op&& op) {
   }
   Tensor slowest = Tensor::from_vector(seconds, {plan_.reps}, world_->device());
   world_->all_reduce(slowest, comm::ReduceOp::max);
-  std::vector<float> host(slowest.to(Device::cpu()).span<float>().begin(),
-                          slowest.to(Device::cpu()).span<float>().end());
+  const Tensor on_host = slowest.to(Device::cpu());
+  std::vector<float> host(on_host.span<float>().begin(), on_host.span<float>().end());
   std::sort(host.begin(), host.end());
   const size_t h = host.size() / 2;
   return host.size() % 2 ? host[h] : 0.5 * (host[h - 1] + host[h]);
