@@ -1,5 +1,7 @@
 #include "xmoe/sched/perf_model.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -217,6 +219,30 @@ double Profile::heldout_error() const {
     for (size_t i = 0; i < m.heldout_x.size(); ++i)
       errors.push_back(std::abs(m.fit.predict(m.heldout_x[i]) - m.heldout_t[i]) / m.heldout_t[i]);
   return median(std::move(errors));
+}
+
+std::string profile_table(const Profile& p) {
+  std::string s =
+      fmt::format("{:<21} {:<10} {:>5} {:<13} {:>10} {:>15} {:>14} {:>8} {:>6} {:>8}\n", "task",
+                  "link", "ranks", "shape", "alpha us", "beta", "rate", "R2", "points", "held-out");
+  for (const TaskModel& m : p.models) {
+    const bool flops = task_unit(m.task) == "flop";
+    const std::string shape = is_collective(m.task) ? m.dtype
+                              : is_gemm(m.task)
+                                  ? fmt::format("{}x{} g{} {}", m.in, m.out, m.groups, m.dtype)
+                                  : fmt::format("w{} {}", m.width, m.dtype);
+    const std::string beta = flops ? fmt::format("{:.4g} ms/GFLOP", m.fit.beta * 1e12)
+                                   : fmt::format("{:.4g} ns/B", m.fit.beta * 1e9);
+    const std::string rate = m.fit.beta <= 0 ? "-"
+                             : flops         ? fmt::format("{:.4g} GFLOP/s", 1e-9 / m.fit.beta)
+                                             : fmt::format("{:.4g} GB/s", 1e-9 / m.fit.beta);
+    const double err = m.heldout_error();
+    s += fmt::format("{:<21} {:<10} {:>5} {:<13} {:>10.2f} {:>15} {:>14} {:>8.5f} {:>6} {:>8}\n",
+                     task_name(m.task), is_collective(m.task) ? link_name(m.link) : "-", m.ranks,
+                     shape, m.fit.alpha * 1e6, beta, rate, m.fit.r2, m.fit.n,
+                     std::isnan(err) ? "-" : fmt::format("{:.1f}%", 100 * err));
+  }
+  return s;
 }
 
 std::string profile_to_json(const Profile& p) {

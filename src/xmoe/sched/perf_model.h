@@ -100,6 +100,10 @@ struct Profile {
   double heldout_error() const;
 };
 
+/// The models as a text table, one line each: task, link, ranks, shape, alpha (µs), beta
+/// (ns/byte or ms/GFLOP) and the rate it means (GB/s, GFLOP/s), R², points, held-out error.
+std::string profile_table(const Profile& profile);
+
 /// The profile as JSON text (docs/profile.md describes the format).
 std::string profile_to_json(const Profile& profile);
 /// Parses and validates a profile; `source` (the file) is named in every error, with the key:

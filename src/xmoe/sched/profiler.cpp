@@ -41,7 +41,7 @@ struct Plan {
 };
 
 Plan make_plan(bool quick) {
-  if (quick) return {{10, 20, 2}, {4, 9, 1}, {12, 20, 2}, 1, 3};
+  if (quick) return {{10, 20, 2}, {4, 11, 1}, {12, 20, 2}, 1, 5};
   return {{10, 26, 2}, {4, 13, 1}, {12, 26, 2}, 2, 7};
 }
 
