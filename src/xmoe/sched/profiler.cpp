@@ -240,7 +240,8 @@ void Profiler::rows() {
           comm::Group& g = *world_;
           if (task == Task::gather_rows)
             return {n * row_bytes, time(g, [&] { ops::gather_rows(src, index); })};
-          Tensor out = Tensor::zeros({n, W}, compute_dtype_, device_);
+          // An f32 destination, as I-Order adds bf16 expert rows into the f32 residual.
+          Tensor out = Tensor::zeros({n, W}, DType::f32, device_);
           const Tensor weight = Tensor::full({n}, 0.5f, device_);
           return {n * row_bytes, time(g, [&] { ops::scatter_add_rows(out, src, index, weight); })};
         });
