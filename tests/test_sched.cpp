@@ -127,6 +127,7 @@ Profile sample_profile() {
                .nodes = 2,
                .date = "2025-01-01T00:00:00Z",
                .xmoe_version = "0.1.0"};
+  p.measurement = {.statistic = "min", .warmup = 2, .repetitions = 7};
   TaskModel a2a = model_of(Task::all_to_all_v, 1e-5, 1e-9);
   a2a.ranks = 2;
   TaskModel a2a_inter = model_of(Task::all_to_all_v, 5e-5, 1e-8);
@@ -152,6 +153,8 @@ TEST(ProfileFile, RoundTripKeepsEveryField) {
   EXPECT_EQ(profile_to_json(q), profile_to_json(p));
   EXPECT_EQ(q.machine.device_name, "Test CPU");
   EXPECT_EQ(q.machine.ranks_per_node, 2);
+  EXPECT_EQ(q.measurement.statistic, "min");
+  EXPECT_EQ(q.measurement.repetitions, 7);
   ASSERT_EQ(q.models.size(), 5u);
   EXPECT_EQ(q.models[1].link, comm::LinkClass::inter_node);
   EXPECT_EQ(q.models[3].in, 1024);
@@ -206,6 +209,8 @@ TEST(ProfileFile, CorruptFilesNameTheFileAndTheKey) {
   EXPECT_CONTAINS(load_text(replace("\"version\": 1", "\"version\": 7")),
                   "version is 7; this xmoe reads version 1");
   EXPECT_CONTAINS(load_text(replace("\"beta\":", "\"bet\":")), "models[0].fit.beta is missing");
+  EXPECT_CONTAINS(load_text(replace("\"statistic\": \"min\"", "\"statistic\": \"mean\"")),
+                  "measurement.statistic 'mean' is not median or min");
   EXPECT_CONTAINS(load_text(replace("\"task\": \"all_to_all_v\"", "\"task\": \"all_to_al\"")),
                   "models[0].task 'all_to_al' is not a task (all_to_all_v, all_gather");
   EXPECT_CONTAINS(load_text(replace("\"link\": \"intra_node\"", "\"link\": \"rack\"")),
@@ -228,6 +233,7 @@ TEST(Profiler, QuickOneProcessProfileFitsTheComputeTasks) {
   ProfileOptions o;
   o.quick = true;
   o.gemm_shapes = {{32, 48}};
+  o.statistic = "min";
   o.progress = [&](const ProfileProgress& p) {
     EXPECT_EQ(p.done, steps + 1);
     steps = p.done;
@@ -238,6 +244,8 @@ TEST(Profiler, QuickOneProcessProfileFitsTheComputeTasks) {
   EXPECT_EQ(p.machine.world_size, 1);
   EXPECT_EQ(p.machine.device, "cpu");
   EXPECT_FALSE(p.machine.date.empty());
+  EXPECT_EQ(p.measurement.statistic, "min");
+  EXPECT_EQ(p.measurement.repetitions, 5);
   // One rank: no collective to time; 3 GEMM kinds of one shape and the 2 row tasks.
   ASSERT_EQ(p.models.size(), 5u);
   for (const TaskModel& m : p.models) {

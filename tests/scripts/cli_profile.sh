@@ -41,6 +41,10 @@ expect "progress goes to stderr, one line per tenth when not a terminal" 0 "prof
   bash -c "'$xmoe' profile --quick --out '$work/p.json' 2>&1 >/dev/null"
 expect "--gemm-shape picks the GEMM shapes" 0 "gemm_backward_weight +- +1 32x16 g4" \
   "$xmoe" profile --quick --quiet --gemm-shape 32x16 --gemm-groups 4 --out "$work/g.json"
+expect "--statistic min is recorded" 0 "min of 5 repetitions" \
+  "$xmoe" profile --quick --quiet --statistic min --out "$work/m.json"
+expect "--statistic mean is refused" "!0" "--statistic: mean not in \{median,min\}" \
+  "$xmoe" profile --statistic mean
 expect "a bad --gemm-shape is named" 1 "--gemm-shape '32by16' is not INxOUT" \
   "$xmoe" profile --quick --gemm-shape 32by16
 expect "a bad --device is refused" "!0" "--device: tpu not in \{cpu,cuda\}" \

@@ -67,6 +67,10 @@ ProfileCommand::ProfileCommand(CLI::App& app)
       ->delimiter(',');
   cmd_->add_option("--gemm-groups", gemm_groups_, "Experts per grouped GEMM")
       ->check(whole_number(1, 4096));
+  cmd_->add_option("--statistic", statistic_,
+                   "Per size over the repetitions: median, or min on a machine shared with "
+                   "other work")
+      ->check(CLI::IsMember({"median", "min"}));
   cmd_->add_flag("--quiet", quiet_, "No progress bar");
   cmd_->footer(
       "Examples:\n"
@@ -78,6 +82,7 @@ ProfileCommand::ProfileCommand(CLI::App& app)
 void ProfileCommand::run() const {
   sched::ProfileOptions options;
   options.quick = quick_;
+  options.statistic = statistic_;
   for (const std::string& s : gemm_shapes_)
     options.gemm_shapes.push_back(sched::parse_gemm_shape(s, "--gemm-shape"));
   options.gemm_groups = gemm_groups_;
@@ -113,9 +118,12 @@ void ProfileCommand::run() const {
   const sched::Profile profile = sched::run_profile(world, device, options);
   if (!leader) return;
   const sched::Machine& m = profile.machine;
-  std::printf("xmoe profile: %s (%s), %d rank(s), %d node(s) of %d, %s collectives, %s\n",
-              m.device.c_str(), m.device_name.c_str(), m.world_size, m.nodes, m.ranks_per_node,
-              m.backend.c_str(), m.date.c_str());
+  std::printf(
+      "xmoe profile: %s (%s), %d rank(s), %d node(s) of %d, %s collectives, %s of %d "
+      "repetitions, %s\n",
+      m.device.c_str(), m.device_name.c_str(), m.world_size, m.nodes, m.ranks_per_node,
+      m.backend.c_str(), profile.measurement.statistic.c_str(), profile.measurement.repetitions,
+      m.date.c_str());
   if (world->size() == 1)
     std::printf("one rank: no collective to time (run under mpirun for those)\n");
   std::printf("%s", sched::profile_table(profile).c_str());

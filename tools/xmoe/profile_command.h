@@ -22,6 +22,7 @@ class ProfileCommand {
   std::string device_ = "cpu";
   bool quick_ = false;
   bool quiet_ = false;
+  std::string statistic_ = "median";
   int ranks_per_node_ = 0;
   std::vector<std::string> gemm_shapes_;
   long long gemm_groups_ = 8;

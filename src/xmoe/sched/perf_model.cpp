@@ -259,6 +259,9 @@ std::string profile_to_json(const Profile& p) {
                   {"nodes", mc.nodes},
                   {"date", mc.date},
                   {"xmoe_version", mc.xmoe_version}};
+  j["measurement"] = {{"statistic", p.measurement.statistic},
+                      {"warmup", p.measurement.warmup},
+                      {"repetitions", p.measurement.repetitions}};
   json models = json::array();
   for (const TaskModel& m : p.models) {
     json e;
@@ -315,6 +318,12 @@ Profile profile_from_json(std::string_view text, const std::string& source) {
   mc.nodes = static_cast<int>(r.integer(mj, "machine", "nodes", 1));
   mc.date = r.string(mj, "machine", "date");
   mc.xmoe_version = r.string(mj, "machine", "xmoe_version");
+  const json& how = r.member(j, "", "measurement");
+  p.measurement.statistic = r.string(how, "measurement", "statistic");
+  if (p.measurement.statistic != "median" && p.measurement.statistic != "min")
+    r.fail("measurement.statistic", "'" + p.measurement.statistic + "' is not median or min");
+  p.measurement.warmup = static_cast<int>(r.integer(how, "measurement", "warmup", 0));
+  p.measurement.repetitions = static_cast<int>(r.integer(how, "measurement", "repetitions", 1));
   const json& models = r.member(j, "", "models");
   if (!models.is_array()) r.fail("models", "is not an array");
   for (size_t i = 0; i < models.size(); ++i)

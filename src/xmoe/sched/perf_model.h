@@ -77,8 +77,15 @@ struct Machine {
   std::string xmoe_version;
 };
 
+/// How each size was timed.
+struct Measurement {
+  std::string statistic = "median";  ///< over repetitions: "median" or "min"
+  int warmup = 0, repetitions = 0;
+};
+
 struct Profile {
   Machine machine;
+  Measurement measurement;
   std::vector<TaskModel> models;
 
   /// The collective model for `task` over `link`, or nullptr.

@@ -119,6 +119,7 @@ double Profiler::time(comm::Group& group, Op&& op) {
   const Tensor on_host = slowest.to(Device::cpu());
   std::vector<float> host(on_host.span<float>().begin(), on_host.span<float>().end());
   std::sort(host.begin(), host.end());
+  if (options_.statistic == "min") return host.front();
   const size_t h = host.size() / 2;
   return host.size() % 2 ? host[h] : 0.5 * (host[h - 1] + host[h]);
 }
@@ -252,6 +253,8 @@ Profile Profiler::run() {
   XMOE_CHECK(options_.gemm_groups >= 1 && options_.row_width >= 1,
              "[profile] gemm groups {} and row width {} must be >= 1", options_.gemm_groups,
              options_.row_width);
+  XMOE_CHECK(options_.statistic == "median" || options_.statistic == "min",
+             "[profile] statistic '{}' is not median or min", options_.statistic);
   XMOE_CHECK(world_->size() == 1 || world_->device() == device_,
              "[profile] the {} group moves tensors on {}, but the profile is for {}",
              world_->backend_name(), world_->device().str(), device_.str());
@@ -280,6 +283,7 @@ Profile Profiler::run() {
   m.ranks_per_node = most_on_a_node;
   m.date = utc_now();
   m.xmoe_version = XMOE_VERSION;
+  profile_.measurement = {options_.statistic, plan_.warmup, plan_.reps};
 
   const auto points = [](const Sweep& s) {
     return static_cast<int>(s.fitted().size() + s.heldout().size());

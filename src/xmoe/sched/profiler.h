@@ -39,6 +39,9 @@ struct ProfileOptions {
   std::vector<GemmShape> gemm_shapes;  ///< empty: default_gemm_shapes
   int64_t gemm_groups = 8;             ///< experts per grouped GEMM (rows split evenly)
   int64_t row_width = 256;             ///< elements per row for gather_rows / scatter_rows
+  /// Per size, over the repetitions: "median" (the typical time; the default) or "min" (the
+  /// machine's best, robust to other processes descheduling a rank on a shared machine).
+  std::string statistic = "median";
   /// Called on every rank after each measured size.
   std::function<void(const ProfileProgress&)> progress;
 };
@@ -49,7 +52,7 @@ struct ProfileOptions {
 /// once), inter-node over the ranks of the same position on each node, skipped where such a
 /// group has one rank. Each repetition starts after a barrier of the group and ends with a
 /// device synchronisation; its time is the maximum over all ranks; a size's time is the median
-/// over repetitions. Every rank returns the same profile.
+/// (or minimum) over repetitions. Every rank returns the same profile.
 Profile run_profile(const std::shared_ptr<comm::Group>& world, Device device,
                     const ProfileOptions& options);
 
