@@ -2,6 +2,7 @@
 // predictions, and a quick one-process profile.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <fstream>
 #include <vector>
@@ -203,28 +204,29 @@ TEST(ProfileFile, CorruptFilesNameTheFileAndTheKey) {
   };
   const std::string p = dir / "p.json";
   EXPECT_CONTAINS(load_text("{\"format\": "), p + ": not valid JSON");
-  EXPECT_CONTAINS(load_text("[]"), p + ":  is not an object");
-  EXPECT_CONTAINS(load_text(replace("\"xmoe-profile\"", "\"other\"")),
-                  "format is not 'xmoe-profile'");
-  EXPECT_CONTAINS(load_text(replace("\"version\": 1", "\"version\": 7")),
-                  "version is 7; this xmoe reads version 1");
-  EXPECT_CONTAINS(load_text(replace("\"beta\":", "\"bet\":")), "models[0].fit.beta is missing");
-  EXPECT_CONTAINS(load_text(replace("\"statistic\": \"min\"", "\"statistic\": \"mean\"")),
-                  "measurement.statistic 'mean' is not median or min");
-  EXPECT_CONTAINS(load_text(replace("\"task\": \"all_to_all_v\"", "\"task\": \"all_to_al\"")),
-                  "models[0].task 'all_to_al' is not a task (all_to_all_v, all_gather");
-  EXPECT_CONTAINS(load_text(replace("\"link\": \"intra_node\"", "\"link\": \"rack\"")),
-                  "models[0].link 'rack' is not intra_node or inter_node");
-  EXPECT_CONTAINS(load_text(replace("\"unit\": \"byte\"", "\"unit\": \"flop\"")),
-                  "models[0].fit.unit is 'flop', but all_to_all_v counts bytes");
-  EXPECT_CONTAINS(load_text(replace("\"world_size\": 4", "\"world_size\": \"4\"")),
-                  "machine.world_size is not a whole number >= 1");
-  EXPECT_CONTAINS(load_text(replace("\"n\": 3", "\"n\": 4")),
-                  "models[0].fit.n is 4, but models[0].samples has 3");
-  EXPECT_CONTAINS(load_text(replace("\"in\": 128", "\"in\": 0")),
-                  "models[2].in is not a whole number >= 1");
-  EXPECT_CONTAINS(load_text(replace("\"samples\": [", "\"samples\": [[1, -2], ")),
-                  "models[0].samples[0] is not an [x, seconds] pair of positive numbers");
+  EXPECT_CONTAINS(load_text("[]"), p + ": the top level is not an object");
+  // {text in the good file, its replacement, the error expected}
+  const std::vector<std::array<std::string, 3>> cases = {
+      {"\"xmoe-profile\"", "\"other\"", "format is not 'xmoe-profile'"},
+      {"\"version\": 1", "\"version\": 7", "version is 7; this xmoe reads version 1"},
+      {"\"beta\":", "\"bet\":", "models[0].fit.beta is missing"},
+      {"\"statistic\": \"min\"", "\"statistic\": \"mean\"",
+       "measurement.statistic 'mean' is not median or min"},
+      {"\"task\": \"all_to_all_v\"", "\"task\": \"all_to_al\"",
+       "models[0].task 'all_to_al' is not a task (all_to_all_v, all_gather"},
+      {"\"link\": \"intra_node\"", "\"link\": \"rack\"",
+       "models[0].link 'rack' is not intra_node or inter_node"},
+      {"\"unit\": \"byte\"", "\"unit\": \"flop\"",
+       "models[0].fit.unit is 'flop', but all_to_all_v counts bytes"},
+      {"\"world_size\": 4", "\"world_size\": \"4\"",
+       "machine.world_size is not a whole number >= 1"},
+      {"\"n\": 3", "\"n\": 4", "models[0].fit.n is 4, but models[0].samples has 3"},
+      {"\"in\": 128", "\"in\": 0", "models[2].in is not a whole number >= 1"},
+      {"\"samples\": [", "\"samples\": [[1, -2], ",
+       "models[0].samples[0] is not an [x, seconds] pair of positive numbers"},
+  };
+  for (const auto& [from, to, error] : cases)
+    EXPECT_CONTAINS(load_text(replace(from, to)), p + ": " + error);
   EXPECT_CONTAINS(error_of([&] { load_profile(dir / "none.json"); }), "none.json");
 }
 

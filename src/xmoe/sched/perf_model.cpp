@@ -52,7 +52,7 @@ class Reader {
   }
   const json& member(const json& obj, const std::string& where, const char* key) const {
     const std::string name = where.empty() ? key : where + "." + key;
-    if (!obj.is_object()) fail(where, "is not an object");
+    if (!obj.is_object()) fail(where.empty() ? "the top level" : where, "is not an object");
     const auto it = obj.find(key);
     if (it == obj.end()) fail(name, "is missing");
     return *it;
