@@ -29,7 +29,7 @@ TEST(CudaProfile, QuickProfileFitsTheComputeTasksInBf16) {
                 std::string(task_name(m.task)).c_str(), m.fit.alpha * 1e6, m.fit.beta, m.fit.r2,
                 100 * m.heldout_error());
   }
-  // 2048 rows x 1024 x 512 (4.3 GFLOP) takes longer than 16 rows (launch-bound), and a bf16
+  // 2048 rows x 1024 x 512 (2.1 GFLOP) takes longer than 16 rows (launch-bound), and a bf16
   // grouped GEMM of that size runs well above 1 TFLOP/s on any GPU xmoe targets.
   const double big = p.predict_gemm(Task::gemm_forward, 2048, 1024, 512);
   EXPECT_GT(big, p.predict_gemm(Task::gemm_forward, 16, 1024, 512));

@@ -194,7 +194,8 @@ void Profiler::gemms(GemmShape shape) {
   const int64_t G = options_.gemm_groups;
   // Small values keep the accumulating weight gradient and outputs finite over every repetition.
   const Tensor w = Tensor::full({G, shape.in, shape.out}, 0.01f, device_).to(compute_dtype_);
-  Tensor dw = Tensor::zeros({G, shape.in, shape.out}, compute_dtype_, device_);
+  // An f32 weight gradient, the default model.moe.expert_grad_dtype.
+  Tensor dw = Tensor::zeros({G, shape.in, shape.out}, DType::f32, device_);
   for (Task task : {Task::gemm_forward, Task::gemm_backward_data, Task::gemm_backward_weight}) {
     TaskModel model;
     model.task = task;
