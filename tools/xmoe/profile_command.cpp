@@ -62,9 +62,10 @@ ProfileCommand::ProfileCommand(CLI::App& app)
                    "machine; 0 = the real nodes)")
       ->check(at_least(0));
   cmd_->add_option("--gemm-shape", gemm_shapes_,
-                   "Expert GEMM weight shape INxOUT (repeatable; default: the experts of tiny on "
-                   "the CPU, of moe-1b on CUDA)")
-      ->delimiter(',');
+                   "Expert GEMM weight shapes INxOUT (repeatable or comma-separated); default: "
+                   "the experts of tiny on the CPU, of moe-1b on CUDA; --quick: 64x128")
+      ->delimiter(',')
+      ->default_str("CPU 256x256,128x256; CUDA 1024x512,256x1024");
   cmd_->add_option("--gemm-groups", gemm_groups_, "Experts per grouped GEMM")
       ->check(whole_number(1, 4096));
   cmd_->add_option("--statistic", statistic_,
