@@ -4,6 +4,7 @@
 //   xmoe prepare   [--corpus PATH] [--out DIR] [--overwrite]
 //   xmoe config    show | presets | keys
 //   xmoe inspect   CHECKPOINT
+//   xmoe profile   [--out FILE] [--device cpu|cuda] [--quick] [--ranks-per-node N]
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
@@ -14,6 +15,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "profile_command.h"
+#include "validators.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/error.h"
@@ -28,6 +31,8 @@
 namespace {
 
 using namespace xmoe;
+using cli::at_least;
+using cli::whole_number;
 namespace fs = std::filesystem;
 
 /// The commands with one example each: `xmoe`, `xmoe --help` and a misspelt command show them.
@@ -43,32 +48,12 @@ constexpr const char* kCommands =
                xmoe config show --preset moe-1b
   inspect    Verify a checkpoint and list its tensors
                xmoe inspect runs/default/step-600
-Docs: README.md, docs/training.md, docs/config.md)";
+  profile    Measure this machine's performance models (collectives, expert GEMMs) into a file
+               mpirun -np 4 xmoe profile --ranks-per-node 2 --out profile.json
+Docs: README.md, docs/training.md, docs/config.md, docs/profile.md)";
 
-const std::vector<std::string> kCommandNames = {"train", "generate", "prepare", "config",
-                                                "inspect"};
-
-/// A whole number in [lo, hi], checked with a message in plain words (CLI11's own range check
-/// prints the double limits of the type).
-CLI::Validator whole_number(long long lo, long long hi) {
-  const std::string desc = hi == std::numeric_limits<long long>::max()
-                               ? fmt::format("INT >= {}", lo)
-                               : fmt::format("INT in [{}, {}]", lo, hi);
-  return CLI::Validator(
-      [lo, hi](std::string& s) -> std::string {
-        long long v = 0;
-        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-        if (ec != std::errc() || end != s.data() + s.size())
-          return fmt::format("'{}' is not a whole number", s);
-        if (v < lo) return fmt::format("{} is below the smallest allowed value, {}", v, lo);
-        if (v > hi) return fmt::format("{} is above the largest allowed value, {}", v, hi);
-        return "";
-      },
-      desc);
-}
-CLI::Validator at_least(long long lo) {
-  return whole_number(lo, std::numeric_limits<long long>::max());
-}
+const std::vector<std::string> kCommandNames = {"train",  "generate", "prepare",
+                                                "config", "inspect",  "profile"};
 
 /// --preset / --config / --set, shared by the commands that take a configuration.
 struct ConfigArgs {
@@ -281,6 +266,8 @@ int main(int argc, char** argv) {
   inspect_cmd->add_option("checkpoint", inspect_dir, "Checkpoint folder")->required();
   inspect_cmd->footer("Example:\n  xmoe inspect runs/default/step-600");
 
+  const cli::ProfileCommand profile_cmd(app);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -307,6 +294,8 @@ int main(int argc, char** argv) {
       std::printf("%s", config_reference_markdown().c_str());
     } else if (*inspect_cmd) {
       inspect(inspect_dir);
+    } else if (profile_cmd.chosen()) {
+      profile_cmd.run();
     }
   } catch (const std::exception& e) {
     const bool ours = dynamic_cast<const xmoe::Error*>(&e) != nullptr;

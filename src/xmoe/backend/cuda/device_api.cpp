@@ -310,6 +310,12 @@ int cuda_device_count() {
   return cuda::visible_devices();
 }
 
+std::string cuda_device_name(int device_index) {
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device_index));
+  return prop.name;
+}
+
 Allocator& cuda_allocator(int device_index) {
   return cuda::caching_allocator(device_index);
 }

@@ -13,6 +13,11 @@ int cuda_device_count() {
   return 0;
 }
 
+std::string cuda_device_name(int device_index) {
+  XMOE_FAIL("[device] cuda:{} requested, but this xmoe was built without CUDA (XMOE_CUDA=OFF)",
+            device_index);
+}
+
 Allocator& cuda_allocator(int device_index) {
   XMOE_FAIL("[device] cuda:{} requested, but this xmoe was built without CUDA (XMOE_CUDA=OFF)",
             device_index);

@@ -1,0 +1,332 @@
+#include "xmoe/sched/profiler.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+
+#include "xmoe/core/device_api.h"
+#include "xmoe/core/error.h"
+#include "xmoe/core/timer.h"
+#include "xmoe/ops/ops.h"
+
+namespace xmoe::sched {
+
+namespace {
+
+/// Sizes 2^lo, 2^(lo+step), ..., 2^hi are fitted; held out: 2^(e + step/2) for every other
+/// fitted interval [e, e + step], so the check covers the whole range without doubling it.
+struct Sweep {
+  double lo, hi, step;
+  std::vector<double> fitted() const {
+    std::vector<double> s;
+    for (double e = lo; e <= hi + 1e-9; e += step) s.push_back(std::round(std::exp2(e)));
+    return s;
+  }
+  std::vector<double> heldout() const {
+    std::vector<double> s;
+    for (double e = lo; e + step <= hi + 1e-9; e += 2 * step)
+      s.push_back(std::round(std::exp2(e + step / 2)));
+    return s;
+  }
+};
+
+struct Plan {
+  Sweep comm, gemm_rows, row_bytes;
+  int warmup, reps;
+};
+
+Plan make_plan(bool quick) {
+  if (quick) return {{10, 20, 2}, {4, 11, 1}, {12, 20, 2}, 1, 5};
+  return {{10, 26, 2}, {4, 13, 1}, {12, 26, 2}, 2, 7};
+}
+
+std::string format_size(double x, std::string_view unit) {
+  if (unit == "flop") return fmt::format("{:.3g} GFLOP", x / 1e9);
+  if (x >= 1 << 20) return fmt::format("{:g} MiB", x / (1 << 20));
+  if (x >= 1 << 10) return fmt::format("{:g} KiB", x / (1 << 10));
+  return fmt::format("{:g} B", x);
+}
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  return "unknown CPU";
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+/// Runs the measurements; each one is agreed over the world (max over ranks per repetition).
+class Profiler {
+ public:
+  Profiler(const std::shared_ptr<comm::Group>& world, Device device, const ProfileOptions& options)
+      : world_(world), device_(device), options_(options), plan_(make_plan(options.quick)) {}
+
+  Profile run();
+
+ private:
+  /// Median over repetitions of the slowest rank's time of `op`, timed on `group`.
+  template <typename Op>
+  double time(comm::Group& group, Op&& op);
+  /// Fits `x -> seconds` over the plan's sizes (`measure(x)` returns the size it really used
+  /// and its time).
+  template <typename Measure>
+  void sweep(TaskModel& model, const Sweep& sweep, const std::string& label, Measure&& measure);
+  void collectives(const std::shared_ptr<comm::Group>& group, comm::LinkClass link);
+  void gemms(GemmShape shape);
+  void rows();
+  void step(const std::string& label);
+
+  std::shared_ptr<comm::Group> world_;
+  Device device_;
+  const ProfileOptions& options_;
+  Plan plan_;
+  DType compute_dtype_ = DType::f32;
+  Profile profile_;
+  int done_ = 0, total_ = 0;
+};
+
+template <typename Op>
+double Profiler::time(comm::Group& group, Op&& op) {
+  for (int i = 0; i < plan_.warmup; ++i) op();
+  backend::synchronize(device_);
+  std::vector<float> seconds(static_cast<size_t>(plan_.reps));
+  for (float& s : seconds) {
+    group.barrier();
+    const Timer timer;
+    op();
+    backend::synchronize(device_);
+    s = static_cast<float>(timer.seconds());
+  }
+  Tensor slowest = Tensor::from_vector(seconds, {plan_.reps}, world_->device());
+  world_->all_reduce(slowest, comm::ReduceOp::max);
+  const Tensor on_host = slowest.to(Device::cpu());
+  std::vector<float> host(on_host.span<float>().begin(), on_host.span<float>().end());
+  std::sort(host.begin(), host.end());
+  if (options_.statistic == "min") return host.front();
+  const size_t h = host.size() / 2;
+  return host.size() % 2 ? host[h] : 0.5 * (host[h - 1] + host[h]);
+}
+
+void Profiler::step(const std::string& label) {
+  ++done_;
+  if (options_.progress) options_.progress({done_, total_, label});
+}
+
+template <typename Measure>
+void Profiler::sweep(TaskModel& model, const Sweep& s, const std::string& label,
+                     Measure&& measure) {
+  const std::string_view unit = task_unit(model.task);
+  for (double x : s.fitted()) {
+    const auto [used, seconds] = measure(x);
+    model.x.push_back(used);
+    model.t.push_back(seconds);
+    step(fmt::format("{} {}", label, format_size(used, unit)));
+  }
+  for (double x : s.heldout()) {
+    const auto [used, seconds] = measure(x);
+    model.heldout_x.push_back(used);
+    model.heldout_t.push_back(seconds);
+    step(fmt::format("{} {} (held out)", label, format_size(used, unit)));
+  }
+  model.fit =
+      fit_linear(model.x, model.t, std::string(unit), {.relative = true, .non_negative = true});
+  profile_.models.push_back(std::move(model));
+}
+
+void Profiler::collectives(const std::shared_ptr<comm::Group>& group, comm::LinkClass link) {
+  const int p = group->size();
+  constexpr int64_t kWidth = 16;  // f32 elements per row: 64-byte rows
+  constexpr double kRowBytes = kWidth * 4;
+  const auto rows_for = [&](double bytes, int64_t multiple) {
+    const int64_t rows = std::max<int64_t>(1, std::llround(bytes / kRowBytes / multiple));
+    return rows * multiple;
+  };
+  for (Task task : {Task::all_to_all_v, Task::all_gather, Task::reduce_scatter, Task::all_reduce}) {
+    TaskModel model;
+    model.task = task;
+    model.link = link;
+    model.ranks = p;
+    model.dtype = "f32";
+    const std::string label = fmt::format("{} {}", task_name(task), link_name(link));
+    sweep(model, plan_.comm, label, [&](double bytes) -> std::pair<double, double> {
+      comm::Group& g = *group;
+      if (task == Task::all_to_all_v) {
+        const int64_t rows = rows_for(bytes, p);
+        Tensor send = Tensor::zeros({rows, kWidth}, DType::f32, device_);
+        const std::vector<int64_t> counts(static_cast<size_t>(p), rows / p);
+        return {rows * kRowBytes, time(g, [&] { g.all_to_all_v(send, counts, counts); })};
+      }
+      if (task == Task::all_gather) {
+        const int64_t rows = rows_for(bytes, p) / p;
+        Tensor mine = Tensor::zeros({rows, kWidth}, DType::f32, device_);
+        return {rows * p * kRowBytes, time(g, [&] { g.all_gather(mine); })};
+      }
+      if (task == Task::reduce_scatter) {
+        const int64_t rows = rows_for(bytes, p);
+        Tensor full = Tensor::zeros({rows, kWidth}, DType::f32, device_);
+        return {rows * kRowBytes, time(g, [&] { g.reduce_scatter(full); })};
+      }
+      const int64_t rows = rows_for(bytes, 1);
+      Tensor t = Tensor::zeros({rows, kWidth}, DType::f32, device_);
+      return {rows * kRowBytes, time(g, [&] { g.all_reduce(t); })};
+    });
+  }
+}
+
+void Profiler::gemms(GemmShape shape) {
+  const int64_t G = options_.gemm_groups;
+  // Small values keep the accumulating weight gradient and outputs finite over every repetition.
+  const Tensor w = Tensor::full({G, shape.in, shape.out}, 0.01f, device_).to(compute_dtype_);
+  // An f32 weight gradient, the default model.moe.expert_grad_dtype.
+  Tensor dw = Tensor::zeros({G, shape.in, shape.out}, DType::f32, device_);
+  for (Task task : {Task::gemm_forward, Task::gemm_backward_data, Task::gemm_backward_weight}) {
+    TaskModel model;
+    model.task = task;
+    model.in = shape.in;
+    model.out = shape.out;
+    model.groups = G;
+    model.dtype = std::string(dtype_name(compute_dtype_));
+    const std::string label = fmt::format("{} {}x{}", task_name(task), shape.in, shape.out);
+    sweep(model, plan_.gemm_rows, label, [&](double rows_d) -> std::pair<double, double> {
+      const int64_t rows = std::max<int64_t>(1, std::llround(rows_d));
+      std::vector<int64_t> sizes(static_cast<size_t>(G), rows / G);
+      for (int64_t g = 0; g < rows % G; ++g) ++sizes[static_cast<size_t>(g)];
+      const Tensor x = Tensor::full({rows, shape.in}, 0.01f, device_).to(compute_dtype_);
+      const Tensor dy = Tensor::full({rows, shape.out}, 0.01f, device_).to(compute_dtype_);
+      const double flops = 2.0 * static_cast<double>(rows) * shape.in * shape.out;
+      comm::Group& g = *world_;
+      if (task == Task::gemm_forward)
+        return {flops, time(g, [&] { ops::grouped_matmul(x, w, sizes); })};
+      if (task == Task::gemm_backward_data)
+        return {flops, time(g, [&] { ops::grouped_matmul(dy, w, sizes, true); })};
+      return {flops, time(g, [&] { ops::grouped_matmul_weight_grad(dw, x, dy, sizes, false); })};
+    });
+  }
+}
+
+void Profiler::rows() {
+  const int64_t W = options_.row_width;
+  const double row_bytes = static_cast<double>(W * dtype_size(compute_dtype_));
+  for (Task task : {Task::gather_rows, Task::scatter_rows}) {
+    TaskModel model;
+    model.task = task;
+    model.width = W;
+    model.dtype = std::string(dtype_name(compute_dtype_));
+    sweep(
+        model, plan_.row_bytes, std::string(task_name(task)),
+        [&](double bytes) -> std::pair<double, double> {
+          const int64_t n = std::max<int64_t>(1, std::llround(bytes / row_bytes));
+          // A scattered pattern (as routing gives), not a sequential copy.
+          std::vector<int32_t> idx(static_cast<size_t>(n));
+          for (int64_t i = 0; i < n; ++i)
+            idx[static_cast<size_t>(i)] = static_cast<int32_t>((i * 2654435761ll) % n);
+          const Tensor index = Tensor::from_vector(idx, {n}, device_);
+          const Tensor src = Tensor::full({n, W}, 0.01f, device_).to(compute_dtype_);
+          comm::Group& g = *world_;
+          if (task == Task::gather_rows)
+            return {n * row_bytes, time(g, [&] { ops::gather_rows(src, index); })};
+          // An f32 destination, as I-Order adds bf16 expert rows into the f32 residual.
+          Tensor out = Tensor::zeros({n, W}, DType::f32, device_);
+          const Tensor weight = Tensor::full({n}, 0.5f, device_);
+          return {n * row_bytes, time(g, [&] { ops::scatter_add_rows(out, src, index, weight); })};
+        });
+  }
+}
+
+Profile Profiler::run() {
+  XMOE_CHECK(options_.gemm_groups >= 1 && options_.row_width >= 1,
+             "[profile] gemm groups {} and row width {} must be >= 1", options_.gemm_groups,
+             options_.row_width);
+  XMOE_CHECK(options_.statistic == "median" || options_.statistic == "min",
+             "[profile] statistic '{}' is not median or min", options_.statistic);
+  XMOE_CHECK(world_->size() == 1 || world_->device() == device_,
+             "[profile] the {} group moves tensors on {}, but the profile is for {}",
+             world_->backend_name(), world_->device().str(), device_.str());
+  compute_dtype_ = device_.is_cuda() ? DType::bf16 : DType::f32;
+  const std::vector<GemmShape> shapes = options_.gemm_shapes.empty()
+                                            ? default_gemm_shapes(device_, options_.quick)
+                                            : options_.gemm_shapes;
+
+  const comm::Topology& topo = world_->topology();
+  const int rank = world_->rank();
+  int most_on_a_node = 0;
+  for (int node = 0; node < topo.num_nodes(); ++node)
+    most_on_a_node = std::max(most_on_a_node, static_cast<int>(topo.ranks_on(node).size()));
+  const bool intra = most_on_a_node > 1;
+  const bool inter = topo.num_nodes() > 1;
+
+  Machine& m = profile_.machine;
+  m.device = device_.is_cuda() ? "cuda" : "cpu";
+  m.device_name = device_.is_cuda() ? backend::cuda_device_name(device_.index) : cpu_model_name();
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  m.host = host;
+  m.backend = world_->backend_name();
+  m.world_size = world_->size();
+  m.nodes = topo.num_nodes();
+  m.ranks_per_node = most_on_a_node;
+  m.date = utc_now();
+  m.xmoe_version = XMOE_VERSION;
+  profile_.measurement = {options_.statistic, plan_.warmup, plan_.reps};
+
+  const auto points = [](const Sweep& s) {
+    return static_cast<int>(s.fitted().size() + s.heldout().size());
+  };
+  total_ = 4 * points(plan_.comm) * (int{intra} + int{inter}) +
+           3 * points(plan_.gemm_rows) * static_cast<int>(shapes.size()) +
+           2 * points(plan_.row_bytes);
+
+  // Intra-node: each node's ranks, all nodes at once; inter-node: one rank per node, as
+  // hierarchical dispatch (RBD) uses them. Splits are collective over the world.
+  if (intra) collectives(world_->split(topo.node_of(rank), rank), comm::LinkClass::intra_node);
+  if (inter) collectives(world_->split(topo.local_rank(rank), rank), comm::LinkClass::inter_node);
+  for (const GemmShape& s : shapes) gemms(s);
+  rows();
+  return std::move(profile_);
+}
+
+}  // namespace
+
+GemmShape parse_gemm_shape(std::string_view text, std::string_view key) {
+  GemmShape s;
+  const size_t x = text.find('x');
+  const auto whole = [](std::string_view part, int64_t& v) {
+    const auto [end, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
+    return ec == std::errc() && end == part.data() + part.size() && v > 0;
+  };
+  XMOE_CHECK(x != std::string_view::npos && whole(text.substr(0, x), s.in) &&
+                 whole(text.substr(x + 1), s.out),
+             "[profile] {} '{}' is not INxOUT with two whole numbers > 0 (e.g. 1024x512)", key,
+             text);
+  return s;
+}
+
+std::vector<GemmShape> default_gemm_shapes(Device device, bool quick) {
+  if (quick) return {{64, 128}};
+  if (device.is_cuda()) return {{1024, 512}, {256, 1024}};
+  return {{256, 256}, {128, 256}};
+}
+
+Profile run_profile(const std::shared_ptr<comm::Group>& world, Device device,
+                    const ProfileOptions& options) {
+  return Profiler(world, device, options).run();
+}
+
+}  // namespace xmoe::sched

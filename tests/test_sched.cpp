@@ -1,0 +1,278 @@
+// The performance models (sched/): the least-squares fit, the profile file and its checks, the
+// predictions, and a quick one-process profile.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <fstream>
+#include <vector>
+
+#include "testing.h"
+#include "xmoe/comm/group.h"
+#include "xmoe/sched/linear_model.h"
+#include "xmoe/sched/perf_model.h"
+#include "xmoe/sched/profiler.h"
+
+using namespace xmoe;
+using namespace xmoe::sched;
+using xmoe::testing::error_of;
+using xmoe::testing::TempDir;
+
+TEST(LinearFit, ExactLineRecoversAlphaAndBeta) {
+  std::vector<double> x, t;
+  for (int e = 10; e <= 26; e += 2) {
+    x.push_back(std::exp2(e));
+    t.push_back(7e-6 + 3e-10 * x.back());
+  }
+  for (const FitOptions o : {FitOptions{}, FitOptions{.relative = true, .non_negative = true}}) {
+    const LinearModel m = fit_linear(x, t, "byte", o);
+    EXPECT_NEAR(m.alpha, 7e-6, 1e-12);
+    EXPECT_NEAR(m.beta / 3e-10, 1.0, 1e-9);
+    EXPECT_NEAR(m.r2, 1.0, 1e-12);
+    EXPECT_EQ(m.n, 9);
+    EXPECT_EQ(m.unit, "byte");
+    EXPECT_NEAR(m.predict(1e6), 7e-6 + 3e-4, 1e-12);
+  }
+}
+
+TEST(LinearFit, NoisyDataHasTheKnownR2) {
+  // Residuals (+1, -1, -1, +1) are orthogonal to 1 and to x, so the fit is still 2 + 3x, with
+  // SS_res = 4 and SS_tot = 49 around the mean 9.5: R² = 45/49.
+  const std::vector<double> x = {1, 2, 3, 4}, t = {6, 7, 10, 15};
+  const LinearModel m = fit_linear(x, t, "flop");
+  EXPECT_NEAR(m.alpha, 2.0, 1e-12);
+  EXPECT_NEAR(m.beta, 3.0, 1e-12);
+  EXPECT_NEAR(m.r2, 45.0 / 49.0, 1e-12);
+}
+
+TEST(LinearFit, RelativeWeightingFollowsTheSmallSizes) {
+  // Small times exact on 1 + x, one large point 50% slow. Unweighted, the large point sets the
+  // slope and the small sizes are predicted far off; weighted by 1/t^2 the errors
+  // balance over all points.
+  const std::vector<double> x = {1, 2, 4, 8, 1e6}, t = {2, 3, 5, 9, 1.5e6};
+  const std::vector<double> small_x(x.begin(), x.begin() + 4), small_t(t.begin(), t.begin() + 4);
+  const LinearModel plain = fit_linear(x, t, "byte");
+  const LinearModel relative = fit_linear(x, t, "byte", {.relative = true});
+  EXPECT_GT(median_relative_error(plain, small_x, small_t), 0.25);     // 0.264
+  EXPECT_LT(median_relative_error(relative, small_x, small_t), 0.08);  // 0.072
+}
+
+TEST(LinearFit, NonNegativeClampsTheIntercept) {
+  // t = -1 + 2x exactly: the unconstrained fit finds alpha = -1; constrained, alpha = 0 and
+  // beta is the least-squares slope through the origin, sum(x t) / sum(x^2) = 50 / 30.
+  const std::vector<double> x = {1, 2, 3, 4}, t = {1, 3, 5, 7};
+  EXPECT_NEAR(fit_linear(x, t, "byte").alpha, -1.0, 1e-12);
+  const LinearModel m = fit_linear(x, t, "byte", {.non_negative = true});
+  EXPECT_EQ(m.alpha, 0.0);
+  EXPECT_NEAR(m.beta, 50.0 / 30.0, 1e-12);
+  EXPECT_LT(m.r2, 1.0);
+  // A falling line: beta = 0 and alpha the mean.
+  const LinearModel flat =
+      fit_linear(x, std::vector<double>{4, 3, 2, 1}, "byte", {.non_negative = true});
+  EXPECT_EQ(flat.beta, 0.0);
+  EXPECT_NEAR(flat.alpha, 2.5, 1e-12);
+}
+
+TEST(LinearFit, RefusesWhatHasNoLine) {
+  const std::vector<double> one = {1}, two = {1, 2}, same = {4, 4, 4};
+  EXPECT_CONTAINS(error_of([&] { fit_linear(one, one, "byte"); }),
+                  "[fit] a line needs at least 2 samples, got 1");
+  EXPECT_CONTAINS(error_of([&] { fit_linear({}, {}, "byte"); }), "at least 2 samples, got 0");
+  EXPECT_CONTAINS(error_of([&] {
+                    fit_linear(same, std::vector<double>{1, 2, 3}, "byte");
+                  }),
+                  "all 3 samples have x = 4: the slope is undefined");
+  EXPECT_CONTAINS(error_of([&] { fit_linear(two, same, "byte"); }), "2 sizes but 3 times");
+  EXPECT_CONTAINS(error_of([&] {
+                    fit_linear(two, std::vector<double>{1, NAN}, "byte");
+                  }),
+                  "sample 1 is not finite");
+  EXPECT_CONTAINS(error_of([&] {
+                    fit_linear(two, std::vector<double>{0, 1}, "byte", {.relative = true});
+                  }),
+                  "relative weighting needs positive times; sample 0 has t = 0");
+}
+
+TEST(LinearFit, MedianRelativeError) {
+  const LinearModel m{.alpha = 0, .beta = 1, .r2 = 1, .n = 2, .unit = "byte"};
+  // errors 0.25, 0, 0.5 -> median 0.25; with a fourth of 1.0 -> (0.25 + 0.5) / 2
+  EXPECT_NEAR(median_relative_error(m, std::vector<double>{5, 2, 2}, std::vector<double>{4, 2, 4}),
+              0.25, 1e-12);
+  EXPECT_NEAR(
+      median_relative_error(m, std::vector<double>{5, 2, 2, 2}, std::vector<double>{4, 2, 4, 1}),
+      0.375, 1e-12);
+}
+
+namespace {
+
+TaskModel model_of(Task task, double alpha, double beta) {
+  TaskModel m;
+  m.task = task;
+  m.dtype = "f32";
+  m.x = {1024, 4096, 16384};
+  for (double x : m.x) m.t.push_back(alpha + beta * x);
+  m.heldout_x = {2048};
+  m.heldout_t = {(alpha + beta * 2048) * 1.1};  // predicted 10% low
+  m.fit = fit_linear(m.x, m.t, std::string(task_unit(task)));
+  return m;
+}
+
+Profile sample_profile() {
+  Profile p;
+  p.machine = {.device = "cpu",
+               .device_name = "Test CPU",
+               .host = "host0",
+               .backend = "mpi",
+               .world_size = 4,
+               .ranks_per_node = 2,
+               .nodes = 2,
+               .date = "2025-01-01T00:00:00Z",
+               .xmoe_version = "0.1.0"};
+  p.measurement = {.statistic = "min", .warmup = 2, .repetitions = 7};
+  TaskModel a2a = model_of(Task::all_to_all_v, 1e-5, 1e-9);
+  a2a.ranks = 2;
+  TaskModel a2a_inter = model_of(Task::all_to_all_v, 5e-5, 1e-8);
+  a2a_inter.link = comm::LinkClass::inter_node;
+  a2a_inter.ranks = 2;
+  TaskModel small = model_of(Task::gemm_forward, 2e-6, 1e-11);
+  small.in = 128, small.out = 256, small.groups = 8;
+  TaskModel large = model_of(Task::gemm_forward, 4e-6, 5e-12);
+  large.in = 1024, large.out = 512, large.groups = 8;
+  TaskModel gather = model_of(Task::gather_rows, 1e-6, 2e-10);
+  gather.width = 256;
+  p.models = {a2a, a2a_inter, small, large, gather};
+  return p;
+}
+
+}  // namespace
+
+TEST(ProfileFile, RoundTripKeepsEveryField) {
+  TempDir dir;
+  const Profile p = sample_profile();
+  save_profile(p, dir / "profile.json");
+  const Profile q = load_profile(dir / "profile.json");
+  EXPECT_EQ(profile_to_json(q), profile_to_json(p));
+  EXPECT_EQ(q.machine.device_name, "Test CPU");
+  EXPECT_EQ(q.machine.ranks_per_node, 2);
+  EXPECT_EQ(q.measurement.statistic, "min");
+  EXPECT_EQ(q.measurement.repetitions, 7);
+  ASSERT_EQ(q.models.size(), 5u);
+  EXPECT_EQ(q.models[1].link, comm::LinkClass::inter_node);
+  EXPECT_EQ(q.models[3].in, 1024);
+  EXPECT_EQ(q.models[4].width, 256);
+  EXPECT_EQ(q.models[0].fit.alpha, p.models[0].fit.alpha);  // doubles survive exactly
+  EXPECT_EQ(q.models[0].fit.beta, p.models[0].fit.beta);
+  EXPECT_NEAR(q.models[0].heldout_error(), 0.1 / 1.1, 1e-9);
+  EXPECT_NEAR(q.heldout_error(), 0.1 / 1.1, 1e-9);
+}
+
+TEST(ProfileFile, PredictsFromTheRightModel) {
+  const Profile p = sample_profile();
+  EXPECT_NEAR(p.predict_dispatch(1e6, comm::LinkClass::intra_node), 1e-5 + 1e-3, 1e-12);
+  EXPECT_NEAR(p.predict_collective(Task::all_to_all_v, comm::LinkClass::inter_node, 1e6),
+              5e-5 + 1e-2, 1e-12);
+  // 1000x500 is nearest the 1024x512 model; 100x300 nearest 128x256.
+  EXPECT_NEAR(p.predict_gemm(Task::gemm_forward, 64, 1000, 500), 4e-6 + 5e-12 * 2 * 64 * 1000 * 500,
+              1e-12);
+  EXPECT_NEAR(p.predict_gemm(Task::gemm_forward, 64, 100, 300), 2e-6 + 1e-11 * 2 * 64 * 100 * 300,
+              1e-12);
+  EXPECT_NEAR(p.predict_rows(Task::gather_rows, 1e6), 1e-6 + 2e-4, 1e-12);
+  EXPECT_CONTAINS(
+      error_of([&] { p.predict_collective(Task::all_reduce, comm::LinkClass::intra_node, 1); }),
+      "no all_reduce model over intra_node links");
+  EXPECT_CONTAINS(error_of([&] { p.predict_gemm(Task::gemm_backward_data, 1, 1, 1); }),
+                  "no gemm_backward_data model");
+  EXPECT_CONTAINS(error_of([&] { p.predict_rows(Task::scatter_rows, 1); }),
+                  "no scatter_rows model");
+  EXPECT_CONTAINS(error_of([&] { p.predict_gemm(Task::all_reduce, 1, 1, 1); }),
+                  "all_reduce is not a GEMM kind");
+}
+
+TEST(ProfileFile, CorruptFilesNameTheFileAndTheKey) {
+  TempDir dir;
+  const std::string good = profile_to_json(sample_profile());
+  const auto load_text = [&](const std::string& text) {
+    const std::string path = dir / "p.json";
+    std::ofstream(path) << text;
+    return error_of([&] { load_profile(path); });
+  };
+  const auto replace = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    const size_t at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return s.replace(at, from.size(), to);
+  };
+  const std::string p = dir / "p.json";
+  EXPECT_CONTAINS(load_text("{\"format\": "), p + ": not valid JSON");
+  EXPECT_CONTAINS(load_text("[]"), p + ": the top level is not an object");
+  // {text in the good file, its replacement, the error expected}
+  const std::vector<std::array<std::string, 3>> cases = {
+      {"\"xmoe-profile\"", "\"other\"", "format is not 'xmoe-profile'"},
+      {"\"version\": 1", "\"version\": 7", "version is 7; this xmoe reads version 1"},
+      {"\"beta\":", "\"bet\":", "models[0].fit.beta is missing"},
+      {"\"statistic\": \"min\"", "\"statistic\": \"mean\"",
+       "measurement.statistic 'mean' is not median or min"},
+      {"\"task\": \"all_to_all_v\"", "\"task\": \"all_to_al\"",
+       "models[0].task 'all_to_al' is not a task (all_to_all_v, all_gather"},
+      {"\"link\": \"intra_node\"", "\"link\": \"rack\"",
+       "models[0].link 'rack' is not intra_node or inter_node"},
+      {"\"unit\": \"byte\"", "\"unit\": \"flop\"",
+       "models[0].fit.unit is 'flop', but all_to_all_v counts bytes"},
+      {"\"world_size\": 4", "\"world_size\": \"4\"",
+       "machine.world_size is not a whole number >= 1"},
+      {"\"n\": 3", "\"n\": 4", "models[0].fit.n is 4, but models[0].samples has 3"},
+      {"\"in\": 128", "\"in\": 0", "models[2].in is not a whole number >= 1"},
+      {"\"samples\": [", "\"samples\": [[1, -2], ",
+       "models[0].samples[0] is not an [x, seconds] pair of positive numbers"},
+  };
+  for (const auto& [from, to, error] : cases)
+    EXPECT_CONTAINS(load_text(replace(from, to)), p + ": " + error);
+  EXPECT_CONTAINS(error_of([&] { load_profile(dir / "none.json"); }), "none.json");
+}
+
+TEST(Profiler, QuickOneProcessProfileFitsTheComputeTasks) {
+  int steps = 0, total = 0;
+  ProfileOptions o;
+  o.quick = true;
+  o.gemm_shapes = {{32, 48}};
+  o.statistic = "min";
+  o.progress = [&](const ProfileProgress& p) {
+    EXPECT_EQ(p.done, steps + 1);
+    steps = p.done;
+    total = p.total;
+  };
+  const Profile p = run_profile(comm::make_single_group(), Device::cpu(), o);
+  EXPECT_EQ(steps, total);
+  EXPECT_EQ(p.machine.world_size, 1);
+  EXPECT_EQ(p.machine.device, "cpu");
+  EXPECT_FALSE(p.machine.date.empty());
+  EXPECT_EQ(p.measurement.statistic, "min");
+  EXPECT_EQ(p.measurement.repetitions, 5);
+  // One rank: no collective to time; 3 GEMM kinds of one shape and the 2 row tasks.
+  ASSERT_EQ(p.models.size(), 5u);
+  for (const TaskModel& m : p.models) {
+    EXPECT_FALSE(is_collective(m.task));
+    EXPECT_TRUE(std::isfinite(m.fit.alpha) && m.fit.alpha >= 0) << task_name(m.task);
+    // beta > 0 on a quiet machine; on one loaded by other builds the small quick sizes may
+    // time flat, so only its sign is checked.
+    EXPECT_TRUE(std::isfinite(m.fit.beta) && m.fit.beta >= 0) << task_name(m.task);
+    for (double t : m.t) EXPECT_GT(t, 0.0) << task_name(m.task);
+    EXPECT_TRUE(std::isfinite(m.fit.r2)) << task_name(m.task);
+    EXPECT_GE(m.fit.n, 5);
+    EXPECT_FALSE(m.heldout_x.empty());
+  }
+  EXPECT_EQ(p.models[0].in, 32);
+  EXPECT_EQ(p.models[0].x.front(), 2.0 * 16 * 32 * 48);  // 16 rows
+  EXPECT_TRUE(std::isfinite(p.heldout_error()));
+  EXPECT_GE(p.predict_gemm(Task::gemm_forward, 4096, 32, 48),
+            p.predict_gemm(Task::gemm_forward, 16, 32, 48));
+}
+
+TEST(Profiler, GemmShapeFlag) {
+  const GemmShape s = parse_gemm_shape("1024x512", "--gemm-shape");
+  EXPECT_EQ(s.in, 1024);
+  EXPECT_EQ(s.out, 512);
+  for (const char* bad : {"1024", "x512", "1024x", "10x-2", "4y4", "0x3", "3x4x5"})
+    EXPECT_CONTAINS(error_of([&] { parse_gemm_shape(bad, "--gemm-shape"); }),
+                    fmt::format("--gemm-shape '{}' is not INxOUT", bad));
+}
