@@ -207,7 +207,7 @@ std::vector<std::pair<std::string, Shape>> zero_tensors(const ModelConfig& m,
 /// The HF tensor of `link` cut from the xmoe tensor `x` (f32, CPU).
 Tensor to_hf(const TensorLink& link, const Tensor& x) {
   if (x.dim() == 1) return x.clone();
-  const int64_t R = x.size(0), C = x.size(1), w = link.hf_shape()[link.transpose];
+  const int64_t R = x.size(0), C = x.size(1), w = link.hf_shape()[link.transpose ? 0 : 1];
   Tensor out = Tensor::empty(link.hf_shape());
   const float* s = x.data<float>();
   float* o = out.data<float>();
@@ -223,12 +223,18 @@ void from_hf(const TensorLink& link, const Tensor& h, Tensor& x) {
     x.copy_from(h);
     return;
   }
-  const int64_t R = x.size(0), C = x.size(1), w = link.hf_shape()[link.transpose];
+  const int64_t R = x.size(0), C = x.size(1), w = link.hf_shape()[link.transpose ? 0 : 1];
   const float* s = h.data<float>();
   float* o = x.data<float>();
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < w; ++c)
       o[r * C + link.xmoe_col(c)] = s[link.transpose ? c * R + r : r * w + c];
+}
+
+/// A float as JSON shows it: its shortest decimal (1e-05, not 9.999999747378752e-06), which
+/// reads back as the same float.
+double json_float(float v) {
+  return std::stod(fmt::format("{}", v));
 }
 
 std::string dtype_json_name(DType dtype) {
@@ -260,13 +266,13 @@ json hf_config(const ModelConfig& m, const std::string& arch, DType dtype) {
             {"num_key_value_heads", m.num_kv_heads},
             {"head_dim", m.d_model / m.num_heads},
             {"max_position_embeddings", m.max_seq_len},
-            {"rms_norm_eps", m.norm_eps},
-            {"rope_theta", m.rope_theta},
+            {"rms_norm_eps", json_float(m.norm_eps)},
+            {"rope_theta", json_float(m.rope_theta)},
             {"rope_scaling", nullptr},
             {"hidden_act", "silu"},
             {"attention_bias", false},
             {"attention_dropout", 0.0},
-            {"initializer_range", m.init_std},
+            {"initializer_range", json_float(m.init_std)},
             {"tie_word_embeddings", m.tie_embeddings},
             {"use_cache", true},
             {"bos_token_id", nullptr},
@@ -281,7 +287,7 @@ json hf_config(const ModelConfig& m, const std::string& arch, DType dtype) {
     c["num_local_experts"] = e.num_experts;
     c["num_experts_per_tok"] = e.top_k;
     c["sliding_window"] = nullptr;
-    c["router_aux_loss_coef"] = e.aux_loss_weight;
+    c["router_aux_loss_coef"] = json_float(e.aux_loss_weight);
     c["output_router_logits"] = false;
   } else if (arch == kErnie) {
     c["intermediate_size"] = m.dense_hidden;
@@ -294,7 +300,7 @@ json hf_config(const ModelConfig& m, const std::string& arch, DType dtype) {
     c["moe_layer_end_index"] = m.num_layers - 1;
     c["moe_layer_interval"] = 1;
     c["moe_norm_min"] = 1e-12;
-    c["router_aux_loss_coef"] = e.aux_loss_weight;
+    c["router_aux_loss_coef"] = json_float(e.aux_loss_weight);
     c["pad_token_id"] = nullptr;
   } else {
     c["intermediate_size"] = m.dense_hidden;
@@ -305,7 +311,7 @@ json hf_config(const ModelConfig& m, const std::string& arch, DType dtype) {
     c["first_k_dense_replace"] = m.first_dense_layers;
     c["n_group"] = e.num_groups;
     c["topk_group"] = e.topk_groups;
-    c["routed_scaling_factor"] = e.routed_scaling;
+    c["routed_scaling_factor"] = json_float(e.routed_scaling);
     c["norm_topk_prob"] = true;
     c["partial_rotary_factor"] = 1.0;
     c["use_qk_norm"] = false;
