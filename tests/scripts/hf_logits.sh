@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Logits of exported models equal transformers' (issue 31). For each architecture xmoe exports,
-# a micro model trained 6 steps is exported (f32) and loaded with AutoModelForCausalLM; its
+# a micro model trained 7 steps is exported (f32) and loaded with AutoModelForCausalLM; its
 # logits for a text must match xmoe's within 1e-4. The bf16 export is imported back into xmoe
 # and compared the same way (the same bf16-rounded weights on both sides, f32 compute).
 # Usage: hf_logits.sh <xmoe binary> <hf_reference_logits binary> <hf_logits.py>
@@ -21,7 +21,7 @@ for i in $(seq 1 300); do echo "the quick brown fox jumps over the lazy dog numb
 common=(--quiet --set model.d_model=64 --set model.num_layers=3 --set model.num_heads=4
   --set model.num_kv_heads=2 --set model.dense_hidden=96 --set model.max_seq_len=64
   --set model.moe.num_experts=8 --set model.moe.expert_hidden=32 --set train.seq_len=32
-  --set train.batch_size=4 --set train.steps=6 --set train.eval_every=0 --set train.warmup_steps=2
+  --set train.batch_size=4 --set train.steps=7 --set train.eval_every=0 --set train.warmup_steps=2
   --set train.lr=1e-2 --set "data.corpus=$work/corpus" --set "data.dir=$work/data")
 text="The quick brown fox, née Reynard, jumps over 13 lazy dogs."
 fail() { echo "FAIL: $*"; exit 1; }
