@@ -124,8 +124,9 @@ TEST_F(HfTest, ImportedRunTrainsOnWithResume) {
   Config fresh = config(kCases[1], "fresh", 3);
   std::vector<std::string> keys;
   for (const std::string k : {"train.steps", "train.eval_every", "train.batch_size",
-                              "train.seq_len", "train.warmup_steps", "train.lr", "data.dir"})
+                              "train.seq_len", "train.warmup_steps", "train.lr"})
     keys.push_back(k + "=" + config_get(fresh, k));
+  keys.push_back("data.dir=" + fresh.data.dir);  // config_get quotes strings as YAML does
   const auto imported = train::import_hf(path("hf"), path("from-hf"), keys);
   EXPECT_EQ(imported.checkpoint, path("from-hf") + "/step-0");
   Config c = train::resume_config(imported.config, {}).config;
