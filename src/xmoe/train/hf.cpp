@@ -47,6 +47,11 @@ bool softmax_over_k(const MoeConfig& e) {
 /// The first config key of an MoE model that `arch` cannot express, with the reason; "" if none.
 std::string unsupported_by(const ModelConfig& m, const std::string& arch) {
   const MoeConfig& e = m.moe;
+  if (arch == kDeepseekV3)
+    return "DeepseekV3ForCausalLM uses multi-head latent attention (low-rank, normalised "
+           "key/value compression and a rotary part shared by all heads), which xmoe's "
+           "grouped-query attention is not; xmoe's sigmoid-gated models export as "
+           "Glm4MoeForCausalLM, DeepSeek-V3's MoE with GQA attention";
   if (arch == kLlama)
     return all_dense(m) ? ""
                         : fmt::format(
@@ -97,11 +102,6 @@ std::string unsupported_by(const ModelConfig& m, const std::string& arch) {
           e.num_groups, e.num_experts / e.num_groups, kGlm4Moe);
     return "";
   }
-  if (arch == kDeepseekV3)
-    return "DeepseekV3ForCausalLM uses multi-head latent attention (low-rank, normalised "
-           "key/value compression and a rotary part shared by all heads), which xmoe's "
-           "grouped-query attention is not; xmoe's sigmoid-gated models export as "
-           "Glm4MoeForCausalLM, DeepSeek-V3's MoE with GQA attention";
   return fmt::format("unknown architecture '{}' (xmoe exports {}, {}, {} and {})", arch, kGlm4Moe,
                      kErnie, kMixtral, kLlama);
 }
@@ -251,7 +251,11 @@ std::string hf_architecture(const ModelConfig& model, const std::string& request
            : unsupported_by(model, kMixtral).empty() ? kMixtral
                                                      : kErnie;
   const std::string why = unsupported_by(model, arch);
-  XMOE_CHECK(why.empty(), "[hf] this model cannot be exported as {}: {}", arch, why);
+  const bool chosen = requested.empty() || requested == "auto";
+  XMOE_CHECK(why.empty(), "[hf] {}: {}",
+             chosen ? std::string("no Hugging Face architecture computes this model")
+                    : "this model cannot be exported as " + arch,
+             why);
   return arch;
 }
 
