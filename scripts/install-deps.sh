@@ -55,6 +55,22 @@ fetch_headers() {
 }
 deps_dir="$(cd "$(dirname "$0")/.." && pwd)/.deps"
 
+# matplotlib for `xmoe plot` (tools/xmoe/xmoe_plot.py runs under the python3 on PATH): pip where
+# that python takes packages (pyenv, a venv), else Debian's package for the system python.
+if python3 -c "import matplotlib" 2>/dev/null; then
+  echo "[install-deps] matplotlib present"
+elif python3 -m pip install -q matplotlib 2>/dev/null; then
+  echo "[install-deps] matplotlib installed with pip"
+else
+  sudo_cmd=()
+  [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
+    python3-matplotlib >/dev/null
+  python3 -c "import matplotlib" 2>/dev/null && echo "[install-deps] matplotlib installed (apt)" ||
+    echo "[install-deps] warning: matplotlib is not importable by $(command -v python3); xmoe plot will say so"
+fi
+
 # CUTLASS headers (header-only; the sm90 grouped GEMM of the CUDA backend) into .deps/cutlass,
 # where CMake looks first.
 fetch_headers nvidia-cutlass 4.2.0.0 "$deps_dir/cutlass" "the CUDA build uses cuBLAS only" \

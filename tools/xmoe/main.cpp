@@ -5,6 +5,9 @@
 //   xmoe config    show | presets | keys
 //   xmoe inspect   CHECKPOINT
 //   xmoe profile   [--out FILE] [--device cpu|cuda] [--quick] [--ranks-per-node N]
+//   xmoe export    --checkpoint DIR --format hf --out DIR [--dtype f32|bf16]
+//   xmoe import    --hf DIR --out RUN_DIR [--set key=value ...]
+//   xmoe plot      RUN_DIR [--out DIR]
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
@@ -15,6 +18,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "plot.h"
 #include "profile_command.h"
 #include "validators.h"
 #include "xmoe/comm/group.h"
@@ -24,6 +28,7 @@
 #include "xmoe/data/prepare.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
+#include "xmoe/train/hf.h"
 #include "xmoe/train/memory_model.h"
 #include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
@@ -50,10 +55,16 @@ constexpr const char* kCommands =
                xmoe inspect runs/default/step-600
   profile    Measure this machine's performance models (collectives, expert GEMMs) into a file
                mpirun -np 4 xmoe profile --ranks-per-node 2 --out profile.json
-Docs: README.md, docs/training.md, docs/config.md, docs/profile.md)";
+  export     Write a checkpoint as a Hugging Face model folder (transformers, vLLM)
+               xmoe export --checkpoint runs/default --format hf --out hf/default
+  import     Start a run folder from a Hugging Face model folder
+               xmoe import --hf hf/default --out runs/from-hf
+  plot       PNG plots of a run's metrics (loss, lr, grad norm, tokens/s, expert load)
+               xmoe plot runs/default
+Docs: README.md, docs/training.md, docs/config.md, docs/profile.md, docs/ecosystem.md)";
 
-const std::vector<std::string> kCommandNames = {"train",  "generate", "prepare",
-                                                "config", "inspect",  "profile"};
+const std::vector<std::string> kCommandNames = {
+    "train", "generate", "prepare", "config", "inspect", "profile", "export", "import", "plot"};
 
 /// --preset / --config / --set, shared by the commands that take a configuration.
 struct ConfigArgs {
@@ -268,6 +279,47 @@ int main(int argc, char** argv) {
 
   const cli::ProfileCommand profile_cmd(app);
 
+  train::HfExportOptions export_opts;
+  std::string export_checkpoint, export_out, export_format = "hf", export_dtype = "f32";
+  auto* export_cmd = app.add_subcommand(
+      "export", "Write a checkpoint as a Hugging Face model folder (docs/ecosystem.md)");
+  export_cmd->add_option("--checkpoint", export_checkpoint, "Checkpoint folder or run folder")
+      ->required();
+  export_cmd->add_option("--out", export_out, "New folder for the model")->required();
+  export_cmd->add_option("--format", export_format, "Output format")->check(CLI::IsMember({"hf"}));
+  export_cmd->add_option("--dtype", export_dtype, "Weight dtype")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  export_cmd->add_option("--architecture", export_opts.architecture,
+                         "auto, Glm4MoeForCausalLM, Ernie4_5_MoeForCausalLM, "
+                         "MixtralForCausalLM or LlamaForCausalLM");
+  export_cmd
+      ->add_option("--max-shard-size", export_opts.max_shard_bytes,
+                   "Bytes per safetensors file; above it the weights are sharded with an index")
+      ->check(at_least(1));
+  export_cmd->footer(
+      "Example:\n  xmoe export --checkpoint runs/default --format hf --out hf/default\n"
+      "  python3 -c \"import transformers as t; "
+      "m = t.AutoModelForCausalLM.from_pretrained('hf/default')\"");
+
+  std::string import_hf_dir, import_out;
+  std::vector<std::string> import_overrides;
+  auto* import_cmd = app.add_subcommand(
+      "import", "Start a run folder from a Hugging Face model folder (docs/ecosystem.md)");
+  import_cmd->add_option("--hf", import_hf_dir, "Hugging Face model folder")->required();
+  import_cmd->add_option("--out", import_out, "New run folder")->required();
+  import_cmd->add_option("--set", import_overrides,
+                         "Set a key the model folder does not fix: --set train.lr=1e-4");
+  import_cmd->footer(
+      "Example:\n  xmoe import --hf hf/default --out runs/from-hf\n"
+      "  xmoe train --resume --set train.out_dir=runs/from-hf --set train.steps=200");
+
+  std::string plot_dir, plot_out;
+  auto* plot_cmd =
+      app.add_subcommand("plot", "PNG plots of a run's metrics.jsonl (needs python3, matplotlib)");
+  plot_cmd->add_option("run", plot_dir, "Run folder (train.out_dir)")->required();
+  plot_cmd->add_option("--out", plot_out, "Folder for the PNGs (default RUN/plots)");
+  plot_cmd->footer("Example:\n  xmoe plot runs/default");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -294,6 +346,20 @@ int main(int argc, char** argv) {
       std::printf("%s", config_reference_markdown().c_str());
     } else if (*inspect_cmd) {
       inspect(inspect_dir);
+    } else if (*export_cmd) {
+      export_opts.dtype = export_dtype == "bf16" ? DType::bf16 : DType::f32;
+      const auto r = train::export_hf(export_checkpoint, export_out, export_opts);
+      std::printf("exported %s as %s (%s, %.1f MB) into %s: %s\n", r.checkpoint.c_str(),
+                  r.architecture.c_str(), export_dtype.c_str(), r.tensor_bytes / 1e6,
+                  export_out.c_str(), fmt::format("{}", fmt::join(r.files, ", ")).c_str());
+    } else if (*import_cmd) {
+      const auto r = train::import_hf(import_hf_dir, import_out, import_overrides);
+      std::printf(
+          "imported %s (%s) into %s\ncontinue with: xmoe train --resume --set train.out_dir=%s "
+          "[--set data.dir=... --set train.steps=...]\n",
+          import_hf_dir.c_str(), r.architecture.c_str(), r.checkpoint.c_str(), import_out.c_str());
+    } else if (*plot_cmd) {
+      for (const std::string& f : cli::plot_run(plot_dir, plot_out)) std::printf("%s\n", f.c_str());
     } else if (profile_cmd.chosen()) {
       profile_cmd.run();
     }

@@ -1,5 +1,7 @@
 #include "xmoe/data/tokenizer.h"
 
+#include <nlohmann/json.hpp>
+
 #include "xmoe/core/error.h"
 
 namespace xmoe::data {
@@ -25,7 +27,66 @@ std::string decode_impl(std::span<const T> tokens) {
   return out;
 }
 
+/// GPT-2's byte-to-character map: printable Latin-1 bytes stand for themselves, the other 68
+/// bytes for U+0100.. in byte order, so every byte is one visible character.
+std::vector<uint32_t> byte_characters() {
+  std::vector<uint32_t> chars(256, 0);
+  const auto printable = [](int b) {
+    return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+  };
+  uint32_t next = 256;
+  for (int b = 0; b < 256; ++b) chars[b] = printable(b) ? static_cast<uint32_t>(b) : next++;
+  return chars;
+}
+
+std::string utf8(uint32_t c) {
+  std::string s;
+  if (c < 0x80) {
+    s += static_cast<char>(c);
+  } else if (c < 0x800) {
+    s += static_cast<char>(0xC0 | (c >> 6));
+    s += static_cast<char>(0x80 | (c & 0x3F));
+  } else {
+    s += static_cast<char>(0xE0 | (c >> 12));
+    s += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
+    s += static_cast<char>(0x80 | (c & 0x3F));
+  }
+  return s;
+}
+
 }  // namespace
+
+std::string ByteTokenizer::hf_tokenizer_json() {
+  using nlohmann::json;
+  const std::vector<uint32_t> chars = byte_characters();
+  json vocab = json::object();
+  for (int b = 0; b < kVocabSize; ++b) vocab[utf8(chars[b])] = b;
+  // No regex split and no prefix space: the text's bytes map one to one onto tokens.
+  const json byte_level = {{"type", "ByteLevel"},
+                           {"add_prefix_space", false},
+                           {"trim_offsets", false},
+                           {"use_regex", false}};
+  const json doc = {{"version", "1.0"},
+                    {"truncation", nullptr},
+                    {"padding", nullptr},
+                    {"added_tokens", json::array()},
+                    {"normalizer", nullptr},
+                    {"pre_tokenizer", byte_level},
+                    {"post_processor", nullptr},
+                    {"decoder", byte_level},
+                    {"model",
+                     {{"type", "BPE"},
+                      {"dropout", nullptr},
+                      {"unk_token", nullptr},
+                      {"continuing_subword_prefix", nullptr},
+                      {"end_of_word_suffix", nullptr},
+                      {"fuse_unk", false},
+                      {"byte_fallback", false},
+                      {"ignore_merges", false},
+                      {"vocab", vocab},
+                      {"merges", json::array()}}}};
+  return doc.dump(2) + "\n";
+}
 
 std::string ByteTokenizer::decode(std::span<const uint16_t> tokens) {
   return decode_impl(tokens);

@@ -58,6 +58,7 @@ std::string generate(const std::string& checkpoint, const GenerateOptions& optio
              config.model.vocab_size);
   model::Transformer model(config.model, config.train.seed);
   restore_parameters(ckpt.tensors, model.parameters(), dir);
+  restore_routing_biases(ckpt.tensors, model.moe_layers(), dir);
 
   std::vector<int32_t> ids;
   for (uint16_t t : data::encode(options.prompt)) ids.push_back(t);

@@ -158,6 +158,11 @@ void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Para
       local[p->name + s] = load_for(tensors, *p, p->name + s, dir);
   local[optim::AdamW::kStepKey] = find_whole(tensors, optim::AdamW::kStepKey, {1}, dir);
   opt.import_state(local);
+  restore_routing_biases(tensors, moe_layers, dir);
+}
+
+void restore_routing_biases(const TensorMap& tensors, const std::vector<moe::MoELayer*>& moe_layers,
+                            const std::string& dir) {
   for (moe::MoELayer* layer : moe_layers)
     if (Tensor* bias = layer->gate().routing_bias())
       bias->copy_from(find_whole(tensors, bias_name(*layer), bias->shape(), dir));

@@ -47,5 +47,9 @@ void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Para
 /// Parameters only (for generation and inspection): the whole model, any layout it was saved in.
 void restore_parameters(const TensorMap& tensors, const std::vector<Parameter*>& params,
                         const std::string& dir);
+/// The sigmoid gate's selection biases ("<layer>.router.bias"), which choose the experts: a
+/// model that runs a checkpoint needs them as much as its parameters.
+void restore_routing_biases(const TensorMap& tensors, const std::vector<moe::MoELayer*>& moe_layers,
+                            const std::string& dir);
 
 }  // namespace xmoe::train
