@@ -8,6 +8,7 @@
 #include "xmoe/core/device_api.h"
 
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -272,12 +273,20 @@ CachingAllocator& caching_allocator(int device) {
 /// allocates its buffers once). Portable: usable with every device of the process.
 class PinnedHostAllocator final : public Allocator {
  public:
+  PinnedHostAllocator() : Allocator(Device::cpu()) {}
   void* allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
+    check_limit(bytes);
     void* ptr = nullptr;
     const cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
     if (status != cudaSuccess) {
       cudaGetLastError();
+      if (status == cudaErrorMemoryAllocation) {
+        const long page = sysconf(_SC_PAGESIZE);
+        out_of_memory(bytes, static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * page,
+                      static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * page,
+                      " (pinned host memory)");
+      }
       XMOE_FAIL("[pinned allocator] cudaHostAlloc of {} bytes failed ({}): {} pinned bytes live",
                 bytes, cudaGetErrorString(status), stats().live_bytes);
     }
