@@ -272,6 +272,8 @@ CachingAllocator& caching_allocator(int device) {
 /// allocates its buffers once). Portable: usable with every device of the process.
 class PinnedHostAllocator final : public Allocator {
  public:
+  // Host memory: the device limit (XMOE_MEMORY_LIMIT) is not checked here.
+  PinnedHostAllocator() : Allocator(Device::cpu()) {}
   void* allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
     void* ptr = nullptr;
