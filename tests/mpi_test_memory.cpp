@@ -25,6 +25,16 @@ fs::path shared_root(comm::Group& world) {
   return xmoe::testing::shared_corpus(world, "xmoe-mpi-memory-" + std::to_string(world.size()));
 }
 
+/// The distributed micro run (training_fixture.h) with 12 experts, 2 steps measured, no
+/// evaluation or checkpoint.
+Config measured_config(const fs::path& root) {
+  Config c = xmoe::testing::micro_parallel_config(root, {.experts = 12});
+  c.train.steps = 2;
+  c.train.eval_every = 0;
+  c.train.save_every = 0;
+  return c;
+}
+
 /// Trains `c` for its steps on every rank and checks this rank's prediction against it.
 void expect_predicted(const Config& c, const fs::path& out, const std::string& what) {
   auto world = comm::world();
@@ -78,10 +88,7 @@ TEST(DistributedMemory, PredictedBytesPerRankMatchTheRun) {
   auto world = comm::world();
   const int n = world->size();
   const fs::path root = shared_root(*world);
-  Config c = xmoe::testing::micro_parallel_config(root, {.experts = 12});
-  c.train.steps = 2;
-  c.train.eval_every = 0;
-  c.train.save_every = 0;
+  Config c = measured_config(root);
   for (int ep : {1, n}) {
     if (12 % ep != 0) continue;
     c.parallel.ep = ep;
@@ -102,13 +109,10 @@ TEST(DistributedMemory, TensorParallelBytesPerRankMatchTheRun) {
   const fs::path root = shared_root(*world);
   // 8 query heads over 4 kv heads (tp up to 4), 4 sequences per micro-batch, a dense first
   // layer (tp-split FFN) and an MoE layer with a shared expert.
-  Config c = xmoe::testing::micro_parallel_config(root, {.experts = 12});
+  Config c = measured_config(root);
   c.model.num_heads = 8;
   c.model.num_kv_heads = 4;
   c.train.batch_size = 4;
-  c.train.steps = 2;
-  c.train.eval_every = 0;
-  c.train.save_every = 0;
   for (const TpLayout& l : tp_layouts(n)) {
     c.parallel.tp = l.tp;
     c.parallel.ep = l.ep;
