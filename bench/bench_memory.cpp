@@ -1,6 +1,8 @@
 // Bytes per parameter per rank, predicted (train/memory_model.h) and measured (the allocator,
 // over real training steps), for parallel.zero 0, 1, 2 on however many ranks mpirun starts:
 //   mpirun --oversubscribe -np 8 build/cpu/bin/bench_memory --ep 1
+//   mpirun --oversubscribe -np 4 build/cpu/bin/bench_memory --tp 2 --ssmb false
+// (`--offload true`: train.offload_optimizer, whose host staging counts here on the CPU).
 // One JSON line per zero setting from rank 0, with the busiest rank's measurements (max over
 // ranks). A small MoE config by default (`--preset`, `--set key=value` change it); the tokens
 // are a generated corpus in a temporary folder.
@@ -56,10 +58,14 @@ int main(int argc, char** argv) {
   CLI::App app("bench_memory: bytes per parameter per rank, predicted and measured");
   std::string preset_name = "tiny";
   std::vector<std::string> sets;
-  int ep = 1, steps = 2;
+  int ep = 1, tp = 1, steps = 2;
+  bool ssmb = true, offload = false;
   app.add_option("--preset", preset_name, "Model preset");
   app.add_option("--set", sets, "key=value overrides");
   app.add_option("--ep", ep, "parallel.ep");
+  app.add_option("--tp", tp, "parallel.tp");
+  app.add_option("--ssmb", ssmb, "parallel.ssmb");
+  app.add_option("--offload", offload, "train.offload_optimizer");
   app.add_option("--steps", steps, "Training steps measured (the max over them)");
   CLI11_PARSE(app, argc, argv);
 
@@ -80,6 +86,9 @@ int main(int argc, char** argv) {
   c.train.save_every = 0;
   c.train.log_every = 1000;
   c.parallel.ep = ep;
+  c.parallel.tp = tp;
+  c.parallel.ssmb = ssmb;
+  c.train.offload_optimizer = offload;
   for (const std::string& s : sets) apply_override(c, s);
   validate(c);
   make_corpus(*world, root, c.data, 4 << 20);
@@ -101,21 +110,27 @@ int main(int argc, char** argv) {
     const int64_t steady_pred = world_max(*world, m.steady_bytes);
     const int64_t opt_pred = world_max(*world, m.optimizer_bytes);
     const int64_t grads_pred = world_max(*world, m.gradient_bytes);
+    const int64_t staging = world_max(*world, r.offload_staging_bytes);
+    const int64_t staging_pred = world_max(*world, m.staging_bytes);
     if (rank != 0) continue;
     const double p = static_cast<double>(m.parameters);
     nlohmann::json j;
     j["bench"] = "memory";
     j["preset"] = preset_name;
     j["world"] = n;
+    j["tp"] = m.tp;
+    j["ssmb"] = m.ssmb;
     j["dp"] = m.dp;
     j["ep"] = m.ep;
+    j["offload"] = m.offload;
     j["zero"] = zero;
     j["params_per_rank"] = m.parameters;
-    j["tokens_per_rank"] = c.train.batch_size * c.train.seq_len;
+    j["tokens_per_rank"] = c.train.batch_size * c.train.seq_len / m.tp;
     j["steady_bytes_per_param"] = {{"predicted", steady_pred / p}, {"measured", steady / p}};
     j["peak_bytes_per_param"] = {{"predicted", peak_pred / p}, {"measured", peak / p}};
     j["optimizer_bytes_per_param"] = {{"predicted", opt_pred / p}, {"measured", opt / p}};
     j["gradient_bytes_per_param"] = {{"predicted", grads_pred / p}, {"measured", grads / p}};
+    j["staging_bytes_per_param"] = {{"predicted", staging_pred / p}, {"measured", staging / p}};
     j["peak_bytes"] = {{"predicted", peak_pred}, {"measured", peak}};
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);

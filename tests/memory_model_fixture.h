@@ -12,6 +12,7 @@
 #include "training_fixture.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/train/memory_model.h"
 #include "xmoe/train/trainer.h"
 
@@ -35,12 +36,29 @@ class MemoryModelTest : public MicroCorpusTest {
   }
 
   /// Trains `c`, then checks the measured peak within 10% and the live bytes between steps
-  /// (parameters, gradients, moments, state) within 1% of the prediction.
+  /// (parameters, gradients, moments, state) within 1% of the prediction, the moment, gradient
+  /// and offload staging bytes exactly and, with the optimizer offloaded from a GPU, the pinned
+  /// host memory within 1%.
   void expect_predicted(Config c, const std::string& what) {
     validate(c);
     const train::MemoryModel m = train::predict_memory(c);
+    const bool pinned = m.host_bytes > 0;
+    if (pinned) backend::pinned_host_allocator().reset_peak();
+    const int64_t pinned_base = pinned ? backend::pinned_host_allocator().stats().live_bytes : 0;
     const train::TrainResult r = run_training(c, c.train.out_dir, comm::make_single_group());
     ASSERT_GT(r.peak_step_bytes, 0) << what;
+    EXPECT_EQ(m.optimizer_bytes, r.optimizer_bytes) << what;
+    EXPECT_EQ(m.gradient_bytes, r.gradient_bytes) << what;
+    EXPECT_EQ(m.staging_bytes, r.offload_staging_bytes) << what;
+    if (pinned) {
+      // The master weights, moments and staging are the only pinned tensors of a run.
+      const int64_t host = backend::pinned_host_allocator().stats().peak_bytes - pinned_base;
+      const double host_err = static_cast<double>(m.host_bytes - host) / static_cast<double>(host);
+      std::printf("[memory] %-28s pinned host predicted %10lld measured %10lld (%+.2f%%)\n",
+                  what.c_str(), static_cast<long long>(m.host_bytes), static_cast<long long>(host),
+                  100 * host_err);
+      EXPECT_LE(std::abs(host_err), 0.01) << what << "\n" << train::memory_table(m);
+    }
     const double peak_err = static_cast<double>(m.peak_bytes - r.peak_step_bytes) /
                             static_cast<double>(r.peak_step_bytes);
     const double steady_err =

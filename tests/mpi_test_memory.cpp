@@ -1,7 +1,9 @@
 // The memory model (train/memory_model.h) per rank under mpirun: for ep = 1 and ep = world and
-// parallel.zero 0, 1, 2, each rank's predicted AdamW moment bytes and gradient bytes between
-// steps equal what its trainer holds (TrainResult::optimizer_bytes, gradient_bytes), and its
-// live bytes between steps and its peak inside a step are those the allocator measured.
+// parallel.zero 0, 1, 2, and for tensor parallelism (tp 2 and 4, with and without SSMB, with
+// ep, zero and optimizer offload), each rank's predicted AdamW moment bytes, gradient bytes
+// between steps and offload staging bytes equal what its trainer holds (TrainResult::
+// optimizer_bytes, gradient_bytes, offload_staging_bytes), and its live bytes between steps and
+// its peak inside a step are those the allocator measured.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -17,42 +19,111 @@
 namespace fs = std::filesystem;
 using namespace xmoe;
 
-TEST(DistributedMemory, PredictedBytesPerRankMatchTheRun) {
-  auto world = comm::world();
-  const int n = world->size(), rank = world->rank();
-  const fs::path root =
-      xmoe::testing::shared_corpus(*world, "xmoe-mpi-memory-" + std::to_string(n));
+namespace {
+
+fs::path shared_root(comm::Group& world) {
+  return xmoe::testing::shared_corpus(world, "xmoe-mpi-memory-" + std::to_string(world.size()));
+}
+
+/// The distributed micro run (training_fixture.h) with 12 experts, 2 steps measured, no
+/// evaluation or checkpoint.
+Config measured_config(const fs::path& root) {
   Config c = xmoe::testing::micro_parallel_config(root, {.experts = 12});
   c.train.steps = 2;
   c.train.eval_every = 0;
   c.train.save_every = 0;
+  return c;
+}
+
+/// Trains `c` for its steps on every rank and checks this rank's prediction against it.
+void expect_predicted(const Config& c, const fs::path& out, const std::string& what) {
+  auto world = comm::world();
+  const int n = world->size(), rank = world->rank();
+  const std::string tag = fmt::format("np {} {} rank {}", n, what, rank);
+  const train::MemoryModel m = train::predict_memory(c, {.world = n, .rank = rank});
+  const train::TrainResult r = xmoe::testing::run_training(c, out.string(), world);
+  EXPECT_EQ(m.optimizer_bytes, r.optimizer_bytes) << tag;
+  EXPECT_EQ(m.gradient_bytes, r.gradient_bytes) << tag;
+  EXPECT_EQ(m.staging_bytes, r.offload_staging_bytes) << tag;
+  const double steady =
+      static_cast<double>(m.steady_bytes - r.steady_bytes) / static_cast<double>(r.steady_bytes);
+  const double peak = static_cast<double>(m.peak_bytes - r.peak_step_bytes) /
+                      static_cast<double>(r.peak_step_bytes);
+  std::printf(
+      "[memory] %s: moments %lld, gradients %lld, staging %lld; between steps predicted %lld "
+      "measured %lld (%+.2f%%); peak predicted %lld measured %lld (%+.1f%%)\n",
+      tag.c_str(), static_cast<long long>(r.optimizer_bytes),
+      static_cast<long long>(r.gradient_bytes), static_cast<long long>(r.offload_staging_bytes),
+      static_cast<long long>(m.steady_bytes), static_cast<long long>(r.steady_bytes), 100 * steady,
+      static_cast<long long>(m.peak_bytes), static_cast<long long>(r.peak_step_bytes), 100 * peak);
+  EXPECT_LE(std::abs(steady), 0.01) << tag << "\n" << train::memory_table(m);
+  EXPECT_LE(std::abs(peak), 0.10) << tag << "\n" << train::memory_table(m);
+}
+
+struct TpLayout {
+  int tp = 1, ep = 1;
+  bool ssmb = true;
+  int zero = 0;
+  bool offload = false;
+  std::string tag() const {
+    return fmt::format("tp {} ep {} {} zero {}{}", tp, ep, ssmb ? "ssmb" : "no-ssmb", zero,
+                       offload ? " offload" : "");
+  }
+};
+
+/// The tensor-parallel layouts of `n` ranks (np 3: none; 3 divides neither the kv heads nor
+/// the batch).
+std::vector<TpLayout> tp_layouts(int n) {
+  if (n == 2)
+    return {{2, 1, true}, {2, 1, false}, {2, 2, true, 2}, {2, 1, false, 1}, {2, 2, true, 0, true}};
+  if (n == 4)
+    return {{2, 1, true}, {2, 2, true, 1}, {2, 2, false, 2},      {2, 1, false, 0, true},
+            {4, 1, true}, {4, 1, false},   {4, 4, true, 2, true}, {4, 1, false, 1}};
+  return {};
+}
+
+}  // namespace
+
+TEST(DistributedMemory, PredictedBytesPerRankMatchTheRun) {
+  auto world = comm::world();
+  const int n = world->size();
+  const fs::path root = shared_root(*world);
+  Config c = measured_config(root);
   for (int ep : {1, n}) {
     if (12 % ep != 0) continue;
     c.parallel.ep = ep;
     for (int zero : {0, 1, 2}) {
       c.parallel.zero = zero;
-      const std::string tag = fmt::format("np {} ep {} zero {} rank {}", n, ep, zero, rank);
-      const train::MemoryModel m = train::predict_memory(c, {.world = n, .rank = rank});
-      const train::TrainResult r = xmoe::testing::run_training(
-          c, (root / fmt::format("ep{}-z{}", ep, zero)).string(), world);
-      EXPECT_EQ(m.optimizer_bytes, r.optimizer_bytes) << tag;
-      EXPECT_EQ(m.gradient_bytes, r.gradient_bytes) << tag;
-      const double steady = static_cast<double>(m.steady_bytes - r.steady_bytes) /
-                            static_cast<double>(r.steady_bytes);
-      const double peak = static_cast<double>(m.peak_bytes - r.peak_step_bytes) /
-                          static_cast<double>(r.peak_step_bytes);
-      std::printf(
-          "[memory] %s: moments %lld, gradients %lld; between steps predicted %lld measured "
-          "%lld (%+.2f%%); peak predicted %lld measured %lld (%+.1f%%)\n",
-          tag.c_str(), static_cast<long long>(r.optimizer_bytes),
-          static_cast<long long>(r.gradient_bytes), static_cast<long long>(m.steady_bytes),
-          static_cast<long long>(r.steady_bytes), 100 * steady,
-          static_cast<long long>(m.peak_bytes), static_cast<long long>(r.peak_step_bytes),
-          100 * peak);
-      EXPECT_LE(std::abs(steady), 0.01) << tag << "\n" << train::memory_table(m);
-      EXPECT_LE(std::abs(peak), 0.10) << tag << "\n" << train::memory_table(m);
+      expect_predicted(c, root / fmt::format("ep{}-z{}", ep, zero),
+                       fmt::format("ep {} zero {}", ep, zero));
     }
   }
   world->barrier();
-  if (rank == 0) fs::remove_all(root);
+  if (world->rank() == 0) fs::remove_all(root);
+}
+
+TEST(DistributedMemory, TensorParallelBytesPerRankMatchTheRun) {
+  auto world = comm::world();
+  const int n = world->size();
+  if (tp_layouts(n).empty()) GTEST_SKIP() << "no tensor-parallel layout of " << n << " ranks";
+  const fs::path root = shared_root(*world);
+  // 8 query heads over 4 kv heads (tp up to 4), 4 sequences per micro-batch, a dense first
+  // layer (tp-split FFN) and an MoE layer with a shared expert.
+  Config c = measured_config(root);
+  c.model.num_heads = 8;
+  c.model.num_kv_heads = 4;
+  c.train.batch_size = 4;
+  for (const TpLayout& l : tp_layouts(n)) {
+    c.parallel.tp = l.tp;
+    c.parallel.ep = l.ep;
+    c.parallel.ssmb = l.ssmb;
+    c.parallel.zero = l.zero;
+    c.train.offload_optimizer = l.offload;
+    validate(c);
+    expect_predicted(
+        c, root / fmt::format("tp{}-ep{}-{}-z{}-o{}", l.tp, l.ep, l.ssmb, l.zero, l.offload),
+        l.tag());
+  }
+  world->barrier();
+  if (world->rank() == 0) fs::remove_all(root);
 }

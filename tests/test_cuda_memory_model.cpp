@@ -1,6 +1,8 @@
 // The memory model of a step (train/memory_model.h) against the CUDA allocator on one GPU:
 // bf16 compute (f32 master weights, gradients and moments, bf16 compute copies), the peak inside
-// a step within 10% and the bytes live between steps within 1% of the prediction.
+// a step within 10% and the bytes live between steps within 1% of the prediction; with the
+// optimizer offloaded, the device's bytes without the masters and moments, and the pinned host
+// memory within 1%.
 #include <gtest/gtest.h>
 
 #include "cuda_testing.h"
@@ -34,4 +36,27 @@ TEST_F(CudaMemoryModelTest, MoE1bShapeOnTheGpu) {
   c.model.moe.expert_grad_dtype = "bf16";
   c.train.out_dir = (root_ / "run-bf16-grads").string();
   expect_predicted(c, "moe-1b shape, bf16 expert grads");
+}
+
+TEST_F(CudaMemoryModelTest, OffloadedOptimizerOnTheGpu) {
+  XMOE_REQUIRE_CUDA();
+  Config c = tiny();
+  c.train.device = "cuda";
+  c.train.offload_optimizer = true;
+  expect_predicted(c, "tiny, cuda bf16, offload");
+  // f32 compute: the device keeps an f32 copy of every weight.
+  c.train.dtype = "f32";
+  c.train.out_dir = (root_ / "run-f32").string();
+  expect_predicted(c, "tiny, cuda f32, offload");
+  // bf16 expert gradients (2-byte staging) on moe-1b's layer shape.
+  Config big = preset("moe-1b");
+  big.data = c.data;
+  big.train.steps = 2;
+  big.train.eval_every = 0;
+  big.train.save_every = 0;
+  big.train.out_dir = (root_ / "run-moe-1b").string();
+  big.model.num_layers = 4;
+  big.model.moe.expert_grad_dtype = "bf16";
+  big.train.offload_optimizer = true;
+  expect_predicted(big, "moe-1b shape, offload");
 }

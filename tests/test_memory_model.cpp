@@ -41,6 +41,62 @@ TEST_F(MemoryModelTest, MoEVariants) {
   expect_predicted(c, "padded, capacity 1.25");
 }
 
+TEST_F(MemoryModelTest, OffloadedOptimizerStagingOnTheCpu) {
+  // On the CPU the offloaded AdamW runs the same code: the state is host memory already, and
+  // the host buffers the gradients travel through are the staging term.
+  Config c = tiny();
+  c.train.offload_optimizer = true;
+  expect_predicted(c, "tiny, offload");
+  // bf16 expert gradients: their staging is 2 bytes an element.
+  c.model.moe.expert_grad_dtype = "bf16";
+  c.train.out_dir = (root_ / "run-bf16-grads").string();
+  expect_predicted(c, "tiny, offload, bf16 grads");
+}
+
+TEST(MemoryModel, OffloadMovesMasterAndMomentsToTheHost) {
+  Config c = preset("moe-1b");
+  const train::MemoryModel on_device = train::predict_memory(c);
+  c.train.offload_optimizer = true;
+  const train::MemoryModel off = train::predict_memory(c);
+  EXPECT_EQ(on_device.host_bytes, 0);
+  EXPECT_EQ(off.host_bytes, off.parameter_bytes + off.optimizer_bytes + off.staging_bytes);
+  // The device keeps f32 copies only of what forward reads in f32 (norms, the embedding
+  // table, the f32 routers): far less than the masters it gave up.
+  EXPECT_GT(off.device_f32_bytes, 0);
+  EXPECT_LT(off.device_f32_bytes, off.parameter_bytes / 4);
+  EXPECT_EQ(on_device.steady_bytes - off.steady_bytes,
+            on_device.parameter_bytes + on_device.optimizer_bytes - off.device_f32_bytes);
+  EXPECT_NE(train::memory_table(off).find("= pinned host memory (offload)"), std::string::npos);
+  // f32 compute reads every weight in f32: the device keeps a copy of each.
+  c.train.dtype = "f32";
+  EXPECT_EQ(train::predict_memory(c).device_f32_bytes, off.parameter_bytes);
+}
+
+TEST(MemoryModel, TensorParallelShardsTheAttentionAndDenseFfn) {
+  // moe-1b with a dense first layer at tp 2: wq, wk, wv, wo and the dense FFN are halved; the
+  // routed experts stay whole (ep 1), the replicated parameters too.
+  Config c = preset("moe-1b");
+  c.model.first_dense_layers = 1;
+  c.parallel.tp = 2;
+  c.parallel.ep = 2;
+  const train::MemoryModel tp2 = train::predict_memory(c, {.world = 2});
+  c.parallel.tp = 1;
+  const train::MemoryModel tp1 = train::predict_memory(c, {.world = 2});
+  const int64_t d = c.model.d_model;
+  const int64_t sharded = c.model.num_layers * 4 * d * d + 3 * d * c.model.dense_hidden;
+  EXPECT_EQ(tp1.parameters - tp2.parameters, sharded / 2);
+  // Every rank of a tp group holds 1/2 of the micro-batch's tokens in its residual stream.
+  EXPECT_LT(tp2.activation_peak_bytes, tp1.activation_peak_bytes);
+  const std::string e = xmoe::testing::error_of([&] {
+    c.parallel.tp = 2;
+    c.parallel.ssmb = false;
+    c.parallel.ep = 4;
+    train::predict_memory(c, {.world = 4});
+  });
+  EXPECT_NE(e.find("2 ranks do not split into parallel.ep = 4"), std::string::npos) << e;
+  EXPECT_NE(e.find("parallel.ssmb = false"), std::string::npos) << e;
+}
+
 TEST(MemoryModel, ZeroDividesTheOptimizerState) {
   Config c = preset("moe-1b");
   c.parallel.ep = 2;

@@ -30,6 +30,20 @@ expect "--top-k -1 is named in plain words" "!0" "-1 is below the smallest allow
   "$xmoe" generate --checkpoint "$work/none" --top-k -1
 out=$("$xmoe" generate --checkpoint "$work/none" --top-k -1 2>&1)
 if (($(wc -L <<<"$out") < 200)); then pass "no 300-digit bound"; else fail "no 300-digit bound"; fi
+# --- config show: the memory table of a parallel layout -------------------------------------
+expect "config show models tp with SSMB per rank" 0 \
+  "world 4 = data 2 x tp 2, MoE layers 4 = dp 2 x ep 2 \(SSMB\)" \
+  "$xmoe" config show --preset moe-1b --set parallel.tp=2 --set parallel.ep=2 --world 4
+expect "config show defaults to the smallest world of the layout" 0 \
+  "world 4 = data 2 x tp 2, MoE layers 2 = dp 1 x ep 2 \(no SSMB\)" \
+  "$xmoe" config show --preset moe-1b --set parallel.tp=2 --set parallel.ssmb=false \
+  --set parallel.ep=2
+expect "config show names a tp that does not divide the world" "!0" \
+  "parallel.tp = 2 does not divide 3 ranks" \
+  "$xmoe" config show --preset moe-1b --set parallel.tp=2 --world 3
+expect "config show prints the offloaded optimizer's pinned host memory" 0 \
+  "= pinned host memory \(offload\) +16.13 GiB" \
+  "$xmoe" config show --preset moe-1b --set train.offload_optimizer=true
 expect "negative --stop-after is refused" "!0" "below the smallest allowed value, -1" \
   "$xmoe" train --stop-after -5
 expect "negative --seed is refused" "!0" "below the smallest allowed value, 0" \

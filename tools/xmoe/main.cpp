@@ -92,14 +92,14 @@ struct ConfigArgs {
 };
 
 /// The resolved YAML, the parameter counts and the memory model of a step per rank on `world`
-/// ranks (0: parallel.ep, the smallest world the config allows).
+/// ranks (0: the smallest world the config's parallel layout allows).
 void print_config(const Config& c, int world) {
   const ParamCount n = count_parameters(c.model);
   std::printf("%s", to_yaml(c).c_str());
   std::printf("# parameters: %.2fM total, %.2fM active per token (embedding %.2fM)\n",
               n.total / 1e6, n.active / 1e6, n.embedding / 1e6);
   train::MemoryModelOptions o;
-  o.world = world > 0 ? world : c.parallel.ep;
+  o.world = world > 0 ? world : train::smallest_world(c);
   std::printf("%s", train::memory_table(train::predict_memory(c, o)).c_str());
 }
 
@@ -263,7 +263,8 @@ int main(int argc, char** argv) {
   int show_world = 0;
   show_cmd
       ->add_option("--world", show_world,
-                   "Ranks the memory table models (dp = world / parallel.ep); 0: parallel.ep")
+                   "Ranks the memory table models (world = data ranks x parallel.tp; parallel.ep "
+                   "divides the MoE layers' ranks); 0: the fewest the layout allows")
       ->check(whole_number(0, std::numeric_limits<int>::max()));
   auto* presets_cmd = config_cmd->add_subcommand("presets", "List the presets");
   auto* keys_cmd = config_cmd->add_subcommand("keys", "Print the config reference (Markdown)");

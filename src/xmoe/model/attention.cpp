@@ -112,14 +112,17 @@ int64_t Attention::saved_bytes() const {
 }
 
 ActivationBytes Attention::activation_bytes_for(const AttentionShape& s, int64_t batch,
-                                                int64_t seq_len, DType dtype, bool recompute) {
+                                                int64_t seq_len, DType dtype, bool recompute,
+                                                int tp) {
   const auto c = static_cast<int64_t>(dtype_size(dtype));
-  const int64_t t = batch * seq_len;
-  const int64_t q = t * s.num_heads * s.head_dim * c, kv = t * s.num_kv_heads * s.head_dim * c;
-  const int64_t inner = 2 * q + 2 * kv + batch * s.num_heads * seq_len * 4;  // q, a, k, v, lse
-  const int64_t x = t * s.d_model * c;
+  const int64_t t = batch * seq_len, heads = s.num_heads / tp, kv_heads = s.num_kv_heads / tp;
+  const int64_t q = t * heads * s.head_dim * c, kv = t * kv_heads * s.head_dim * c;
+  const int64_t inner = 2 * q + 2 * kv + batch * heads * seq_len * 4;  // q, a, k, v, lse
+  const int64_t x = t * s.d_model * c;                                 // with tp: the gathered x
+  // tp: backward gathers dy [T, d]; its reduce-scattered dx [T/tp, d] comes after release().
+  const int64_t gathered_dy = tp > 1 ? x : 0;
   return {x + (recompute ? 0 : inner),
-          (recompute ? inner : 0) + 2 * q + 2 * kv + t * s.d_model * 4};
+          (recompute ? inner : 0) + gathered_dy + 2 * q + 2 * kv + t * s.d_model * 4};
 }
 
 void Attention::collect_parameters(std::vector<Parameter*>& out) {

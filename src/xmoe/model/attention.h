@@ -56,9 +56,12 @@ class Attention : public Module {
   int64_t saved_bytes() const;
   /// What forward saves and backward adds, for `batch` sequences of `seq_len` tokens in
   /// `dtype` (the formula of forward's comment; backward adds da, dq, dk, dv, its f32 dx and,
-  /// with recompute, what forward dropped).
+  /// with recompute, what forward dropped). `shape` is the whole model's; with tensor
+  /// parallelism over `tp` ranks, `batch` is the whole micro-batch (this rank gathers its
+  /// tokens and works on H/tp, Hkv/tp heads) and backward also holds the gathered dy [T, d].
   static ActivationBytes activation_bytes_for(const AttentionShape& shape, int64_t batch,
-                                              int64_t seq_len, DType dtype, bool recompute);
+                                              int64_t seq_len, DType dtype, bool recompute,
+                                              int tp = 1);
   void collect_parameters(std::vector<Parameter*>& out) override;
 
   Parameter& wq() { return wq_; }

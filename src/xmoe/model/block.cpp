@@ -80,23 +80,28 @@ Tensor TransformerBlock::backward(const Tensor& dy) {
 
 ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, int index,
                                                        int64_t batch, int64_t seq_len, DType dtype,
-                                                       const RecomputeOptions& r, int ep,
-                                                       double load_imbalance) {
-  const int64_t t = batch * seq_len, d = cfg.d_model;
+                                                       const RecomputeOptions& r,
+                                                       const ActivationLayout& layout) {
+  const int64_t tokens = batch * seq_len, d = cfg.d_model;
+  const int64_t t = tokens / layout.tp;  // this rank's rows of the residual stream
+  const bool dense = index < cfg.first_dense_layers;
   const ActivationBytes norm = RMSNorm::activation_bytes_for(t, d);
-  const ActivationBytes attn = Attention::activation_bytes_for(
-      {d, cfg.num_heads, cfg.num_kv_heads, d / cfg.num_heads}, batch, seq_len, dtype, r.attention);
+  const ActivationBytes attn =
+      Attention::activation_bytes_for({d, cfg.num_heads, cfg.num_kv_heads, d / cfg.num_heads},
+                                      batch, seq_len, dtype, r.attention, layout.tp);
   const ActivationBytes ffn =
-      index < cfg.first_dense_layers
-          ? DenseFFN::activation_bytes_for(t, d, cfg.dense_hidden, dtype, r.ffn)
-          : moe::MoELayer::activation_bytes_for(cfg.moe, d, t, ep, dtype, r.moe, load_imbalance);
+      dense ? DenseFFN::activation_bytes_for(tokens, d, cfg.dense_hidden, dtype, r.ffn, layout.tp)
+            : moe_ffn_activation_bytes_for(cfg.moe, d, tokens, dtype, r.moe, layout);
   // backward(): dyn, dh, dhn and dx [T, d] f32 appear in turn and stay until it returns; the
-  // FFN and attention get their gradient cast to the compute dtype (a copy unless f32).
+  // FFN and attention get their gradient cast to the compute dtype (a copy unless f32). The
+  // MoE layer without SSMB returns a view of its whole [T, d] dx: dyn holds all of it.
   const int64_t g = t * d * 4, cast = dtype == DType::f32 ? 0 : t * d * 2;
+  const int64_t dyn = !dense && layout.tp > 1 && !layout.ssmb ? tokens * d * 4 : g;
   const int64_t ffn_phase = cast + ffn.backward_extra;
-  const int64_t ffn_norm_phase = g + norm.backward_extra - ffn.saved;
-  const int64_t attn_phase = 2 * g + cast + attn.backward_extra - ffn.saved - norm.saved;
-  const int64_t attn_norm_phase = 3 * g + norm.backward_extra - ffn.saved - norm.saved - attn.saved;
+  const int64_t ffn_norm_phase = dyn + norm.backward_extra - ffn.saved;
+  const int64_t attn_phase = dyn + g + cast + attn.backward_extra - ffn.saved - norm.saved;
+  const int64_t attn_norm_phase =
+      dyn + 2 * g + norm.backward_extra - ffn.saved - norm.saved - attn.saved;
   return {2 * norm.saved + attn.saved + ffn.saved,
           std::max({ffn_phase, ffn_norm_phase, attn_phase, attn_norm_phase}), 0};
 }

@@ -50,13 +50,14 @@ class TransformerBlock : public Module {
   bool is_moe() { return ffn_->moe_layer() != nullptr; }
   /// Bytes held for backward by the block's modules.
   int64_t saved_bytes() const;
-  /// The block of layer `index` for `batch` sequences of `seq_len` tokens in `dtype`: its
+  /// The block of layer `index` for a micro-batch of `batch` sequences of `seq_len` tokens in
+  /// `dtype` (with tp, the tp group's: this rank's residual stream holds 1/tp of it): its
   /// modules' formulas, and backward's peak phase (the output gradient of each half, the
-  /// residual's, and the module working). `ep`, `load_imbalance`: MoELayer::activation_bytes_for.
+  /// residual's, and the module working).
   static ActivationBytes activation_bytes_for(const ModelConfig& cfg, int index, int64_t batch,
                                               int64_t seq_len, DType dtype,
-                                              const RecomputeOptions& recompute, int ep,
-                                              double load_imbalance);
+                                              const RecomputeOptions& recompute,
+                                              const ActivationLayout& layout);
   void collect_parameters(std::vector<Parameter*>& out) override;
 
   Attention& attention() { return *attn_; }

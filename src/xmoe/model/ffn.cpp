@@ -58,11 +58,14 @@ Tensor DenseFFN::backward(const Tensor& dy_in) {
 }
 
 ActivationBytes DenseFFN::activation_bytes_for(int64_t tokens, int64_t d_model, int64_t hidden,
-                                               DType dtype, bool recompute) {
+                                               DType dtype, bool recompute, int tp) {
   const auto c = static_cast<int64_t>(dtype_size(dtype));
-  const int64_t x = tokens * d_model * c, h = tokens * 2 * hidden * c;
+  const int64_t local = hidden / tp;
+  const int64_t x = tokens * d_model * c, h = tokens * 2 * local * c;
+  // tp: the gathered dy [T, d]; x is freed before dx [T, d] is reduce-scattered.
+  const int64_t gathered_dy = tp > 1 ? x : 0;
   return {x + (recompute ? 0 : h),
-          (recompute ? h : 0) + tokens * hidden * c + tokens * d_model * 4};
+          (recompute ? h : 0) + gathered_dy + tokens * local * c + tokens * d_model * 4};
 }
 
 void DenseFFN::collect_parameters(std::vector<Parameter*>& out) {

@@ -14,6 +14,17 @@ class MoELayer;
 
 namespace xmoe::model {
 
+/// The parallel layout a block's activation formulas need (train/memory_model.h): every rank
+/// of a tp group works on 1/tp of the micro-batch's tokens (docs/training.md, "Tensor
+/// parallelism").
+struct ActivationLayout {
+  int tp = 1;        ///< parallel.tp
+  bool ssmb = true;  ///< parallel.ssmb: the MoE layer routes this rank's 1/tp of the tokens
+  int ep = 1;        ///< parallel.ep
+  /// With ep > 1, the busiest rank's experts receive this many times the expected T·k rows.
+  double load_imbalance = 1.25;
+};
+
 class FeedForward : public Module {
  public:
   /// x [T, d] -> [T, d]; T = batch · seq_len tokens, sequence-major. x is in the model's
@@ -54,8 +65,11 @@ class DenseFFN : public FeedForward {
   int64_t saved_bytes() const override { return held_bytes(x_) + held_bytes(h_); }
   /// What forward saves (x, and h unless recompute) for `tokens` rows in `dtype`; backward adds
   /// silu(g)·u or its gradient [T, hidden] (one at a time), its f32 dx and, with recompute, h.
+  /// With tensor parallelism over `tp` ranks, `tokens` is the whole micro-batch's (gathered)
+  /// and `hidden` the whole FFN's (this rank holds hidden/tp units); backward also holds the
+  /// gathered dy [T, d].
   static ActivationBytes activation_bytes_for(int64_t tokens, int64_t d_model, int64_t hidden,
-                                              DType dtype, bool recompute);
+                                              DType dtype, bool recompute, int tp = 1);
   void collect_parameters(std::vector<Parameter*>& out) override;
 
   Parameter& gate_up() { return gate_up_; }

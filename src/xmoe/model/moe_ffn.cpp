@@ -55,6 +55,16 @@ class MoEFFN : public FeedForward {
 };
 }  // namespace
 
+ActivationBytes moe_ffn_activation_bytes_for(const MoeConfig& cfg, int64_t d_model, int64_t tokens,
+                                             DType dtype, bool recompute,
+                                             const ActivationLayout& l) {
+  const bool replicated = l.tp > 1 && !l.ssmb;
+  ActivationBytes a = moe::MoELayer::activation_bytes_for(
+      cfg, d_model, replicated ? tokens : tokens / l.tp, l.ep, dtype, recompute, l.load_imbalance);
+  if (replicated) a.backward_extra += tokens * d_model * static_cast<int64_t>(dtype_size(dtype));
+  return a;
+}
+
 std::unique_ptr<FeedForward> make_moe_ffn(const MoeConfig& cfg, int64_t d_model, std::string prefix,
                                           uint64_t seed, float init_std, float out_std,
                                           const parallel::Layout* layout) {

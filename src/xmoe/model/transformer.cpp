@@ -184,10 +184,12 @@ int64_t Transformer::saved_bytes() const {
 }
 
 ActivationBytes Transformer::ends_activation_bytes_for(const ModelConfig& cfg, int64_t batch,
-                                                       int64_t seq_len, DType dtype) {
-  const int64_t t = batch * seq_len, c = static_cast<int64_t>(dtype_size(dtype));
+                                                       int64_t seq_len, DType dtype, int tp) {
+  // The model keeps views of this rank's sequences of the batch, which hold all of it.
+  const int64_t batch_ids = 2 * batch * seq_len * 4;
+  const int64_t t = batch * seq_len / tp, c = static_cast<int64_t>(dtype_size(dtype));
   const ActivationBytes norm = RMSNorm::activation_bytes_for(t, cfg.d_model);
-  const int64_t batch_ids = 2 * t * 4, logits = t * cfg.vocab_size * c;
+  const int64_t logits = t * cfg.vocab_size * c;
   const int64_t xf = t * cfg.d_model * c, lse = t * 4, dx = t * cfg.d_model * 4;
   // the LM head's dx, then (xf gone) the final norm's beside it
   return {batch_ids + norm.saved + xf + logits + lse, std::max(dx, dx + norm.backward_extra - xf),

@@ -65,9 +65,10 @@ class Transformer : public Module {
   /// loss keep views of them), the final norm, the LM head's input [T, d], the logits [T, V]
   /// and the loss's log-sum-exp. Backward turns the logits into their gradient in place and
   /// holds it to the end (`kept`, with the batch); the LM head and the final norm each make an
-  /// f32 dx [T, d].
+  /// f32 dx [T, d]. With tensor parallelism over `tp` ranks every rank holds the whole batch
+  /// (`batch` sequences) and 1/tp of the rest.
   static ActivationBytes ends_activation_bytes_for(const ModelConfig& cfg, int64_t batch,
-                                                   int64_t seq_len, DType dtype);
+                                                   int64_t seq_len, DType dtype, int tp = 1);
 
   /// embed.weight, then per layer: attn_norm, attn.{wq,wk,wv,wo}, ffn_norm, ffn/moe, then
   /// final_norm.weight, lm_head.weight (absent with tie_embeddings).

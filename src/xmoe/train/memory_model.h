@@ -12,7 +12,10 @@
 // Activations come from each module's own formula (Attention::activation_bytes_for, ...,
 // MoELayer::activation_bytes_for); the parameters and the gradient buckets follow the model's
 // parameter order and GradientSync::bucket_plan, so the zero shards are those the run makes.
-// A new lever (tensor parallelism, optimizer offload) is one more term of MemoryModel::terms.
+// Tensor parallelism (parallel.tp, parallel.ssmb) gives the per-rank shapes: the tp shards of
+// the attention and dense FFN matrices, their buckets over the tp-replica group, the tokens
+// each module holds. Optimizer offload (train.offload_optimizer) moves the master weights and
+// the moments off a CUDA device into host terms (MemoryTerm::host) and adds the host staging.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -22,8 +25,10 @@
 namespace xmoe::train {
 
 struct MemoryModelOptions {
-  int world = 1;  ///< ranks: dp = world / parallel.ep
-  int rank = 0;   ///< whose shards (rank 0 of a group holds the most elements: padding is last)
+  /// ranks: world = data ranks × parallel.tp; the MoE layers' ranks (the world with SSMB, else
+  /// world / tp) = dp × parallel.ep
+  int world = 1;
+  int rank = 0;  ///< whose shards (rank 0 of a group holds the most elements: padding is last)
   /// Gradient bucket size (GradientSync's, the trainer's default).
   int64_t bucket_bytes = 32 << 20;
   /// With parallel.ep > 1, the busiest rank's experts receive this many times the expected
@@ -36,32 +41,48 @@ struct MemoryTerm {
   std::string name;
   int64_t bytes = 0;
   bool steady = false;  ///< held between steps (else only inside a step)
+  /// In pinned host memory (offload on CUDA), not on the device: counted in host_bytes only.
+  bool host = false;
 };
 
 struct MemoryModel {
-  int world = 1, dp = 1, ep = 1, zero = 0;
+  int world = 1, tp = 1, dp = 1, ep = 1, zero = 0;
+  bool ssmb = true;
   bool cuda = false;
   bool bf16_compute = false;
-  /// Parameter elements this rank holds (dense ones and its ep share of the experts).
+  bool offload = false;  ///< train.offload_optimizer
+  /// Parameter elements this rank holds (dense ones, its tp shards and its ep share of the
+  /// experts).
   int64_t parameters = 0;
   std::vector<MemoryTerm> terms;
   /// Saved activations of each layer (one micro-batch), index = layer.
   std::vector<int64_t> layer_saved;
-  int64_t parameter_bytes = 0;  ///< f32 master weights
+  int64_t parameter_bytes = 0;  ///< f32 master weights (on the host with offload on CUDA)
   int64_t compute_copy_bytes = 0;
+  /// Offload on CUDA: the device's f32 copies of the weights forward reads in f32.
+  int64_t device_f32_bytes = 0;
+  /// Offload: the host buffers the gradients and bf16 copies travel through (AdamW's).
+  int64_t staging_bytes = 0;
   int64_t gradient_bytes = 0;  ///< between steps (zero 2: the shards only)
   int64_t whole_gradient_bytes = 0;
-  int64_t optimizer_bytes = 0;        ///< AdamW m and v
+  int64_t optimizer_bytes = 0;        ///< AdamW m and v (on the host with offload)
   int64_t activation_peak_bytes = 0;  ///< saved activations + backward's working set at its peak
   int64_t comm_bytes = 0;             ///< the largest gradient-sync / zero gather buffers
-  int64_t steady_bytes = 0;           ///< live between steps
-  int64_t peak_bytes = 0;             ///< the most live inside a step
+  int64_t steady_bytes = 0;           ///< live between steps (on the device)
+  int64_t peak_bytes = 0;             ///< the most live inside a step (on the device)
+  /// Offload on CUDA: pinned host bytes (master weights, moments, staging); else 0.
+  int64_t host_bytes = 0;
 };
 
-/// The model of `config` (its train.device, train.dtype, parallel.ep, parallel.zero) on rank
-/// `options.rank` of `options.world` ranks. Throws "[memory] ..." when the layout is impossible
-/// (world not a multiple of parallel.ep).
+/// The model of `config` (its train.device, train.dtype, train.offload_optimizer, parallel.tp,
+/// parallel.ssmb, parallel.ep, parallel.zero) on rank `options.rank` of `options.world` ranks.
+/// Throws "[memory] ..." when the layout is impossible (world not a multiple of parallel.tp,
+/// the MoE layers' ranks not of parallel.ep).
 MemoryModel predict_memory(const Config& config, const MemoryModelOptions& options = {});
+
+/// The fewest ranks `config`'s parallel layout allows: parallel.tp and parallel.ep both divide
+/// the world with SSMB; without it, ep divides world / tp.
+int smallest_world(const Config& config);
 
 /// The table `xmoe config show` prints: component, bytes, bytes per parameter held here.
 std::string memory_table(const MemoryModel& model);
