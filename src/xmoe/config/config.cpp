@@ -78,7 +78,7 @@ const std::vector<Key>& table() {
       XMOE_KEY(model.norm_eps, positive(), {}, "RMSNorm epsilon"),
       XMOE_KEY(model.init_std, positive(), {}, "standard deviation of the normal weight init"),
       XMOE_KEY(model.tie_embeddings, any(), {}, "share the token embedding with the LM head"),
-      XMOE_KEY(model.recompute, any(), {"attention", "ffn", "moe"},
+      XMOE_KEY(model.recompute, any(), {"attention", "attention_core", "ffn", "moe", "router"},
                "modules recomputed in backward instead of keeping activations"),
       // model.moe
       XMOE_KEY(model.moe.num_experts, at_least(1), {}, "routed experts E per MoE layer"),

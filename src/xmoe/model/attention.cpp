@@ -57,13 +57,16 @@ Attention::Attention(std::string prefix, AttentionShape shape,
   wo_.init_normal(seed, out_std);
 }
 
-void Attention::compute_inner() {
+void Attention::project() {
   const int64_t h = shape_.num_heads, hkv = shape_.num_kv_heads, hd = shape_.head_dim;
   q_ = ops::matmul(x_, wq_.compute()).reshape({batch_, seq_, h, hd});
   k_ = ops::matmul(x_, wk_.compute()).reshape({batch_, seq_, hkv, hd});
   v_ = ops::matmul(x_, wv_.compute()).reshape({batch_, seq_, hkv, hd});
   ops::rope_(q_, *rope_);
   ops::rope_(k_, *rope_);
+}
+
+void Attention::attend() {
   auto r = ops::attention(q_, k_, v_, /*causal=*/true);
   a_ = r.out;
   lse_ = r.lse;
@@ -75,17 +78,21 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
   batch_ = batch * tp_size(tp_);
   seq_ = seq_len;
   x_ = parallel::gather_rows(tp_.get(), x);
-  compute_inner();
+  project();
+  attend();
   // f32 out: the output joins the residual stream (docs/cuda.md).
   Tensor y = ops::matmul_f32(a_.reshape({batch_ * seq_len, -1}), wo_.compute());
-  if (recompute_) q_ = k_ = v_ = a_ = lse_ = Tensor();
+  if (recompute_ != AttentionRecompute::none) a_ = lse_ = Tensor();
+  if (recompute_ == AttentionRecompute::all) q_ = k_ = v_ = Tensor();
   return parallel::scatter_sum_rows(tp_.get(), y);
 }
 
 Tensor Attention::backward(const Tensor& dy_in) {
   XMOE_CHECK(x_.defined(), "[attention] {}: backward without a forward", wq_.name);
   ProfileScope scope("block.attention.bwd", dy_in.device());
-  if (!a_.defined()) compute_inner();  // recompute: the same ops on the same x give the same bits
+  // Recompute: the same ops on the same inputs give the same bits.
+  if (!q_.defined()) project();
+  if (!a_.defined()) attend();
   const int64_t t = batch_ * seq_;
   check_shape(dy_in, {t / tp_size(tp_), shape_.d_model}, "attention_backward", "dy");
   const Tensor dy = parallel::gather_rows(tp_.get(), dy_in);
@@ -112,17 +119,19 @@ int64_t Attention::saved_bytes() const {
 }
 
 ActivationBytes Attention::activation_bytes_for(const AttentionShape& s, int64_t batch,
-                                                int64_t seq_len, DType dtype, bool recompute,
-                                                int tp) {
+                                                int64_t seq_len, DType dtype,
+                                                AttentionRecompute recompute, int tp) {
   const auto c = static_cast<int64_t>(dtype_size(dtype));
   const int64_t t = batch * seq_len, heads = s.num_heads / tp, kv_heads = s.num_kv_heads / tp;
   const int64_t q = t * heads * s.head_dim * c, kv = t * kv_heads * s.head_dim * c;
   const int64_t inner = 2 * q + 2 * kv + batch * heads * seq_len * 4;  // q, a, k, v, lse
-  const int64_t x = t * s.d_model * c;                                 // with tp: the gathered x
+  const int64_t kept = recompute == AttentionRecompute::none   ? inner
+                       : recompute == AttentionRecompute::core ? q + 2 * kv  // a and lse dropped
+                                                               : 0;
+  const int64_t x = t * s.d_model * c;  // with tp: the gathered x
   // tp: backward gathers dy [T, d]; its reduce-scattered dx [T/tp, d] comes after release().
   const int64_t gathered_dy = tp > 1 ? x : 0;
-  return {x + (recompute ? 0 : inner),
-          (recompute ? inner : 0) + gathered_dy + 2 * q + 2 * kv + t * s.d_model * 4};
+  return {x + kept, inner - kept + gathered_dy + 2 * q + 2 * kv + t * s.d_model * 4};
 }
 
 void Attention::collect_parameters(std::vector<Parameter*>& out) {

@@ -29,6 +29,13 @@ struct AttentionShape {
   int64_t head_dim = 0;  ///< d_model / num_heads
 };
 
+/// What attention drops after forward and recomputes in backward (model.recompute).
+enum class AttentionRecompute {
+  none,  ///< keeps x, q, k, v, a, lse
+  core,  ///< "attention_core": keeps x, q, k, v (after RoPE); recomputes a and lse from them
+  all,   ///< "attention": keeps x; recomputes the projections, RoPE and the attention
+};
+
 class Attention : public Module {
  public:
   /// Parameters "<prefix>.wq" [d, H·hd], ".wk" [d, Hkv·hd], ".wv" [d, Hkv·hd], ".wo" [H·hd, d];
@@ -41,9 +48,9 @@ class Attention : public Module {
 
   /// x [B·S, d] -> [B·S, d] (f32 when x is bf16: the output joins the f32 residual stream).
   /// With tp, x and the output are this rank's rows [B·S/P, d] and `batch` its B/P sequences.
-  /// Saves x (shared with the caller) and, unless recompute is on, q, k, v (after RoPE), the
+  /// Saves x (shared with the caller) and, without recompute, q, k, v (after RoPE), the
   /// attention output a and the softmax log-sum-exp: T·(2·H + 2·Hkv)·hd + B·H·S floats.
-  /// With recompute only x is kept and the rest is recomputed in backward.
+  /// Recompute core keeps x, q, k, v (drops T·H·hd + B·H·S); all keeps only x.
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);
   /// dy [B·S, d] -> dx (f32); accumulates the four weight gradients (f32, also from bf16
   /// activations); releases what forward saved.
@@ -51,8 +58,8 @@ class Attention : public Module {
 
   /// Frees what forward saved (forward-only use).
   void release() { x_ = q_ = k_ = v_ = a_ = lse_ = Tensor(); }
-  void set_recompute(bool on) { recompute_ = on; }
-  bool recompute() const { return recompute_; }
+  void set_recompute(AttentionRecompute r) { recompute_ = r; }
+  AttentionRecompute recompute() const { return recompute_; }
   int64_t saved_bytes() const;
   /// What forward saves and backward adds, for `batch` sequences of `seq_len` tokens in
   /// `dtype` (the formula of forward's comment; backward adds da, dq, dk, dv, its f32 dx and,
@@ -60,8 +67,8 @@ class Attention : public Module {
   /// parallelism over `tp` ranks, `batch` is the whole micro-batch (this rank gathers its
   /// tokens and works on H/tp, Hkv/tp heads) and backward also holds the gathered dy [T, d].
   static ActivationBytes activation_bytes_for(const AttentionShape& shape, int64_t batch,
-                                              int64_t seq_len, DType dtype, bool recompute,
-                                              int tp = 1);
+                                              int64_t seq_len, DType dtype,
+                                              AttentionRecompute recompute, int tp = 1);
   void collect_parameters(std::vector<Parameter*>& out) override;
 
   Parameter& wq() { return wq_; }
@@ -70,14 +77,16 @@ class Attention : public Module {
   Parameter& wo() { return wo_; }
 
  private:
-  // Projections, RoPE and attention from x_ into q_, k_, v_, a_, lse_.
-  void compute_inner();
+  // Projections and RoPE from x_ into q_, k_, v_.
+  void project();
+  // The attention of q_, k_, v_ into a_, lse_.
+  void attend();
 
   AttentionShape shape_;  // this rank's heads
   std::shared_ptr<comm::Group> tp_;
   std::shared_ptr<const ops::RopeTables> rope_;
   Parameter wq_, wk_, wv_, wo_;
-  bool recompute_ = false;
+  AttentionRecompute recompute_ = AttentionRecompute::none;
   int64_t batch_ = 0, seq_ = 0;  // of the whole (gathered) micro-batch
   Tensor x_;                     // [T, d] (gathered)
   Tensor q_, k_, v_;             // [B, S, H|Hkv, hd]

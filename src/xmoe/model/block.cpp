@@ -15,12 +15,19 @@ RecomputeOptions parse_recompute(const std::vector<std::string>& names) {
   for (const std::string& n : names) {
     if (n == "attention") {
       r.attention = true;
+    } else if (n == "attention_core") {
+      r.attention_core = true;
     } else if (n == "ffn") {
       r.ffn = true;
     } else if (n == "moe") {
       r.moe = true;
+    } else if (n == "router") {
+      r.router = true;
     } else {
-      XMOE_FAIL("[config] model.recompute entry '{}' is not one of attention, ffn, moe", n);
+      XMOE_FAIL(
+          "[config] model.recompute entry '{}' is not one of attention, attention_core, ffn, moe, "
+          "router",
+          n);
     }
   }
   return r;
@@ -50,8 +57,10 @@ TransformerBlock::TransformerBlock(const ModelConfig& cfg, int index,
 }
 
 void TransformerBlock::set_recompute(const RecomputeOptions& r) {
-  attn_->set_recompute(r.attention);
-  ffn_->set_recompute(ffn_->moe_layer() ? r.moe : r.ffn);
+  attn_->set_recompute(r.attention_mode());
+  moe::MoELayer* moe = ffn_->moe_layer();
+  ffn_->set_recompute(moe ? r.moe : r.ffn);
+  if (moe) moe->set_router_recompute(r.router);
 }
 
 Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
@@ -88,10 +97,10 @@ ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, i
   const ActivationBytes norm = RMSNorm::activation_bytes_for(t, d);
   const ActivationBytes attn =
       Attention::activation_bytes_for({d, cfg.num_heads, cfg.num_kv_heads, d / cfg.num_heads},
-                                      batch, seq_len, dtype, r.attention, layout.tp);
+                                      batch, seq_len, dtype, r.attention_mode(), layout.tp);
   const ActivationBytes ffn =
       dense ? DenseFFN::activation_bytes_for(tokens, d, cfg.dense_hidden, dtype, r.ffn, layout.tp)
-            : moe_ffn_activation_bytes_for(cfg.moe, d, tokens, dtype, r.moe, layout);
+            : moe_ffn_activation_bytes_for(cfg.moe, d, tokens, dtype, {r.moe, r.router}, layout);
   // backward(): dyn, dh, dhn and dx [T, d] f32 appear in turn and stay until it returns; the
   // FFN and attention get their gradient cast to the compute dtype (a copy unless f32). The
   // MoE layer without SSMB returns a view of its whole [T, d] dx: dyn holds all of it.

@@ -15,11 +15,20 @@
 namespace xmoe::model {
 
 /// Which modules drop their activations after forward and recompute them in backward
-/// (ModelConfig::recompute entries "attention", "ffn", "moe").
+/// (ModelConfig::recompute entries "attention", "attention_core", "ffn", "moe", "router";
+/// docs/training.md, "Activation recompute").
 struct RecomputeOptions {
-  bool attention = false;
-  bool ffn = false;  ///< dense FFNs
-  bool moe = false;  ///< MoE layers
+  bool attention = false;       ///< keep x only: projections, RoPE and attention again
+  bool attention_core = false;  ///< keep x, q, k, v: the attention a, lse again
+  bool ffn = false;             ///< dense FFNs: h again
+  bool moe = false;             ///< MoE layers: the experts' h again
+  bool router = false;          ///< MoE layers: the gate's [T, E] routing tensors again
+  /// What attention keeps ("attention" covers "attention_core").
+  AttentionRecompute attention_mode() const {
+    return attention        ? AttentionRecompute::all
+           : attention_core ? AttentionRecompute::core
+                            : AttentionRecompute::none;
+  }
 };
 /// Parses ModelConfig::recompute; throws on an unknown entry.
 RecomputeOptions parse_recompute(const std::vector<std::string>& names);

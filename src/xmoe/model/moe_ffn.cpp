@@ -56,7 +56,7 @@ class MoEFFN : public FeedForward {
 }  // namespace
 
 ActivationBytes moe_ffn_activation_bytes_for(const MoeConfig& cfg, int64_t d_model, int64_t tokens,
-                                             DType dtype, bool recompute,
+                                             DType dtype, const moe::LayerRecompute& recompute,
                                              const ActivationLayout& l) {
   const bool replicated = l.tp > 1 && !l.ssmb;
   ActivationBytes a = moe::MoELayer::activation_bytes_for(

@@ -9,6 +9,9 @@
 namespace xmoe::parallel {
 struct Layout;
 }
+namespace xmoe::moe {
+struct LayerRecompute;
+}
 
 namespace xmoe::model {
 
@@ -21,7 +24,7 @@ namespace xmoe::model {
 /// gathered dy [T, d] beside the layer's; the returned dx is then a view of the layer's whole
 /// [T, d] one.
 ActivationBytes moe_ffn_activation_bytes_for(const MoeConfig& cfg, int64_t d_model, int64_t tokens,
-                                             DType dtype, bool recompute,
+                                             DType dtype, const moe::LayerRecompute& recompute,
                                              const ActivationLayout& layout);
 
 std::unique_ptr<FeedForward> make_moe_ffn(const MoeConfig& cfg, int64_t d_model, std::string prefix,

@@ -62,18 +62,24 @@ std::unique_ptr<Gate> make_gate(const GateArgs& args) {
   return gate_registry().create(args.config.gate, args);
 }
 
-int64_t gate_saved_bytes_for(const MoeConfig& c, int64_t tokens) {
+int64_t gate_saved_bytes_for(const MoeConfig& c, int64_t tokens, bool recompute) {
   const int64_t te = tokens * c.num_experts * 4, choice = tokens * c.top_k * 8;  // idx, weights
   const int64_t rows = tokens * 4;                                               // a per-token sum
-  if (c.gate == "sigmoid") return 3 * te + choice + 2 * rows;  // logits, scores, probs; 2 sums
+  // sigmoid: logits, scores, probs; the weights' and the probabilities' sums
+  if (c.gate == "sigmoid") return (recompute ? 0 : 3 * te) + choice + 2 * rows;
   // softmax routing: logits, probs (+ the renormalisation sums)
-  const int64_t softmax = 2 * te + choice + (c.renormalize && c.softmax_before_topk ? rows : 0);
-  if (c.gate == "xmoe") return softmax + te + tokens * c.router_dim * 4 + rows;  // cos, z, |z|
+  const int64_t softmax =
+      (recompute ? 0 : 2 * te) + choice + (c.renormalize && c.softmax_before_topk ? rows : 0);
+  if (c.gate == "xmoe" && !recompute)
+    return softmax + te + tokens * c.router_dim * 4 + rows;  // cos, z, |z|
   return softmax;
 }
 
-int64_t gate_backward_bytes_for(const MoeConfig& c, int64_t tokens) {
-  return 2 * tokens * c.num_experts * 4;
+int64_t gate_backward_bytes_for(const MoeConfig& c, int64_t tokens, bool recompute) {
+  const int64_t dropped =
+      recompute ? gate_saved_bytes_for(c, tokens, false) - gate_saved_bytes_for(c, tokens, true)
+                : 0;
+  return 2 * tokens * c.num_experts * 4 + dropped;
 }
 
 }  // namespace xmoe::moe

@@ -60,6 +60,12 @@ class Gate : public Module {
   virtual std::string_view name() const = 0;
   /// Frees what forward saved for backward.
   virtual void release() = 0;
+  /// Router recompute (model.recompute "router"): forward drops its [T, E] routing tensors
+  /// (logits, probabilities, scores) and backward recomputes them from the kept input x with the
+  /// same ops (the same bits). The expert choice, the combine weights and the aux-loss
+  /// statistics are kept, so backward makes no second collective.
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recompute() const { return recompute_; }
 
   int64_t num_experts() const { return num_experts_; }
   int64_t top_k() const { return top_k_; }
@@ -77,6 +83,7 @@ class Gate : public Module {
   std::string prefix_;
   std::shared_ptr<comm::Group> world_;  // statistics group (null = one process)
   float aux_grad_scale_ = 1.0f;
+  bool recompute_ = false;
   int64_t num_experts_, top_k_, d_model_;
 };
 
@@ -88,9 +95,11 @@ std::unique_ptr<Gate> make_gate(const GateArgs& args);
 
 /// Bytes the gate named by config.gate keeps from forward to backward for `tokens` tokens: its
 /// f32 [T, E] routing tensors and [T, k] choice (the router's input is the layer's, counted by
-/// the layer). Its backward holds about as much again (gate_backward_bytes_for).
-int64_t gate_saved_bytes_for(const MoeConfig& config, int64_t tokens);
-/// The gate's backward temporaries: d logits and the softmax/aux-loss gradients [T, E] (f32).
-int64_t gate_backward_bytes_for(const MoeConfig& config, int64_t tokens);
+/// the layer); with `recompute` (Gate::set_recompute) only the choice, the combine weights and
+/// the per-token sums. Its backward holds about as much again (gate_backward_bytes_for).
+int64_t gate_saved_bytes_for(const MoeConfig& config, int64_t tokens, bool recompute = false);
+/// The gate's backward temporaries: d logits and the softmax/aux-loss gradients [T, E] (f32),
+/// and with `recompute` the routing tensors forward dropped.
+int64_t gate_backward_bytes_for(const MoeConfig& config, int64_t tokens, bool recompute = false);
 
 }  // namespace xmoe::moe

@@ -263,8 +263,9 @@ Tensor MoELayer::backward(const Tensor& dy) {
 }
 
 ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, int64_t tokens,
-                                               int ep, DType dtype, bool recompute,
+                                               int ep, DType dtype, LayerRecompute rc,
                                                double load_imbalance) {
+  const bool recompute = rc.experts;
   const auto cb = static_cast<int64_t>(dtype_size(dtype));
   const int64_t f = c.expert_hidden, sf = static_cast<int64_t>(c.num_shared_experts) * f;
   const int64_t pairs = tokens * c.top_k;
@@ -279,7 +280,7 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   const int64_t h = recv * 2 * f * cb, in_rows = recv * d * cb, out = n * d * cb;
   const int64_t shared_h = tokens * 2 * sf * cb;
   ActivationBytes a;
-  a.saved = x + gate_saved_bytes_for(c, tokens) + layout + (recompute ? 0 : h) +
+  a.saved = x + gate_saved_bytes_for(c, tokens, rc.router) + layout + (recompute ? 0 : h) +
             (ep > 1 ? in_rows : 0) + out + shared_h;
   // Chunks of the experts' [N, f] temporaries (Experts' auto rule: 4 where f > d and each chunk
   // keeps >= 2048 rows).
@@ -307,7 +308,7 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
       shared_dx + d_cw + out + (ep > 1 ? in_rows : 0) + dx + pairs * 4 - freed;
   // gate: its temporaries and dx beside the order's dx and the shared experts'
   const int64_t gate_phase =
-      shared_dx + dx + pairs * 4 + gate_backward_bytes_for(c, tokens) + dx - freed;
+      shared_dx + dx + pairs * 4 + gate_backward_bytes_for(c, tokens, rc.router) + dx - freed;
   a.backward_extra = std::max({shared_phase, expert_phase, weight_phase, order_phase, gate_phase});
   return a;
 }

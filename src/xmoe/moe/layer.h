@@ -52,6 +52,12 @@ struct LayerGroups {
   std::shared_ptr<comm::Group> ep;
 };
 
+/// What a MoE layer recomputes in backward instead of keeping (model.recompute "moe", "router").
+struct LayerRecompute {
+  bool experts = false;  ///< the experts' gate_up output h [N, 2f]
+  bool router = false;   ///< the gate's [T, E] routing tensors (Gate::set_recompute)
+};
+
 class MoELayer : public Module {
  public:
   /// Router and expert weights ~ N(0, init_std^2) from (seed, parameter name), so the same
@@ -76,11 +82,12 @@ class MoELayer : public Module {
   /// the formula takes the expected N = T·k rows (padded: E·C); with ep > 1 the experts of the
   /// busiest rank receive load_imbalance × N rows and keep them (no re-gather), and dispatch's
   /// backward sends d_rows back. Saved: the gate's routing tensors, the PFT layout (16 bytes a
-  /// row), the experts' h [N, 2f] (not with recompute), their output [N, d] for the I-Order,
-  /// the shared experts' h [T, 2Sf] (the input x is the caller's norm output, counted here).
+  /// row), the experts' h [N, 2f] (not with recompute.experts), their output [N, d] for the
+  /// I-Order, the shared experts' h [T, 2Sf] (the input x is the caller's norm output, counted
+  /// here).
   static ActivationBytes activation_bytes_for(const MoeConfig& config, int64_t d_model,
-                                              int64_t tokens, int ep, DType dtype, bool recompute,
-                                              double load_imbalance);
+                                              int64_t tokens, int ep, DType dtype,
+                                              LayerRecompute recompute, double load_imbalance);
   /// Upstream gradient of the aux losses in backward (default 1). The model sets it to its loss
   /// scale (e.g. 1/grad_accum) so the aux term is weighted like the cross-entropy.
   void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }
@@ -114,7 +121,11 @@ class MoELayer : public Module {
   /// Recompute in backward instead of saving the experts' gate_up output h [N, 2f]. (Their
   /// input rows are never kept where one process holds every expert and no hook replaced them:
   /// they are gathered again from x by the saved layout.)
+  /// The experts never keep their SwiGLU output silu(g)·u [N, f] (Megatron's "moe_act"
+  /// recompute, always on): backward recomputes it from h.
   void set_recompute(bool on) { experts_->set_recompute(on); }
+  /// Recompute the gate's [T, E] routing tensors in backward (Gate::set_recompute).
+  void set_router_recompute(bool on) { gate_->set_recompute(on); }
 
   /// The experts' [N, f] activations in this many row chunks (moe.expert_chunks; 0: auto).
   void set_expert_chunks(int chunks) { experts_->set_chunks(chunks); }

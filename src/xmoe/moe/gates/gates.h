@@ -22,6 +22,8 @@ class LinearRouter {
   Parameter& weight() { return weight_; }
   /// x [T, d] f32 or bf16; keeps x itself (not the operand cast from it) for backward.
   Tensor forward(const Tensor& x);
+  /// The logits of the last forward again, from the kept x (router recompute): the same bits.
+  Tensor logits() const;
   /// dlogits [T, E] f32: weight.grad += x^T dlogits; returns dx [T, d] f32 = dlogits W^T.
   Tensor backward(const Tensor& dlogits);
   void release() { x_ = Tensor(); }
@@ -58,6 +60,11 @@ class SoftmaxRouting {
   /// gradient is aux_scale).
   Tensor backward(const Tensor& d_topk_weight, float aux_scale = 1.0f);
   void release();
+  /// Router recompute: frees logits and probs [T, E]; restore() takes the same logits again and
+  /// recomputes probs, before backward. The choice, weights and aux statistics stay.
+  void drop_routing_tensors() { logits_ = probs_ = Tensor(); }
+  void restore(const Tensor& logits);
+  bool has_routing_tensors() const { return logits_.defined(); }
 
  private:
   Options o_;

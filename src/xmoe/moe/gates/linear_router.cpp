@@ -29,7 +29,12 @@ Tensor LinearRouter::weight_operand() const {
 
 Tensor LinearRouter::forward(const Tensor& x) {
   x_ = x;  // the layer's input, which its caller holds: no [T, d] copy kept for backward
-  return xmoe::ops::matmul_f32(operand(x), weight_operand(), false, false);
+  return logits();
+}
+
+Tensor LinearRouter::logits() const {
+  XMOE_CHECK(x_.defined(), "[moe router] logits without a forward");
+  return xmoe::ops::matmul_f32(operand(x_), weight_operand(), false, false);
 }
 
 Tensor LinearRouter::backward(const Tensor& dlogits) {

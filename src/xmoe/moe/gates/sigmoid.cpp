@@ -36,11 +36,17 @@ class SigmoidGate final : public Gate {
     probs_ = xmoe::ops::renormalize_rows(scores_, 1.0f, psums_);  // [T, E], rows sum to 1
     GateOutput out{idx_, weights_, {}};
     out.aux = aux_losses(probs_, idx_, logits_, seq_len, aux_weights(), aux_state_, world_.get());
+    if (recompute_) logits_ = scores_ = probs_ = Tensor();  // [T, E] each; the sums stay
     return out;
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
-    XMOE_CHECK(scores_.defined(), "[moe gate sigmoid] backward without a forward");
+    XMOE_CHECK(weights_.defined(), "[moe gate sigmoid] backward without a forward");
+    if (!scores_.defined()) {  // router recompute: forward's ops on the kept x
+      logits_ = router_.logits();
+      scores_ = xmoe::ops::sigmoid(logits_);
+      probs_ = xmoe::ops::renormalize_rows(scores_, 1.0f, psums_);
+    }
     check_shape(d_topk_weight, weights_.shape(), "moe gate sigmoid", "d_topk_weight");
     const int64_t T = scores_.size(0);
     const Device dev = scores_.device();

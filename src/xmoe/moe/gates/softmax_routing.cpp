@@ -24,7 +24,8 @@ GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len, const 
 }
 
 Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale) {
-  XMOE_CHECK(probs_.defined(), "[moe gate] backward without a forward");
+  XMOE_CHECK(weights_.defined(), "[moe gate] backward without a forward");
+  XMOE_CHECK(probs_.defined(), "[moe gate] backward before the routing tensors were restored");
   check_shape(d_topk_weight, weights_.shape(), "moe gate backward", "d_topk_weight");
   const int64_t T = probs_.size(0), E = probs_.size(1);
   Tensor dprobs = Tensor::zeros({T, E}, DType::f32, probs_.device());
@@ -42,6 +43,11 @@ Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale) {
   aux_losses_backward(logits_, aux_state_, o_.aux.scaled(aux_scale), dprobs, dlogits);
   xmoe::ops::add_(dlogits, xmoe::ops::softmax_backward(probs_, dprobs));
   return dlogits;
+}
+
+void SoftmaxRouting::restore(const Tensor& logits) {
+  logits_ = logits;
+  probs_ = xmoe::ops::softmax(logits);
 }
 
 void SoftmaxRouting::release() {

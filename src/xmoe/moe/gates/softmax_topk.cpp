@@ -14,10 +14,13 @@ class SoftmaxTopkGate final : public Gate {
 
   GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
     check_forward_args(x, seq_len, fixed_idx);
-    return routing_.forward(router_.forward(x), seq_len, fixed_idx, world_.get());
+    GateOutput out = routing_.forward(router_.forward(x), seq_len, fixed_idx, world_.get());
+    if (recompute_) routing_.drop_routing_tensors();
+    return out;
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
+    if (!routing_.has_routing_tensors()) routing_.restore(router_.logits());
     return router_.backward(routing_.backward(d_topk_weight, aux_grad_scale_));
   }
 

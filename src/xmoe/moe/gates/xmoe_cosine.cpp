@@ -43,17 +43,19 @@ class XmoeGate final : public Gate {
   GateOutput forward(const Tensor& x, int64_t seq_len, const Tensor& fixed_idx) override {
     check_forward_args(x, seq_len, fixed_idx);
     x_ = x;  // bf16 activations are cast again in backward: no f32 copy kept
-    zn_ = xmoe::ops::l2_normalize_rows(
-        xmoe::ops::matmul(xmoe::ops::as_dtype(x, DType::f32), proj_.weights_f32()));  // [T, r]
-    en_ = xmoe::ops::l2_normalize_rows(xmoe::ops::transpose(emb_.weights_f32()));     // [E, r]
-    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                              // [T, E]
-    // On CUDA the temperature is read on the device: no wait for its value.
-    Tensor logits = xmoe::ops::moe_div_temperature(cos_, temp_.weights_f32(), kMinTemperature);
-    return routing_.forward(logits, seq_len, fixed_idx, world_.get());
+    GateOutput out = routing_.forward(route_logits(), seq_len, fixed_idx, world_.get());
+    if (recompute_) {  // z, |z| [T], cos [T, E], logits and probs [T, E]
+      zn_ = {};
+      cos_ = Tensor();
+      routing_.drop_routing_tensors();
+    }
+    return out;
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
-    Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);  // [T, E]
+    XMOE_CHECK(x_.defined(), "[moe gate xmoe] backward without a forward");
+    if (!routing_.has_routing_tensors()) routing_.restore(route_logits());  // router recompute
+    Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);     // [T, E]
     // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
     xmoe::ops::moe_temperature_grad(temp_.grad, dlogits, cos_, temp_.weights_f32(),
                                     kMinTemperature);
@@ -82,6 +84,16 @@ class XmoeGate final : public Gate {
   }
 
  private:
+  /// logits [T, E] of x_, keeping z, e (normalised) and cos for backward.
+  Tensor route_logits() {
+    zn_ = xmoe::ops::l2_normalize_rows(
+        xmoe::ops::matmul(xmoe::ops::as_dtype(x_, DType::f32), proj_.weights_f32()));  // [T, r]
+    en_ = xmoe::ops::l2_normalize_rows(xmoe::ops::transpose(emb_.weights_f32()));      // [E, r]
+    cos_ = xmoe::ops::matmul(zn_.y, en_.y, false, true);                               // [T, E]
+    // On CUDA the temperature is read on the device: no wait for its value.
+    return xmoe::ops::moe_div_temperature(cos_, temp_.weights_f32(), kMinTemperature);
+  }
+
   SoftmaxRouting routing_;
   Parameter proj_, emb_, temp_;
   Tensor x_, cos_;
