@@ -22,6 +22,13 @@ TEST_F(MemoryModelTest, RecomputeVariants) {
   c.model.recompute = {"moe"};
   c.train.out_dir = (root_ / "run-moe").string();
   expect_predicted(c, "tiny, recompute moe");
+  c.model.recompute = {"attention_core", "router"};
+  c.train.out_dir = (root_ / "run-core-router").string();
+  expect_predicted(c, "tiny, recompute attention_core, router");
+  c.model.recompute = {"attention_core", "ffn", "moe", "router"};
+  c.model.moe.gate = "sigmoid";
+  c.train.out_dir = (root_ / "run-selective").string();
+  expect_predicted(c, "tiny sigmoid, recompute attention_core, ffn, moe, router");
 }
 
 TEST_F(MemoryModelTest, MoEVariants) {

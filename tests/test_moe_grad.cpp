@@ -216,6 +216,34 @@ TEST(MoeGrad, RecomputeGivesTheSameGradients) {
   }
 }
 
+// Router recompute (model.recompute "router") for every gate: the same output and gradients,
+// bit for bit, with exactly the gate's [T, E] routing tensors (gate_saved_bytes_for) not kept.
+TEST(MoeGrad, RouterRecomputeGivesTheSameGradients) {
+  struct Case {
+    const char* gate;
+    bool softmax_before_topk;
+  };
+  for (const Case cs : {Case{"softmax_topk", true}, Case{"softmax_topk", false},
+                        Case{"switch", true}, Case{"sigmoid", true}, Case{"xmoe", true}}) {
+    MoeConfig c = small_config(cs.gate);
+    SCOPED_TRACE(std::string(cs.gate) + (cs.softmax_before_topk ? "" : " mixtral"));
+    c.softmax_before_topk = cs.softmax_before_topk;
+    if (c.gate == "switch") c.top_k = 1;
+    if (c.gate == "sigmoid") c.num_groups = c.topk_groups = 2;
+    c.router_dim = 4;
+    c.aux_loss_weight = 0.3f;  // every aux loss reads the dropped tensors in backward
+    c.seq_aux_loss_weight = 0.2f;
+    c.z_loss_weight = 0.02f;
+    const Pass kept = run_pass(c, [](MoELayer& l) { l.set_router_recompute(false); });
+    const Pass recomputed = run_pass(c, [](MoELayer& l) { l.set_router_recompute(true); });
+    EXPECT_EQ(kept.y, recomputed.y);
+    EXPECT_EQ(kept.grads, recomputed.grads);
+    EXPECT_EQ(kept.saved - recomputed.saved,
+              gate_saved_bytes_for(c, kT) - gate_saved_bytes_for(c, kT, true));
+    EXPECT_GE(kept.saved - recomputed.saved, 2 * kT * c.num_experts * 4);
+  }
+}
+
 // The experts keep no copy of their input rows [N, d]: backward gathers them again from x by
 // the PFT indices, with the same bits. A hook that replaces the rows makes the experts keep them.
 TEST(MoeGrad, ExpertRowsAreGatheredAgainNotKept) {
