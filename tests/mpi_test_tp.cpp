@@ -187,6 +187,44 @@ TEST(TensorParallel, GradientsMatchOneProcess) {
   world()->barrier();
 }
 
+// Selective recompute under tp (heads split, SSMB or not): attention_core, router and moe give
+// bit for bit the gradients of the run that keeps everything, and backward makes the same
+// collectives (the router's recompute reuses the aux-loss statistics: no second reduction).
+TEST(TensorParallel, SelectiveRecomputeGivesTheSameGradients) {
+  const int n = world()->size();
+  if (layouts(n).empty()) GTEST_SKIP() << "no tensor-parallel layout of " << n << " ranks";
+  const ModelConfig m = tp_config("unused", 1).model;
+  const int64_t b = 4, s = 16;
+  for (const TpLayout& l : {layouts(n)[0], layouts(n)[1]}) {
+    const parallel::Layout layout = parallel::Layout::create(world(), l.ep, l.tp, l.ssmb);
+    ModelConfig mc = m;
+    mc.moe.dispatch = l.ep > 1 ? "all_to_all" : "local";
+    const std::vector<std::shared_ptr<comm::Group>> groups = {layout.world, layout.moe_world,
+                                                              layout.tp_group, layout.ep_group};
+    const Tensor ids = token_ids(b, s, m.vocab_size, 10 + layout.data_rank()),
+                 targets = token_ids(b, s, m.vocab_size, 20 + layout.data_rank());
+    auto run = [&](std::vector<std::string> recompute, std::vector<std::vector<float>>& grads) {
+      mc.recompute = std::move(recompute);
+      model::Transformer model(mc, 7, &layout);
+      for (const auto& g : groups) g->counters().reset();
+      const float loss = model.forward_loss(ids, targets);
+      model.backward();
+      for (Parameter* p : model.parameters()) grads.push_back(p->grad.to_vector<float>());
+      std::vector<int64_t> calls;
+      for (const auto& g : groups)
+        calls.insert(calls.end(), g->counters().calls.begin(), g->counters().calls.end());
+      return std::pair{loss, calls};
+    };
+    std::vector<std::vector<float>> kept, recomputed;
+    const auto a = run({}, kept);
+    const auto r = run({"attention_core", "router", "moe"}, recomputed);
+    EXPECT_EQ(a.first, r.first) << l.tag();
+    EXPECT_EQ(a.second, r.second) << l.tag() << ": recompute changed the collectives";
+    EXPECT_EQ(kept, recomputed) << l.tag();
+  }
+  world()->barrier();
+}
+
 // A tp = 2 checkpoint resumes at tp = 1 and the other way round (the global batch kept: tp 1
 // reads B / 2 per rank), continuing the one-process run.
 TEST(TensorParallel, ResumesAcrossAChangeOfTp) {
