@@ -9,13 +9,19 @@
 //                   forward and backward; comm byte counters)
 //   gather_bytes    tp all-gather bytes (no SSMB: the block's input and its gradient)
 //   ms              forward + backward, median of --iters (oversubscribed ranks: indicative)
+// SSMB against recompute at equal memory (X-MoE, issue 27): for each tp > 1 the block also runs
+// without SSMB under each --recompute mix (model.recompute entries of the MoE layer: moe, router,
+// joined by '+'), and an "ssmb_vs_recompute" line gives both peaks (peak_bytes: the largest
+// rank's forward + backward peak) and the time ratio recompute / SSMB.
 //
 //   mpirun -np N bench_ssmb [--d 512] [--experts 32] [--hidden 128] [--top-k 6] [--shared 2]
-//                           [--batch 4] [--seq 256] [--iters 3]
+//                           [--batch 4] [--seq 256] [--iters 3] [--recompute moe,moe+router]
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "xmoe/comm/group.h"
@@ -23,6 +29,7 @@
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/model/moe_ffn.h"
+#include "xmoe/moe/layer.h"
 #include "xmoe/parallel/layout.h"
 
 using namespace xmoe;
@@ -32,7 +39,29 @@ namespace {
 struct Args {
   int64_t d = 512, experts = 32, hidden = 128, top_k = 6, shared = 2, batch = 4, seq = 256;
   int iters = 3;
+  std::string recompute = "moe,moe+router";
 };
+
+/// What one (tp, ssmb, recompute) run measured: maxima over the ranks.
+struct Measured {
+  int64_t held = 0, peak = 0;
+  double ms = 0;
+};
+
+/// A --recompute mix ("moe+router") as the layer's switches; an unknown entry throws.
+moe::LayerRecompute parse_mix(const std::string& mix) {
+  moe::LayerRecompute rc;
+  std::stringstream in(mix);
+  for (std::string e; std::getline(in, e, '+');) {
+    if (e == "moe")
+      rc.experts = true;
+    else if (e == "router")
+      rc.router = true;
+    else
+      XMOE_FAIL("[bench_ssmb] --recompute entry '{}' is not moe or router", e);
+  }
+  return rc;
+}
 
 int64_t sent(const comm::Group& g, comm::ByteCounters::Kind kind) {
   return g.counters().of(kind, comm::LinkClass::intra_node) +
@@ -46,7 +75,8 @@ std::vector<int64_t> world_max(comm::Group& world, std::vector<int64_t> v) {
   return t.to_vector<int64_t>();
 }
 
-void run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssmb) {
+Measured run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssmb,
+             const std::string& mix = "none") {
   const int ep = world->size() / tp;
   const parallel::Layout layout = parallel::Layout::create(world, ep, tp, ssmb);
   MoeConfig mc;
@@ -56,6 +86,9 @@ void run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssmb) {
   mc.num_shared_experts = a.shared;
   mc.dispatch = ep > 1 ? "all_to_all" : "local";
   auto block = model::make_moe_ffn(mc, a.d, "layers.1.moe", 1, 0.02f, 0.005f, &layout);
+  const moe::LayerRecompute rc = mix == "none" ? moe::LayerRecompute{} : parse_mix(mix);
+  block->set_recompute(rc.experts);
+  block->moe_layer()->set_router_recompute(rc.router);
   // This rank's slice of its tp group's micro-batch (the residual stream's rows here).
   const int64_t rows = a.batch * a.seq / tp;
   Tensor x = Tensor::empty({rows, a.d});
@@ -91,11 +124,13 @@ void run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssmb) {
   std::sort(ms.begin(), ms.end());
   const std::vector<int64_t> m = world_max(*world, measured);
   const std::vector<int64_t> t = world_max(*world, {static_cast<int64_t>(ms[ms.size() / 2] * 1e3)});
-  if (layout.world_rank != 0) return;
+  const Measured result{m[0], m[1], static_cast<double>(t[0]) / 1e3};
+  if (layout.world_rank != 0) return result;
   nlohmann::json j{{"bench", "ssmb"},
                    {"world", layout.world_size},
                    {"tp", tp},
                    {"ssmb", ssmb},
+                   {"recompute", mix},
                    {"ep", ep},
                    {"shape", fmt::format("B={} S={} d={} E={} f={} k={} shared={}", a.batch, a.seq,
                                          a.d, a.experts, a.hidden, a.top_k, a.shared)},
@@ -105,6 +140,25 @@ void run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssmb) {
                    {"dispatch_bytes", m[2]},
                    {"gather_bytes", m[3]},
                    {"ms", static_cast<double>(t[0]) / 1e3}};
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+  return result;
+}
+
+/// SSMB against the replicated block with recompute `mix`, on rank 0.
+void compare(const comm::Group& world, int tp, const Measured& ssmb, const Measured& recompute,
+             const std::string& mix) {
+  if (world.rank() != 0) return;
+  nlohmann::json j{{"bench", "ssmb_vs_recompute"},
+                   {"world", world.size()},
+                   {"tp", tp},
+                   {"recompute", mix},
+                   {"ssmb_peak_bytes", ssmb.peak},
+                   {"recompute_peak_bytes", recompute.peak},
+                   {"peak_ratio", static_cast<double>(recompute.peak) / ssmb.peak},
+                   {"ssmb_ms", ssmb.ms},
+                   {"recompute_ms", recompute.ms},
+                   {"time_ratio", recompute.ms / ssmb.ms}};
   std::printf("%s\n", j.dump().c_str());
   std::fflush(stdout);
 }
@@ -122,13 +176,24 @@ int main(int argc, char** argv) {
   app.add_option("--batch", a.batch, "sequences per micro-batch (per tp group)");
   app.add_option("--seq", a.seq, "sequence length");
   app.add_option("--iters", a.iters, "timed iterations after one warm-up");
+  app.add_option("--recompute", a.recompute,
+                 "recompute mixes run without SSMB for tp > 1 (moe, router joined by '+'), "
+                 "comma-separated; empty: none");
   CLI11_PARSE(app, argc, argv);
   auto world = comm::world();
   try {
     for (int tp : {1, 2, 4}) {
       if (world->size() % tp != 0 || a.batch % tp != 0) continue;
+      Measured with_ssmb;
       for (bool ssmb : {true, false})
-        if (tp > 1 || ssmb) run(world, a, tp, ssmb);
+        if (tp > 1 || ssmb) {
+          const Measured m = run(world, a, tp, ssmb);
+          if (ssmb) with_ssmb = m;
+        }
+      if (tp == 1) continue;
+      std::stringstream mixes(a.recompute);
+      for (std::string mix; std::getline(mixes, mix, ',');)
+        if (!mix.empty()) compare(*world, tp, with_ssmb, run(world, a, tp, false, mix), mix);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[bench_ssmb] rank %d: %s\n", world->rank(), e.what());
