@@ -10,12 +10,19 @@
 //   gather_bytes    tp all-gather bytes (no SSMB: the block's input and its gradient)
 //   ms              forward + backward, median of --iters (oversubscribed ranks: indicative)
 // SSMB against recompute at equal memory (X-MoE, issue 27): for each tp > 1 the block also runs
-// without SSMB under each --recompute mix (model.recompute entries of the MoE layer: moe, router,
-// joined by '+'), and an "ssmb_vs_recompute" line gives both peaks (peak_bytes: the largest
+// without SSMB under each --recompute mix (model.recompute entries joined by '+'; one block takes
+// moe and router), and an "ssmb_vs_recompute" line gives both peaks (peak_bytes: the largest
 // rank's forward + backward peak) and the time ratio recompute / SSMB.
+// --layers L > 0 runs whole models instead of one block ("bench": "ssmb_model"): L MoE blocks
+// (attention with d / 64 heads split over tp, the block above, embedding and LM head over a
+// vocabulary of 512), forward_loss + backward of the tp group's micro-batch: held_bytes are the
+// activations of every layer at the end of forward, peak_bytes the step's peak. One block's
+// peak is its held bytes plus its own backward, which recomputing raises; a model's is the sum
+// of L layers' held bytes plus one backward, which is where recompute and SSMB both pay.
 //
 //   mpirun -np N bench_ssmb [--d 512] [--experts 32] [--hidden 128] [--top-k 6] [--shared 2]
 //                           [--batch 4] [--seq 256] [--iters 3] [--recompute moe,moe+router]
+//                           [--layers 0]
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
@@ -29,6 +36,7 @@
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/model/moe_ffn.h"
+#include "xmoe/model/transformer.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/parallel/layout.h"
 
@@ -40,6 +48,7 @@ struct Args {
   int64_t d = 512, experts = 32, hidden = 128, top_k = 6, shared = 2, batch = 4, seq = 256;
   int iters = 3;
   std::string recompute = "moe,moe+router";
+  int layers = 0;
 };
 
 /// What one (tp, ssmb, recompute) run measured: maxima over the ranks.
@@ -145,6 +154,81 @@ Measured run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssm
   return result;
 }
 
+/// Deterministic token ids [b, s] below `vocab` for data rank `salt`.
+Tensor token_ids(int64_t b, int64_t s, int64_t vocab, uint64_t salt) {
+  std::vector<int32_t> v(static_cast<size_t>(b * s));
+  Rng rng(salt, 5);
+  for (auto& t : v) t = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
+  return Tensor::from_vector<int32_t>(v, {b, s});
+}
+
+std::vector<std::string> entries_of(const std::string& mix) {
+  std::vector<std::string> out;
+  std::stringstream in(mix);
+  for (std::string e; std::getline(in, e, '+');) out.push_back(e);
+  return mix == "none" ? std::vector<std::string>{} : out;
+}
+
+/// --layers L: a whole model of L MoE blocks under (tp, ssmb, recompute mix).
+Measured run_model(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssmb,
+                   const std::string& mix = "none") {
+  const int ep = world->size() / tp;
+  const parallel::Layout layout = parallel::Layout::create(world, ep, tp, ssmb);
+  ModelConfig mc;
+  mc.vocab_size = 512;
+  mc.d_model = static_cast<int>(a.d);
+  mc.num_heads = mc.num_kv_heads = static_cast<int>(std::max<int64_t>(4, a.d / 64));
+  mc.num_layers = a.layers;
+  mc.first_dense_layers = 0;
+  mc.max_seq_len = static_cast<int>(a.seq);
+  mc.recompute = entries_of(mix);
+  mc.moe.num_experts = static_cast<int>(a.experts);
+  mc.moe.expert_hidden = static_cast<int>(a.hidden);
+  mc.moe.top_k = static_cast<int>(a.top_k);
+  mc.moe.num_shared_experts = static_cast<int>(a.shared);
+  mc.moe.dispatch = ep > 1 ? "all_to_all" : "local";
+  model::Transformer m(mc, 1, &layout);
+  const uint64_t data = static_cast<uint64_t>(layout.data_rank());
+  const Tensor ids = token_ids(a.batch, a.seq, mc.vocab_size, 100 + data);
+  const Tensor targets = token_ids(a.batch, a.seq, mc.vocab_size, 200 + data);
+  std::vector<double> ms;
+  int64_t held = 0, peak = 0;
+  for (int it = 0; it <= a.iters; ++it) {  // iteration 0 warms up
+    m.zero_grad();
+    world->barrier();
+    const int64_t before = memory_stats().live_bytes;
+    Timer timer;
+    {
+      PeakMemoryScope scope;
+      m.forward_loss(ids, targets);
+      held = memory_stats().live_bytes - before;
+      m.backward();
+      peak = scope.extra_peak_bytes();
+    }
+    if (it > 0) ms.push_back(timer.seconds() * 1e3);
+  }
+  std::sort(ms.begin(), ms.end());
+  const std::vector<int64_t> v =
+      world_max(*world, {held, peak, static_cast<int64_t>(ms[ms.size() / 2] * 1e3)});
+  const Measured result{v[0], v[1], static_cast<double>(v[2]) / 1e3};
+  if (layout.world_rank != 0) return result;
+  nlohmann::json j{
+      {"bench", "ssmb_model"},
+      {"world", layout.world_size},
+      {"tp", tp},
+      {"ssmb", ssmb},
+      {"recompute", mix},
+      {"ep", ep},
+      {"shape", fmt::format("L={} B={} S={} d={} H={} E={} f={} k={} shared={}", a.layers, a.batch,
+                            a.seq, a.d, mc.num_heads, a.experts, a.hidden, a.top_k, a.shared)},
+      {"held_bytes", result.held},
+      {"peak_bytes", result.peak},
+      {"ms", result.ms}};
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+  return result;
+}
+
 /// SSMB against the replicated block with recompute `mix`, on rank 0.
 void compare(const comm::Group& world, int tp, const Measured& ssmb, const Measured& recompute,
              const std::string& mix) {
@@ -176,6 +260,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", a.batch, "sequences per micro-batch (per tp group)");
   app.add_option("--seq", a.seq, "sequence length");
   app.add_option("--iters", a.iters, "timed iterations after one warm-up");
+  app.add_option("--layers", a.layers, "whole models of this many MoE blocks (0: one block)");
   app.add_option("--recompute", a.recompute,
                  "recompute mixes run without SSMB for tp > 1 (moe, router joined by '+'), "
                  "comma-separated; empty: none");
@@ -184,16 +269,19 @@ int main(int argc, char** argv) {
   try {
     for (int tp : {1, 2, 4}) {
       if (world->size() % tp != 0 || a.batch % tp != 0) continue;
+      auto measure = [&](bool ssmb, const std::string& mix) {
+        return a.layers > 0 ? run_model(world, a, tp, ssmb, mix) : run(world, a, tp, ssmb, mix);
+      };
       Measured with_ssmb;
       for (bool ssmb : {true, false})
         if (tp > 1 || ssmb) {
-          const Measured m = run(world, a, tp, ssmb);
+          const Measured m = measure(ssmb, "none");
           if (ssmb) with_ssmb = m;
         }
       if (tp == 1) continue;
       std::stringstream mixes(a.recompute);
       for (std::string mix; std::getline(mixes, mix, ',');)
-        if (!mix.empty()) compare(*world, tp, with_ssmb, run(world, a, tp, false, mix), mix);
+        if (!mix.empty()) compare(*world, tp, with_ssmb, measure(false, mix), mix);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[bench_ssmb] rank %d: %s\n", world->rank(), e.what());
