@@ -84,6 +84,14 @@ std::vector<int64_t> world_max(comm::Group& world, std::vector<int64_t> v) {
   return t.to_vector<int64_t>();
 }
 
+/// Held and peak bytes and the median of `ms`, each the maximum over the world.
+Measured over_world(comm::Group& world, int64_t held, int64_t peak, std::vector<double> ms) {
+  std::sort(ms.begin(), ms.end());
+  const std::vector<int64_t> v =
+      world_max(world, {held, peak, static_cast<int64_t>(ms[ms.size() / 2] * 1e3)});
+  return {v[0], v[1], static_cast<double>(v[2]) / 1e3};
+}
+
 Measured run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssmb,
              const std::string& mix = "none") {
   const int ep = world->size() / tp;
@@ -130,10 +138,8 @@ Measured run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssm
                     sent(*layout.ep_group, comm::ByteCounters::counts),
                 sent(*layout.tp_group, comm::ByteCounters::all_gather)};
   }
-  std::sort(ms.begin(), ms.end());
-  const std::vector<int64_t> m = world_max(*world, measured);
-  const std::vector<int64_t> t = world_max(*world, {static_cast<int64_t>(ms[ms.size() / 2] * 1e3)});
-  const Measured result{m[0], m[1], static_cast<double>(t[0]) / 1e3};
+  const Measured result = over_world(*world, measured[0], measured[1], ms);
+  const std::vector<int64_t> m = world_max(*world, {measured[2], measured[3]});
   if (layout.world_rank != 0) return result;
   nlohmann::json j{{"bench", "ssmb"},
                    {"world", layout.world_size},
@@ -144,11 +150,11 @@ Measured run(std::shared_ptr<comm::Group> world, const Args& a, int tp, bool ssm
                    {"shape", fmt::format("B={} S={} d={} E={} f={} k={} shared={}", a.batch, a.seq,
                                          a.d, a.experts, a.hidden, a.top_k, a.shared)},
                    {"tokens_routed_per_rank", ssmb ? rows : rows * tp},
-                   {"held_bytes", m[0]},
-                   {"peak_bytes", m[1]},
-                   {"dispatch_bytes", m[2]},
-                   {"gather_bytes", m[3]},
-                   {"ms", static_cast<double>(t[0]) / 1e3}};
+                   {"held_bytes", result.held},
+                   {"peak_bytes", result.peak},
+                   {"dispatch_bytes", m[0]},
+                   {"gather_bytes", m[1]},
+                   {"ms", result.ms}};
   std::printf("%s\n", j.dump().c_str());
   std::fflush(stdout);
   return result;
@@ -207,10 +213,7 @@ Measured run_model(std::shared_ptr<comm::Group> world, const Args& a, int tp, bo
     }
     if (it > 0) ms.push_back(timer.seconds() * 1e3);
   }
-  std::sort(ms.begin(), ms.end());
-  const std::vector<int64_t> v =
-      world_max(*world, {held, peak, static_cast<int64_t>(ms[ms.size() / 2] * 1e3)});
-  const Measured result{v[0], v[1], static_cast<double>(v[2]) / 1e3};
+  const Measured result = over_world(*world, held, peak, ms);
   if (layout.world_rank != 0) return result;
   nlohmann::json j{
       {"bench", "ssmb_model"},
