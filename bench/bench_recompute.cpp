@@ -125,7 +125,7 @@ void measure_layer(model::Transformer& m, const Run& r, int index, const Args& a
   }
   m.zero_grad();
   const ActivationBytes predicted = model::TransformerBlock::activation_bytes_for(
-      mc, index, b, s, r.dtype, model::parse_recompute(mc.recompute), 1, 1.0);
+      mc, index, b, s, r.dtype, model::parse_recompute(mc.recompute), {});
   nlohmann::ordered_json j = {{"bench", "recompute_layer"}};
   j.update(r.head());
   j["layer"] = index < mc.first_dense_layers ? "dense" : "moe";
