@@ -75,7 +75,9 @@ class CorpusStream {
       bytes_ += reader_->bytes_read() - before;
       if (piece.ends_document) ++documents_;
       item.bytes += piece.text.size();
+      const bool full_chunk = !piece.ends_document;  // a text file's piece of ~chunk_bytes
       item.pieces.push_back(std::move(piece));
+      if (full_chunk) break;
     }
     return !item.pieces.empty();
   }
@@ -94,12 +96,15 @@ void encode_item(const Tokenizer& tok, WorkItem& item) {
   std::vector<std::string> texts;
   texts.reserve(item.pieces.size());
   for (TextPiece& p : item.pieces) texts.push_back(std::move(p.text));
-  const std::vector<std::vector<uint32_t>> ids = tok.encode_batch(texts);
+  std::vector<std::vector<uint32_t>> ids = tok.encode_batch(texts);
   size_t n = 0;
   for (const auto& v : ids) n += v.size() + 1;
+  // One piece (a text file's chunk): its ids are the tokens, not copied.
+  if (ids.size() == 1) ids[0].reserve(n);
+  if (ids.size() == 1) item.tokens = std::move(ids[0]);
   item.tokens.reserve(n);
   for (size_t i = 0; i < ids.size(); ++i) {
-    item.tokens.insert(item.tokens.end(), ids[i].begin(), ids[i].end());
+    if (ids.size() > 1) item.tokens.insert(item.tokens.end(), ids[i].begin(), ids[i].end());
     // An empty document adds nothing, not even its end.
     const bool empty_document = texts[i].empty() && (i == 0 || item.pieces[i - 1].ends_document);
     if (item.pieces[i].ends_document && tok.eos_id() >= 0 && !empty_document)
@@ -215,6 +220,15 @@ PrepareResult prepare(const PrepareOptions& o) {
              o.out_dir, join(found));
 
   std::error_code ec;
+  // A refused corpus leaves nothing behind, not even the folder this call made.
+  struct MadeFolder {
+    std::string path;
+    bool done = false;
+    ~MadeFolder() {
+      std::error_code e;
+      if (!done && !path.empty()) fs::remove(path, e);  // only when empty
+    }
+  } made_folder{present(o.out_dir) ? "" : o.out_dir};
   fs::create_directories(o.out_dir, ec);
   XMOE_CHECK(!ec, "[data] cannot create {}: {}", o.out_dir, ec.message());
   const fs::path dir(o.out_dir);
@@ -241,23 +255,15 @@ PrepareResult prepare(const PrepareOptions& o) {
     size_t n = 0;
     while (n < items.size() && (more = stream.next(items[n]))) ++n;
     std::vector<std::exception_ptr> errors(n);
-    std::vector<std::thread> threads;
-    for (size_t i = 1; i < n; ++i)
-      threads.emplace_back([&, i] {
-        try {
-          encode_item(*tok, items[i]);
-        } catch (...) {
-          errors[i] = std::current_exception();
-        }
-      });
-    if (n > 0) {
+    // OpenMP's threads persist across rounds, so each keeps its malloc arena: memory stays flat.
+#pragma omp parallel for num_threads(workers) schedule(static, 1)
+    for (size_t i = 0; i < n; ++i) {
       try {
-        encode_item(*tok, items[0]);
+        encode_item(*tok, items[i]);
       } catch (...) {
-        errors[0] = std::current_exception();
+        errors[i] = std::current_exception();
       }
     }
-    for (std::thread& t : threads) t.join();
     for (size_t i = 0; i < n; ++i) {
       if (errors[i]) std::rethrow_exception(errors[i]);
       writer.write(items[i].tokens);
@@ -271,7 +277,7 @@ PrepareResult prepare(const PrepareOptions& o) {
   result.documents = stream.documents();
 
   const int64_t n = writer.count();
-  XMOE_CHECK(n > 0, "[data] corpus {} holds no text (0 tokens from {} file{})", source,
+  XMOE_CHECK(n > 0, "[data] corpus {} holds no text ({} bytes in {} file{})", source, result.bytes,
              result.files.size(), result.files.size() == 1 ? "" : "s");
   result.val_tokens = static_cast<int64_t>(static_cast<double>(n) * o.val_fraction);
   result.train_tokens = n - result.val_tokens;
@@ -320,6 +326,7 @@ PrepareResult prepare(const PrepareOptions& o) {
         {"crc32c", io::crc32c_hex(io::file_crc32c(val))}}},
   };
   io::write_file_atomic(meta_path, meta.dump(2) + "\n");
+  made_folder.done = true;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }
