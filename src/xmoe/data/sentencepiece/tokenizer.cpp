@@ -62,6 +62,7 @@ class SentencePieceTokenizer final : public Tokenizer {
 /// The corpus's non-empty lines, file after file, for the trainer.
 class CorpusLines final : public sentencepiece::SentenceIterator {
  public:
+  static constexpr size_t kMaxSentence = 4000;
   CorpusLines(std::vector<std::string> files, std::string text_field)
       : files_(std::move(files)), text_field_(std::move(text_field)) {
     advance();
@@ -76,9 +77,16 @@ class CorpusLines final : public sentencepiece::SentenceIterator {
     for (;;) {
       const size_t eol = piece_.text.find('\n', pos_);
       if (pos_ < piece_.text.size()) {
-        const size_t end = eol == std::string::npos ? piece_.text.size() : eol;
+        size_t end = eol == std::string::npos ? piece_.text.size() : eol;
+        size_t next = end + 1;
+        // The trainer drops sentences over its max_sentence_length (4192 bytes): a longer line
+        // is cut after a space.
+        if (end - pos_ > kMaxSentence) {
+          const size_t space = piece_.text.rfind(' ', pos_ + kMaxSentence - 1);
+          end = next = space != std::string::npos && space > pos_ ? space + 1 : pos_ + kMaxSentence;
+        }
         line_.assign(piece_.text, pos_, end - pos_);
-        pos_ = end + 1;
+        pos_ = next;
         if (!line_.empty()) return;
         continue;
       }
