@@ -1,6 +1,7 @@
 #include "xmoe/data/corpus.h"
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -103,8 +104,15 @@ bool DocumentReader::next_text(TextPiece& piece) {
     }
   }
   if (!eof_) {
-    // Cut after the last line end; with none, before the last UTF-8 lead byte.
+    // Cut after the last line end that a non-space follows (a pre-token boundary of byte-level
+    // BPE patterns), else after the last line end; with none, before the last UTF-8 lead byte.
     size_t cut = buf.rfind('\n');
+    for (size_t at = cut; at != std::string::npos && at > 0; at = buf.rfind('\n', at - 1)) {
+      if (at + 1 < buf.size() && !std::isspace(static_cast<unsigned char>(buf[at + 1]))) {
+        cut = at;
+        break;
+      }
+    }
     if (cut != std::string::npos) {
       ++cut;
     } else {

@@ -31,12 +31,21 @@ class SentencePieceTokenizer final : public Tokenizer {
   int64_t bos_id() const override { return sp_.bos_id(); }
   std::string file() const override { return path_; }
 
-  // SentencePieceProcessor's Encode and Decode are const: threads may share it.
+  // SentencePieceProcessor's Encode and Decode are const: threads may share it. Line by line,
+  // as spm_encode does: SentencePiece turns a line end into a word boundary either way, and
+  // its encoder's time and memory grow faster than linearly with the length of one input.
   std::vector<uint32_t> encode(std::string_view text) const override {
+    std::vector<uint32_t> out;
     std::vector<int> ids;
-    const auto status = sp_.Encode(text, &ids);
-    XMOE_CHECK(status.ok(), "[tokenizer] {}: encode failed ({})", path_, status.ToString());
-    return {ids.begin(), ids.end()};
+    while (!text.empty()) {
+      const size_t eol = text.find('\n');
+      const std::string_view line = text.substr(0, eol);
+      text = eol == std::string_view::npos ? std::string_view() : text.substr(eol + 1);
+      const auto status = sp_.Encode(line, &ids);
+      XMOE_CHECK(status.ok(), "[tokenizer] {}: encode failed ({})", path_, status.ToString());
+      out.insert(out.end(), ids.begin(), ids.end());
+    }
+    return out;
   }
 
   std::string decode(std::span<const uint32_t> ids) const override {
