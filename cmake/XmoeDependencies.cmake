@@ -34,6 +34,21 @@ if(NOT CLI11_FOUND)
   target_include_directories(CLI11::CLI11 INTERFACE ${XMOE_CLI11_INCLUDE})
 endif()
 
+# SentencePiece (Debian: libsentencepiece-dev): `xmoe prepare --tokenizer x.model` and `xmoe
+# tokenizer train`. Without it those refuse with the package to install (data/sentencepiece/).
+set(XMOE_SENTENCEPIECE_REASON "")
+if(XMOE_SENTENCEPIECE)
+  find_path(XMOE_SENTENCEPIECE_INCLUDE sentencepiece_processor.h)
+  find_library(XMOE_SENTENCEPIECE_LIBRARY sentencepiece)
+  find_library(XMOE_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train)
+  if(NOT XMOE_SENTENCEPIECE_INCLUDE OR NOT XMOE_SENTENCEPIECE_LIBRARY
+     OR NOT XMOE_SENTENCEPIECE_TRAIN_LIBRARY)
+    set(XMOE_SENTENCEPIECE OFF)
+    set(XMOE_SENTENCEPIECE_REASON
+        "libsentencepiece not found (Debian: libsentencepiece-dev); .model tokenizers refused")
+  endif()
+endif()
+
 set(XMOE_MPI_REASON "")
 if(XMOE_MPI)
   find_package(MPI COMPONENTS CXX QUIET)

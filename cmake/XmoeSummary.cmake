@@ -14,6 +14,7 @@ message(STATUS "  [x] CPU backend: OpenBLAS (${XMOE_BLAS_FLAVOR}) ${BLAS_LIBRARI
 xmoe_summary_line("CUDA backend (XMOE_CUDA)" "${XMOE_CUDA}" "${XMOE_CUDA_REASON}")
 xmoe_summary_line("CUTLASS sm90 grouped GEMM (XMOE_CUTLASS)" "${XMOE_CUTLASS}" "${XMOE_CUTLASS_REASON}")
 xmoe_summary_line("cuDNN fused attention (XMOE_CUDNN)" "${XMOE_CUDNN}" "${XMOE_CUDNN_REASON}")
+xmoe_summary_line("SentencePiece tokenizers (XMOE_SENTENCEPIECE)" "${XMOE_SENTENCEPIECE}" "${XMOE_SENTENCEPIECE_REASON}")
 xmoe_summary_line("MPI communication (XMOE_MPI)" "${XMOE_MPI}" "${XMOE_MPI_REASON}")
 xmoe_summary_line("NCCL communication (XMOE_NCCL)" "${XMOE_NCCL}" "${XMOE_NCCL_REASON}")
 xmoe_summary_line("tests (XMOE_TESTS)" "${XMOE_TESTS}" "${XMOE_TESTS_REASON}")

@@ -8,6 +8,7 @@ packages=(
   libopenblas-openmp-dev libyaml-cpp-dev libfmt-dev libspdlog-dev nlohmann-json3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev
   libopenmpi-dev openmpi-bin
+  libsentencepiece-dev sentencepiece  # SentencePiece tokenizers; spm_encode for the tests
   fortunes  # the built-in default corpus: ~2.4 MB of English text in /usr/share/games/fortunes
 )
 
@@ -69,6 +70,17 @@ else
     python3-matplotlib >/dev/null
   python3 -c "import matplotlib" 2>/dev/null && echo "[install-deps] matplotlib installed (apt)" ||
     echo "[install-deps] warning: matplotlib is not importable by $(command -v python3); xmoe plot will say so"
+fi
+
+# tokenizers (a few MB wheel) for Hugging Face tokenizer.json files (tools/xmoe/xmoe_tokenizer.py
+# runs under the python3 on PATH); without it `xmoe prepare --tokenizer x.json` says so.
+if python3 -c "import tokenizers" 2>/dev/null; then
+  echo "[install-deps] tokenizers present"
+elif python3 -m pip install -q tokenizers 2>/dev/null ||
+     python3 -m pip install -q --break-system-packages tokenizers 2>/dev/null; then
+  echo "[install-deps] tokenizers installed with pip"
+else
+  echo "[install-deps] warning: python3 cannot import tokenizers; Hugging Face tokenizer.json files will be refused"
 fi
 
 # CUTLASS headers (header-only; the sm90 grouped GEMM of the CUDA backend) into .deps/cutlass,

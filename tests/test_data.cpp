@@ -2,8 +2,10 @@
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -451,4 +453,207 @@ TEST(Data, EnsurePreparedChecksMetaJson) {
   EXPECT_CONTAINS(error_of([&] { ensure_prepared(d); }), meta + ": dtype is \"int8\"");
   write(meta, R"({"vocab_size": 256, "dtype": "uint16"})");
   EXPECT_EQ(ensure_prepared(d).train_tokens, 2);
+}
+
+namespace {
+
+std::vector<uint32_t> read_ids(const std::string& path) {
+  TokenFile::Options o;
+  o.min_tokens = 0;
+  const TokenFile f = TokenFile::open(path, o);
+  std::vector<uint32_t> ids(static_cast<size_t>(f.size()));
+  for (int64_t i = 0; i < f.size(); ++i) ids[static_cast<size_t>(i)] = f[i];
+  return ids;
+}
+
+// train.bin then val.bin of a prepared folder: the whole corpus's ids.
+std::vector<uint32_t> prepared_ids(const std::string& dir) {
+  std::vector<uint32_t> ids = read_ids(dir + "/train.bin");
+  const std::vector<uint32_t> val = read_ids(dir + "/val.bin");
+  ids.insert(ids.end(), val.begin(), val.end());
+  return ids;
+}
+
+// A few kB of fixed English-like text, one sentence a line.
+std::string fixed_corpus() {
+  const char* words[] = {"the", "model", "routes", "each",   "token",   "to",     "experts",
+                         "and", "a",     "gate",   "learns", "which",   "of",     "them",
+                         "is",  "best",  "for",    "sparse", "mixture", "layers", "train"};
+  std::string text;
+  uint32_t x = 12345;
+  for (int line = 0; line < 400; ++line) {
+    for (int w = 0; w < 12; ++w) {
+      x = x * 1103515245u + 12345u;
+      text += words[(x >> 16) % 21];
+      text += w == 11 ? ".\n" : " ";
+    }
+  }
+  return text;
+}
+
+// Peak resident memory growth (bytes) of `fn`: the kernel's high-water mark is reset first
+// (clear_refs 5), so earlier tests in this process do not hide it.
+int64_t peak_rss_growth(const std::function<void()>& fn) {
+  auto field = [](const char* key) {
+    std::ifstream in("/proc/self/status");
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind(key, 0) == 0) return int64_t{std::stoll(line.substr(std::strlen(key)))} * 1024;
+    return int64_t{-1};
+  };
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const int64_t before = field("VmRSS:");
+  fn();
+  return field("VmHWM:") - before;
+}
+
+}  // namespace
+
+TEST(Data, PrepareIsTheSameForAnyWorkersAndChunks) {
+  TempDir tmp;
+  fs::create_directories(tmp.path() / "books");
+  write(tmp / "books/a.txt", "first file\nwith lines\n");
+  write(tmp / "books/b.txt", "second, no newline at the end");
+  write(tmp / "c.txt", "a third file, given on its own");
+  PrepareOptions o;
+  o.corpus = {tmp / "books", tmp / "c.txt"};
+  o.val_fraction = 0.1;
+  o.out_dir = tmp / "one";
+  o.workers = 1;
+  const PrepareResult r = prepare(o);
+  EXPECT_EQ(r.files.size(), 3u);
+  EXPECT_EQ(r.documents, 3);
+  EXPECT_EQ(r.dtype, "uint16");
+  o.out_dir = tmp / "many";
+  o.workers = 3;
+  o.chunk_bytes = 5;  // pieces cut at line ends and between characters
+  prepare(o);
+  const std::vector<uint32_t> ids = prepared_ids(tmp / "one");
+  EXPECT_EQ(ids, prepared_ids(tmp / "many"));
+  // The byte tokenizer has no end-of-document id: the files' bytes, concatenated.
+  const std::string all = io::read_file(tmp / "books/a.txt") + io::read_file(tmp / "books/b.txt") +
+                          io::read_file(tmp / "c.txt");
+  EXPECT_EQ(ids, std::vector<uint32_t>(all.begin(), all.end()));
+}
+
+TEST(Data, PrepareReadsJsonlAndNamesBadLines) {
+  TempDir tmp;
+  write(tmp / "docs.jsonl", "{\"text\": \"caf\\u00e9\", \"id\": 1}\n\n{\"text\": \"two\"}\n");
+  PrepareOptions o;
+  o.corpus = {tmp / "docs.jsonl"};
+  o.out_dir = tmp / "out";
+  o.val_fraction = 0;
+  const PrepareResult r = prepare(o);
+  EXPECT_EQ(r.documents, 2);
+  EXPECT_EQ(prepared_ids(tmp / "out"),
+            (std::vector<uint32_t>{'c', 'a', 'f', 0xc3, 0xa9, 't', 'w', 'o'}));
+
+  o.overwrite = true;
+  o.text_field = "body";
+  EXPECT_CONTAINS(error_of([&] { prepare(o); }),
+                  fmt::format("[data] {}:1: no string field \"body\"", tmp / "docs.jsonl"));
+  write(tmp / "bad.jsonl", "{\"text\": \"ok\"}\nnot json\n");
+  o.corpus = {tmp / "bad.jsonl"};
+  o.text_field = "text";
+  EXPECT_CONTAINS(error_of([&] { prepare(o); }),
+                  fmt::format("[data] {}:2: not a JSON line", tmp / "bad.jsonl"));
+}
+
+TEST(Data, PrepareKeepsMemoryFlat) {
+  TempDir tmp;
+  // 48 MB of text, prepared in 256 kB chunks by 2 workers: the text and its tokens (3x the
+  // text as uint16) would take ~150 MB held whole; the chunks in flight take a few MB.
+  const int64_t mb = 48;
+  {
+    std::ofstream out(tmp / "big.txt", std::ios::binary);
+    const std::string block = fixed_corpus();
+    for (int64_t written = 0; written < mb << 20; written += static_cast<int64_t>(block.size()))
+      out << block;
+  }
+  PrepareOptions o;
+  o.corpus = {tmp / "big.txt"};
+  o.out_dir = tmp / "out";
+  o.chunk_bytes = 256 << 10;
+  o.workers = 2;
+  PrepareResult r;
+  const int64_t growth = peak_rss_growth([&] { r = prepare(o); });
+  std::printf("[prepare] %.1f MB in %.2f s (%.1f MB/s), peak RSS growth %.1f MB\n", r.bytes / 1e6,
+              r.seconds, r.bytes / 1e6 / r.seconds, growth / 1e6);
+  EXPECT_GE(r.bytes, mb << 20);
+  EXPECT_EQ(r.train_tokens + r.val_tokens, r.bytes);
+  EXPECT_LT(growth, 16 << 20);
+}
+
+TEST(Data, Uint32TokensRoundTrip) {
+  TempDir tmp;
+  const std::vector<uint32_t> ids = {0, 65535, 65536, 70000, 123456, 7};
+  write(tmp / "train.bin", std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 4));
+  write(tmp / "meta.json", R"({"vocab_size": 200000, "dtype": "uint32"})");
+  EXPECT_EQ(read_ids(tmp / "train.bin"), ids);
+  std::vector<int32_t> out(3);
+  TokenFile::open(tmp / "train.bin").read(2, 3, out.data());
+  EXPECT_EQ(out, (std::vector<int32_t>{65536, 70000, 123456}));
+  // A vocabulary too small for the ids is named.
+  write(tmp / "meta.json", R"({"vocab_size": 100000, "dtype": "uint32"})");
+  EXPECT_CONTAINS(error_of([&] { TokenFile::open(tmp / "train.bin"); }),
+                  "token 123456 at offset 4 is >= vocab_size 100000");
+}
+
+TEST(Data, TokenizerKindsAndErrors) {
+  EXPECT_EQ(load_tokenizer("")->name(), "byte");
+  EXPECT_EQ(tokenizer_kind("x/tok.model"), "sentencepiece");
+  EXPECT_EQ(tokenizer_kind("x/tokenizer.json"), "hf");
+  EXPECT_CONTAINS(error_of([] { tokenizer_kind("vocab.txt"); }),
+                  "[tokenizer] vocab.txt: unknown tokenizer kind");
+  EXPECT_CONTAINS(error_of([] { load_tokenizer("/nonexistent/tok.model"); }),
+                  "[tokenizer] /nonexistent/tok.model: no such file");
+  TempDir tmp;
+  write(tmp / "broken.model", "not a model");
+  if (sentencepiece_available())
+    EXPECT_CONTAINS(error_of([&] { load_tokenizer(tmp / "broken.model"); }),
+                    "not a SentencePiece model");
+  else
+    EXPECT_CONTAINS(error_of([&] { load_tokenizer(tmp / "broken.model"); }),
+                    "built without SentencePiece");
+}
+
+TEST(Data, SentencePieceTrainPrepareAndDecode) {
+  if (!sentencepiece_available()) GTEST_SKIP() << "built without libsentencepiece";
+  TempDir tmp;
+  write(tmp / "corpus.txt", fixed_corpus());
+  SentencePieceTrainOptions t;
+  t.corpus = {tmp / "corpus.txt"};
+  t.out = tmp / "tok.model";
+  t.vocab_size = 400;
+  train_sentencepiece(t);
+  const auto tok = load_tokenizer(tmp / "tok.model");
+  EXPECT_EQ(tok->name(), "sentencepiece");
+  EXPECT_EQ(tok->vocab_size(), 400);
+  EXPECT_EQ(tok->eos_id(), 2);
+  const std::string text = "the gate routes each token to experts";
+  const std::vector<uint32_t> ids = tok->encode(text);
+  EXPECT_LT(ids.size(), text.size() / 2);  // merges learnt: far fewer ids than bytes
+  EXPECT_EQ(tok->decode(ids), text);
+
+  // Two JSONL documents, each followed by the end-of-document id.
+  write(tmp / "d.jsonl", "{\"text\": \"the model\"}\n{\"text\": \"sparse layers\"}\n");
+  PrepareOptions o;
+  o.corpus = {tmp / "d.jsonl"};
+  o.out_dir = tmp / "out";
+  o.val_fraction = 0;
+  o.tokenizer = tmp / "tok.model";
+  prepare(o);
+  std::vector<uint32_t> want = tok->encode("the model");
+  want.push_back(2);
+  for (uint32_t id : tok->encode("sparse layers")) want.push_back(id);
+  want.push_back(2);
+  EXPECT_EQ(prepared_ids(tmp / "out"), want);
+  // The folder carries the tokenizer, and says so.
+  EXPECT_EQ(prepared_tokenizer(tmp / "out"), tmp / "out/tokenizer.model");
+  EXPECT_EQ(io::read_file(tmp / "out/tokenizer.model"), io::read_file(tmp / "tok.model"));
+  const auto meta = nlohmann::json::parse(io::read_file(tmp / "out/meta.json"));
+  EXPECT_EQ(meta["tokenizer"]["kind"], "sentencepiece");
+  EXPECT_EQ(meta["vocab_size"], 400);
+  const PreparedData d = ensure_prepared(data_config("unused", tmp / "out"));
+  EXPECT_EQ(d.tokenizer, "sentencepiece");
+  EXPECT_EQ(d.vocab_size, 400);
 }

@@ -1,7 +1,8 @@
 // xmoe: the command-line entry point.
 //   xmoe train     [--preset P | --config F] [--set key=value ...] [--resume | --overwrite]
 //   xmoe generate  --checkpoint DIR --prompt TEXT
-//   xmoe prepare   [--corpus PATH] [--out DIR] [--overwrite]
+//   xmoe prepare   [--corpus PATH...] [--out DIR] [--tokenizer FILE] [--overwrite]
+//   xmoe tokenizer train --vocab N --corpus PATH... --out FILE
 //   xmoe config    show | presets | keys
 //   xmoe inspect   CHECKPOINT
 //   xmoe profile   [--out FILE] [--device cpu|cuda] [--quick] [--ranks-per-node N]
@@ -26,6 +27,7 @@
 #include "xmoe/core/error.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/data/prepare.h"
+#include "xmoe/data/tokenizer.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
 #include "xmoe/train/hf.h"
@@ -49,6 +51,8 @@ constexpr const char* kCommands =
                xmoe generate --checkpoint runs/default --prompt "The meaning of life"
   prepare    Tokenise a text corpus into train.bin / val.bin
                xmoe prepare --corpus my_texts/ --out data/mine
+  tokenizer  Train a SentencePiece tokenizer on a corpus
+               xmoe tokenizer train --vocab 32768 --corpus my_texts/ --out tok.model
   config     Show the resolved config, the presets, or every key
                xmoe config show --preset moe-1b
   inspect    Verify a checkpoint and list its tensors
@@ -63,8 +67,9 @@ constexpr const char* kCommands =
                xmoe plot runs/default
 Docs: README.md, docs/training.md, docs/config.md, docs/profile.md, docs/ecosystem.md)";
 
-const std::vector<std::string> kCommandNames = {
-    "train", "generate", "prepare", "config", "inspect", "profile", "export", "import", "plot"};
+const std::vector<std::string> kCommandNames = {"train",  "generate", "prepare", "tokenizer",
+                                                "config", "inspect",  "profile", "export",
+                                                "import", "plot"};
 
 /// --preset / --config / --set, shared by the commands that take a configuration.
 struct ConfigArgs {
@@ -236,23 +241,59 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--top-k", gen.top_k, "Sample from the k most likely (0 = all)")
       ->check(at_least(0));
   gen_cmd->add_option("--seed", gen.seed, "Sampling seed")->check(at_least(0));
+  gen_cmd->add_option("--tokenizer", gen.tokenizer,
+                      "Tokenizer file (default: the one data.dir was prepared with)");
   gen_cmd->footer(
       "Example:\n  xmoe generate --checkpoint runs/default --prompt \"The meaning of "
       "life\" --tokens 200");
 
-  DataConfig prep = Config{}.data;
-  bool prep_overwrite = false;
+  data::PrepareOptions prep;
+  prep.corpus = {Config{}.data.corpus};
+  prep.out_dir = Config{}.data.dir;
+  prep.val_fraction = Config{}.data.val_fraction;
+  prep.progress = true;
+  double prep_chunk_mb = 4;
   auto* prep_cmd = app.add_subcommand("prepare", "Tokenise a text corpus into train.bin/val.bin");
-  prep_cmd->add_option("--corpus", prep.corpus, "Text file or folder of text files");
-  prep_cmd->add_option("--out", prep.dir, "Output folder");
+  prep_cmd->add_option("--corpus", prep.corpus,
+                       "Text or .jsonl files and folders of them (several: --corpus a b)");
+  prep_cmd->add_option("--out", prep.out_dir, "Output folder");
   prep_cmd
       ->add_option("--val-fraction", prep.val_fraction, "Last fraction of tokens for validation")
       ->check(CLI::Range(0.0, 0.5));
-  prep_cmd->add_flag("--overwrite", prep_overwrite,
+  prep_cmd->add_option("--tokenizer", prep.tokenizer,
+                       "SentencePiece .model or Hugging Face tokenizer.json (default: bytes)");
+  prep_cmd->add_option("--text-field", prep.text_field, "Field of a .jsonl line holding the text");
+  prep_cmd->add_option("--workers", prep.workers, "Tokenising threads (0 = all cores)")
+      ->check(at_least(0));
+  prep_cmd->add_option("--chunk-mb", prep_chunk_mb, "Text per work item, MB")
+      ->check(CLI::Range(0.001, 1024.0));
+  prep_cmd->add_flag("--overwrite", prep.overwrite,
                      "Replace token files already in the output folder");
+  bool prep_quiet = false;
+  prep_cmd->add_flag("--quiet", prep_quiet, "No progress line");
   prep_cmd->footer(
-      "Example:\n  xmoe prepare --corpus my_texts/ --out data/mine\n"
+      "Examples:\n  xmoe prepare --corpus my_texts/ --out data/mine\n"
+      "  xmoe prepare --corpus web.jsonl books/ --tokenizer tok.model --out data/web\n"
       "  xmoe train --set data.dir=data/mine --set train.out_dir=runs/mine");
+
+  data::SentencePieceTrainOptions tok_train;
+  auto* tokenizer_cmd = app.add_subcommand("tokenizer", "Tokenizers");
+  tokenizer_cmd->require_subcommand(1);
+  auto* tok_train_cmd = tokenizer_cmd->add_subcommand(
+      "train", "Train a SentencePiece model on a corpus (libsentencepiece's trainer)");
+  tok_train_cmd->add_option("--vocab", tok_train.vocab_size, "Vocabulary size")
+      ->required()
+      ->check(whole_number(1, 1 << 24));
+  tok_train_cmd->add_option("--corpus", tok_train.corpus, "Text or .jsonl files and folders")
+      ->required();
+  tok_train_cmd->add_option("--out", tok_train.out, "Model file to write (.model)")->required();
+  tok_train_cmd->add_option("--model-type", tok_train.model_type, "bpe or unigram")
+      ->check(CLI::IsMember({"bpe", "unigram"}));
+  tok_train_cmd->add_option("--text-field", tok_train.text_field,
+                            "Field of a .jsonl line holding the text");
+  tok_train_cmd->footer(
+      "Example:\n  xmoe tokenizer train --vocab 32768 --corpus my_texts/ --out data/tok.model\n"
+      "  xmoe prepare --corpus my_texts/ --tokenizer data/tok.model --out data/mine");
 
   ConfigArgs show_cfg;
   auto* config_cmd = app.add_subcommand("config", "Show configurations, presets and keys");
@@ -334,10 +375,20 @@ int main(int argc, char** argv) {
     } else if (*gen_cmd) {
       std::printf("%s\n", train::generate(gen_checkpoint, gen).c_str());
     } else if (*prep_cmd) {
-      const auto r = data::prepare(prep.corpus, prep.dir, prep.val_fraction, prep_overwrite);
-      std::printf("prepared %lld train and %lld validation tokens from %zu files into %s\n",
-                  static_cast<long long>(r.train_tokens), static_cast<long long>(r.val_tokens),
-                  r.files.size(), prep.dir.c_str());
+      prep.chunk_bytes = static_cast<size_t>(prep_chunk_mb * 1e6);
+      prep.progress = !prep_quiet;
+      const auto r = data::prepare(prep);
+      std::printf(
+          "prepared %lld train and %lld validation tokens (%s, vocab %lld) from %lld documents "
+          "in %zu files (%.1f MB, %.1f MB/s) into %s\n",
+          static_cast<long long>(r.train_tokens), static_cast<long long>(r.val_tokens),
+          r.dtype.c_str(), static_cast<long long>(r.vocab_size),
+          static_cast<long long>(r.documents), r.files.size(), r.bytes / 1e6,
+          r.bytes / 1e6 / std::max(r.seconds, 1e-9), prep.out_dir.c_str());
+    } else if (*tok_train_cmd) {
+      data::train_sentencepiece(tok_train);
+      std::printf("wrote %s (SentencePiece %s, vocab %d)\n", tok_train.out.c_str(),
+                  tok_train.model_type.c_str(), tok_train.vocab_size);
     } else if (*show_cmd) {
       print_config(show_cfg.resolve(), show_world);
     } else if (*presets_cmd) {

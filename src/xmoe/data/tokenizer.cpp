@@ -1,13 +1,22 @@
 #include "xmoe/data/tokenizer.h"
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "xmoe/core/error.h"
 
 namespace xmoe::data {
 
-std::vector<uint16_t> ByteTokenizer::encode(std::string_view text) {
-  std::vector<uint16_t> out(text.size());
+std::vector<std::vector<uint32_t>> Tokenizer::encode_batch(
+    const std::vector<std::string>& texts) const {
+  std::vector<std::vector<uint32_t>> out;
+  out.reserve(texts.size());
+  for (const std::string& t : texts) out.push_back(encode(t));
+  return out;
+}
+
+std::vector<uint32_t> ByteTokenizer::encode(std::string_view text) const {
+  std::vector<uint32_t> out(text.size());
   for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
   return out;
 }
@@ -20,7 +29,7 @@ std::string decode_impl(std::span<const T> tokens) {
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int64_t t = tokens[i];
     XMOE_CHECK(t >= 0 && t < ByteTokenizer::kVocabSize,
-               "[tokenizer] token {} at position {} is outside the byte vocabulary ({})", t, i,
+               "[tokenizer] token {} at position {} is outside the vocabulary ({})", t, i,
                ByteTokenizer::kVocabSize);
     out[i] = static_cast<char>(static_cast<unsigned char>(t));
   }
@@ -88,11 +97,39 @@ std::string ByteTokenizer::hf_tokenizer_json() {
   return doc.dump(2) + "\n";
 }
 
-std::string ByteTokenizer::decode(std::span<const uint16_t> tokens) {
+std::string ByteTokenizer::decode(std::span<const uint32_t> ids) const {
+  return decode_impl(ids);
+}
+
+std::vector<uint16_t> encode(std::string_view text) {
+  std::vector<uint16_t> out(text.size());
+  for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
+  return out;
+}
+std::string decode(std::span<const uint16_t> tokens) {
   return decode_impl(tokens);
 }
-std::string ByteTokenizer::decode(std::span<const int32_t> tokens) {
+std::string decode(std::span<const int32_t> tokens) {
   return decode_impl(tokens);
+}
+
+std::string tokenizer_kind(const std::string& path) {
+  if (path.empty() || path == "byte") return "byte";
+  const std::string ext = std::filesystem::path(path).extension().string();
+  if (ext == ".model") return "sentencepiece";
+  if (ext == ".json") return "hf";
+  XMOE_FAIL(
+      "[tokenizer] {}: unknown tokenizer kind (expected a SentencePiece .model file, a Hugging "
+      "Face tokenizer.json, or \"byte\")",
+      path);
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
+  const std::string kind = tokenizer_kind(path);
+  if (kind == "byte") return std::make_unique<ByteTokenizer>();
+  XMOE_CHECK(std::filesystem::is_regular_file(path), "[tokenizer] {}: no such file", path);
+  if (kind == "sentencepiece") return load_sentencepiece(path);
+  return load_hf_tokenizer(path);
 }
 
 }  // namespace xmoe::data

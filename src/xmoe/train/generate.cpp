@@ -8,6 +8,7 @@
 
 #include "xmoe/config/config.h"
 #include "xmoe/core/rng.h"
+#include "xmoe/data/prepare.h"
 #include "xmoe/data/tokenizer.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/train/checkpoint.h"
@@ -52,32 +53,38 @@ std::string generate(const std::string& checkpoint, const GenerateOptions& optio
   const Checkpoint ckpt = load_checkpoint(dir);
   const Config config =
       load_config_string(ckpt.state.at("config").get<std::string>(), dir + "/manifest.json");
-  XMOE_CHECK(config.model.vocab_size == 256,
-             "[generate] the checkpoint's vocabulary has {} tokens; only the byte-level "
-             "tokenizer (256) can decode text",
-             config.model.vocab_size);
+  // The tokenizer the data was prepared with (data.dir's meta.json), unless one is given.
+  const std::string tokenizer_path =
+      options.tokenizer.empty() ? data::prepared_tokenizer(config.data.dir) : options.tokenizer;
+  const std::unique_ptr<data::Tokenizer> tok = data::load_tokenizer(tokenizer_path);
+  XMOE_CHECK(tok->vocab_size() <= config.model.vocab_size,
+             "[generate] the {} tokenizer has {} tokens, more than the checkpoint's "
+             "model.vocab_size ({})",
+             tok->name(), tok->vocab_size(), config.model.vocab_size);
   model::Transformer model(config.model, config.train.seed);
   restore_parameters(ckpt.tensors, model.parameters(), dir);
   restore_routing_biases(ckpt.tensors, model.moe_layers(), dir);
 
   std::vector<int32_t> ids;
-  for (uint16_t t : data::encode(options.prompt)) ids.push_back(t);
-  if (ids.empty()) ids.push_back('\n');
+  for (uint32_t t : tok->encode(options.prompt)) ids.push_back(static_cast<int32_t>(t));
+  if (ids.empty()) ids.push_back(tok->eos_id() >= 0 ? static_cast<int32_t>(tok->eos_id()) : '\n');
   Rng rng(options.seed, stream_id("generate"));
   // Positions past the trained sequence length were never seen: slide a window of that size.
   const int64_t window = std::min(config.train.seq_len, config.model.max_seq_len);
   const int64_t vocab = config.model.vocab_size;
-  std::string out = options.prompt;
+  std::vector<uint32_t> generated;
   for (int i = 0; i < options.max_new_tokens; ++i) {
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), window);
     std::vector<int32_t> context(ids.end() - n, ids.end());
     const Tensor logits = model.forward(Tensor::from_vector(context, {1, n}));
     model.release();
-    const int next = sample(logits.data<float>() + (n - 1) * vocab, vocab, options, rng);
+    // Ids past the tokenizer's vocabulary (a model.vocab_size rounded up) are never sampled.
+    const int next =
+        sample(logits.data<float>() + (n - 1) * vocab, tok->vocab_size(), options, rng);
     ids.push_back(next);
-    out.push_back(static_cast<char>(next));
+    generated.push_back(static_cast<uint32_t>(next));
   }
-  return out;
+  return options.prompt + tok->decode(generated);
 }
 
 }  // namespace xmoe::train

@@ -11,6 +11,9 @@ struct GenerateOptions {
   float temperature = 0.8f;  ///< 0 = greedy
   int top_k = 40;            ///< 0 = whole vocabulary
   uint64_t seed = 0;
+  /// Tokenizer file for the prompt and the output; "" = the one data.dir was prepared with
+  /// (its meta.json), the byte tokenizer when that names none.
+  std::string tokenizer;
 };
 
 /// Loads the checkpoint folder (a `step-N` folder, or a run folder: its latest checkpoint) and

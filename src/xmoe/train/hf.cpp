@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <set>
 
+#include "xmoe/data/prepare.h"
 #include "xmoe/data/tokenizer.h"
 #include "xmoe/io/file.h"
 #include "xmoe/io/safetensors.h"
@@ -617,7 +618,17 @@ HfExportResult export_hf(const std::string& checkpoint, const std::string& out_d
                                         {"temperature", 0.8},
                                         {"top_k", 40},
                                         {"max_length", config.model.max_seq_len}});
-  if (config.model.vocab_size == data::ByteTokenizer::kVocabSize) {
+  // The tokenizer the run's data was prepared with (a copy in data.dir), as it is.
+  const std::string tokenizer = data::prepared_tokenizer(config.data.dir);
+  if (!tokenizer.empty()) {
+    const std::string name = fs::path(tokenizer).filename().string();
+    io::write_file_atomic((fs::path(tmp) / name).string(), io::read_file(tokenizer));
+    r.files.push_back(name);
+    if (name == "tokenizer.json")
+      write_json("tokenizer_config.json", {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                                           {"model_max_length", config.model.max_seq_len},
+                                           {"clean_up_tokenization_spaces", false}});
+  } else if (config.model.vocab_size == data::ByteTokenizer::kVocabSize) {
     io::write_file_atomic((fs::path(tmp) / "tokenizer.json").string(),
                           data::ByteTokenizer::hf_tokenizer_json());
     r.files.push_back("tokenizer.json");

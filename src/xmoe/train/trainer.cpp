@@ -245,7 +245,12 @@ class Run {
     if (leader_) {
       lock_.emplace(tc_.out_dir);
       if (!options_.resume) start_fresh_run(tc_.out_dir, options_.overwrite);
-      data::ensure_prepared(config_.data);
+      const data::PreparedData d = data::ensure_prepared(config_.data);
+      XMOE_CHECK(config_.model.vocab_size >= d.vocab_size,
+                 "[train] model.vocab_size = {} is smaller than the vocabulary of data.dir {} "
+                 "({} tokens, {} tokenizer); set model.vocab_size to at least {}",
+                 config_.model.vocab_size, config_.data.dir, d.vocab_size, d.tokenizer,
+                 d.vocab_size);
     }
     layout_.world->barrier();
   }
