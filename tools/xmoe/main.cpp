@@ -33,6 +33,7 @@
 #include "xmoe/train/hf.h"
 #include "xmoe/train/memory_model.h"
 #include "xmoe/train/run_folder.h"
+#include "xmoe/train/stop_signal.h"
 #include "xmoe/train/trainer.h"
 
 namespace {
@@ -129,8 +130,9 @@ void absolute_data_paths(Config& c) {
 }
 
 /// `xmoe train`: a fresh run from the command line's config, or (--resume) the run's own
-/// config with the --set overrides as changes.
-void run_train(const ConfigArgs& args, const train::TrainOptions& opts) {
+/// config with the --set overrides as changes. Returns the exit code: 0, or after a stop
+/// signal 128 + its number (train/stop_signal.h).
+int run_train(const ConfigArgs& args, const train::TrainOptions& opts) {
   Config config = args.resolve();
   const bool leader = comm::world()->rank() == 0;
   // A rank's stdout is a pseudo-terminal under mpirun/srun, wherever the job's output goes:
@@ -170,6 +172,7 @@ void run_train(const ConfigArgs& args, const train::TrainOptions& opts) {
   // XMOE_PROFILE=1: the regions of the whole run (evaluation passes included), rank 0's.
   if (profiling::enabled() && leader)
     std::fprintf(stderr, "xmoe: profile (XMOE_PROFILE)\n%s", profiling::report_table().c_str());
+  return r.stop_signal ? train::kExitAfterSignalBase + r.stop_signal : 0;
 }
 
 /// A first argument that is no command and no flag: name it and the closest command.
@@ -368,10 +371,11 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
 
+  int exit_code = 0;
   try {
     if (*train_cmd) {
       train_opts.progress = !quiet;
-      run_train(train_cfg, train_opts);
+      exit_code = run_train(train_cfg, train_opts);
     } else if (*gen_cmd) {
       std::printf("%s\n", train::generate(gen_checkpoint, gen).c_str());
     } else if (*prep_cmd) {
@@ -434,5 +438,5 @@ int main(int argc, char** argv) {
     return ours || fs_error ? 1 : 2;
   }
   comm::finalize();
-  return 0;
+  return exit_code;
 }

@@ -153,6 +153,9 @@ const std::vector<Key>& table() {
       XMOE_KEY(train.eval_batches, at_least(1), {}, "validation batches per evaluation"),
       XMOE_KEY(train.save_every, at_least(0), {},
                "steps between checkpoints (0 = only at the end)"),
+      XMOE_KEY(train.keep_checkpoints, at_least(0), {},
+               "newest checkpoints kept in train.out_dir; older ones are deleted once a new one "
+               "is complete (0 = keep all)"),
       XMOE_KEY(train.log_every, at_least(1), {}, "steps between log lines"),
       XMOE_KEY(train.max_bad_steps, at_least(1), {},
                "consecutive NaN/Inf steps before the run stops"),

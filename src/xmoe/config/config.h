@@ -84,6 +84,7 @@ struct TrainConfig {
   int eval_every = 100;
   int eval_batches = 8;
   int save_every = 200;
+  int keep_checkpoints = 0;  ///< newest step-N checkpoints kept in out_dir (0 = all)
   int log_every = 10;
   int max_bad_steps = 5;  ///< consecutive NaN/Inf steps before the run stops
   uint64_t seed = 1234;

@@ -84,6 +84,23 @@ RunFolderContents inspect_run_folder(const std::string& dir) {
   return c;
 }
 
+void remove_old_checkpoints(const std::string& dir, int keep) {
+  const RunFolderContents c = inspect_run_folder(dir);  // by step, step-N before step-N.old
+  auto step_of = [](const std::string& name) { return std::stoull(name.substr(5)); };
+  std::vector<uint64_t> steps;
+  for (const std::string& name : c.checkpoints)
+    if (steps.empty() || steps.back() != step_of(name)) steps.push_back(step_of(name));
+  if (steps.size() <= static_cast<size_t>(keep)) return;
+  const uint64_t oldest_kept = steps[steps.size() - static_cast<size_t>(keep)];
+  for (const std::string& name : c.checkpoints) {
+    if (step_of(name) >= oldest_kept) continue;
+    std::error_code ec;
+    fs::remove_all(fs::path(dir) / name, ec);
+    XMOE_CHECK(!ec, "[train] train.keep_checkpoints = {}: cannot delete {} ({})", keep,
+               (fs::path(dir) / name).string(), ec.message());
+  }
+}
+
 // ---- lock ---------------------------------------------------------------------------------
 
 RunLock::RunLock(const std::string& dir) : path_((fs::path(dir) / kRunLockFile).string()) {

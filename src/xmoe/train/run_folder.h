@@ -47,6 +47,10 @@ class RunLock {
 /// deletes the run's config.yaml, metrics.jsonl and checkpoints (and leaves anything else).
 void start_fresh_run(const std::string& dir, bool overwrite);
 
+/// train.keep_checkpoints: deletes the step-N checkpoints of `dir` (and step-N.old) but the
+/// `keep` of highest N. Called after a save completes, so the newest is never at risk.
+void remove_old_checkpoints(const std::string& dir, int keep);
+
 /// Keeps the lines of `dir/metrics.jsonl` up to `step` (a resumed run logs the steps after its
 /// checkpoint again; the lines a crashed run wrote past it would repeat them). Atomic rewrite.
 void truncate_metrics(const std::string& dir, int step);

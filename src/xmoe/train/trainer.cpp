@@ -30,6 +30,7 @@
 #include "xmoe/train/progress.h"
 #include "xmoe/train/run_folder.h"
 #include "xmoe/train/state.h"
+#include "xmoe/train/stop_signal.h"
 
 namespace fs = std::filesystem;
 
@@ -435,15 +436,15 @@ class Run {
 
   /// Saves checkpoint step-N, unless the last step was not finite (the weights it would save
   /// are not known to be good): "the last good checkpoint" is always one saved after a finite
-  /// step.
-  void save(int step) {
+  /// step. Returns whether it saved. Then train.keep_checkpoints removes the oldest.
+  bool save(int step) {
     if (bad_in_a_row_ > 0) {
       if (leader_)
         spdlog::warn(
             "step {}: checkpoint not saved (the step was not finite); the last good "
             "checkpoint stays {}",
             step, result.last_checkpoint.empty() ? "(none yet)" : result.last_checkpoint);
-      return;
+      return false;
     }
     nlohmann::json state;
     state["config"] = to_yaml(config_);
@@ -461,6 +462,38 @@ class Run {
                     layout_.world_rank, layout_.world_size, [&] { layout_.world->barrier(); });
     result.last_checkpoint = dir;
     if (metrics_) metrics_->sync();  // the log on disk reaches at least the checkpoint
+    // Every rank has passed the save's last barrier: the new checkpoint is complete.
+    if (leader_ && tc_.keep_checkpoints > 0)
+      remove_old_checkpoints(tc_.out_dir, tc_.keep_checkpoints);
+    return true;
+  }
+
+  /// The stop signal any rank received (the largest number), the same on every rank: one
+  /// all-reduce of one number per step, so that all ranks enter the collective save together.
+  int agreed_stop_signal() {
+    const int mine = stop_signal_received();
+    comm::Group& world = *layout_.world;
+    if (world.size() == 1) return mine;
+    Tensor t = Tensor::from_vector<double>({static_cast<double>(mine)}, {1}, world.device());
+    world.all_reduce(t, comm::ReduceOp::max);
+    return static_cast<int>(t.item());
+  }
+
+  /// After a stop signal: a checkpoint of `step` (unless `saved` already, or the step was not
+  /// finite) and the line that says so.
+  void stop_on_signal(int signal, int step, bool saved) {
+    if (!saved) saved = save(step);
+    result.stop_signal = signal;
+    if (!leader_) return;
+    if (saved)
+      spdlog::warn("received {} at step {}: saved {}, stopping", signal_name(signal), step,
+                   fs::path(result.last_checkpoint).filename().string());
+    else
+      spdlog::warn(
+          "received {} at step {}: no checkpoint saved (the step was not finite; the last good "
+          "checkpoint is {}), stopping",
+          signal_name(signal), step,
+          result.last_checkpoint.empty() ? "(none yet)" : result.last_checkpoint);
   }
 
   bool leader() const { return leader_; }
@@ -516,6 +549,7 @@ TrainResult train(const Config& config, const TrainOptions& options) {
   const parallel::Layout layout = parallel::Layout::create(
       world_group, config.parallel.ep, config.parallel.tp, config.parallel.ssmb);
   const AbandonOnError abandon_on_error(layout);
+  const StopSignalHandlers stop_handlers;
 
   Run run(config, options, layout, device);
   run.open_folder_and_data();
@@ -534,7 +568,12 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     progress.on_step(m, step % tc.log_every == 0 || step == last);
     if (tc.eval_every > 0 && (step % tc.eval_every == 0 || step == last))
       progress.on_eval(step, run.evaluate_and_log(step));
-    if ((tc.save_every > 0 && step % tc.save_every == 0) || step == last) run.save(step);
+    const bool saved =
+        ((tc.save_every > 0 && step % tc.save_every == 0) || step == last) && run.save(step);
+    if (const int signal = run.agreed_stop_signal()) {
+      run.stop_on_signal(signal, step, saved);
+      break;
+    }
   }
   run.result.last_step = step;
   run.result.seconds = run_timer.seconds();

@@ -47,6 +47,8 @@ struct TrainResult {
   std::vector<EvalMetrics> evals;
   std::string out_dir;
   std::string last_checkpoint;
+  /// SIGTERM/SIGINT that stopped the run after last_step (train/stop_signal.h); 0 = none
+  int stop_signal = 0;
   int64_t optimizer_bytes = 0;  ///< AdamW moment bytes held by this rank (parallel.zero divides)
   /// Gradient bytes this rank holds between steps, after the last one (zero 2: the shards)
   int64_t gradient_bytes = 0;
