@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "file_size_limit.h"
@@ -343,4 +344,35 @@ TEST(Checkpoint, NotEnoughFreeSpaceFailsBeforeWriting) {
     train::save_checkpoint(next, t, {{"step", 2}});
   }
   EXPECT_EQ(train::latest_checkpoint(tmp.str()), next);
+}
+
+// Manifests whose values have the wrong JSON type (found by tests/fuzz/fuzz_checkpoint's
+// harness): each ends in an Error naming the manifest, not in a JSON exception.
+TEST(FuzzFindings, ManifestValuesOfTheWrongTypeAreRefused) {
+  TempDir tmp;
+  const std::string dir = tmp / "step-1";
+  train::save_checkpoint(dir, sample_tensors(), {{"step", 1}});
+  json good = json::parse(slurp(dir + "/manifest.json"));
+  const std::string manifest = dir + "/manifest.json";
+  auto error_with = [&](const std::function<void(json&)>& edit) {
+    json m = good;
+    edit(m);
+    dump(manifest, m.dump());
+    return error_of([&] { train::load_checkpoint(dir); });
+  };
+  EXPECT_CONTAINS(error_with([](json& m) { m["format"] = 5; }),
+                  manifest + ": not an xmoe checkpoint manifest");
+  EXPECT_CONTAINS(error_with([](json& m) { m["version"] = "one"; }),
+                  manifest + ": format version \"one\" is not supported");
+  EXPECT_CONTAINS(error_with([](json& m) { m["world"] = -1; }),
+                  manifest + ": manifest lists 1 files for world -1");
+  EXPECT_CONTAINS(error_with([](json& m) { m["files"][0]["name"] = 7; }),
+                  manifest + ": malformed files entry");
+  EXPECT_CONTAINS(error_with([](json& m) { m["files"][0]["bytes"] = "216"; }),
+                  "malformed files entry");
+  EXPECT_CONTAINS(error_with([](json& m) { m["files"][0]["crc32c"] = 0; }),
+                  "malformed files entry");
+  EXPECT_CONTAINS(error_with([](json& m) { m["files"][0]["rank"] = 3; }), "a rank below world 1");
+  dump(manifest, good.dump());
+  EXPECT_NO_THROW(train::load_checkpoint(dir));
 }
