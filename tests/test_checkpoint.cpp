@@ -207,6 +207,9 @@ TEST(Checkpoint, LatestIgnoresTmpAndIncomplete) {
   dump(tmp / "step-300.tmp-0badf00d/manifest.json", "{}");
   fs::create_directories(tmp / "step-400");
   fs::create_directories(tmp / "notes");
+  // A step too large for uint64 (std::stoull threw out_of_range): not a checkpoint.
+  fs::create_directories(tmp / "step-99999999999999999999999");
+  dump(tmp / "step-99999999999999999999999/manifest.json", "{}");
   EXPECT_EQ(train::latest_checkpoint(tmp.str()), tmp / "step-100");
 
   // A crash between the two renames of an overwrite leaves only step-N.old: still found.

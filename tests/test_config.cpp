@@ -433,7 +433,7 @@ TEST(FuzzFindings, ComplexKeyIsRefused) {
                     load_config_string("? model: {d_model: 64, n_heads: 4}\nmoe: {gate: topk}\n",
                                        "fuzz.yaml");
                   }),
-                  "[config] fuzz.yaml: the top level has a key {model: {d_model: 64, n_heads: 4}} "
+                  "[config] fuzz.yaml: the top level has a key model: {d_model: 64, n_heads: 4} "
                   "that is not a name");
   EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  ? [a, b]\n  : 1\n", "f.yaml"); }),
                   "[config] f.yaml: 'model' has a key [a, b] that is not a name");

@@ -669,7 +669,7 @@ TEST(FuzzFindings, MetaJsonValuesOfTheWrongTypeAreRefused) {
     return error_of([&] { TokenFile::open(path); });
   };
   EXPECT_CONTAINS(error_with(R"({"dtype": "uint16", "vocab_size": 184467440737095516155})"),
-                  meta + ": vocab_size = 1.8446744073709552e+20 is not an integer token count");
+                  meta + ": vocab_size = 1.844674407370955e+20 is not an integer token count");
   EXPECT_CONTAINS(error_with(R"({"vocab_size": 18446744073709551615})"),
                   "vocab_size = 18446744073709551615 is not an integer");
   EXPECT_CONTAINS(error_with(R"({"dtype": 5})"), meta + ": dtype = 5 is not a string");

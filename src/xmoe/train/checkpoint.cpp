@@ -284,7 +284,8 @@ Checkpoint load_checkpoint_rank(const std::string& dir, int rank) {
 std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
   std::error_code ec;
   if (!fs::is_directory(run_dir, ec)) return std::nullopt;
-  static const std::regex pattern(R"(step-(\d+)(\.old)?)");
+  // At most 18 digits: a longer step is no checkpoint of ours, and would overflow stoull.
+  static const std::regex pattern(R"(step-(\d{1,18})(\.old)?)");
   // step -> (path, is_old); a complete `step-N` wins over `step-N.old`.
   std::map<uint64_t, std::pair<std::string, bool>> found;
   for (const auto& entry : fs::directory_iterator(run_dir, ec)) {
