@@ -673,6 +673,8 @@ TEST(FuzzFindings, MetaJsonValuesOfTheWrongTypeAreRefused) {
   EXPECT_CONTAINS(error_with(R"({"vocab_size": 18446744073709551615})"),
                   "vocab_size = 18446744073709551615 is not an integer");
   EXPECT_CONTAINS(error_with(R"({"dtype": 5})"), meta + ": dtype = 5 is not a string");
+  EXPECT_CONTAINS(error_with(R"({"dtype": "int8"})"),
+                  meta + ": dtype = 'int8' is not uint16 or uint32");
   EXPECT_CONTAINS(error_with(R"({"train": {"file": ["train.bin"]}})"),
                   meta + ": train.file = [\"train.bin\"] is not a string");
   EXPECT_CONTAINS(error_with(R"({"train": {"file": "train.bin", "crc32c": 12}})"),

@@ -86,6 +86,9 @@ TokenFile TokenFile::open(const std::string& path, const Options& options) {
   TokenFile f;
   f.path_ = path;
   const std::optional<std::string> meta_dtype = meta_string(meta, "dtype", "dtype", meta_path);
+  XMOE_CHECK(!meta_dtype || *meta_dtype == token_dtype_name(TokenDType::u16) ||
+                 *meta_dtype == token_dtype_name(TokenDType::u32),
+             "[data] {}: dtype = '{}' is not uint16 or uint32", meta_path.string(), *meta_dtype);
   f.dtype_ = options.dtype ? *options.dtype
              : meta_dtype  ? parse_token_dtype(*meta_dtype)
                            : TokenDType::u16;
