@@ -9,6 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev
   libopenmpi-dev openmpi-bin
   libsentencepiece-dev sentencepiece  # SentencePiece tokenizers; spm_encode for the tests
+  clang libclang-rt-dev libomp-dev  # tests/fuzz: libFuzzer, its sanitizers, OpenMP for clang
   fortunes  # the built-in default corpus: ~2.4 MB of English text in /usr/share/games/fortunes
 )
 

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "file_size_limit.h"
@@ -206,6 +207,9 @@ TEST(Checkpoint, LatestIgnoresTmpAndIncomplete) {
   dump(tmp / "step-300.tmp-0badf00d/manifest.json", "{}");
   fs::create_directories(tmp / "step-400");
   fs::create_directories(tmp / "notes");
+  // A step too large for uint64 (std::stoull threw out_of_range): not a checkpoint.
+  fs::create_directories(tmp / "step-99999999999999999999999");
+  dump(tmp / "step-99999999999999999999999/manifest.json", "{}");
   EXPECT_EQ(train::latest_checkpoint(tmp.str()), tmp / "step-100");
 
   // A crash between the two renames of an overwrite leaves only step-N.old: still found.
@@ -343,4 +347,35 @@ TEST(Checkpoint, NotEnoughFreeSpaceFailsBeforeWriting) {
     train::save_checkpoint(next, t, {{"step", 2}});
   }
   EXPECT_EQ(train::latest_checkpoint(tmp.str()), next);
+}
+
+// Manifests whose values have the wrong JSON type (found by tests/fuzz/fuzz_checkpoint's
+// harness): each ends in an Error naming the manifest, not in a JSON exception.
+TEST(FuzzFindings, ManifestValuesOfTheWrongTypeAreRefused) {
+  TempDir tmp;
+  const std::string dir = tmp / "step-1";
+  train::save_checkpoint(dir, sample_tensors(), {{"step", 1}});
+  json good = json::parse(slurp(dir + "/manifest.json"));
+  const std::string manifest = dir + "/manifest.json";
+  auto error_with = [&](const std::function<void(json&)>& edit) {
+    json m = good;
+    edit(m);
+    dump(manifest, m.dump());
+    return error_of([&] { train::load_checkpoint(dir); });
+  };
+  EXPECT_CONTAINS(error_with([](json& m) { m["format"] = 5; }),
+                  manifest + ": not an xmoe checkpoint manifest");
+  EXPECT_CONTAINS(error_with([](json& m) { m["version"] = "one"; }),
+                  manifest + ": format version \"one\" is not supported");
+  EXPECT_CONTAINS(error_with([](json& m) { m["world"] = -1; }),
+                  manifest + ": manifest lists 1 files for world -1");
+  EXPECT_CONTAINS(error_with([](json& m) { m["files"][0]["name"] = 7; }),
+                  manifest + ": malformed files entry");
+  EXPECT_CONTAINS(error_with([](json& m) { m["files"][0]["bytes"] = "216"; }),
+                  "malformed files entry");
+  EXPECT_CONTAINS(error_with([](json& m) { m["files"][0]["crc32c"] = 0; }),
+                  "malformed files entry");
+  EXPECT_CONTAINS(error_with([](json& m) { m["files"][0]["rank"] = 3; }), "a rank below world 1");
+  dump(manifest, good.dump());
+  EXPECT_NO_THROW(train::load_checkpoint(dir));
 }

@@ -425,3 +425,16 @@ TEST(Config, TensorParallelDividesHeadsHiddenAndBatch) {
   apply_override(c, "parallel.ssmb=false");
   EXPECT_FALSE(c.parallel.ssmb);
 }
+
+// A map used as a key (YAML's `? key`), found by tests/fuzz/fuzz_config: yaml-cpp's BadConversion
+// escaped; now an Error naming where the key is.
+TEST(FuzzFindings, ComplexKeyIsRefused) {
+  EXPECT_CONTAINS(error_of([] {
+                    load_config_string("? model: {d_model: 64, n_heads: 4}\nmoe: {gate: topk}\n",
+                                       "fuzz.yaml");
+                  }),
+                  "[config] fuzz.yaml: the top level has a key model: {d_model: 64, n_heads: 4} "
+                  "that is not a name");
+  EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  ? [a, b]\n  : 1\n", "f.yaml"); }),
+                  "[config] f.yaml: 'model' has a key [a, b] that is not a name");
+}

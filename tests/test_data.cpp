@@ -657,3 +657,28 @@ TEST(Data, SentencePieceTrainPrepareAndDecode) {
   EXPECT_EQ(d.tokenizer, "sentencepiece");
   EXPECT_EQ(d.vocab_size, 400);
 }
+
+// meta.json values of the wrong type (tests/fuzz/fuzz_token_file found the vocab_size one: a
+// number past int64 was converted with undefined behaviour); each is an Error naming meta.json.
+TEST(FuzzFindings, MetaJsonValuesOfTheWrongTypeAreRefused) {
+  TempDir tmp;
+  const std::string path = make_tokens(tmp, 100, 300, "train.bin");
+  const std::string meta = tmp / "meta.json";
+  auto error_with = [&](const std::string& text) {
+    write(meta, text);
+    return error_of([&] { TokenFile::open(path); });
+  };
+  EXPECT_CONTAINS(error_with(R"({"dtype": "uint16", "vocab_size": 184467440737095516155})"),
+                  meta + ": vocab_size = 1.844674407370955e+20 is not an integer token count");
+  EXPECT_CONTAINS(error_with(R"({"vocab_size": 18446744073709551615})"),
+                  "vocab_size = 18446744073709551615 is not an integer");
+  EXPECT_CONTAINS(error_with(R"({"dtype": 5})"), meta + ": dtype = 5 is not a string");
+  EXPECT_CONTAINS(error_with(R"({"dtype": "int8"})"),
+                  meta + ": dtype = 'int8' is not uint16 or uint32");
+  EXPECT_CONTAINS(error_with(R"({"train": {"file": ["train.bin"]}})"),
+                  meta + ": train.file = [\"train.bin\"] is not a string");
+  EXPECT_CONTAINS(error_with(R"({"train": {"file": "train.bin", "crc32c": 12}})"),
+                  meta + ": crc32c of train.bin = 12 is not a string");
+  write(meta, R"({"dtype": "uint16", "vocab_size": 300})");
+  EXPECT_EQ(TokenFile::open(path).size(), 100);
+}

@@ -128,6 +128,12 @@ TEST(RunFolder, MetricsAfterTheResumedStepAreDropped) {
             "{\"step\": 1, \"loss\": 5}\n{\"step\": 2, \"loss\": 4}\n"
             "{\"step\": 2, \"val_loss\": 4.5}\n");
   train::truncate_metrics(tmp / "nothing-here", 2);  // no metrics yet: nothing to do
+
+  // Steps past int (tests/fuzz/fuzz_metrics's seeds): dropped, not narrowed to a small step.
+  std::ofstream(tmp / "metrics.jsonl") << "{\"step\": 1}\n{\"step\": 4294967297}\n"
+                                       << "{\"step\": 18446744073709551615}\n{\"step\": 1.5}\n";
+  train::truncate_metrics(tmp.str(), 2);
+  EXPECT_EQ(io::read_file(tmp / "metrics.jsonl"), "{\"step\": 1}\n");
 }
 
 TEST(RunFolder, ResumeKeepsTheRunsConfigAndAppliesOnlyTheOverrides) {

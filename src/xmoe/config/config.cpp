@@ -515,7 +515,10 @@ void load_node(Config& c, const YAML::Node& map, const std::string& prefix,
                const std::string& src) {
   const std::string where = src + ": ";
   for (const auto& item : map) {
-    const std::string k = item.first.as<std::string>();
+    // A map or list as a key (YAML's `? {a: 1}: 2`) names nothing.
+    XMOE_CHECK(item.first.IsScalar(), "[config] {}{} has a key {} that is not a name", where,
+               prefix.empty() ? "the top level" : "'" + prefix + "'", node_text(item.first));
+    const std::string k = item.first.Scalar();
     const std::string name = prefix.empty() ? k : prefix + "." + k;
     const YAML::Node& v = item.second;
     if (prefix.empty() && k == "preset") continue;  // applied before the other keys
@@ -553,7 +556,7 @@ void load_node(Config& c, const YAML::Node& map, const std::string& prefix,
       for (YAML::Node n = v; n.IsMap() && n.size() > 0;) {
         const auto first = n.begin();
         leaf += '.';  // two appends: `"." + key` trips a GCC 12 -Wrestrict false positive
-        leaf += first->first.as<std::string>();
+        leaf += first->first.IsScalar() ? first->first.Scalar() : node_text(first->first);
         n = first->second;
       }
       unknown_key(leaf, where);

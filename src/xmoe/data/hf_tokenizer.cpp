@@ -126,7 +126,7 @@ class HfTokenizer final : public Tokenizer {
     err_fd_ = err[0];
     // The first line: {"vocab_size": ..., "eos_id": ..., "bos_id": ...}.
     std::string line;
-    for (char c; c != '\n';) {
+    for (char c = '\0'; c != '\n';) {
       if (::read(fd_, &c, 1) != 1) fail_started();
       if (c != '\n') line += c;
     }

@@ -37,13 +37,34 @@ struct TokenFile::Mapping {
 
 namespace {
 
+// meta.json's string `key` of `object` (named `where` in errors), or nullopt when absent.
+std::optional<std::string> meta_string(const nlohmann::json& object, const char* key,
+                                       const std::string& where, const fs::path& meta_path) {
+  if (!object.contains(key)) return std::nullopt;
+  XMOE_CHECK(object[key].is_string(), "[data] {}: {} = {} is not a string", meta_path.string(),
+             where, object[key].dump());
+  return object[key].get<std::string>();
+}
+
 // The meta.json entry ("train" / "val") describing `path`, if meta.json lists it.
-nlohmann::json meta_entry(const nlohmann::json& meta, const std::string& filename) {
-  for (const char* split : {"train", "val"})
+nlohmann::json meta_entry(const nlohmann::json& meta, const std::string& filename,
+                          const fs::path& meta_path) {
+  for (const std::string split : {"train", "val"})
     if (meta.contains(split) && meta[split].is_object() &&
-        meta[split].value("file", "") == filename)
+        meta_string(meta[split], "file", split + ".file", meta_path) == filename)
       return meta[split];
   return nullptr;
+}
+
+// meta.json's vocab_size: an integer that fits int64, or -1 (no check) when absent.
+int64_t meta_vocab_size(const nlohmann::json& meta, const fs::path& meta_path) {
+  if (!meta.contains("vocab_size")) return -1;
+  const nlohmann::json& v = meta["vocab_size"];
+  XMOE_CHECK(v.is_number_integer() &&
+                 (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{INT64_MAX}),
+             "[data] {}: vocab_size = {} is not an integer token count", meta_path.string(),
+             v.dump());
+  return v.get<int64_t>();
 }
 
 }  // namespace
@@ -64,10 +85,14 @@ TokenFile TokenFile::open(const std::string& path, const Options& options) {
 
   TokenFile f;
   f.path_ = path;
-  f.dtype_ = options.dtype            ? *options.dtype
-             : meta.contains("dtype") ? parse_token_dtype(meta["dtype"].get<std::string>())
-                                      : TokenDType::u16;
-  f.vocab_size_ = options.vocab_size ? *options.vocab_size : meta.value("vocab_size", int64_t{-1});
+  const std::optional<std::string> meta_dtype = meta_string(meta, "dtype", "dtype", meta_path);
+  XMOE_CHECK(!meta_dtype || *meta_dtype == token_dtype_name(TokenDType::u16) ||
+                 *meta_dtype == token_dtype_name(TokenDType::u32),
+             "[data] {}: dtype = '{}' is not uint16 or uint32", meta_path.string(), *meta_dtype);
+  f.dtype_ = options.dtype ? *options.dtype
+             : meta_dtype  ? parse_token_dtype(*meta_dtype)
+                           : TokenDType::u16;
+  f.vocab_size_ = options.vocab_size ? *options.vocab_size : meta_vocab_size(meta, meta_path);
   const size_t elem = f.dtype_ == TokenDType::u16 ? 2 : 4;
 
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -102,13 +127,16 @@ TokenFile TokenFile::open(const std::string& path, const Options& options) {
              "[data] {}: {} tokens, need at least {} (seq_len + 1); prepare a larger corpus or "
              "lower train.seq_len",
              path, f.size_, options.min_tokens);
-  const nlohmann::json entry = meta_entry(meta, name);
-  if (options.verify_checksum && entry.is_object() && entry.contains("crc32c")) {
+  const nlohmann::json entry = meta_entry(meta, name, meta_path);
+  const std::optional<std::string> want_crc =
+      entry.is_object() ? meta_string(entry, "crc32c", "crc32c of " + name, meta_path)
+                        : std::nullopt;
+  if (options.verify_checksum && want_crc) {
     const std::string have = io::crc32c_hex(io::crc32c(f.data_, bytes));
-    XMOE_CHECK(have == entry["crc32c"].get<std::string>(),
+    XMOE_CHECK(have == *want_crc,
                "[data] {}: checksum {} differs from meta.json's {} (file changed or corrupt; "
                "run prepare again)",
-               path, have, entry["crc32c"].get<std::string>());
+               path, have, *want_crc);
   }
   if (f.vocab_size_ > 0) {
     for (int64_t i = 0; i < f.size_; ++i) {

@@ -57,25 +57,33 @@ json read_manifest(const std::string& dir) {
   } catch (const json::exception& e) {
     XMOE_FAIL("[checkpoint] {}: manifest is not valid JSON ({})", path, e.what());
   }
-  XMOE_CHECK(m.is_object() && m.value("format", "") == kFormat,
+  // Compared as JSON values: a format or version of another type is a mismatch, not a throw.
+  XMOE_CHECK(m.is_object() && m.contains("format") && m["format"] == kFormat,
              "[checkpoint] {}: not an xmoe checkpoint manifest (format != '{}')", path, kFormat);
-  XMOE_CHECK(m.value("version", 0) == kCheckpointFormatVersion,
+  XMOE_CHECK(m.contains("version") && m["version"] == kCheckpointFormatVersion,
              "[checkpoint] {}: format version {} is not supported (this build reads {})", path,
-             m.value("version", 0), kCheckpointFormatVersion);
+             m.contains("version") ? m["version"].dump() : "(none)", kCheckpointFormatVersion);
   XMOE_CHECK(m.contains("files") && m["files"].is_array() && m.contains("world") &&
                  m["world"].is_number_integer() && m.contains("state"),
              "[checkpoint] {}: manifest lacks files, world or state", path);
-  XMOE_CHECK(m["files"].size() == m["world"].get<size_t>(),
+  XMOE_CHECK(m["world"].get<int64_t>() >= 1 && m["files"].size() == m["world"].get<uint64_t>(),
              "[checkpoint] {}: manifest lists {} files for world {}", path, m["files"].size(),
-             m["world"].get<int>());
+             m["world"].dump());
   return m;
 }
 
-// Checks one listed file's presence, size and checksum.
-void verify_file(const std::string& dir, const json& entry) {
-  XMOE_CHECK(entry.is_object() && entry.contains("name") && entry.contains("bytes") &&
-                 entry.contains("crc32c"),
-             "[checkpoint] {}: malformed files entry {}", join(dir, kManifest), entry.dump());
+// Checks one listed file's entry (name, bytes, crc32c, rank < world), presence, size and
+// checksum.
+void verify_file(const std::string& dir, const json& entry, int world) {
+  XMOE_CHECK(entry.is_object() && entry.contains("name") && entry["name"].is_string() &&
+                 entry.contains("bytes") && entry["bytes"].is_number_unsigned() &&
+                 entry.contains("crc32c") && entry["crc32c"].is_string() &&
+                 (!entry.contains("rank") ||
+                  (entry["rank"].is_number_integer() && entry["rank"].get<int64_t>() >= 0 &&
+                   entry["rank"].get<int64_t>() < world)),
+             "[checkpoint] {}: malformed files entry {} (needs a string name and crc32c, a byte "
+             "count and a rank below world {})",
+             join(dir, kManifest), entry.dump(), world);
   const std::string name = entry["name"].get<std::string>();
   XMOE_CHECK(name.find('/') == std::string::npos && name != ".." && name != ".",
              "[checkpoint] {}: file name '{}' is not a plain name", join(dir, kManifest), name);
@@ -234,7 +242,7 @@ Checkpoint load_impl(const std::string& dir_in, int only_rank) {
   ck.state = ck.manifest["state"];
   XMOE_CHECK(only_rank < ck.world, "[checkpoint] {}: rank {} requested, saved with world {}", dir,
              only_rank, ck.world);
-  for (const json& entry : ck.manifest["files"]) verify_file(dir, entry);
+  for (const json& entry : ck.manifest["files"]) verify_file(dir, entry, ck.world);
   for (const json& entry : ck.manifest["files"]) {
     const int r = entry.value("rank", 0);
     if (only_rank >= 0 && r != only_rank) continue;
@@ -276,7 +284,8 @@ Checkpoint load_checkpoint_rank(const std::string& dir, int rank) {
 std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
   std::error_code ec;
   if (!fs::is_directory(run_dir, ec)) return std::nullopt;
-  static const std::regex pattern(R"(step-(\d+)(\.old)?)");
+  // At most 18 digits: a longer step is no checkpoint of ours, and would overflow stoull.
+  static const std::regex pattern(R"(step-(\d{1,18})(\.old)?)");
   // step -> (path, is_old); a complete `step-N` wins over `step-N.old`.
   std::map<uint64_t, std::pair<std::string, bool>> found;
   for (const auto& entry : fs::directory_iterator(run_dir, ec)) {

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -173,9 +174,13 @@ void truncate_metrics(const std::string& dir, int step) {
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    // Unreadable lines (a crash mid-line) go too: they belong to the lost steps.
-    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
-        j["step"].get<int>() <= step) {
+    // Unreadable lines (a crash mid-line) go too: they belong to the lost steps. The step is
+    // compared unnarrowed: 4294967297 read as an int would be 1, and kept.
+    const bool logged_by_then =
+        j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+        (j["step"].is_number_unsigned() ? j["step"].get<uint64_t>() <= uint64_t(std::max(step, 0))
+                                        : j["step"].get<int64_t>() <= step);
+    if (logged_by_then) {
       kept += line + "\n";
     } else {
       ++dropped;
