@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "xmoe/core/error.h"
+#include "xmoe/io/file.h"
 
 namespace xmoe::cli {
 
@@ -22,19 +23,6 @@ constexpr int kBadInput = 2;
 constexpr int kNoMatplotlib = 3;
 // The child's status when python3 cannot be started (the shell's convention).
 constexpr int kNoInterpreter = 127;
-
-/// The helper next to this executable (the build copies it there), else in the source tree.
-std::string find_helper() {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  std::vector<fs::path> tried;
-  if (!ec) tried.push_back(exe.parent_path() / kHelper);
-  tried.push_back(fs::path(XMOE_SOURCE_DIR) / "tools" / "xmoe" / kHelper);
-  for (const fs::path& p : tried)
-    if (fs::is_regular_file(p)) return p.string();
-  XMOE_FAIL("[plot] the plotting helper {} is missing (looked in {}); rebuild xmoe", kHelper,
-            tried.front().parent_path().string());
-}
 
 struct ChildResult {
   int status = 0;      ///< exit status
@@ -90,7 +78,8 @@ std::vector<std::string> plot_run(const std::string& run_dir, std::string out_di
              "train.out_dir)",
              run_dir);
   if (out_dir.empty()) out_dir = (fs::path(run_dir) / "plots").string();
-  const ChildResult r = run_child({"python3", find_helper(), metrics.string(), out_dir});
+  const ChildResult r = run_child(
+      {"python3", io::find_helper_script(kHelper, "plot", "plotting"), metrics.string(), out_dir});
   XMOE_CHECK(r.status != kNoInterpreter,
              "[plot] python3 was not found on PATH; xmoe plot needs Python 3 with matplotlib "
              "(bash scripts/install-deps.sh installs both)");

@@ -14,10 +14,9 @@
 
 #include "xmoe/core/error.h"
 #include "xmoe/data/tokenizer.h"
+#include "xmoe/io/file.h"
 
 namespace xmoe::data {
-
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -26,21 +25,6 @@ constexpr const char* kHelper = "xmoe_tokenizer.py";
 constexpr int kBadFile = 2;
 constexpr int kNoTokenizers = 3;
 constexpr int kNoInterpreter = 127;
-
-/// The helper next to this executable (the build copies it there), else in the source tree.
-std::string helper_path() {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  std::vector<fs::path> tried;
-  if (!ec) tried.push_back(exe.parent_path() / kHelper);
-  tried.push_back(fs::path(XMOE_SOURCE_DIR) / "tools" / "xmoe" / kHelper);
-  for (const fs::path& p : tried)
-    if (fs::is_regular_file(p)) return p.string();
-  XMOE_FAIL(
-      "[tokenizer] the Hugging Face tokenizer helper {} is missing (looked in {}); "
-      "rebuild xmoe",
-      kHelper, tried.front().parent_path().string());
-}
 
 class HfTokenizer final : public Tokenizer {
  public:
@@ -105,7 +89,8 @@ class HfTokenizer final : public Tokenizer {
   }
 
   void start() {
-    const std::string helper = helper_path();
+    const std::string helper =
+        io::find_helper_script(kHelper, "tokenizer", "Hugging Face tokenizer");
     int sv[2], err[2];
     XMOE_CHECK(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0,
                "[tokenizer] socketpair failed ({})", std::strerror(errno));

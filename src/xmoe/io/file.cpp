@@ -266,4 +266,17 @@ void AppendFile::close() {
   XMOE_CHECK(rc == 0, "[io] {}: close failed ({})", path_, errno_str());
 }
 
+std::string find_helper_script(const char* name, const char* tag, const char* description) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  std::vector<fs::path> tried;
+  if (!ec) tried.push_back(exe.parent_path() / name);
+  tried.push_back(fs::path(XMOE_SOURCE_DIR) / "tools" / "xmoe" / name);
+  for (const fs::path& p : tried)
+    if (fs::is_regular_file(p)) return p.string();
+  XMOE_FAIL("[{}] the {} helper {} is missing (looked in {}); rebuild xmoe", tag, description, name,
+            tried.front().parent_path().string());
+}
+
 }  // namespace xmoe::io

@@ -36,6 +36,11 @@ void set_free_bytes_for_testing(std::optional<uint64_t> bytes);
 /// "512 B", "1.5 kB", "12.3 MB", "4.0 GB" (decimal units), for messages.
 std::string format_bytes(uint64_t bytes);
 
+/// The path of xmoe's Python helper `name` (e.g. "xmoe_plot.py"): next to the running executable
+/// (the build copies it there), else in the source tree's tools/xmoe/ (binaries outside bin/,
+/// such as tests). Throws "[<tag>] the <description> helper <name> is missing (looked in ...)".
+std::string find_helper_script(const char* name, const char* tag, const char* description);
+
 /// A file being written from scratch (created or truncated). Every call checks the OS's answer
 /// and throws "[io] <name>: write failed (<strerror>)". Unless close() succeeded, the destructor
 /// (reached by an exception too) removes the file: a failed write leaves nothing under `path`.
