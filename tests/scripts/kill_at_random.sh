@@ -8,9 +8,8 @@ xmoe=$1
 kills=${2:-8}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/corpus"
-for i in $(seq 1 400); do echo "the quick brown fox jumps over the lazy dog number $i."; done \
-  >"$work/corpus/text.txt"
+source "$(dirname "$0")/micro_corpus.sh"
+write_micro_corpus "$work/corpus"
 steps=300
 tiny=(--quiet --set model.d_model=32 --set model.num_layers=2 --set model.num_heads=2
   --set model.num_kv_heads=2 --set model.dense_hidden=32 --set model.max_seq_len=16

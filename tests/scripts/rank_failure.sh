@@ -7,9 +7,8 @@ xmoe=$1
 mpiexec=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/corpus"
-for i in $(seq 1 400); do echo "the quick brown fox jumps over the lazy dog number $i."; done \
-  >"$work/corpus/text.txt"
+source "$(dirname "$0")/micro_corpus.sh"
+write_micro_corpus "$work/corpus"
 
 XMOE_INJECT_FAULT=1:6 timeout 120 "$mpiexec" --oversubscribe -np 2 "$xmoe" train --quiet \
   --set model.d_model=32 --set model.num_layers=2 --set model.num_heads=2 \

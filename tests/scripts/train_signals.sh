@@ -10,9 +10,8 @@ mpiexec=${2:-}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 source "$(dirname "$0")/expect.sh"
-mkdir -p "$work/corpus"
-for i in $(seq 1 400); do echo "the quick brown fox jumps over the lazy dog number $i."; done \
-  >"$work/corpus/text.txt"
+source "$(dirname "$0")/micro_corpus.sh"
+write_micro_corpus "$work/corpus"
 tiny=(--quiet --set model.d_model=32 --set model.num_layers=2 --set model.num_heads=2
   --set model.num_kv_heads=2 --set model.dense_hidden=32 --set model.max_seq_len=16
   --set model.moe.num_experts=4 --set model.moe.expert_hidden=16 --set train.seq_len=16
