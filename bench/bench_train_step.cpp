@@ -14,12 +14,12 @@
 // block a dense FFN (model.first_dense_layers = model.num_layers).
 // --breakdown: after the timed steps, 2 more steps with the region profiler on
 // (core/profile.h): one "train_step_breakdown" line per region (path, calls and ms per step,
-// share of the profiled step) and a "train_step_breakdown_summary" line; the table also goes
-// to stderr. The profiler synchronises the device at every region boundary, so the profiled
-// step ("profiled_step_ms") is slower than the timed one ("step_ms", the median above).
-// The timed steps always run with profiling off (also under XMOE_PROFILE=1).
-// Several presets (comma-separated) run one after the other, each in its own scope: one that
-// does not fit (OutOfMemory, from the device or XMOE_MEMORY_LIMIT) prints a
+// share of the profiled step, the highest device bytes live inside it) and a
+// "train_step_breakdown_summary" line; the table also goes to stderr. The profiler synchronises the
+// device at every region boundary, so the profiled step ("profiled_step_ms") is slower than the
+// timed one ("step_ms", the median above). The timed steps always run with profiling off (also
+// under XMOE_PROFILE=1). Several presets (comma-separated) run one after the other, each in its own
+// scope: one that does not fit (OutOfMemory, from the device or XMOE_MEMORY_LIMIT) prints a
 // "train_step_summary" line with "status": "out_of_memory" and the bytes asked, free and total,
 // frees everything and the next preset runs; any other error prints "status": "error" with the
 // message. The exit code is 1 when some preset failed for a reason other than memory.
@@ -222,6 +222,7 @@ void run_preset(const std::string& preset_name, const Options& o) {
       b["ms_per_step"] = r.total_ms / kProfiledSteps;
       b["self_ms_per_step"] = r.self_ms / kProfiledSteps;
       b["share"] = step_total > 0 ? r.total_ms / step_total : 0.0;
+      b["peak_live_bytes"] = r.peak_bytes;
       std::printf("%s\n", b.dump().c_str());
     }
     nlohmann::ordered_json s;

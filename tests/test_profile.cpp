@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "training_fixture.h"
+#include "xmoe/core/allocator.h"
 #include "xmoe/core/env.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/model/transformer.h"
@@ -105,6 +106,29 @@ TEST_F(Profile, NestedScopesAggregateByNameUnderTheirParent) {
   const std::string table = profiling::report_table();
   EXPECT_NE(table.find("outer"), std::string::npos);
   EXPECT_NE(table.find("    leaf"), std::string::npos) << table;  // indented by depth
+}
+
+// Each region's peak is the highest live bytes inside it; a nested region does not hide the
+// enclosing one's earlier high-water mark, and the allocator's own peak survives the scopes.
+TEST_F(Profile, RegionsRecordTheirPeakLiveBytes) {
+  profiling::enable(true);
+  const Device cpu = Device::cpu();
+  const int64_t base = memory_stats(cpu).live_bytes;
+  reset_peak_memory(cpu);
+  {
+    ProfileScope outer("outer", cpu);
+    { Tensor big = Tensor::empty({1 << 20}, DType::f32, cpu); }  // 4 MiB, freed
+    {
+      ProfileScope inner("inner", cpu);
+      Tensor small = Tensor::empty({1 << 10}, DType::f32, cpu);  // 4 KiB
+    }
+  }
+  const auto r = by_path();
+  EXPECT_GE(r.at("outer").peak_bytes, base + (4 << 20));
+  EXPECT_GE(r.at("outer/inner").peak_bytes, base + (4 << 10));
+  EXPECT_LT(r.at("outer/inner").peak_bytes, base + (4 << 20));
+  EXPECT_GE(memory_stats(cpu).peak_bytes, base + (4 << 20));
+  EXPECT_NE(profiling::report_table().find("peak MiB"), std::string::npos);
 }
 
 TEST_F(Profile, ResetForgetsRegionsAndScopesOpenAcrossIt) {

@@ -47,6 +47,12 @@ void Allocator::reset_peak() {
   peak_.store(live_.load());
 }
 
+void Allocator::raise_peak(int64_t bytes) {
+  int64_t peak = peak_.load();
+  while (bytes > peak && !peak_.compare_exchange_weak(peak, bytes)) {
+  }
+}
+
 void Allocator::record_alloc(size_t bytes) {
   const int64_t live = live_.fetch_add(static_cast<int64_t>(bytes)) + static_cast<int64_t>(bytes);
   int64_t peak = peak_.load();

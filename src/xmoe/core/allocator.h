@@ -31,6 +31,9 @@ class Allocator {
   MemoryStats stats() const;
   /// Sets the peak to the current live bytes, so a following region's peak can be read.
   void reset_peak();
+  /// Raises the peak to at least `bytes`: a nested region that reset it gives back the
+  /// enclosing region's high-water mark.
+  void raise_peak(int64_t bytes);
   /// Caps the live bytes at `bytes` (0: no cap): a request past it throws OutOfMemory as a
   /// device of that size would, e.g. to see on a large GPU what fits a smaller one.
   void set_limit(int64_t bytes);

@@ -8,6 +8,7 @@
 
 // Like tensor.cpp and allocator.cpp, core reaches the device through the narrow interface that
 // backends implement (a CPU-only build links the stub, whose synchronize is a no-op for cpu).
+#include "xmoe/core/allocator.h"
 #include "xmoe/core/device_api.h"
 #include "xmoe/core/env.h"
 
@@ -21,6 +22,7 @@ struct Node {
   int depth = -1;  // the root is -1, top-level regions 0
   int64_t calls = 0;
   double total_ms = 0;
+  int64_t peak_bytes = 0;
   std::vector<int> children;
 };
 
@@ -109,6 +111,7 @@ std::vector<Region> report() {
     r.calls = n.calls;
     r.total_ms = n.total_ms;
     r.self_ms = n.total_ms - children_ms(t.nodes, id);
+    r.peak_bytes = n.peak_bytes;
     out.push_back(std::move(r));
   }
   std::stable_sort(out.begin(), out.end(),
@@ -120,8 +123,8 @@ std::string report_table() {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mutex);
   const double top = children_ms(t.nodes, 0);
-  std::string s = fmt::format("{:<56} {:>8} {:>12} {:>12} {:>7}\n", "region", "calls", "total ms",
-                              "self ms", "share");
+  std::string s = fmt::format("{:<56} {:>8} {:>12} {:>12} {:>7} {:>10}\n", "region", "calls",
+                              "total ms", "self ms", "share", "peak MiB");
   // Depth first; siblings by total, largest first.
   auto visit = [&](auto&& self, int id) -> void {
     std::vector<int> kids = t.nodes[id].children;
@@ -130,10 +133,11 @@ std::string report_table() {
     for (int c : kids) {
       const Node& n = t.nodes[c];
       if (n.calls > 0)
-        s += fmt::format("{:<56} {:>8} {:>12.3f} {:>12.3f} {:>6.1f}%\n",
+        s += fmt::format("{:<56} {:>8} {:>12.3f} {:>12.3f} {:>6.1f}% {:>10.1f}\n",
                          std::string(2 * static_cast<size_t>(n.depth), ' ') + n.name, n.calls,
                          n.total_ms, n.total_ms - children_ms(t.nodes, c),
-                         top > 0 ? 100.0 * n.total_ms / top : 0.0);
+                         top > 0 ? 100.0 * n.total_ms / top : 0.0,
+                         static_cast<double>(n.peak_bytes) / (1 << 20));
       self(self, c);
     }
   };
@@ -158,6 +162,9 @@ void ProfileScope::begin(const char* name, Device device) {
   profiling::cursor = {generation_, node_};
   device_ = device;
   active_ = true;
+  Allocator& a = allocator_for(device);
+  outer_peak_ = a.stats().peak_bytes;
+  a.reset_peak();
   start_ = std::chrono::steady_clock::now();
 }
 
@@ -170,6 +177,9 @@ void ProfileScope::end() {
   }
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+  Allocator& a = allocator_for(device_);
+  const int64_t peak = a.stats().peak_bytes;
+  a.raise_peak(outer_peak_);
   profiling::Table& t = profiling::table();
   {
     std::lock_guard<std::mutex> lock(t.mutex);
@@ -177,6 +187,7 @@ void ProfileScope::end() {
       profiling::Node& n = t.nodes[node_];
       ++n.calls;
       n.total_ms += ms;
+      n.peak_bytes = std::max(n.peak_bytes, peak);
     }
   }
   if (profiling::cursor.generation == generation_) profiling::cursor.node = parent_;

@@ -15,6 +15,11 @@
 // the same name under different parents gives separate regions (the final norm is not a
 // block's). Times are inclusive; `self_ms` is the part not covered by child regions.
 //
+// Memory: each region also records the highest live bytes of its device's allocator inside it
+// (over all its calls), so the table shows where a step's peak is reached. Nested regions keep
+// the enclosing region's high-water mark: a scope resets the allocator's peak at entry and
+// raises it back at exit.
+//
 // Threads: scopes on one thread nest through a thread-local cursor; the table is shared and
 // guarded by a mutex. The trainer opens scopes from its one host thread; OpenMP workers inside
 // a region open none.
@@ -53,14 +58,15 @@ struct Region {
   std::string parent;  ///< the parent's path; "" at the top
   int depth = 0;       ///< 0 at the top
   int64_t calls = 0;
-  double total_ms = 0;  ///< inclusive
-  double self_ms = 0;   ///< total_ms minus the children's total_ms
+  double total_ms = 0;     ///< inclusive
+  double self_ms = 0;      ///< total_ms minus the children's total_ms
+  int64_t peak_bytes = 0;  ///< the device's highest live bytes inside the region
 };
 
 /// Every region with at least one call, sorted by total_ms (largest first).
 std::vector<Region> report();
 /// report() as a text table, indented by depth in tree order (children under their parent,
-/// siblings by total): calls, total ms, self ms, share of the top-level total.
+/// siblings by total): calls, total ms, self ms, share of the top-level total, peak MiB.
 std::string report_table();
 
 }  // namespace profiling
@@ -86,6 +92,7 @@ class ProfileScope {
   Device device_;
   int node_ = 0, parent_ = 0;
   uint64_t generation_ = 0;
+  int64_t outer_peak_ = 0;  // the allocator's peak at entry, given back at exit
   std::chrono::steady_clock::time_point start_;
 };
 

@@ -92,6 +92,11 @@ class Profiler {
   void gemms(GemmShape shape);
   void rows();
   void step(const std::string& label);
+  /// A tensor of `shape` in the compute dtype on the device, every element 0.01 (small values
+  /// keep accumulating outputs finite over every repetition).
+  Tensor filled(Shape shape) const {
+    return ops::cast(Tensor::full(std::move(shape), 0.01f, device_), compute_dtype_);
+  }
 
   std::shared_ptr<comm::Group> world_;
   Device device_;
@@ -192,8 +197,7 @@ void Profiler::collectives(const std::shared_ptr<comm::Group>& group, comm::Link
 
 void Profiler::gemms(GemmShape shape) {
   const int64_t G = options_.gemm_groups;
-  // Small values keep the accumulating weight gradient and outputs finite over every repetition.
-  const Tensor w = Tensor::full({G, shape.in, shape.out}, 0.01f, device_).to(compute_dtype_);
+  const Tensor w = filled({G, shape.in, shape.out});
   // An f32 weight gradient, the default model.moe.expert_grad_dtype.
   Tensor dw = Tensor::zeros({G, shape.in, shape.out}, DType::f32, device_);
   for (Task task : {Task::gemm_forward, Task::gemm_backward_data, Task::gemm_backward_weight}) {
@@ -208,8 +212,8 @@ void Profiler::gemms(GemmShape shape) {
       const int64_t rows = std::max<int64_t>(1, std::llround(rows_d));
       std::vector<int64_t> sizes(static_cast<size_t>(G), rows / G);
       for (int64_t g = 0; g < rows % G; ++g) ++sizes[static_cast<size_t>(g)];
-      const Tensor x = Tensor::full({rows, shape.in}, 0.01f, device_).to(compute_dtype_);
-      const Tensor dy = Tensor::full({rows, shape.out}, 0.01f, device_).to(compute_dtype_);
+      const Tensor x = filled({rows, shape.in});
+      const Tensor dy = filled({rows, shape.out});
       const double flops = 2.0 * static_cast<double>(rows) * shape.in * shape.out;
       comm::Group& g = *world_;
       if (task == Task::gemm_forward)
@@ -238,7 +242,7 @@ void Profiler::rows() {
           for (int64_t i = 0; i < n; ++i)
             idx[static_cast<size_t>(i)] = static_cast<int32_t>((i * 2654435761ll) % n);
           const Tensor index = Tensor::from_vector(idx, {n}, device_);
-          const Tensor src = Tensor::full({n, W}, 0.01f, device_).to(compute_dtype_);
+          const Tensor src = filled({n, W});
           comm::Group& g = *world_;
           if (task == Task::gather_rows)
             return {n * row_bytes, time(g, [&] { ops::gather_rows(src, index); })};
