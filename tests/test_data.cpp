@@ -731,6 +731,17 @@ TEST(DataMix, WindowsFollowTheWeightsDeterministically) {
             weighted.batch_at(5).inputs.to_vector<int32_t>());
 }
 
+// The window starts for seed 1234, 100000 tokens, seq 64: bench/peers/train_torch.py draws the
+// same (tests/scripts/torch_peer_tokens.sh pins these numbers too).
+TEST(Data, WindowStartsArePinned) {
+  TempDir tmp;
+  const TokenFile file = TokenFile::open(make_tokens(tmp, 100000, 256));
+  DataLoader loader(file, 1, 64, 1234);
+  std::vector<int64_t> starts;
+  for (uint64_t g = 0; g < 4; ++g) starts.push_back(loader.window_start(g));
+  EXPECT_EQ(starts, (std::vector<int64_t>{16428, 64818, 20349, 96369}));
+}
+
 TEST(DataMix, ResumesFromThePositionAndSplitsOverRanks) {
   TempDir tmp;
   const TokenFile a = TokenFile::open(make_tokens(tmp, 4000, 100, "a.bin"));

@@ -6,7 +6,7 @@
 # encodes a fixed text to the ids xmoe writes and decodes them back.
 # Usage: hf_sentencepiece.sh <xmoe binary> <tests/scripts folder>
 # Exit 77 (ctest: skipped) where libsentencepiece is not built in, or where python3 lacks
-# transformers or sentencepiece (after the checks that need neither).
+# transformers, sentencepiece or protobuf (after the checks that need none of them).
 set -u
 xmoe=$1
 source "$2/micro_corpus.sh"
@@ -43,12 +43,12 @@ for f in tokenizer.model tokenizer_config.json config.json model.safetensors; do
 done
 echo "ok: generate and export use the checkpoint's tokenizer after the data folder is gone"
 
-if ! python3 -c "import transformers, sentencepiece" 2>/dev/null; then
-  echo "skipped: python3 lacks transformers or sentencepiece (pip install transformers sentencepiece)"
+if ! python3 -c "import transformers, sentencepiece, google.protobuf" 2>/dev/null; then
+  echo "skipped: python3 lacks transformers, sentencepiece or protobuf (pip install transformers sentencepiece protobuf)"
   exit 77
 fi
 # xmoe's ids for the text: prepare it with the exported model (one document: ids, then eos).
-text='the lazy dog jumps over the quick brown fox number 42.'
+text='the lazy dog jumps over the quick brown fox number 42, café ☃.'
 printf '%s' "$text" >"$work/one.txt"
 "$xmoe" prepare --corpus "$work/one.txt" --tokenizer "$work/hf/tokenizer.model" --out "$work/one" \
   --val-fraction 0 --quiet >/dev/null || fail "prepare one.txt"
