@@ -478,7 +478,7 @@ TEST_F(TrainTest, TheTokenizerTravelsInTheCheckpoint) {
   io::write_file_atomic(manifest_path, manifest.dump(2));
   fs::remove(ckpt + "/tokenizer.model");
   EXPECT_CONTAINS(error_of([&] { train::generate(ckpt, g); }),
-                  "carries no tokenizer (saved by an older xmoe) and its data folder");
+                  "carries no tokenizer (saved by an older xmoe, or imported) and its data folder");
   fs::rename(root_ / "moved", root_ / "sp-data");
   EXPECT_EQ(train::generate(ckpt, g), before);
 

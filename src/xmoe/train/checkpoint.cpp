@@ -333,8 +333,8 @@ std::string checkpoint_tokenizer(const std::string& dir_in, const Checkpoint& ch
   // Without the folder, only a byte-vocabulary model can safely assume the byte tokenizer.
   XMOE_CHECK(
       fs::is_regular_file(fs::path(data_dir) / "meta.json") || config.model.vocab_size <= 256,
-      "[checkpoint] {} carries no tokenizer (saved by an older xmoe) and its data folder {} "
-      "is gone; give the tokenizer file (--tokenizer)",
+      "[checkpoint] {} carries no tokenizer (saved by an older xmoe, or imported) and its data "
+      "folder {} is gone; give the tokenizer file (--tokenizer)",
       dir, data_dir);
   return data::prepared_tokenizer(data_dir);
 }
