@@ -79,6 +79,13 @@ Tensor Group::reduce_scatter(const Tensor& t) {
 
 namespace {
 
+void check_counts(std::span<const int64_t> send_rows, std::span<const int64_t> recv_rows) {
+  for (size_t p = 0; p < send_rows.size(); ++p)
+    XMOE_CHECK(send_rows[p] >= 0 && recv_rows[p] >= 0,
+               "[all_to_all_v] negative count for rank {}: send {} recv {}", p, send_rows[p],
+               recv_rows[p]);
+}
+
 std::vector<int64_t> prefix_offsets(std::span<const int64_t> rows) {
   std::vector<int64_t> out(rows.size(), 0);
   for (size_t p = 1; p < rows.size(); ++p) out[p] = out[p - 1] + rows[p - 1];
@@ -95,12 +102,13 @@ std::unique_ptr<Work> Group::all_to_all_v_async(const Tensor& send,
   XMOE_CHECK(static_cast<int>(send_rows.size()) == n && static_cast<int>(recv_rows.size()) == n,
              "[all_to_all_v] need {} send and recv counts, got {} and {}", n, send_rows.size(),
              recv_rows.size());
+  check_counts(send_rows, recv_rows);
   const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
   XMOE_CHECK(send.dim() >= 1 && sent == send.size(0),
              "[all_to_all_v] send counts sum to {} but send has {} rows", sent,
              send.dim() ? send.size(0) : 0);
   Shape shape = send.shape();
-  shape[0] = std::max<int64_t>(0, std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0}));
+  shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
   recv = Tensor::empty(shape, send.dtype(), send.device());
   return all_to_all_v_rows_async(send, send_rows, prefix_offsets(send_rows), recv, recv_rows,
                                  prefix_offsets(recv_rows));
@@ -121,10 +129,8 @@ std::unique_ptr<Work> Group::all_to_all_v_rows_async(
                  row_bytes(send) == row_bytes(recv),
              "[all_to_all_v] send {} and recv {} differ in dtype or row width", send.str(),
              recv.str());
+  check_counts(send_rows, recv_rows);
   for (int p = 0; p < n; ++p) {
-    XMOE_CHECK(send_rows[p] >= 0 && recv_rows[p] >= 0,
-               "[all_to_all_v] negative count for rank {}: send {} recv {}", p, send_rows[p],
-               recv_rows[p]);
     XMOE_CHECK(send_offsets[p] >= 0 && send_offsets[p] + send_rows[p] <= send.size(0) &&
                    recv_offsets[p] >= 0 && recv_offsets[p] + recv_rows[p] <= recv.size(0),
                "[all_to_all_v] rank {}: send rows [{}, +{}) of {} or recv rows [{}, +{}) of {} "
