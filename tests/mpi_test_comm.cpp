@@ -139,7 +139,9 @@ TEST(Comm, AllToAllBetweenRowRangesLeavesOtherRowsAlone) {
           ASSERT_EQ(recv.data<float>()[(recv_off[p] + i) * d + c], code(p, r, i, c)) << p;
       }
     for (int64_t row = 0; row < at; ++row)
-      if (!written[row]) EXPECT_EQ(recv.data<float>()[row * d], 7.f) << "row " << row;
+      if (!written[row]) {
+        EXPECT_EQ(recv.data<float>()[row * d], 7.f) << "row " << row;
+      }
     send_off[0] = at + 5;  // outside the send buffer
     EXPECT_CONTAINS(error_of([&] {
                       g->all_to_all_v_rows_async(send, send_rows, send_off, recv, recv_rows,
