@@ -7,6 +7,8 @@
 // that receive no rows), with expert data parallelism (ep < W) too.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -16,6 +18,7 @@
 #include "xmoe/moe/layer.h"
 #include "xmoe/moe/pipeline.h"
 #include "xmoe/parallel/layout.h"
+#include "xmoe/train/trainer.h"
 
 using namespace xmoe;
 using namespace xmoe::moe;
@@ -164,4 +167,43 @@ TEST(MoePipeline, BadChunkCountsRaiseClearErrors) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("model.moe.pipeline"), std::string::npos) << e.what();
   }
+}
+
+// Training: the micro run with model.moe.pipeline against off, on the same ranks (ep = W), for
+// both dispatchers: every step's loss and gradient norm within 1e-6 relative (bitwise here).
+TEST(MoePipeline, TrainingLossesEqualUnpipelined) {
+  namespace fs = std::filesystem;
+  auto g = world();
+  const int W = g->size();
+  const fs::path root = xmoe::testing::shared_corpus(*g, "xmoe-pipe-train-" + std::to_string(W));
+  Config c = xmoe::testing::micro_parallel_config(root, {.experts = 24});
+  c.parallel.ep = W;
+  c.train.steps = 6;
+  for (const char* dispatch : {"all_to_all", "rbd"}) {
+    if (std::string(dispatch) == "rbd" && W < 2) continue;
+    c.model.moe.dispatch = dispatch;
+    c.parallel.ranks_per_node = std::string(dispatch) == "rbd" ? std::max(1, W / 2) : 0;
+    c.model.moe.pipeline = "off";
+    c.model.moe.pipeline_backward = "same";
+    validate(c);
+    const std::string tag = std::string(dispatch) + "-np" + std::to_string(W);
+    const auto off = xmoe::testing::run_training(c, (root / (tag + "-off")).string(), g);
+    for (auto [fwd, bwd] : {std::pair{"3", "same"}, std::pair{"auto", "4"}}) {
+      c.model.moe.pipeline = fwd;
+      c.model.moe.pipeline_backward = bwd;
+      validate(c);
+      const auto piped =
+          xmoe::testing::run_training(c, (root / (tag + "-" + fwd + "-" + bwd)).string(), g);
+      ASSERT_EQ(piped.steps.size(), off.steps.size());
+      for (size_t i = 0; i < off.steps.size(); ++i) {
+        const auto &a = off.steps[i], &b = piped.steps[i];
+        EXPECT_LE(std::fabs(a.loss - b.loss), 1e-6 * std::fabs(a.loss)) << tag << " step " << i;
+        EXPECT_LE(std::fabs(a.grad_norm - b.grad_norm), 1e-6 * std::fabs(a.grad_norm))
+            << tag << " step " << i;
+        EXPECT_EQ(a.loss, b.loss) << tag << " step " << i << ": not bitwise";
+      }
+    }
+  }
+  g->barrier();
+  if (g->rank() == 0) fs::remove_all(root);
 }
