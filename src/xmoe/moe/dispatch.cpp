@@ -248,12 +248,13 @@ class AllToAllDispatcher final : public Dispatcher {
 
   std::unique_ptr<ChunkedPass> forward_pass(const Tensor& rows, DispatchHandle& h,
                                             const ChunkBounds& bounds) override {
-    return std::make_unique<AllToAllPass>(rows, h, bounds, ep_size_ > 1 ? group_ : nullptr);
+    // A group of one rank still exchanges (NCCL: a self send/recv on the communication stream).
+    return std::make_unique<AllToAllPass>(rows, h, bounds, group_);
   }
   std::unique_ptr<ChunkedPass> backward_pass(const Tensor& d, DispatchHandle& h,
                                              const ChunkBounds& bounds) override {
     check(d, h.num_send_rows, "combine backward", "d_combined");
-    return std::make_unique<AllToAllPass>(d, h, bounds, ep_size_ > 1 ? group_ : nullptr);
+    return std::make_unique<AllToAllPass>(d, h, bounds, group_);
   }
 
   Tensor combine(const Tensor& expert_out, const DispatchHandle& h) override {
