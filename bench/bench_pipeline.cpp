@@ -12,9 +12,12 @@
 // a shape's time is the minimum over repetitions (a shared, oversubscribed machine deschedules
 // ranks for whole time slices; the minimum is what the machine does when it gets the cores).
 // The models come from --profile FILE, else from a quick profile run first on the same ranks
-// (`xmoe profile --quick --statistic min` with the sweep's GEMM shapes).
+// (`xmoe profile --quick --statistic min` with the sweep's GEMM shapes). --device cuda: one GPU
+// per rank over NCCL, bf16 rows, the larger GPU sweep; each timed section ends with a device
+// synchronisation.
 //
 //   mpirun -np 4 bench_pipeline [--profile p.json] [--max-chunks 4] [--iters 3] [--quick]
+//   mpirun -np 8 bench_pipeline --device cuda
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
@@ -26,11 +29,14 @@
 #include <vector>
 
 #include "xmoe/comm/group.h"
+#include "xmoe/comm/nccl/nccl_group.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/moe/dispatch.h"
 #include "xmoe/moe/expert.h"
 #include "xmoe/moe/pipeline.h"
+#include "xmoe/ops/ops.h"
 #include "xmoe/sched/pipeline_plan.h"
 #include "xmoe/sched/profiler.h"
 
@@ -64,11 +70,13 @@ std::vector<int64_t> uniform_routing(int64_t T, int64_t E, int64_t k, int rank) 
   return counts;
 }
 
-Tensor random_rows(int64_t n, int64_t d, uint64_t seed) {
+/// [n, d] normal rows on `device`, bf16 there when it is a GPU (as training runs).
+Tensor random_rows(int64_t n, int64_t d, uint64_t seed, Device device) {
   Rng rng(seed, 0);
   std::vector<float> v(static_cast<size_t>(n * d));
   for (float& x : v) x = rng.normal();
-  return Tensor::from_vector(v, {n, d});
+  Tensor t = Tensor::from_vector(v, {n, d}, device);
+  return device.is_cuda() ? ops::cast(t, DType::bf16) : t;
 }
 
 struct Measured {
@@ -77,6 +85,7 @@ struct Measured {
 
 Measured measure(const std::shared_ptr<comm::Group>& g, const LayerShape& s, int max_chunks,
                  int iters) {
+  const Device dev = g->device();
   const int W = g->size(), rank = g->rank();
   const int64_t El = s.E / W;
   moe::DispatchConfig dc;
@@ -95,9 +104,14 @@ Measured measure(const std::shared_ptr<comm::Group>& g, const LayerShape& s, int
   ea.hidden = s.f;
   ea.chunks = 1;
   auto experts = moe::make_experts("swiglu", ea);
+  for (Parameter* p : experts->parameters()) {
+    p->value = p->value.to(dev);
+    p->grad = p->grad.to(dev);
+  }
   const std::vector<int64_t> tpe = uniform_routing(s.T, s.E, s.k, rank);
   const int64_t N = s.T * s.k;
-  const Tensor rows = random_rows(N, s.d, 11 + rank), dy = random_rows(N, s.d, 97 + rank);
+  const Tensor rows = random_rows(N, s.d, 11 + rank, dev);
+  const Tensor dy = random_rows(N, s.d, 97 + rank, dev);
   Measured m;
   for (int r = 1; r <= max_chunks; ++r) {
     const moe::ChunkBounds bounds = moe::even_chunks(El, r);
@@ -119,6 +133,7 @@ Measured measure(const std::shared_ptr<comm::Group>& g, const LayerShape& s, int
           return experts->forward_part(std::move(in), bounds[c], bounds[c + 1]);
         });
       }
+      backend::synchronize(dev);
       const double fwd = slowest(*g, tf.seconds());
       g->barrier();
       Timer tb;
@@ -131,6 +146,7 @@ Measured measure(const std::shared_ptr<comm::Group>& g, const LayerShape& s, int
           return experts->backward_part(std::move(d_out), bounds[c], bounds[c + 1]);
         });
       }
+      backend::synchronize(dev);
       const double bwd = slowest(*g, tb.seconds());
       experts->release();
       if (it > 0) {
@@ -163,18 +179,28 @@ int main(int argc, char** argv) {
   std::string profile_path;
   int max_chunks = 4, iters = 3;
   bool quick = false;
+  std::string device = "cpu";
   app.add_option("--profile", profile_path, "the models (`xmoe profile`); default: profile now");
+  app.add_option("--device", device, "cpu (MPI) or cuda (NCCL, one GPU per rank)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--max-chunks", max_chunks, "chunk counts 1..R")->check(CLI::Range(1, 64));
   app.add_option("--iters", iters, "timed repetitions per r (after one warm-up)")
       ->check(CLI::Range(1, 1000));
   app.add_flag("--quick", quick, "a few small shapes (seconds)");
   CLI11_PARSE(app, argc, argv);
 
-  auto g = comm::world();
+  const bool gpu = device == "cuda";
+  auto g = gpu ? comm::nccl::make_world() : comm::world();
   const int W = g->size();
   std::vector<LayerShape> shapes;
   if (quick) {
     shapes = {{256, 64, 64, 16, 2}, {512, 128, 64, 16, 4}};
+  } else if (gpu) {  // moe-1b's layer (d 1024, f 256, E 64, k 6) and around it
+    for (int64_t T : {4096, 16384})
+      for (int64_t d : {1024, 2048})
+        for (int64_t f : {256, 1024})
+          for (int64_t E : {64, 128})
+            for (int64_t k : {4, 8}) shapes.push_back({T, d, f, E, k});
   } else {
     for (int64_t T : {512, 2048})
       for (int64_t d : {128, 256})
@@ -195,7 +221,7 @@ int main(int argc, char** argv) {
     for (const LayerShape& s : shapes)
       for (auto io : {std::pair{s.d, 2 * s.f}, std::pair{s.f, s.d}})
         if (seen.insert(io).second) o.gemm_shapes.push_back({io.first, io.second});
-    profile = sched::run_profile(g, Device::cpu(), o);
+    profile = sched::run_profile(g, g->device(), o);
   }
 
   std::vector<std::vector<double>> fwd_all, bwd_all;
@@ -209,7 +235,7 @@ int main(int argc, char** argv) {
                             .expert_hidden = s.f,
                             .local_experts = s.E / W,
                             .ep = W,
-                            .elem_bytes = 4};
+                            .elem_bytes = gpu ? 2 : 4};
     const sched::PipelineChoice c = sched::choose_pipeline(&profile, ps, R);
     for (int r = 0; r < R; ++r) {
       errors.push_back(std::abs(c.forward_seconds[r] - m.forward[r]) / m.forward[r]);
@@ -223,6 +249,7 @@ int main(int argc, char** argv) {
     nlohmann::ordered_json j;
     j["bench"] = "pipeline";
     j["ranks"] = W;
+    j["device"] = device;
     j["T"] = s.T;
     j["d"] = s.d;
     j["f"] = s.f;
@@ -280,6 +307,7 @@ int main(int argc, char** argv) {
     j["geomean_chosen_vs_oracle"] = 1.0 / geomean(oracle);
     std::printf("%s\n", j.dump().c_str());
   }
+  if (gpu) g->barrier();
   g.reset();
   comm::finalize();
   return 0;
