@@ -107,6 +107,10 @@ class RbdDispatcher final : public Dispatcher {
   /// Pilot: the members' input gradients [M, d] summed per group, back over stage 1 onto the
   /// source's pilot rows: d_rows [N, d].
   Tensor rows_grad(RbdState& st, const Tensor& d_members);
+  /// Stage 2, pilot -> owners: replicas [M, d] (stage-2 order) -> expert-major rows [R, d].
+  Tensor to_owners(const Tensor& replicas, const DispatchHandle& h);
+  /// Stage 2, owners -> pilot: expert-major rows [R, d] -> the members' rows [M, d].
+  Tensor to_pilots(const Tensor& expert_rows, const DispatchHandle& h);
   const std::shared_ptr<comm::Group>& node_group() const { return node_group_; }
 
  private:
@@ -255,46 +259,45 @@ Tensor RbdDispatcher::rows_grad(RbdState& st, const Tensor& d_members) {
   return d_rows;
 }
 
+Tensor RbdDispatcher::to_owners(const Tensor& replicas, const DispatchHandle& h) {
+  const RbdPlan& pl = h.rbd->plan;
+  Tensor arrival =
+      node_group_->all_to_all_v(replicas, pl.pilot.replica_send, pl.owner.replica_recv);  // [R, d]
+  return xmoe::ops::gather_rows(arrival, h.recv_layout);  // expert-major
+}
+
+Tensor RbdDispatcher::to_pilots(const Tensor& expert_rows, const DispatchHandle& h) {
+  const RbdPlan& pl = h.rbd->plan;
+  Tensor arrival = xmoe::ops::gather_rows(expert_rows, h.arrival_layout);
+  return node_group_->all_to_all_v(arrival, pl.owner.replica_recv, pl.pilot.replica_send);
+}
+
 DispatchResult RbdDispatcher::dispatch(const Tensor& rows, std::span<const int64_t> tpe,
                                        const RowInfo& info) {
   DispatchResult result;
   result.handle = plan(rows, tpe, info);
-  const DispatchHandle& h = result.handle;
-  RbdState& st = *h.rbd;
+  const RbdState& st = *result.handle.rbd;
   // Stage 1: the pilots across nodes; stage 2: the replicas inside the node.
   Tensor pilots = send_pilots(rows, st);  // [G_recv, d]
-  Tensor arrival =
-      node_group_->all_to_all_v(xmoe::ops::gather_rows(pilots, st.replica_group),
-                                st.plan.pilot.replica_send, st.plan.owner.replica_recv);  // [R, d]
-  result.rows = xmoe::ops::gather_rows(arrival, h.recv_layout);  // expert-major
+  result.rows = to_owners(xmoe::ops::gather_rows(pilots, st.replica_group), result.handle);
   return result;
 }
 
 Tensor RbdDispatcher::combine(const Tensor& expert_out, const DispatchHandle& h) {
   RbdState& st = state(h, "combine");
   check(expert_out, h.num_recv_rows, "combine", "expert_out");
-  // owner -> pilot: the replicas' outputs, in the pilot's stage-2 order.
-  Tensor arrival = xmoe::ops::gather_rows(expert_out, h.arrival_layout);
-  return reduce_members(st, node_group_->all_to_all_v(arrival, st.plan.owner.replica_recv,
-                                                      st.plan.pilot.replica_send));
+  return reduce_members(st, to_pilots(expert_out, h));  // the replicas' outputs, stage-2 order
 }
 
 Tensor RbdDispatcher::combine_backward(const Tensor& d_partial, const DispatchHandle& h) {
   RbdState& st = state(h, "combine backward");
-  Tensor d_out = member_grads(st, d_partial);
-  // pilot -> owners.
-  Tensor d_arrival =
-      node_group_->all_to_all_v(d_out, st.plan.pilot.replica_send, st.plan.owner.replica_recv);
-  return xmoe::ops::gather_rows(d_arrival, h.recv_layout);
+  return to_owners(member_grads(st, d_partial), h);
 }
 
 Tensor RbdDispatcher::dispatch_backward(const Tensor& d_recv, const DispatchHandle& h) {
   RbdState& st = state(h, "dispatch backward");
   check(d_recv, h.num_recv_rows, "dispatch backward", "d_recv");
-  // owners -> pilot.
-  Tensor d_arrival = xmoe::ops::gather_rows(d_recv, h.arrival_layout);
-  return rows_grad(st, node_group_->all_to_all_v(d_arrival, st.plan.owner.replica_recv,
-                                                 st.plan.pilot.replica_send));
+  return rows_grad(st, to_pilots(d_recv, h));
 }
 
 /// rbd chunk by chunk: stage 1 (the pilots across nodes, and the per-group sums back) runs whole,
