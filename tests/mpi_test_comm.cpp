@@ -103,6 +103,54 @@ TEST(Comm, AsyncAllToAllOverlapsAndCompletes) {
   for (int p = 0; p < n; ++p) EXPECT_EQ(recv.data<float>()[p * 2 + 1], code(p, r, 1, 0));
 }
 
+// The pipelined MoE layer's exchange: row ranges of whole buffers, in place. Rank r sends
+// (r + p) % 3 rows to p from a scattered range (the send buffer has a gap row before each
+// range) and receives into ranges in reverse rank order with gaps, whose rows stay untouched.
+TEST(Comm, AllToAllBetweenRowRangesLeavesOtherRowsAlone) {
+  for (const auto& g : {world(), comm::make_single_group()}) {
+    SCOPED_TRACE(g->backend_name());
+    const int r = g->rank(), n = g->size();
+    constexpr int64_t d = 3;
+    std::vector<int64_t> send_rows(n), recv_rows(n), send_off(n), recv_off(n);
+    int64_t at = 0;
+    for (int p = 0; p < n; ++p) {
+      send_rows[p] = (r + p) % 3;
+      recv_rows[p] = (p + r) % 3;
+      send_off[p] = ++at;  // one gap row first
+      at += send_rows[p];
+    }
+    Tensor send = Tensor::full({at, d}, -1.f);
+    for (int p = 0; p < n; ++p)
+      for (int64_t i = 0; i < send_rows[p]; ++i)
+        for (int64_t c = 0; c < d; ++c)
+          send.data<float>()[(send_off[p] + i) * d + c] = code(r, p, i, c);
+    at = 0;
+    for (int p = n - 1; p >= 0; --p) {  // ranges in reverse rank order, a gap after each
+      recv_off[p] = at;
+      at += recv_rows[p] + 1;
+    }
+    Tensor recv = Tensor::full({at, d}, 7.f);
+    g->all_to_all_v_rows_async(send, send_rows, send_off, recv, recv_rows, recv_off)->wait();
+    std::vector<bool> written(static_cast<size_t>(at), false);
+    for (int p = 0; p < n; ++p)
+      for (int64_t i = 0; i < recv_rows[p]; ++i) {
+        written[recv_off[p] + i] = true;
+        for (int64_t c = 0; c < d; ++c)
+          ASSERT_EQ(recv.data<float>()[(recv_off[p] + i) * d + c], code(p, r, i, c)) << p;
+      }
+    for (int64_t row = 0; row < at; ++row)
+      if (!written[row]) {
+        EXPECT_EQ(recv.data<float>()[row * d], 7.f) << "row " << row;
+      }
+    send_off[0] = at + 5;  // outside the send buffer
+    EXPECT_CONTAINS(error_of([&] {
+                      g->all_to_all_v_rows_async(send, send_rows, send_off, recv, recv_rows,
+                                                 recv_off);
+                    }),
+                    "[all_to_all_v] rank 0: send rows");
+  }
+}
+
 TEST(Comm, SplitAndDeclaredTopology) {
   auto g = world();
   const int r = g->rank(), n = g->size();

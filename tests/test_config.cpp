@@ -228,8 +228,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 22 model.moe + 3 data + 23 train + 7 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 22u + 4u + 23u + 7u);
+  // 13 model + 25 model.moe + 4 data + 23 train + 7 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 25u + 4u + 23u + 7u);
 }
 
 TEST(Config, ParameterCounts) {
@@ -437,4 +437,25 @@ TEST(FuzzFindings, ComplexKeyIsRefused) {
                   "that is not a name");
   EXPECT_CONTAINS(error_of([] { load_config_string("model:\n  ? [a, b]\n  : 1\n", "f.yaml"); }),
                   "[config] f.yaml: 'model' has a key [a, b] that is not a name");
+}
+
+TEST(Config, PipelineKeysTakeOffAutoOrAChunkCount) {
+  EXPECT_EQ(parse_pipeline_chunks("off", "k"), 1);
+  EXPECT_EQ(parse_pipeline_chunks("auto", "k"), 0);
+  EXPECT_EQ(parse_pipeline_chunks("4", "k"), 4);
+  for (const char* bad : {"0", "-2", "4x", "", "same"})
+    EXPECT_CONTAINS(
+        error_of([&] { parse_pipeline_chunks(bad, "model.moe.pipeline"); }),
+        fmt::format("model.moe.pipeline = '{}' is not off, auto or a chunk count", bad));
+  Config c;
+  c.model.moe.pipeline = "3";
+  c.model.moe.pipeline_backward = "same";
+  EXPECT_NO_THROW(validate(c));
+  c.model.moe.pipeline = "same";  // only the backward's key takes same
+  EXPECT_CONTAINS(error_of([&] { validate(c); }),
+                  "model.moe.pipeline = 'same' is not off, auto or a chunk count >= 1");
+  c.model.moe.pipeline = "auto";
+  c.model.moe.pipeline_backward = "0";
+  EXPECT_CONTAINS(error_of([&] { validate(c); }),
+                  "model.moe.pipeline_backward = '0' is not same, off, auto or a chunk count");
 }

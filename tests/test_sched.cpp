@@ -11,6 +11,7 @@
 #include "xmoe/comm/group.h"
 #include "xmoe/sched/linear_model.h"
 #include "xmoe/sched/perf_model.h"
+#include "xmoe/sched/pipeline_plan.h"
 #include "xmoe/sched/profiler.h"
 
 using namespace xmoe;
@@ -275,4 +276,117 @@ TEST(Profiler, GemmShapeFlag) {
   for (const char* bad : {"1024", "x512", "1024x", "10x-2", "4y4", "0x3", "3x4x5"})
     EXPECT_CONTAINS(error_of([&] { parse_gemm_shape(bad, "--gemm-shape"); }),
                     fmt::format("--gemm-shape '{}' is not INxOUT", bad));
+}
+
+// ---- The pipelined layer's chunk count (sched/pipeline_plan.h)
+// -----------------------------------
+
+namespace {
+
+/// Linear models of every task the pipeline formula reads: all-to-all-v at `a2a_beta` s/byte
+/// (intra-node, 2 ranks), GEMMs at `gemm_beta` s/FLOP, gathers at 0.1 ns/byte.
+Profile pipeline_profile(double a2a_beta, double gemm_beta) {
+  Profile p = sample_profile();
+  TaskModel a2a = model_of(Task::all_to_all_v, 2e-5, a2a_beta);
+  a2a.ranks = 2;
+  TaskModel gather = model_of(Task::gather_rows, 1e-6, 1e-10);
+  gather.width = 64;
+  p.models = {a2a, gather};
+  for (Task t : {Task::gemm_forward, Task::gemm_backward_data, Task::gemm_backward_weight}) {
+    TaskModel m = model_of(t, 5e-6, gemm_beta);
+    m.in = 64, m.out = 128, m.groups = 8;
+    p.models.push_back(m);
+  }
+  return p;
+}
+
+PipelineShape shape_of(int ep) {
+  return {.rows = 4096 * 4, .d_model = 64, .expert_hidden = 64, .local_experts = 8, .ep = ep};
+}
+
+}  // namespace
+
+TEST(PipelinePlan, TheFormulaOverlapsTheSlowerSide) {
+  const ChunkTimes t{.dispatch = 3, .experts = 4, .combine = 2};
+  EXPECT_DOUBLE_EQ(predict_pipelined(t, 1), 9);          // d + e + c
+  EXPECT_DOUBLE_EQ(predict_pipelined(t, 3), 9 + 2 * 5);  // communication bound: r (d+c) + e
+  const ChunkTimes compute{.dispatch = 1, .experts = 4, .combine = 1};
+  EXPECT_DOUBLE_EQ(predict_pipelined(compute, 4), 6 + 3 * 4);  // d + r e + c
+}
+
+TEST(PipelinePlan, ChunkTimesFollowTheModels) {
+  const Profile p = pipeline_profile(1e-9, 1e-11);
+  const PipelineShape s = shape_of(2);
+  const ChunkTimes one = predict_chunk(p, s, 1, false), two = predict_chunk(p, s, 2, false);
+  const double bytes = 4096.0 * 4 * 64 * 4;
+  EXPECT_NEAR(one.dispatch, 2e-5 + 1e-9 * bytes, 1e-12);
+  EXPECT_NEAR(two.dispatch, 2e-5 + 1e-9 * bytes / 2, 1e-12);
+  EXPECT_DOUBLE_EQ(one.dispatch, one.combine);
+  // forward: two projections of 2 n d 2f and 2 n f d FLOPs and two permutations; backward:
+  // four GEMMs
+  const double flops = 2.0 * 4096 * 4 * 64 * 64 * 3, permute = 2 * (1e-6 + 1e-10 * bytes);
+  EXPECT_NEAR(one.experts, permute + 2 * 5e-6 + 1e-11 * flops, 1e-12);
+  EXPECT_NEAR(predict_chunk(p, s, 1, true).experts, permute + 4 * 5e-6 + 2e-11 * flops, 1e-12);
+  // one rank: nothing moves
+  EXPECT_EQ(predict_chunk(p, shape_of(1), 1, false).dispatch, 0.0);
+}
+
+TEST(PipelinePlan, ChoosesChunksWhereTheyPay) {
+  // Exchange and experts of similar cost: chunks hide one behind the other.
+  const Profile balanced = pipeline_profile(2e-9, 3e-11);
+  const PipelineChoice c = choose_pipeline(&balanced, shape_of(2));
+  EXPECT_GT(c.forward, 1);
+  EXPECT_GT(c.backward, 1);
+  ASSERT_EQ(c.forward_seconds.size(), 8u);
+  EXPECT_LT(c.forward_seconds[c.forward - 1], c.forward_seconds[0]);
+  for (double t : c.forward_seconds) EXPECT_GE(t, c.forward_seconds[c.forward - 1]);
+  // One rank: nothing to hide, every chunk adds start-ups.
+  EXPECT_EQ(choose_pipeline(&balanced, shape_of(1)).forward, 1);
+  // Start-ups that dwarf the transfer: one chunk.
+  Profile slow_start = pipeline_profile(1e-13, 1e-14);
+  EXPECT_EQ(choose_pipeline(&slow_start, shape_of(2)).forward, 1);
+  // At most one chunk per local expert.
+  PipelineShape few = shape_of(2);
+  few.local_experts = 3;
+  EXPECT_EQ(choose_pipeline(&balanced, few).forward_seconds.size(), 3u);
+  // No profile: the documented default.
+  const PipelineChoice d = choose_pipeline(nullptr, shape_of(4));
+  EXPECT_EQ(d.forward, 2);
+  EXPECT_EQ(d.backward, 2);
+  EXPECT_EQ(choose_pipeline(nullptr, shape_of(1)).forward, 1);
+}
+
+TEST(PipelinePlan, ResolvesTheConfigKeys) {
+  TempDir dir;
+  Config c;
+  c.train.out_dir = dir.str();
+  c.model.moe.num_experts = 16;
+  c.model.moe.pipeline = "3";
+  PipelineChoice p = resolve_pipeline(c, 256, 2, 1, 4);
+  EXPECT_EQ(p.forward, 3);
+  EXPECT_EQ(p.backward, 3);  // same
+  c.model.moe.pipeline_backward = "off";
+  EXPECT_EQ(resolve_pipeline(c, 256, 2, 1, 4).backward, 1);
+  c.model.moe.pipeline = "auto";  // no profile anywhere: the default
+  c.model.moe.pipeline_backward = "same";
+  p = resolve_pipeline(c, 256, 2, 1, 4);
+  EXPECT_EQ(p.forward, 2);
+  EXPECT_NE(p.source.find("no profile"), std::string::npos) << p.source;
+  // A profile in the run folder is found; one named by the key is read.
+  save_profile(pipeline_profile(2e-9, 3e-11), dir / "profile.json");
+  p = resolve_pipeline(c, 4096, 2, 1, 4);
+  EXPECT_NE(p.source.find("profile.json"), std::string::npos) << p.source;
+  EXPECT_EQ(p.forward_seconds.size(), 8u);
+  EXPECT_NE(p.summary().find("predicted forward"), std::string::npos) << p.summary();
+  c.model.moe.pipeline_profile = dir / "missing.json";
+  EXPECT_THROW(resolve_pipeline(c, 256, 2, 1, 4), Error);
+  c.model.moe.pipeline_profile = "";
+  c.model.moe.pipeline = "three";
+  try {
+    resolve_pipeline(c, 256, 2, 1, 4);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.moe.pipeline = 'three'"), std::string::npos)
+        << e.what();
+  }
 }

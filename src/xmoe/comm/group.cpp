@@ -1,5 +1,6 @@
 #include "xmoe/comm/group.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -76,6 +77,23 @@ Tensor Group::reduce_scatter(const Tensor& t) {
   return out;
 }
 
+namespace {
+
+void check_counts(std::span<const int64_t> send_rows, std::span<const int64_t> recv_rows) {
+  for (size_t p = 0; p < send_rows.size(); ++p)
+    XMOE_CHECK(send_rows[p] >= 0 && recv_rows[p] >= 0,
+               "[all_to_all_v] negative count for rank {}: send {} recv {}", p, send_rows[p],
+               recv_rows[p]);
+}
+
+std::vector<int64_t> prefix_offsets(std::span<const int64_t> rows) {
+  std::vector<int64_t> out(rows.size(), 0);
+  for (size_t p = 1; p < rows.size(); ++p) out[p] = out[p - 1] + rows[p - 1];
+  return out;
+}
+
+}  // namespace
+
 std::unique_ptr<Work> Group::all_to_all_v_async(const Tensor& send,
                                                 std::span<const int64_t> send_rows,
                                                 std::span<const int64_t> recv_rows, Tensor& recv) {
@@ -84,10 +102,7 @@ std::unique_ptr<Work> Group::all_to_all_v_async(const Tensor& send,
   XMOE_CHECK(static_cast<int>(send_rows.size()) == n && static_cast<int>(recv_rows.size()) == n,
              "[all_to_all_v] need {} send and recv counts, got {} and {}", n, send_rows.size(),
              recv_rows.size());
-  for (int p = 0; p < n; ++p)
-    XMOE_CHECK(send_rows[p] >= 0 && recv_rows[p] >= 0,
-               "[all_to_all_v] negative count for rank {}: send {} recv {}", p, send_rows[p],
-               recv_rows[p]);
+  check_counts(send_rows, recv_rows);
   const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
   XMOE_CHECK(send.dim() >= 1 && sent == send.size(0),
              "[all_to_all_v] send counts sum to {} but send has {} rows", sent,
@@ -95,7 +110,36 @@ std::unique_ptr<Work> Group::all_to_all_v_async(const Tensor& send,
   Shape shape = send.shape();
   shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
   recv = Tensor::empty(shape, send.dtype(), send.device());
-  std::unique_ptr<Work> work = do_all_to_all_v(send, send_rows, recv_rows, recv);
+  return all_to_all_v_rows_async(send, send_rows, prefix_offsets(send_rows), recv, recv_rows,
+                                 prefix_offsets(recv_rows));
+}
+
+std::unique_ptr<Work> Group::all_to_all_v_rows_async(
+    const Tensor& send, std::span<const int64_t> send_rows, std::span<const int64_t> send_offsets,
+    Tensor& recv, std::span<const int64_t> recv_rows, std::span<const int64_t> recv_offsets) {
+  check_tensor(send, "all_to_all_v");
+  check_tensor(recv, "all_to_all_v");
+  const int n = size();
+  XMOE_CHECK(static_cast<int>(send_rows.size()) == n && static_cast<int>(recv_rows.size()) == n &&
+                 static_cast<int>(send_offsets.size()) == n &&
+                 static_cast<int>(recv_offsets.size()) == n,
+             "[all_to_all_v] need {} send and recv counts and offsets, got {}, {}, {} and {}", n,
+             send_rows.size(), recv_rows.size(), send_offsets.size(), recv_offsets.size());
+  XMOE_CHECK(send.dim() >= 1 && recv.dim() >= 1 && send.dtype() == recv.dtype() &&
+                 row_bytes(send) == row_bytes(recv),
+             "[all_to_all_v] send {} and recv {} differ in dtype or row width", send.str(),
+             recv.str());
+  check_counts(send_rows, recv_rows);
+  for (int p = 0; p < n; ++p) {
+    XMOE_CHECK(send_offsets[p] >= 0 && send_offsets[p] + send_rows[p] <= send.size(0) &&
+                   recv_offsets[p] >= 0 && recv_offsets[p] + recv_rows[p] <= recv.size(0),
+               "[all_to_all_v] rank {}: send rows [{}, +{}) of {} or recv rows [{}, +{}) of {} "
+               "out of range",
+               p, send_offsets[p], send_rows[p], send.size(0), recv_offsets[p], recv_rows[p],
+               recv.size(0));
+  }
+  std::unique_ptr<Work> work =
+      do_all_to_all_v(send, send_rows, send_offsets, recv, recv_rows, recv_offsets);
   ++counters_.calls[ByteCounters::all_to_all];
   const int64_t rb = row_bytes(send);
   for (int p = 0; p < n; ++p) count(ByteCounters::all_to_all, p, send_rows[p] * rb);
@@ -148,11 +192,15 @@ class SingleGroup final : public Group {
   void do_all_gather(const Tensor& t, Tensor& out) override { out.copy_from(t); }
   void do_reduce_scatter(const Tensor& t, Tensor& out) override { out.copy_from(t); }
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                                        std::span<const int64_t> recv_rows, Tensor& recv) override {
+                                        std::span<const int64_t> send_offsets, Tensor& recv,
+                                        std::span<const int64_t> recv_rows,
+                                        std::span<const int64_t> recv_offsets) override {
     XMOE_CHECK(recv_rows[0] == send_rows[0],
-               "[all_to_all_v] single-process group: counts must be [{}], got send {} recv {}",
-               send.size(0), send_rows[0], recv_rows[0]);
-    recv.copy_from(send);
+               "[all_to_all_v] single-process group: send and recv counts differ: send {} recv {}",
+               send_rows[0], recv_rows[0]);
+    if (send_rows[0] > 0)
+      recv.rows(recv_offsets[0], recv_offsets[0] + recv_rows[0])
+          .copy_from(send.rows(send_offsets[0], send_offsets[0] + send_rows[0]));
     return std::make_unique<DoneWork>();
   }
   std::vector<int64_t> do_all_to_all_counts(std::span<const int64_t> send) override {

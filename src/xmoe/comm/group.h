@@ -88,6 +88,16 @@ class Group {
   /// all_to_all_v into `recv` (allocated here), valid after the Work's wait().
   std::unique_ptr<Work> all_to_all_v_async(const Tensor& send, std::span<const int64_t> send_rows,
                                            std::span<const int64_t> recv_rows, Tensor& recv);
+  /// all_to_all_v between row ranges of existing tensors, without copies (the pipelined MoE
+  /// layer moves a chunk straight out of, and back into, whole buffers): rows
+  /// [send_offsets[p], + send_rows[p]) of `send` go to rank p; the recv_rows[p] rows from rank p
+  /// land at rows [recv_offsets[p], + recv_rows[p]) of `recv`, whose other rows are left alone.
+  /// Ranges lie inside the tensors; recv ranges do not overlap. Valid after the Work's wait().
+  std::unique_ptr<Work> all_to_all_v_rows_async(const Tensor& send,
+                                                std::span<const int64_t> send_rows,
+                                                std::span<const int64_t> send_offsets, Tensor& recv,
+                                                std::span<const int64_t> recv_rows,
+                                                std::span<const int64_t> recv_offsets);
   /// Every rank gets `count` int64 values from every rank: out[p * count + i] (metadata
   /// exchange before all_to_all_v).
   std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send);
@@ -115,12 +125,14 @@ class Group {
   virtual void do_all_gather(const Tensor& t, Tensor& out) = 0;
   /// `out`: [n/size, ...] for `t` [n, ...]; the reduction is a sum.
   virtual void do_reduce_scatter(const Tensor& t, Tensor& out) = 0;
-  /// `recv`: [sum(recv_rows), ...]; counts are >= 0, one per rank, and send_rows sum to the
-  /// rows of `send`.
+  /// Rows [send_offsets[p], + send_rows[p]) of `send` to rank p, rows from rank p to
+  /// [recv_offsets[p], + recv_rows[p]) of `recv` (same dtype and row width); counts and
+  /// offsets are >= 0, one per rank, and the ranges inside the tensors.
   virtual std::unique_ptr<Work> do_all_to_all_v(const Tensor& send,
                                                 std::span<const int64_t> send_rows,
+                                                std::span<const int64_t> send_offsets, Tensor& recv,
                                                 std::span<const int64_t> recv_rows,
-                                                Tensor& recv) = 0;
+                                                std::span<const int64_t> recv_offsets) = 0;
   /// `send.size()` is a multiple of size().
   virtual std::vector<int64_t> do_all_to_all_counts(std::span<const int64_t> send) = 0;
   virtual void do_broadcast(Tensor& t, int root) = 0;

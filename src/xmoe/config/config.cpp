@@ -129,6 +129,21 @@ const std::vector<Key>& table() {
                "at a time (cut between experts), so the layer never holds them for all N rows; "
                "0 = auto: 4 where expert_hidden > d_model and each chunk keeps >= 2048 rows, "
                "else 1"),
+      XMOE_KEY(model.moe.pipeline, any(), {},
+               "pipelined MoE layer (FSMoE): Dispatch, Expert and Combine in N chunks of local "
+               "experts, the exchange of one chunk overlapping the experts of another; outputs "
+               "and gradients bitwise equal to off. auto: N from the fitted performance models "
+               "of model.moe.pipeline_profile (docs/pipeline.md)",
+               "off | auto | N >= 1"),
+      XMOE_KEY(model.moe.pipeline_backward, any(), {},
+               "chunks of the MoE layer's backward: same (as model.moe.pipeline; auto chooses "
+               "the backward's own), off, auto or N",
+               "same | off | auto | N >= 1"),
+      XMOE_KEY(model.moe.pipeline_profile, any(), {},
+               "the `xmoe profile` file that model.moe.pipeline = auto reads; empty: "
+               "<train.out_dir>/profile.json when it exists, else the default of "
+               "docs/pipeline.md",
+               "a path, or empty"),
       // data
       XMOE_KEY(data.corpus, any(), {}, "a text file or a folder of text files to prepare"),
       XMOE_KEY(data.dir, any(), {},
@@ -686,6 +701,16 @@ Config load_config_file(const std::string& path) {
   return load_root(root, path);
 }
 
+int parse_pipeline_chunks(const std::string& value, const char* key) {
+  if (value == "off") return 1;
+  if (value == "auto") return 0;
+  int n = 0;
+  const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), n);
+  XMOE_CHECK(ec == std::errc() && end == value.data() + value.size() && n >= 1,
+             "[config] {} = '{}' is not off, auto or a chunk count >= 1", key, value);
+  return n;
+}
+
 void validate(const Config& c) {
   std::vector<std::string> errors;
   for (const Key& k : table()) check_range(c, k, errors);
@@ -721,6 +746,19 @@ void validate(const Config& c) {
           "whole sequences of the micro-batch)",
           c.train.batch_size, tp);
   }
+  const auto pipeline_ok = [](const std::string& value) {
+    try {
+      parse_pipeline_chunks(value, "");
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  };
+  if (!pipeline_ok(moe.pipeline))
+    fail("model.moe.pipeline = '{}' is not off, auto or a chunk count >= 1", moe.pipeline);
+  if (moe.pipeline_backward != "same" && !pipeline_ok(moe.pipeline_backward))
+    fail("model.moe.pipeline_backward = '{}' is not same, off, auto or a chunk count >= 1",
+         moe.pipeline_backward);
   if (c.parallel.zero > 0 && c.parallel.expert_placement == "affinity")
     fail(
         "parallel.zero = {} shards the AdamW moments, but parallel.expert_placement = affinity "

@@ -39,9 +39,17 @@ struct MoeConfig {
   /// f32 | bf16: dtype of the routed experts' weight gradients (the master weights stay f32)
   std::string expert_grad_dtype = "f32";
   int expert_chunks = 0;  ///< the experts' [N, f] activations in this many row chunks (0: auto)
+  /// off | auto | N: Dispatch, Expert and Combine in N chunks of local experts (docs/pipeline.md)
+  std::string pipeline = "off";
+  std::string pipeline_backward = "same";  ///< same | off | auto | N: the backward's chunks
+  std::string pipeline_profile;            ///< the `xmoe profile` file for auto ("": run folder)
 
   bool operator==(const MoeConfig&) const = default;
 };
+
+/// model.moe.pipeline (and pipeline_backward, "same" excepted): the chunk count, 1 for off, 0
+/// for auto. Throws naming `key` and the value otherwise.
+int parse_pipeline_chunks(const std::string& value, const char* key);
 
 struct ModelConfig {
   int vocab_size = 256;

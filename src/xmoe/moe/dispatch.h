@@ -80,6 +80,30 @@ struct DispatchResult {
   DispatchHandle handle;
 };
 
+/// One direction of the pipelined layer (moe.pipeline, docs/pipeline.md) over chunks of local
+/// experts: chunk c holds local experts [bounds[c], bounds[c + 1]) of every ep rank, so each
+/// expert's rows stay in one chunk. The layer calls, for c = 0..r-1 in order,
+///   start_in(c + 1) (ahead), wait_in(c), compute, start_out(c, ...);
+/// then finish(). start_* only start the exchange (non-blocking collectives: MPI_Ialltoallv,
+/// or NCCL on the communication stream), so the compute of chunk c overlaps the exchanges of
+/// chunks c - 1 (back) and c + 1 (in). Every rank makes the same calls in the same order.
+class ChunkedPass {
+ public:
+  virtual ~ChunkedPass() = default;
+  /// Starts moving chunk c's rows to the experts.
+  virtual void start_in(int c) = 0;
+  /// Chunk c's rows for this rank's experts [n_c, d], grouped by local expert: rows
+  /// [row_begin(c), row_begin(c + 1)) of what the unchunked dispatch gives.
+  virtual Tensor wait_in(int c) = 0;
+  /// Starts moving chunk c's expert results [n_c, d] back.
+  virtual void start_out(int c, Tensor out) = 0;
+  /// Waits for every chunk's way back; what the unchunked call gives.
+  virtual Tensor finish() = 0;
+};
+
+/// Chunks of local experts: bounds [r + 1] from 0 to E_local.
+using ChunkBounds = std::vector<int64_t>;
+
 class Dispatcher {
  public:
   virtual ~Dispatcher() = default;
@@ -109,6 +133,22 @@ class Dispatcher {
   virtual Tensor dispatch_backward(const Tensor& d_recv, const DispatchHandle& handle) = 0;
   /// d_combined [N, d] -> d_expert_out [N_recv, d] (a dispatch of gradients).
   virtual Tensor combine_backward(const Tensor& d_combined, const DispatchHandle& handle) = 0;
+
+  // Pipelining (ChunkedPass). The results are bitwise those of the unchunked calls.
+  /// Whether forward_pass and backward_pass work here (local, all_to_all, rbd).
+  virtual bool pipelines() const { return false; }
+  /// dispatch() without moving the rows: the handle, with the counts and layouts. Collective.
+  virtual DispatchHandle plan(const Tensor& rows, std::span<const int64_t> tokens_per_expert,
+                              const RowInfo& info);
+  /// dispatch then combine, chunk by chunk: in = the expert input rows of `rows` [N, d] (the
+  /// handle's), out = the experts' output; finish() = combine(expert_out, handle).
+  virtual std::unique_ptr<ChunkedPass> forward_pass(const Tensor& rows, DispatchHandle& handle,
+                                                    const ChunkBounds& bounds);
+  /// combine_backward then dispatch_backward, chunk by chunk: in = d_expert_out of
+  /// `d_combined`, out = d_expert_in; finish() = dispatch_backward(d_expert_in, handle).
+  virtual std::unique_ptr<ChunkedPass> backward_pass(const Tensor& d_combined,
+                                                     DispatchHandle& handle,
+                                                     const ChunkBounds& bounds);
 };
 
 using DispatchRegistry = Registry<Dispatcher, const DispatchConfig&>;

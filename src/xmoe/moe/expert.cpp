@@ -36,60 +36,88 @@ class SwigluExperts final : public Experts {
   std::string_view name() const override { return "swiglu"; }
 
   Tensor forward(Tensor rows, std::span<const int64_t> group_sizes) override {
-    groups_.assign(group_sizes.begin(), group_sizes.end());
-    num_rows_ = rows.size(0);  // [N, d]
-    // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
-    // where there are none), kept for backward; the weight gradients are f32 or bf16.
-    wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), rows.dtype());
-    wd_ = xmoe::ops::as_dtype(down_.compute(), rows.dtype());
-    Tensor h = xmoe::ops::grouped_matmul(rows, wgu_, groups_);  // [N, 2f]
-    rows_ = regather_ ? Tensor() : rows;
-    rows = Tensor();  // gone here if the caller moved it in and backward can regather it
-    Tensor out = Tensor::empty({num_rows_, wd_.size(2)}, h.dtype(), h.device());
-    for (const Chunk& c : chunks()) {  // a [n_c, f] lives for one chunk only
-      Tensor out_c = out.rows(c.row_begin, c.row_end);
-      xmoe::ops::grouped_matmul_into(out_c, xmoe::ops::swiglu(h.rows(c.row_begin, c.row_end)),
-                                     wd_.rows(c.group_begin, c.group_end), c.sizes(groups_));
-    }
-    h_ = recompute_ ? Tensor() : h;
-    return out;
+    start_forward(group_sizes);
+    return forward_part_(std::move(rows), 0, static_cast<int64_t>(groups_.size()));
   }
 
   Tensor backward(Tensor d_out) override {
-    XMOE_CHECK(rows_.defined() || regather_, "[moe experts] backward without a forward");
-    check_shape(d_out, {num_rows_, down_.value.size(2)}, "moe experts backward", "d_out");
+    XMOE_CHECK(!parts_.empty(), "[moe experts] backward without a forward");
+    return backward_part(std::move(d_out), 0, static_cast<int64_t>(groups_.size()));
+  }
+
+  void begin_forward(std::span<const int64_t> group_sizes) override {
+    XMOE_CHECK(static_cast<int64_t>(group_sizes.size()) == gate_up_.value.size(0),
+               "[moe experts] {} group sizes for {} local experts", group_sizes.size(),
+               gate_up_.value.size(0));
+    regather_ = nullptr;  // a part holds its own rows
+    start_forward(group_sizes);
+  }
+
+  Tensor forward_part(Tensor rows, int64_t group_begin, int64_t group_end) override {
+    XMOE_CHECK(0 <= group_begin && group_begin < group_end &&
+                   group_end <= static_cast<int64_t>(groups_.size()),
+               "[moe experts] part of groups [{}, {}) outside the forward's {} groups", group_begin,
+               group_end, groups_.size());
+    for (const Part& p : parts_)
+      XMOE_CHECK(p.group_end <= group_begin || group_end <= p.group_begin,
+                 "[moe experts] part of groups [{}, {}) overlaps the part [{}, {})", group_begin,
+                 group_end, p.group_begin, p.group_end);
+    return forward_part_(std::move(rows), group_begin, group_end);
+  }
+
+  Tensor backward_part(Tensor d_out, int64_t group_begin, int64_t group_end) override {
+    const int64_t row_begin = group_row_.at(group_begin), row_end = group_row_.at(group_end);
+    check_shape(d_out, {row_end - row_begin, down_.value.size(2)}, "moe experts backward", "d_out");
+    // The saved parts that hold these groups, each covering [g0, g1) of them.
+    std::vector<Part*> holders;
+    int64_t covered = group_begin;
+    for (Part& p : parts_)
+      if (p.group_begin < group_end && group_begin < p.group_end) holders.push_back(&p);
+    std::sort(holders.begin(), holders.end(),
+              [](const Part* a, const Part* b) { return a->group_begin < b->group_begin; });
+    for (const Part* p : holders) {
+      XMOE_CHECK(p->group_begin <= covered && (p->rows.defined() || p->h.defined() || regather_),
+                 "[moe experts] backward of groups [{}, {}) without their forward", group_begin,
+                 group_end);
+      covered = p->group_end;
+    }
+    XMOE_CHECK(!holders.empty() && covered >= group_end,
+               "[moe experts] backward of groups [{}, {}) without their forward", group_begin,
+               group_end);
+    if (!backward_started_) {  // the first part of this backward: overwrite or accumulate
+      accumulate_down_ = !down_.take_grad_overwrite();
+      accumulate_gate_up_ = !gate_up_.take_grad_overwrite();
+      backward_started_ = true;
+    }
     Tensor dout = xmoe::ops::as_dtype(d_out, wgu_.dtype());  // the rows' dtype
     d_out = Tensor();
-    // h [N, 2f] becomes dh in place, chunk by chunk: a and da [n_c, f] live for one chunk, one
-    // at a time. d_out and the saved rows go as soon as they are used.
-    if (!h_.defined() && !rows_.defined()) rows_ = input_rows();  // recompute: needed twice
-    Tensor dh = h_.defined() ? h_ : xmoe::ops::grouped_matmul(rows_, wgu_, groups_);  // h
-    h_ = Tensor();
-    const bool accumulate_down = !down_.take_grad_overwrite();
-    for (const Chunk& c : chunks()) {
-      const std::span<const int64_t> sizes = c.sizes(groups_);
-      Tensor h_c = dh.rows(c.row_begin, c.row_end), dout_c = dout.rows(c.row_begin, c.row_end);
-      Tensor dwd_c = down_.grad.rows(c.group_begin, c.group_end);
-      xmoe::ops::grouped_matmul_weight_grad(dwd_c, xmoe::ops::swiglu(h_c), dout_c, sizes,
-                                            accumulate_down);
-      Tensor da = xmoe::ops::grouped_matmul(dout_c, wd_.rows(c.group_begin, c.group_end), sizes,
-                                            true);  // [n_c, f]
-      xmoe::ops::swiglu_backward_(h_c, da);         // [n_c, 2f]
+    Tensor d_rows;
+    if (holders.size() == 1 && holders[0]->group_begin == group_begin &&
+        holders[0]->group_end == group_end) {  // exactly one forward part (always unchunked)
+      d_rows = backward_groups(*holders[0], group_begin, group_end, std::move(dout), nullptr);
+    } else {  // each piece into its rows of d_rows
+      d_rows = Tensor::empty({row_end - row_begin, wgu_.size(1)}, dout.dtype(), dout.device());
+      for (Part* p : holders) {
+        const int64_t g0 = std::max(group_begin, p->group_begin);
+        const int64_t g1 = std::min(group_end, p->group_end);
+        const int64_t r0 = group_row_[g0] - row_begin, r1 = group_row_[g1] - row_begin;
+        Tensor into = d_rows.rows(r0, r1);
+        backward_groups(*p, g0, g1, dout.rows(r0, r1), &into);
+      }
     }
-    dout = Tensor();
-    xmoe::ops::grouped_matmul_weight_grad(gate_up_.grad, input_rows(), dh, groups_,
-                                          !gate_up_.take_grad_overwrite());
-    rows_ = Tensor();  // so d_rows [N, d] takes its place rather than adding to it
-    regather_ = nullptr;
-    return xmoe::ops::grouped_matmul(dh, wgu_, groups_, true);  // [N, d]
+    std::erase_if(parts_, [](const Part& p) { return p.groups_left == 0; });
+    if (parts_.empty()) release();
+    return d_rows;
   }
 
   // Peaks in units of N elements, C chunks: forward holds rows, h, out and one chunk's a,
   // 2d + 2f + f / C; backward the same with d_out for out and a or da (unchunked: 2d + 3f).
 
   void release() override {
-    rows_ = h_ = wgu_ = wd_ = Tensor();
+    parts_.clear();
+    wgu_ = wd_ = Tensor();
     regather_ = nullptr;
+    backward_started_ = false;
   }
   void set_chunks(int chunks) override {
     XMOE_CHECK(chunks >= 0, "[moe] moe.expert_chunks = {} must be >= 0", chunks);
@@ -107,6 +135,12 @@ class SwigluExperts final : public Experts {
  private:
   /// Consecutive groups whose SwiGLU output a and its gradient da [n_c, f] are made one chunk at
   /// a time (forward and backward), so the layer never holds them for all N rows.
+  /// Consecutive groups forward ran together, and what it saved for their backward.
+  struct Part {
+    int64_t group_begin, group_end, row_begin, row_end;
+    Tensor rows, h;           // [n, d] (none with a regather), [n, 2f] (none with recompute)
+    int64_t groups_left = 0;  // not yet backwarded
+  };
   struct Chunk {
     int64_t group_begin, group_end, row_begin, row_end;
     std::span<const int64_t> sizes(const std::vector<int64_t>& groups) const {
@@ -119,24 +153,22 @@ class SwigluExperts final : public Experts {
   // N / C rows.
   static constexpr int kAutoChunks = 4;
   static constexpr int64_t kMinAutoChunkRows = 2048;
-  std::vector<Chunk> chunks() const {
-    const int64_t num_groups = static_cast<int64_t>(groups_.size());
-    int64_t n = 0;
-    for (int64_t g : groups_) n += g;
+  std::vector<Chunk> chunks(const Part& part) const {
+    const int64_t n = part.row_end - part.row_begin;
     int64_t want = chunks_;
     if (want == 0) {
       const bool wide = down_.value.size(1) > gate_up_.value.size(1);
       want = wide && n >= kAutoChunks * kMinAutoChunkRows ? kAutoChunks : 1;
     }
     std::vector<Chunk> out;
-    Chunk c{0, 0, 0, 0};
-    for (int64_t g = 0; g < num_groups; ++g) {
+    Chunk c{part.group_begin, part.group_begin, part.row_begin, part.row_begin};
+    for (int64_t g = part.group_begin; g < part.group_end; ++g) {
       c.group_end = g + 1;
       c.row_end += groups_[static_cast<size_t>(g)];
       const auto closed = static_cast<int64_t>(out.size()) + 1;
       // Close at the first group boundary at or past closed / want of the rows.
-      if (closed < want && c.row_end * want >= closed * n && c.row_end > c.row_begin &&
-          g + 1 < num_groups) {
+      if (closed < want && (c.row_end - part.row_begin) * want >= closed * n &&
+          c.row_end > c.row_begin && g + 1 < part.group_end) {
         out.push_back(c);
         c = Chunk{g + 1, g + 1, c.row_end, c.row_end};
       }
@@ -145,12 +177,93 @@ class SwigluExperts final : public Experts {
     return out;
   }
 
-  /// The saved rows, or (forget_input) the layer's gather of them, made now.
-  Tensor input_rows() const {
-    if (rows_.defined()) return rows_;
+  /// The part's saved rows, or (set_input_regather) the layer's gather of them, made now.
+  Tensor input_rows(const Part& part) const {
+    if (part.rows.defined()) return part.rows;
     Tensor rows = regather_();
-    check_shape(rows, {num_rows_, gate_up_.value.size(1)}, "moe experts", "re-gathered rows");
+    check_shape(rows, {part.row_end - part.row_begin, gate_up_.value.size(1)}, "moe experts",
+                "re-gathered rows");
     return rows;
+  }
+
+  /// Backward of groups [g0, g1) of `part`: dout [n, d] of their rows -> d_rows, written into
+  /// `into` when given (else returned). A part backwarded whole frees its saved tensors as it
+  /// goes; one backwarded in pieces keeps them until its last piece.
+  Tensor backward_groups(Part& part, int64_t g0, int64_t g1, Tensor dout, Tensor* into) {
+    const bool whole = g0 == part.group_begin && g1 == part.group_end;
+    const int64_t r0 = group_row_[g0] - part.row_begin, r1 = group_row_[g1] - part.row_begin;
+    const std::span<const int64_t> sizes{groups_.data() + g0, groups_.data() + g1};
+    const Tensor wgu = wgu_.rows(g0, g1);
+    XMOE_CHECK(whole || !regather_, "[moe experts] a re-gathered input backwarded in pieces");
+    // h [n, 2f] becomes dh in place, chunk by chunk: a and da [n_c, f] live for one chunk, one
+    // at a time. d_out and the saved rows go as soon as they are used.
+    if (!part.h.defined() && !part.rows.defined()) part.rows = input_rows(part);  // recompute
+    Tensor rows = part.rows.defined() ? part.rows.rows(r0, r1) : Tensor();
+    Tensor dh =
+        part.h.defined() ? part.h.rows(r0, r1) : xmoe::ops::grouped_matmul(rows, wgu, sizes);  // h
+    if (whole) part.h = Tensor();
+    for (const Chunk& c : chunks(Part{g0, g1, group_row_[g0], group_row_[g1], {}, {}, 0})) {
+      const std::span<const int64_t> csizes = c.sizes(groups_);
+      const int64_t c0 = c.row_begin - group_row_[g0], c1 = c.row_end - group_row_[g0];
+      Tensor h_c = dh.rows(c0, c1), dout_c = dout.rows(c0, c1);
+      Tensor dwd_c = down_.grad.rows(c.group_begin, c.group_end);
+      xmoe::ops::grouped_matmul_weight_grad(dwd_c, xmoe::ops::swiglu(h_c), dout_c, csizes,
+                                            accumulate_down_);
+      Tensor da = xmoe::ops::grouped_matmul(dout_c, wd_.rows(c.group_begin, c.group_end), csizes,
+                                            true);  // [n_c, f]
+      xmoe::ops::swiglu_backward_(h_c, da);         // [n_c, 2f]
+    }
+    dout = Tensor();
+    Tensor dwgu = gate_up_.grad.rows(g0, g1);
+    xmoe::ops::grouped_matmul_weight_grad(dwgu, rows.defined() ? rows : input_rows(part), dh, sizes,
+                                          accumulate_gate_up_);
+    rows = Tensor();
+    part.groups_left -= g1 - g0;
+    if (part.groups_left == 0) part.rows = part.h = Tensor();
+    if (!into) return xmoe::ops::grouped_matmul(dh, wgu, sizes, true);  // [n, d]
+    xmoe::ops::grouped_matmul_into(*into, dh, wgu, sizes, true);
+    return *into;
+  }
+
+  std::span<const int64_t> part_sizes(const Part& part) const {
+    return {groups_.data() + part.group_begin, groups_.data() + part.group_end};
+  }
+
+  void start_forward(std::span<const int64_t> group_sizes) {
+    parts_.clear();
+    backward_started_ = false;
+    groups_.assign(group_sizes.begin(), group_sizes.end());
+    group_row_.assign(groups_.size() + 1, 0);
+    for (size_t g = 0; g < groups_.size(); ++g) group_row_[g + 1] = group_row_[g] + groups_[g];
+    wgu_ = wd_ = Tensor();  // cast in the first part, to the rows' dtype
+  }
+
+  Tensor forward_part_(Tensor rows, int64_t group_begin, int64_t group_end) {
+    Part part{group_begin, group_end, group_row_[group_begin], group_row_[group_end],
+              {},          {},        group_end - group_begin};
+    const int64_t n = part.row_end - part.row_begin;
+    check_shape(rows, {n, gate_up_.value.size(1)}, "moe experts", "rows");
+    // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
+    // where there are none), kept for backward; the weight gradients are f32 or bf16.
+    if (!wgu_.defined()) {
+      wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), rows.dtype());
+      wd_ = xmoe::ops::as_dtype(down_.compute(), rows.dtype());
+    }
+    const std::span<const int64_t> sizes = part_sizes(part);
+    Tensor h =
+        xmoe::ops::grouped_matmul(rows, wgu_.rows(group_begin, group_end), sizes);  // [n, 2f]
+    part.rows = regather_ ? Tensor() : rows;
+    rows = Tensor();  // gone here if the caller moved it in and backward can regather it
+    Tensor out = Tensor::empty({n, wd_.size(2)}, h.dtype(), h.device());
+    for (const Chunk& c : chunks(part)) {  // a [n_c, f] lives for one chunk only
+      const int64_t r0 = c.row_begin - part.row_begin, r1 = c.row_end - part.row_begin;
+      Tensor out_c = out.rows(r0, r1);
+      xmoe::ops::grouped_matmul_into(out_c, xmoe::ops::swiglu(h.rows(r0, r1)),
+                                     wd_.rows(c.group_begin, c.group_end), c.sizes(groups_));
+    }
+    part.h = recompute_ ? Tensor() : h;
+    parts_.push_back(std::move(part));
+    return out;
   }
 
   bool recompute_;
@@ -158,8 +271,10 @@ class SwigluExperts final : public Experts {
   std::function<Tensor()> regather_;  // set_input_regather
   Parameter gate_up_, down_;
   std::vector<int64_t> groups_;
-  int64_t num_rows_ = 0;
-  Tensor rows_, h_;
+  std::vector<int64_t> group_row_;  // first row of each group [E_local + 1]
+  std::vector<Part> parts_;         // what forward saved, per part not yet backwarded
+  bool backward_started_ = false;
+  bool accumulate_down_ = false, accumulate_gate_up_ = false;
   Tensor wgu_, wd_;  // the weights in the rows' dtype (the parameters themselves when f32)
 };
 

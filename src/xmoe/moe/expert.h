@@ -42,6 +42,20 @@ class Experts : public Module {
   /// that moves it in lets the experts free it (and their saved rows) as soon as they are used.
   virtual Tensor backward(Tensor d_out) = 0;
   virtual void release() = 0;
+
+  // Parts (the pipelined layer, moe.pipeline): forward and backward over consecutive groups,
+  // one part at a time, so that the rows of one part can move while another computes. Each
+  // group's rows see the same GEMM calls as in one forward (a group is never split), so the
+  // outputs and weight gradients are bitwise those of forward/backward.
+  /// Starts a forward in parts: every group's size [E_local]. No input regather.
+  virtual void begin_forward(std::span<const int64_t> group_sizes) = 0;
+  /// rows [n, d] of groups [group_begin, group_end) -> their output [n, d]. The parts of one
+  /// forward cover the groups once each.
+  virtual Tensor forward_part(Tensor rows, int64_t group_begin, int64_t group_end) = 0;
+  /// Backward of the part over groups [group_begin, group_end): d_out [n, d] -> d_rows [n, d];
+  /// writes those groups' weight gradients. Once every part is done, the saved state is freed.
+  virtual Tensor backward_part(Tensor d_out, int64_t group_begin, int64_t group_end) = 0;
+
   virtual void set_recompute(bool on) = 0;
   /// The hidden activations [N, f] in this many chunks of rows (moe.expert_chunks; 0: auto).
   virtual void set_chunks(int chunks) = 0;

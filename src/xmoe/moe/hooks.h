@@ -51,6 +51,11 @@ class Hooks {
   void remove(HookId id);
   void clear();
   bool empty() const;
+  /// Whether a hook is registered on boundary B.
+  template <class B>
+  bool has() const {
+    return !std::get<List<B>>(lists_).empty();
+  }
 
   /// Used by the layer: runs B's hooks on `boundary`; true when one replaced a tensor.
   template <class B>

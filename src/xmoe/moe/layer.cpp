@@ -7,6 +7,7 @@
 
 #include "xmoe/core/profile.h"
 #include "xmoe/moe/padded.h"
+#include "xmoe/moe/pipeline.h"
 #include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
@@ -83,6 +84,19 @@ void MoELayer::make_dispatcher_(int ranks_per_node) {
 void MoELayer::set_ranks_per_node(int ranks_per_node) {
   release();
   make_dispatcher_(ranks_per_node);
+  if (pipeline_fwd_ > 1 || pipeline_bwd_ > 1) set_pipeline(pipeline_fwd_, pipeline_bwd_);
+}
+
+void MoELayer::set_pipeline(int forward_chunks, int backward_chunks) {
+  XMOE_CHECK(forward_chunks >= 1 && backward_chunks >= 1,
+             "[moe] model.moe.pipeline: {} forward and {} backward chunks; both must be >= 1",
+             forward_chunks, backward_chunks);
+  XMOE_CHECK((forward_chunks == 1 && backward_chunks == 1) || dispatcher_->pipelines(),
+             "[moe] model.moe.pipeline: moe.dispatch = '{}' does not pipeline (local, all_to_all "
+             "and rbd do)",
+             dispatcher_->name());
+  pipeline_fwd_ = forward_chunks;
+  pipeline_bwd_ = backward_chunks;
 }
 
 namespace {
@@ -147,34 +161,52 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   dropped_ = layout.dropped;
   for (size_t e = 0; e < load_.size(); ++e) pending_load_[e] += load_[e];
 
-  DispatchOut dsp = timed("moe.dispatch.fwd", device_, [&] {
-    DispatchResult r = reduces
-                           ? dispatcher_->dispatch(o.rows, layout.group_sizes,
-                                                   RowInfo{layout.token_ids, o.combine_weights, T})
-                           : dispatcher_->dispatch(o.rows, layout.group_sizes);
-    handle_ = std::move(r.handle);
-    return DispatchOut{std::move(r.rows), handle_.recv_tokens_per_expert};
-  });
-  const bool expert_in_replaced = hooks_.run(dsp);
-  // The experts' input is the order stage's gather of x when dispatch moved nothing (same
-  // storage) and no hook replaced it: keep x (the router holds it anyway) and the PFT indices
-  // instead of the rows [N, d], which go once h is made, and gather them again where backward
-  // needs them.
-  const bool regather =
-      !rows_replaced && !expert_in_replaced && dsp.expert_in.raw() == o.rows.raw();
-  o.rows = Tensor();  // dispatched: the experts hold what they need
+  const int64_t num_local = cfg_.num_experts / ep_size_;
+  const bool pipelined =
+      pipeline_fwd_ > 1 && num_local > 1 && !hooks_.has<DispatchOut>() && !hooks_.has<ExpertOut>();
+  CombineOut c;
+  if (pipelined) {
+    // Dispatch, Expert and Combine chunk by chunk (moe/pipeline.h); no regather: each chunk's
+    // experts keep their own rows.
+    c = timed("moe.pipeline.fwd", device_, [&] {
+      handle_ = dispatcher_->plan(o.rows, layout.group_sizes,
+                                  RowInfo{layout.token_ids, o.combine_weights, T});
+      const ChunkBounds bounds = even_chunks(num_local, pipeline_fwd_);
+      std::unique_ptr<ChunkedPass> pass = dispatcher_->forward_pass(take(o.rows), handle_, bounds);
+      experts_->begin_forward(handle_.recv_tokens_per_expert);
+      return CombineOut{run_pipeline(*pass, bounds, [&](int k, Tensor rows) {
+        return experts_->forward_part(std::move(rows), bounds[k], bounds[k + 1]);
+      })};
+    });
+  } else {
+    DispatchOut dsp = timed("moe.dispatch.fwd", device_, [&] {
+      DispatchResult r =
+          reduces ? dispatcher_->dispatch(o.rows, layout.group_sizes,
+                                          RowInfo{layout.token_ids, o.combine_weights, T})
+                  : dispatcher_->dispatch(o.rows, layout.group_sizes);
+      handle_ = std::move(r.handle);
+      return DispatchOut{std::move(r.rows), handle_.recv_tokens_per_expert};
+    });
+    const bool expert_in_replaced = hooks_.run(dsp);
+    // The experts' input is the order stage's gather of x when dispatch moved nothing (same
+    // storage) and no hook replaced it: keep x (the router holds it anyway) and the PFT indices
+    // instead of the rows [N, d], which go once h is made, and gather them again where backward
+    // needs them.
+    const bool regather = !rows_replaced && !expert_in_replaced &&
+                          dsp.expert_in.raw() == o.rows.raw() && pipeline_bwd_ == 1;
+    o.rows = Tensor();  // dispatched: the experts hold what they need
 
-  ExpertOut e = timed("moe.expert.fwd", device_, [&] {
-    experts_->set_input_regather(
-        regather ? std::function<Tensor()>([this, x = in.x] { return order_->gather(x); })
-                 : nullptr);
-    return ExpertOut{experts_->forward(take(dsp.expert_in), handle_.recv_tokens_per_expert)};
-  });
-  hooks_.run(e);
+    ExpertOut e = timed("moe.expert.fwd", device_, [&] {
+      experts_->set_input_regather(
+          regather ? std::function<Tensor()>([this, x = in.x] { return order_->gather(x); })
+                   : nullptr);
+      return ExpertOut{experts_->forward(take(dsp.expert_in), handle_.recv_tokens_per_expert)};
+    });
+    hooks_.run(e);
 
-  CombineOut c = timed("moe.combine.fwd", device_, [&] {
-    return CombineOut{dispatcher_->combine(take(e.expert_out), handle_)};
-  });
+    c = timed("moe.combine.fwd", device_,
+              [&] { return CombineOut{dispatcher_->combine(take(e.expert_out), handle_)}; });
+  }
   hooks_.run(c);
 
   IOrderOut io = timed("moe.iorder.fwd", device_, [&] {
@@ -219,24 +251,45 @@ Tensor MoELayer::backward(const Tensor& dy) {
   hooks_.run(ig);
   iorder_.release();
 
-  CombineGrad cg = timed("moe.combine.bwd", device_, [&] {
-    Tensor d_out = dispatcher_->combine_backward(take(ig.d_rows_out), handle_);
-    Tensor d_cw = reduces ? dispatcher_->combine_weights_grad(handle_) : take(ig.d_combine_weights);
-    return CombineGrad{std::move(d_out), std::move(d_cw)};
-  });
-  hooks_.run(cg);
+  const int64_t num_local = cfg_.num_experts / ep_size_;
+  const bool pipelined =
+      pipeline_bwd_ > 1 && num_local > 1 && !hooks_.has<CombineGrad>() && !hooks_.has<ExpertGrad>();
+  CombineGrad cg;
+  DispatchGrad dg;
+  if (pipelined) {
+    // Combine, Expert and Dispatch backward chunk by chunk (moe/pipeline.h).
+    dg = timed("moe.pipeline.bwd", device_, [&] {
+      const ChunkBounds bounds = even_chunks(num_local, pipeline_bwd_);
+      std::unique_ptr<ChunkedPass> pass =
+          dispatcher_->backward_pass(take(ig.d_rows_out), handle_, bounds);
+      return DispatchGrad{run_pipeline(*pass, bounds, [&](int k, Tensor d_out) {
+        return experts_->backward_part(std::move(d_out), bounds[k], bounds[k + 1]);
+      })};
+    });
+    cg.d_combine_weights =
+        reduces ? dispatcher_->combine_weights_grad(handle_) : take(ig.d_combine_weights);
+    experts_->release();
+  } else {
+    cg = timed("moe.combine.bwd", device_, [&] {
+      Tensor d_out = dispatcher_->combine_backward(take(ig.d_rows_out), handle_);
+      Tensor d_cw =
+          reduces ? dispatcher_->combine_weights_grad(handle_) : take(ig.d_combine_weights);
+      return CombineGrad{std::move(d_out), std::move(d_cw)};
+    });
+    hooks_.run(cg);
 
-  ExpertGrad eg = timed("moe.expert.bwd", device_, [&] {
-    // The experts get the only reference to their output gradient (and the rows it came from)
-    // and free it mid-backward: [N, d] less at the peak.
-    return ExpertGrad{experts_->backward(take(cg.d_expert_out))};
-  });
-  hooks_.run(eg);
-  experts_->release();
+    ExpertGrad eg = timed("moe.expert.bwd", device_, [&] {
+      // The experts get the only reference to their output gradient (and the rows it came from)
+      // and free it mid-backward: [N, d] less at the peak.
+      return ExpertGrad{experts_->backward(take(cg.d_expert_out))};
+    });
+    hooks_.run(eg);
+    experts_->release();
 
-  DispatchGrad dg = timed("moe.dispatch.bwd", device_, [&] {
-    return DispatchGrad{dispatcher_->dispatch_backward(take(eg.d_expert_in), handle_)};
-  });
+    dg = timed("moe.dispatch.bwd", device_, [&] {
+      return DispatchGrad{dispatcher_->dispatch_backward(take(eg.d_expert_in), handle_)};
+    });
+  }
   hooks_.run(dg);
 
   OrderGrad og = timed("moe.order.bwd", device_, [&] {

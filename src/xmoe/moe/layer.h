@@ -130,6 +130,16 @@ class MoELayer : public Module {
   /// The experts' [N, f] activations in this many row chunks (moe.expert_chunks; 0: auto).
   void set_expert_chunks(int chunks) { experts_->set_chunks(chunks); }
 
+  /// The pipelined layer (model.moe.pipeline, docs/pipeline.md): forward runs Dispatch, Expert
+  /// and Combine in `forward_chunks` chunks of local experts, backward their backwards in
+  /// `backward_chunks`, each exchange overlapping the experts of another chunk; 1 = unchunked.
+  /// At most E_local chunks are made. The results are bitwise those of 1 chunk. A pass runs
+  /// unchunked while a hook sees its inner boundaries (DispatchOut, ExpertOut; CombineGrad,
+  /// ExpertGrad), which exist only whole. Throws for a dispatcher that does not pipeline.
+  void set_pipeline(int forward_chunks, int backward_chunks);
+  int pipeline_forward() const { return pipeline_fwd_; }
+  int pipeline_backward() const { return pipeline_bwd_; }
+
   /// Rebuilds the dispatcher with simulated nodes of `ranks_per_node` ep ranks (rbd; 0 = the
   /// group's topology). For tests and benchmarks on one machine; collective over the ep group.
   void set_ranks_per_node(int ranks_per_node);
@@ -202,6 +212,7 @@ class MoELayer : public Module {
   float aux_grad_scale_ = 1.0f;
   bool record_coactivation_ = false;
   CoactivationMatrix coactivation_;
+  int pipeline_fwd_ = 1, pipeline_bwd_ = 1;
 };
 
 }  // namespace xmoe::moe

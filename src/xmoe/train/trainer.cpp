@@ -26,6 +26,7 @@
 #include "xmoe/optim/schedule.h"
 #include "xmoe/parallel/grad_sync.h"
 #include "xmoe/parallel/layout.h"
+#include "xmoe/sched/pipeline_plan.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/flops.h"
 #include "xmoe/train/progress.h"
@@ -306,6 +307,7 @@ class Run {
     if (tc_.offload_optimizer) model_->offload_master_weights();
     params_ = model_->parameters();
     moe_layers_ = model_->moe_layers();
+    configure_pipeline();
     // parallel.zero >= 1: AdamW holds moments only for the pieces of the buckets' shards this
     // rank owns (zero 0: every parameter whole, one piece each).
     grad_sync_ =
@@ -320,6 +322,19 @@ class Run {
     tokens_per_step_ =
         static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum * layout_.data_ranks();
     result.out_dir = tc_.out_dir;
+  }
+
+  /// model.moe.pipeline: the chunks of every MoE layer (the same shape everywhere), logged.
+  void configure_pipeline() {
+    if (moe_layers_.empty()) return;
+    const int64_t tokens = static_cast<int64_t>(tc_.batch_size) * tc_.seq_len /
+                           (layout_.tp > 1 && layout_.ssmb ? layout_.tp : 1);
+    const int ep_nodes = layout_.ep_group ? layout_.ep_group->topology().num_nodes() : 1;
+    const auto bytes = static_cast<int64_t>(dtype_size(compute_dtype(tc_, device_)));
+    const sched::PipelineChoice p =
+        sched::resolve_pipeline(config_, tokens, layout_.ep, ep_nodes, bytes);
+    for (moe::MoELayer* l : moe_layers_) l->set_pipeline(p.forward, p.backward);
+    if (leader_ && config_.model.moe.pipeline != "off") spdlog::info("{}", p.summary());
   }
 
   /// --resume: restores the latest checkpoint; returns its step.

@@ -74,12 +74,6 @@ std::vector<int> to_int_counts(std::span<const int64_t> rows, const char* what) 
   return out;
 }
 
-std::vector<int> displacements(const std::vector<int>& counts) {
-  std::vector<int> d(counts.size(), 0);
-  for (size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1];
-  return d;
-}
-
 /// A non-blocking MPI collective; keeps its buffers and datatype alive until wait().
 class MpiWork final : public Work {
  public:
@@ -158,9 +152,12 @@ class MpiGroup final : public Group {
   }
 
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                                        std::span<const int64_t> recv_rows, Tensor& recv) override {
+                                        std::span<const int64_t> send_offsets, Tensor& recv,
+                                        std::span<const int64_t> recv_rows,
+                                        std::span<const int64_t> recv_offsets) override {
     auto sc = to_int_counts(send_rows, "send_rows"), rc = to_int_counts(recv_rows, "recv_rows");
-    auto sd = displacements(sc), rd = displacements(rc);
+    auto sd = to_int_counts(send_offsets, "send_offsets");
+    auto rd = to_int_counts(recv_offsets, "recv_offsets");
     auto type = std::make_unique<RowType>(row_bytes(send));
     MPI_Request req;
     MPI_CHECK(MPI_Ialltoallv(send.raw(), sc.data(), sd.data(), type->get(), recv.raw(), rc.data(),

@@ -262,7 +262,9 @@ class NcclGroup final : public Group {
   }
 
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
-                                        std::span<const int64_t> recv_rows, Tensor& recv) override {
+                                        std::span<const int64_t> send_offsets, Tensor& recv,
+                                        std::span<const int64_t> recv_rows,
+                                        std::span<const int64_t> recv_offsets) override {
     const int64_t rb = row_bytes(send);
     cudaStream_t s = begin();
     // One group of point-to-point calls (the self pair included); a peer with zero rows each
@@ -278,15 +280,14 @@ class NcclGroup final : public Group {
       failed = call;
     };
     NCCL_CHECK(ncclGroupStart());
-    int64_t send_off = 0, recv_off = 0;
     for (int p = 0; p < size_; ++p) {
       const auto sb = static_cast<size_t>(send_rows[p] * rb);
       const auto rbytes = static_cast<size_t>(recv_rows[p] * rb);
-      if (sb > 0) keep_first(ncclSend(src + send_off, sb, ncclUint8, p, comm_, s), "ncclSend");
+      if (sb > 0)
+        keep_first(ncclSend(src + send_offsets[p] * rb, sb, ncclUint8, p, comm_, s), "ncclSend");
       if (rbytes > 0)
-        keep_first(ncclRecv(dst + recv_off, rbytes, ncclUint8, p, comm_, s), "ncclRecv");
-      send_off += static_cast<int64_t>(sb);
-      recv_off += static_cast<int64_t>(rbytes);
+        keep_first(ncclRecv(dst + recv_offsets[p] * rb, rbytes, ncclUint8, p, comm_, s),
+                   "ncclRecv");
     }
     const ncclResult_t end = ncclGroupEnd();
     XMOE_CHECK(first == ncclSuccess, "[nccl] {} in all_to_all_v failed: {}{}", failed,
