@@ -134,9 +134,13 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
                     // Memory depends on neither the dispatch nor the accumulation: model it once.
                     const auto key = std::make_tuple(tp, ep, ssmb, zero, offload, rc, eg, mb);
                     const auto it = memories.find(key);
-                    std::optional<Candidate> c =
-                        evaluate(base, l, it == memories.end() ? nullptr : &it->second, rates, o);
-                    if (!c) continue;
+                    std::optional<Candidate> c;
+                    try {
+                      c = evaluate_layout(base, l, rates, o,
+                                          it == memories.end() ? nullptr : &it->second);
+                    } catch (const Error&) {
+                      continue;  // the config refuses the layout (validate, the memory model)
+                    }
                     if (it == memories.end()) memories.emplace(key, c->memory);
                     ++plan.layouts;
                     plan.fitting += c->fits;
