@@ -55,6 +55,22 @@ double Rates::stream(double bytes) const {
   return bytes / cluster_.memory_bandwidth;
 }
 
+double Rates::attention(Task kind, int64_t pairs, int64_t head_dim, int64_t seq_len) const {
+  if (pairs <= 0) return 0;
+  if (profile_)
+    if (const auto t = profile_->predict_attention(kind, pairs, head_dim, seq_len)) return *t;
+  const double s = static_cast<double>(seq_len);
+  const double causal = 2.0 * static_cast<double>(pairs) * s * s * static_cast<double>(head_dim);
+  return kGemmLatency + (kind == Task::attention_backward ? 2.5 : 1.0) * causal /
+                            (cluster_.peak_flops * cluster_.gemm_efficiency);
+}
+
+double Rates::adamw(int64_t elements) const {
+  if (profile_)
+    if (const auto t = profile_->predict_adamw(elements)) return *t;
+  return stream(28.0 * static_cast<double>(elements));
+}
+
 Link Rates::link(Task task, comm::LinkClass link) const {
   if (profile_)
     if (const sched::TaskModel* m = profile_->find(task, link); m && m->ranks > 1) {
@@ -220,16 +236,18 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
         rates.collective(Task::all_gather, tp_replicas, mem.tensor_gradient_bytes);
   }
 
-  // AdamW streams its elements (parameter, gradient, m, v read; parameter, m, v written: 28
-  // bytes each), the norm and clipping the gradients, the bf16 copies are rewritten.
+  // AdamW over the elements this rank owns; the global norm reads the gradients and clipping
+  // rewrites them. Offloaded, the update runs on the host's threads (28 bytes an element
+  // streamed from DRAM) after the gradients cross the host link and before the bf16 copies
+  // come back.
   const double owned = static_cast<double>(mem.owned_parameters);
-  const double grad_pass = 3.0 * mem.whole_gradient_bytes;
+  const double grad_pass = rates.stream(3.0 * mem.whole_gradient_bytes);
   double optimizer = 0;
   if (mem.offload && mem.cuda) {
-    optimizer = rates.stream(grad_pass) + 28 * owned / (kHostUpdateBandwidth / std::max(1, g)) +
+    optimizer = grad_pass + 28 * owned / (kHostUpdateBandwidth / std::max(1, g)) +
                 (owned * 4 + mem.compute_copy_bytes) / rates.cluster().host_bandwidth;
   } else {
-    optimizer = rates.stream(28 * owned + grad_pass + mem.compute_copy_bytes);
+    optimizer = grad_pass + rates.adamw(mem.owned_parameters);
   }
 
   StepTime t;
@@ -238,8 +256,10 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   t.optimizer = optimizer;
   t.hidden = hidden;
   t.total = t.compute + t.communication + t.optimizer - t.hidden;
-  t.terms = {{"forward", forward},
-             {"backward", backward},
+  t.terms = {{"attention fwd+bwd", micro * m.num_layers * (attn_f + attn_b)},
+             {"dense FFN fwd+bwd", micro * dense_layers * (dense_f + dense_b)},
+             {"MoE compute fwd+bwd", micro * moe_layers * (moe_f + moe_b)},
+             {"LM head + loss fwd+bwd", micro * (head_f + head_b)},
              {"recompute", recompute},
              {"tp collectives", tp_comm},
              {"dispatch + combine", dispatch},

@@ -37,6 +37,13 @@ class Rates {
   double gemm(sched::Task kind, int64_t rows, int64_t in, int64_t out) const;
   /// Elementwise work that reads and writes `bytes` in all.
   double stream(double bytes) const;
+  /// Causal attention (sched::Task attention kinds) of `pairs` (sequence, head) pairs: the
+  /// profile's model, else the cluster's FLOP rate on the causal half of the square (backward:
+  /// 2.5 times forward's FLOPs).
+  double attention(sched::Task kind, int64_t pairs, int64_t head_dim, int64_t seq_len) const;
+  /// AdamW over `elements` f32 parameters: the profile's model, else streaming the 28 bytes an
+  /// element reads and writes.
+  double adamw(int64_t elements) const;
   /// One collective (bytes as sched::Task defines them) over `span`: on one node over the
   /// intra-node link; over several, the intra-node part then the inter-node part (all_reduce,
   /// all_gather, reduce_scatter: hierarchical), or both links at once (all_to_all_v).
