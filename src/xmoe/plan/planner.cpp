@@ -210,13 +210,11 @@ LargestModel largest_model(const Config& base, const Rates& rates,
   std::sort(models.begin(), models.end(), [](const LargestModel& a, const LargestModel& b) {
     return a.parameters > b.parameters;
   });
-  // The least memory a layout can take: zero 2, every recompute, the smallest micro-batch; the
-  // first model (largest first) that fits in one of those gets the full plan.
+  // A smaller micro-batch never takes more memory: the first model (largest first) that fits
+  // at the smallest one gets the full plan. (Neither zero 2 nor more recompute is always
+  // smaller: zero 2 holds the whole gradients inside the step, recompute adds working sets.)
   PlanOptions least = o;
-  least.zero_choices = {2};
-  least.recompute_choices = {o.recompute_choices.back()};
-  least.micro_batches = {o.micro_batches.front()};
-  least.expert_grad_choices = {o.expert_grad_choices.back()};
+  least.micro_batches = {*std::min_element(o.micro_batches.begin(), o.micro_batches.end())};
   for (LargestModel& m : models) {
     const Config c = scaled_model(base, m.layers, m.experts);
     if (make_plan(c, rates, least).fitting == 0) continue;
