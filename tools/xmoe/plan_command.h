@@ -28,8 +28,8 @@ class PlanCommand {
   bool no_offload_ = false;
   double load_imbalance_ = 1.25;
   bool largest_ = false;
-  std::vector<int> largest_layers_ = {56, 64, 72, 80, 96, 112, 128};
-  std::vector<int> largest_experts_ = {256, 320, 384, 512, 640, 768, 1024};
+  std::vector<int> largest_layers_ = {8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64};
+  std::vector<int> largest_experts_ = {64, 128, 256, 384, 512, 768, 1024};
 };
 
 }  // namespace xmoe::cli
