@@ -5,7 +5,6 @@
 // GPU is not shared) are compared with the planner's prediction: within 10% and 15%.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdio>
 
 #include "cuda_testing.h"
@@ -27,24 +26,12 @@ plan::Cluster one_gpu() {
   return c;
 }
 
-double median_step_seconds(const train::TrainResult& r) {
-  std::vector<double> s;
-  for (size_t i = 1; i < r.steps.size(); ++i) s.push_back(r.steps[i].seconds);  // not the first
-  std::sort(s.begin(), s.end());
-  return s.empty() ? 0 : s[s.size() / 2];
-}
-
 }  // namespace
 
 TEST_F(CudaPlanTest, MemoryAndStepTimeMatchMeasuredRunsOnOneGpu) {
   XMOE_REQUIRE_CUDA();
-  Config base = preset("moe-1b");
-  const Config t = tiny();
-  base.data = t.data;
+  Config base = moe_1b_shape();
   base.train.steps = 8;
-  base.train.eval_every = 0;
-  base.train.save_every = 0;
-  base.model.num_layers = 4;
   // moe-1b's GEMMs: attention (d 1024), router (64 experts), experts (f 256), 2 shared experts,
   // the LM head (vocab 32768); attention of head_dim 64 over 2048 tokens.
   sched::ProfileOptions po;
@@ -68,7 +55,7 @@ TEST_F(CudaPlanTest, MemoryAndStepTimeMatchMeasuredRunsOnOneGpu) {
     const plan::Candidate p = plan::evaluate_layout(base, l, rates);
     const train::TrainResult r = xmoe::testing::run_training(
         p.config, (root_ / ("run-" + l.str())).string(), comm::make_single_group());
-    const double step = median_step_seconds(r);
+    const double step = xmoe::testing::median_step_seconds(r);
     const double memory_err = static_cast<double>(p.memory.peak_bytes - r.peak_step_bytes) /
                               static_cast<double>(r.peak_step_bytes);
     const double time_err = (p.time.total - step) / step;

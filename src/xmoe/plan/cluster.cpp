@@ -69,6 +69,12 @@ struct Reader {
     XMOE_CHECK(open ? v > lo : v >= lo, "{} = {} must be {} {}", key(k), v, open ? ">" : ">=", lo);
     return v;
   }
+  /// A fraction in (0, 1].
+  double fraction(const YAML::Node& n, const std::string& k) const {
+    const double v = number(n, k, 0, true);
+    XMOE_CHECK(v <= 1, "{} = {} must be <= 1", key(k), v);
+    return v;
+  }
   int integer(const YAML::Node& n, const std::string& k) const {
     int v = 0;
     try {
@@ -145,11 +151,7 @@ Cluster cluster_from_yaml(const std::string& text, const std::string& source) {
          c.gpu_memory = static_cast<int64_t>(r.number(n, "gpu_memory_gib", 0, true) * kGiB);
        }},
       {"usable_memory",
-       [&](const YAML::Node& n) {
-         c.usable_memory = r.number(n, "usable_memory", 0, true);
-         XMOE_CHECK(c.usable_memory <= 1, "{} = {} must be <= 1", r.key("usable_memory"),
-                    c.usable_memory);
-       }},
+       [&](const YAML::Node& n) { c.usable_memory = r.fraction(n, "usable_memory"); }},
       {"host_memory_gib",
        [&](const YAML::Node& n) {
          c.host_memory = static_cast<int64_t>(r.number(n, "host_memory_gib", 0, false) * kGiB);
@@ -157,11 +159,7 @@ Cluster cluster_from_yaml(const std::string& text, const std::string& source) {
       {"peak_tflops",
        [&](const YAML::Node& n) { c.peak_flops = r.number(n, "peak_tflops", 0, true) * 1e12; }},
       {"gemm_efficiency",
-       [&](const YAML::Node& n) {
-         c.gemm_efficiency = r.number(n, "gemm_efficiency", 0, true);
-         XMOE_CHECK(c.gemm_efficiency <= 1, "{} = {} must be <= 1", r.key("gemm_efficiency"),
-                    c.gemm_efficiency);
-       }},
+       [&](const YAML::Node& n) { c.gemm_efficiency = r.fraction(n, "gemm_efficiency"); }},
       {"memory_bandwidth_gbs",
        [&](const YAML::Node& n) {
          c.memory_bandwidth = r.number(n, "memory_bandwidth_gbs", 0, true) * kGB;

@@ -143,6 +143,22 @@ TaskModel read_model(const Reader& r, const json& m, const std::string& where) {
   return tm;
 }
 
+/// The model of `kind` whose shape (a, b) is nearest (a0, b0) in log2 distance, or nullptr.
+template <typename Shape>
+const TaskModel* nearest_model(const std::vector<TaskModel>& models, Task kind, Shape shape,
+                               int64_t a0, int64_t b0) {
+  const TaskModel* best = nullptr;
+  double best_distance = 0;
+  for (const TaskModel& m : models) {
+    if (m.task != kind) continue;
+    const auto [a, b] = shape(m);
+    const double distance = std::abs(std::log2(static_cast<double>(a) / a0)) +
+                            std::abs(std::log2(static_cast<double>(b) / b0));
+    if (!best || distance < best_distance) best = &m, best_distance = distance;
+  }
+  return best;
+}
+
 }  // namespace
 
 std::string_view task_name(Task task) {
@@ -199,14 +215,8 @@ double Profile::predict_gemm(Task kind, int64_t rows, int64_t in, int64_t out) c
   XMOE_CHECK(rows >= 0 && in > 0 && out > 0,
              "[profile] predict_gemm: rows {} in {} out {} (need rows >= 0, in and out > 0)", rows,
              in, out);
-  const TaskModel* best = nullptr;
-  double best_distance = 0;
-  for (const TaskModel& m : models) {
-    if (m.task != kind) continue;
-    const double distance = std::abs(std::log2(static_cast<double>(m.in) / in)) +
-                            std::abs(std::log2(static_cast<double>(m.out) / out));
-    if (!best || distance < best_distance) best = &m, best_distance = distance;
-  }
+  const TaskModel* best = nearest_model(
+      models, kind, [](const TaskModel& m) { return std::pair(m.in, m.out); }, in, out);
   XMOE_CHECK(best != nullptr, "[profile] the profile has no {} model", task_name(kind));
   return best->fit.predict(2.0 * static_cast<double>(rows) * static_cast<double>(in) *
                            static_cast<double>(out));
@@ -227,14 +237,9 @@ std::optional<double> Profile::predict_attention(Task kind, int64_t pairs, int64
   XMOE_CHECK(pairs >= 0 && head_dim > 0 && seq_len > 0,
              "[profile] predict_attention: pairs {} head_dim {} seq_len {}", pairs, head_dim,
              seq_len);
-  const TaskModel* best = nullptr;
-  double best_distance = 0;
-  for (const TaskModel& m : models) {
-    if (m.task != kind) continue;
-    const double distance = std::abs(std::log2(static_cast<double>(m.head_dim) / head_dim)) +
-                            std::abs(std::log2(static_cast<double>(m.seq_len) / seq_len));
-    if (!best || distance < best_distance) best = &m, best_distance = distance;
-  }
+  const TaskModel* best = nearest_model(
+      models, kind, [](const TaskModel& m) { return std::pair(m.head_dim, m.seq_len); }, head_dim,
+      seq_len);
   if (!best) return std::nullopt;
   const double s = static_cast<double>(seq_len);
   return best->fit.predict(4.0 * static_cast<double>(pairs) * s * s *
