@@ -137,14 +137,11 @@ TEST(PlanPredictions, MemoryAndStepTimeMatchMeasuredRuns) {
                 rank, k.what.c_str(), static_cast<long long>(p.memory.peak_bytes),
                 static_cast<long long>(r.peak_step_bytes), 100 * memory_err);
     if (rank == 0) {
-      std::string terms;
-      for (const plan::TimeTerm& t : p.time.terms)
-        if (t.seconds != 0) terms += fmt::format(" {} {:.4f};", t.name, t.seconds);
       std::printf(
           "[plan] np %d %-16s step predicted %.4f s; measured CPU %.4f s (%+.1f%%), wall %.4f s "
           "(%+.1f%%)\n[plan]   predicted:%s\n",
           n, k.what.c_str(), p.time.total, cpu_step, 100 * time_err, wall_step,
-          100 * (p.time.total - wall_step) / wall_step, terms.c_str());
+          100 * (p.time.total - wall_step) / wall_step, plan::time_terms(p.time).c_str());
     }
     worst_memory = std::max(worst_memory, std::abs(memory_err));
     worst_time = std::max(worst_time, std::abs(time_err));

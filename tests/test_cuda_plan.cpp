@@ -59,15 +59,12 @@ TEST_F(CudaPlanTest, MemoryAndStepTimeMatchMeasuredRunsOnOneGpu) {
     const double memory_err = static_cast<double>(p.memory.peak_bytes - r.peak_step_bytes) /
                               static_cast<double>(r.peak_step_bytes);
     const double time_err = (p.time.total - step) / step;
-    std::string terms;
-    for (const plan::TimeTerm& term : p.time.terms)
-      if (term.seconds != 0) terms += fmt::format(" {} {:.4f};", term.name, term.seconds);
     std::printf(
         "[plan] cuda %-18s peak predicted %lld measured %lld (%+.1f%%); step predicted %.4f s "
         "measured %.4f s (%+.1f%%)\n[plan]   predicted:%s\n",
         k.what, static_cast<long long>(p.memory.peak_bytes),
         static_cast<long long>(r.peak_step_bytes), 100 * memory_err, p.time.total, step,
-        100 * time_err, terms.c_str());
+        100 * time_err, plan::time_terms(p.time).c_str());
     EXPECT_LE(std::abs(memory_err), 0.10) << k.what;
     EXPECT_LE(std::abs(time_err), 0.15) << k.what;
   }

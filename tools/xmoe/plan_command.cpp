@@ -79,10 +79,7 @@ void PlanCommand::run() const {
                static_cast<double>(cluster.gpu_memory) / (1 << 30));
     chosen = p.candidates.front();
   }
-  std::printf("# the chosen step, seconds:");
-  for (const plan::TimeTerm& t : chosen.time.terms)
-    if (t.seconds != 0) std::printf(" %s %.4g;", t.name.c_str(), t.seconds);
-  std::printf("\n");
+  std::printf("# the chosen step, seconds:%s\n", plan::time_terms(chosen.time).c_str());
   if (!out_.empty()) {
     io::write_file_atomic(out_, plan::chosen_yaml(chosen, cluster));
     std::printf("wrote %s (xmoe train --config %s on %d ranks)\n", out_.c_str(), out_.c_str(),

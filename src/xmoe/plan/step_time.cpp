@@ -111,6 +111,13 @@ double Rates::all_to_all(GroupSpan span, double intra_bytes, double inter_bytes)
   return t;
 }
 
+std::string time_terms(const StepTime& time) {
+  std::string s;
+  for (const TimeTerm& t : time.terms)
+    if (t.seconds != 0) s += fmt::format(" {} {:.4g};", t.name, t.seconds);
+  return s;
+}
+
 StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const Rates& rates,
                            const StepTimeOptions& o) {
   const ModelConfig& m = c.model;

@@ -82,6 +82,9 @@ struct StepTimeOptions {
   int moe_chunks = 1;
 };
 
+/// The non-zero terms: " attention fwd+bwd 0.1024; dense FFN fwd+bwd 0.0666; ..." (seconds).
+std::string time_terms(const StepTime& time);
+
 /// The step time of `config` on rank 0 of `options.world` ranks, whose memory model is
 /// `memory` (it gives the gradient bytes per sync group and the optimizer's elements).
 StepTime predict_step_time(const Config& config, const train::MemoryModel& memory,
