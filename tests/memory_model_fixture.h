@@ -24,14 +24,22 @@ class MemoryModelTest : public MicroCorpusTest {
 
   /// The tiny preset (full size) trained for 2 steps on the micro corpus, no evaluation.
   Config tiny() const {
-    Config c = preset("tiny");
-    c.data.corpus = (root_ / "corpus").string();
-    c.data.dir = (root_ / "data").string();
-    c.data.val_fraction = 0.1f;
+    Config c = tiny_on_corpus(root_, 2);
+    c.train.out_dir = (root_ / "run").string();
+    return c;
+  }
+
+  /// moe-1b's layers and micro-batch (8 x 2048) on the micro corpus, 4 of its 16 layers so
+  /// that it builds quickly; 2 steps, no evaluation.
+  Config moe_1b_shape() const {
+    Config c = preset("moe-1b");
+    const Config t = tiny();
+    c.data = t.data;
     c.train.steps = 2;
     c.train.eval_every = 0;
     c.train.save_every = 0;
-    c.train.out_dir = (root_ / "run").string();
+    c.train.out_dir = t.train.out_dir;
+    c.model.num_layers = 4;
     return c;
   }
 

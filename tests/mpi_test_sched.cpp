@@ -20,6 +20,7 @@ Profile quick_profile(const std::shared_ptr<comm::Group>& group) {
   ProfileOptions o;
   o.quick = true;
   o.gemm_shapes = {{16, 32}};  // the compute tasks are one-process-tested (test_sched)
+  o.attention_shapes = {{16, 32}};
   return run_profile(group, Device::cpu(), o);
 }
 
@@ -68,7 +69,7 @@ TEST(ProfileMpi, OneNodeHasIntraNodeModelsOnly) {
   EXPECT_EQ(p.machine.backend, "mpi");
   expect_collectives(p, LinkClass::intra_node, world->size());
   EXPECT_EQ(p.find(Task::all_reduce, LinkClass::inter_node), nullptr);
-  EXPECT_EQ(p.models.size(), 4u + 3u + 2u);
+  EXPECT_EQ(p.models.size(), 4u + 3u + 2u + 2u + 1u);  // + attention fwd/bwd, adamw
   expect_same_on_every_rank(*world, p);
 }
 
@@ -86,7 +87,7 @@ TEST(ProfileMpi, DeclaredNodesAddInterNodeModels) {
     expect_collectives(p, LinkClass::intra_node, rpn);
   else
     EXPECT_EQ(p.find(Task::all_reduce, LinkClass::intra_node), nullptr);
-  EXPECT_EQ(p.models.size(), 4u * (rpn > 1 ? 2 : 1) + 3u + 2u);
+  EXPECT_EQ(p.models.size(), 4u * (rpn > 1 ? 2 : 1) + 3u + 2u + 2u + 1u);
   expect_same_on_every_rank(*world, p);
   // The predictions the scheduler will ask for.
   EXPECT_GT(p.predict_dispatch(1 << 20, LinkClass::inter_node), 0.0);

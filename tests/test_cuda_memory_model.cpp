@@ -23,15 +23,7 @@ TEST_F(CudaMemoryModelTest, TinyPresetOnTheGpu) {
 
 TEST_F(CudaMemoryModelTest, MoE1bShapeOnTheGpu) {
   XMOE_REQUIRE_CUDA();
-  // moe-1b's layers and micro-batch (8 x 2048), 4 of its 16 layers so that it builds quickly.
-  Config c = preset("moe-1b");
-  const Config t = tiny();
-  c.data = t.data;
-  c.train.steps = 2;
-  c.train.eval_every = 0;
-  c.train.save_every = 0;
-  c.train.out_dir = t.train.out_dir;
-  c.model.num_layers = 4;
+  Config c = moe_1b_shape();
   expect_predicted(c, "moe-1b shape, 4 layers");
   c.model.moe.expert_grad_dtype = "bf16";
   c.train.out_dir = (root_ / "run-bf16-grads").string();
@@ -49,13 +41,8 @@ TEST_F(CudaMemoryModelTest, OffloadedOptimizerOnTheGpu) {
   c.train.out_dir = (root_ / "run-f32").string();
   expect_predicted(c, "tiny, cuda f32, offload");
   // bf16 expert gradients (2-byte staging) on moe-1b's layer shape.
-  Config big = preset("moe-1b");
-  big.data = c.data;
-  big.train.steps = 2;
-  big.train.eval_every = 0;
-  big.train.save_every = 0;
+  Config big = moe_1b_shape();
   big.train.out_dir = (root_ / "run-moe-1b").string();
-  big.model.num_layers = 4;
   big.model.moe.expert_grad_dtype = "bf16";
   big.train.offload_optimizer = true;
   expect_predicted(big, "moe-1b shape, offload");

@@ -141,7 +141,10 @@ Profile sample_profile() {
   large.in = 1024, large.out = 512, large.groups = 8;
   TaskModel gather = model_of(Task::gather_rows, 1e-6, 2e-10);
   gather.width = 256;
-  p.models = {a2a, a2a_inter, small, large, gather};
+  TaskModel attention = model_of(Task::attention_forward, 3e-6, 2e-11);
+  attention.head_dim = 64, attention.seq_len = 2048;
+  TaskModel adamw = model_of(Task::adamw, 1e-6, 1e-10);
+  p.models = {a2a, a2a_inter, small, large, gather, attention, adamw};
   return p;
 }
 
@@ -157,10 +160,13 @@ TEST(ProfileFile, RoundTripKeepsEveryField) {
   EXPECT_EQ(q.machine.ranks_per_node, 2);
   EXPECT_EQ(q.measurement.statistic, "min");
   EXPECT_EQ(q.measurement.repetitions, 7);
-  ASSERT_EQ(q.models.size(), 5u);
+  ASSERT_EQ(q.models.size(), 7u);
   EXPECT_EQ(q.models[1].link, comm::LinkClass::inter_node);
   EXPECT_EQ(q.models[3].in, 1024);
   EXPECT_EQ(q.models[4].width, 256);
+  EXPECT_EQ(q.models[5].head_dim, 64);
+  EXPECT_EQ(q.models[5].seq_len, 2048);
+  EXPECT_EQ(q.models[6].task, Task::adamw);
   EXPECT_EQ(q.models[0].fit.alpha, p.models[0].fit.alpha);  // doubles survive exactly
   EXPECT_EQ(q.models[0].fit.beta, p.models[0].fit.beta);
   EXPECT_NEAR(q.models[0].heldout_error(), 0.1 / 1.1, 1e-9);
@@ -178,6 +184,13 @@ TEST(ProfileFile, PredictsFromTheRightModel) {
   EXPECT_NEAR(p.predict_gemm(Task::gemm_forward, 64, 100, 300), 2e-6 + 1e-11 * 2 * 64 * 100 * 300,
               1e-12);
   EXPECT_NEAR(p.predict_rows(Task::gather_rows, 1e6), 1e-6 + 2e-4, 1e-12);
+  // 4 * pairs * seq^2 * head_dim FLOPs, from the one attention model (nearest shape).
+  EXPECT_NEAR(*p.predict_attention(Task::attention_forward, 8, 128, 1024),
+              3e-6 + 2e-11 * 4 * 8 * 1024.0 * 1024 * 128, 1e-12);
+  EXPECT_FALSE(p.predict_attention(Task::attention_backward, 8, 64, 2048).has_value());
+  EXPECT_NEAR(*p.predict_adamw(1000), 1e-6 + 1e-10 * 16000, 1e-15);
+  EXPECT_CONTAINS(error_of([&] { p.predict_attention(Task::adamw, 1, 1, 1); }),
+                  "adamw is not an attention task");
   EXPECT_CONTAINS(
       error_of([&] { p.predict_collective(Task::all_reduce, comm::LinkClass::intra_node, 1); }),
       "no all_reduce model over intra_node links");
@@ -223,6 +236,7 @@ TEST(ProfileFile, CorruptFilesNameTheFileAndTheKey) {
        "machine.world_size is not a whole number >= 1"},
       {"\"n\": 3", "\"n\": 4", "models[0].fit.n is 4, but models[0].samples has 3"},
       {"\"in\": 128", "\"in\": 0", "models[2].in is not a whole number >= 1"},
+      {"\"head_dim\": 64", "\"head_dim\": -1", "models[5].head_dim is not a whole number >= 1"},
       {"\"samples\": [", "\"samples\": [[1, -2], ",
        "models[0].samples[0] is not an [x, seconds] pair of positive numbers"},
   };
@@ -249,8 +263,9 @@ TEST(Profiler, QuickOneProcessProfileFitsTheComputeTasks) {
   EXPECT_FALSE(p.machine.date.empty());
   EXPECT_EQ(p.measurement.statistic, "min");
   EXPECT_EQ(p.measurement.repetitions, 5);
-  // One rank: no collective to time; 3 GEMM kinds of one shape and the 2 row tasks.
-  ASSERT_EQ(p.models.size(), 5u);
+  // One rank: no collective to time; 3 GEMM kinds of one shape, attention forward and backward
+  // of one shape, the 2 row tasks and AdamW.
+  ASSERT_EQ(p.models.size(), 8u);
   for (const TaskModel& m : p.models) {
     EXPECT_FALSE(is_collective(m.task));
     EXPECT_TRUE(std::isfinite(m.fit.alpha) && m.fit.alpha >= 0) << task_name(m.task);

@@ -5,10 +5,12 @@
 // run of the same global batch.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "testing.h"
 #include "xmoe/comm/group.h"
@@ -215,6 +217,27 @@ inline train::TrainResult run_training(Config c, const std::string& out_dir,
   o.resume = resume;
   o.stop_after = stop_after;
   return train::train(c, o);
+}
+
+/// The tiny preset (full size) on the micro corpus under `root` (root/corpus, root/data),
+/// `steps` steps, no evaluation or checkpoint on the way.
+inline Config tiny_on_corpus(const std::filesystem::path& root, int steps) {
+  Config c = preset("tiny");
+  c.data.corpus = (root / "corpus").string();
+  c.data.dir = (root / "data").string();
+  c.data.val_fraction = 0.1f;
+  c.train.steps = steps;
+  c.train.eval_every = 0;
+  c.train.save_every = 0;
+  return c;
+}
+
+/// The median wall time of a run's steps after the first (which warms up), 0 for one step.
+inline double median_step_seconds(const train::TrainResult& r) {
+  std::vector<double> s;
+  for (size_t i = 1; i < r.steps.size(); ++i) s.push_back(r.steps[i].seconds);
+  std::sort(s.begin(), s.end());
+  return s.empty() ? 0 : s[s.size() / 2];
 }
 
 /// `c` for one process with the global batch of `c` over `world_size` ranks (batch = world ×

@@ -19,6 +19,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "config_args.h"
+#include "plan_command.h"
 #include "plot.h"
 #include "profile_command.h"
 #include "validators.h"
@@ -42,6 +44,7 @@ using namespace xmoe;
 using cli::at_least;
 using cli::whole_number;
 namespace fs = std::filesystem;
+using cli::ConfigArgs;
 
 /// The commands with one example each: `xmoe`, `xmoe --help` and a misspelt command show them.
 constexpr const char* kCommands =
@@ -60,42 +63,19 @@ constexpr const char* kCommands =
                xmoe inspect runs/default/step-600
   profile    Measure this machine's performance models (collectives, expert GEMMs) into a file
                mpirun -np 4 xmoe profile --ranks-per-node 2 --out profile.json
+  plan       Rank the parallel layouts of a model on a cluster; write the chosen config
+               xmoe plan --preset xmoe-large --cluster frontier --nodes 128 --out chosen.yaml
   export     Write a checkpoint as a Hugging Face model folder (transformers, vLLM)
                xmoe export --checkpoint runs/default --format hf --out hf/default
   import     Start a run folder from a Hugging Face model folder
                xmoe import --hf hf/default --out runs/from-hf
   plot       PNG plots of a run's metrics (loss, lr, grad norm, tokens/s, expert load)
                xmoe plot runs/default
-Docs: README.md, docs/training.md, docs/config.md, docs/profile.md, docs/ecosystem.md)";
+Docs: README.md, docs/training.md, docs/config.md, docs/profile.md, docs/plan.md, docs/ecosystem.md)";
 
 const std::vector<std::string> kCommandNames = {"train",  "generate", "prepare", "tokenizer",
-                                                "config", "inspect",  "profile", "export",
-                                                "import", "plot"};
-
-/// --preset / --config / --set, shared by the commands that take a configuration.
-struct ConfigArgs {
-  std::string preset_name;
-  std::string config_file;
-  std::vector<std::string> overrides;
-
-  void add_to(CLI::App* cmd) {
-    cmd->add_option("--preset", preset_name, "Start from a named preset (xmoe config presets)")
-        ->default_str("tiny");
-    cmd->add_option("--config", config_file, "YAML config file (may name a preset itself)");
-    cmd->add_option("--set", overrides, "Override a key: --set model.moe.top_k=4 (repeatable)");
-  }
-
-  Config resolve() const {
-    XMOE_CHECK(preset_name.empty() || config_file.empty(),
-               "[config] give --preset or --config, not both");
-    Config c = !config_file.empty()   ? load_config_file(config_file)
-               : !preset_name.empty() ? preset(preset_name)
-                                      : preset("tiny");
-    for (const std::string& o : overrides) apply_override(c, o);
-    validate(c);
-    return c;
-  }
-};
+                                                "config", "inspect",  "profile", "plan",
+                                                "export", "import",   "plot"};
 
 /// The resolved YAML, the parameter counts and the memory model of a step per rank on `world`
 /// ranks (0: the smallest world the config's parallel layout allows).
@@ -328,6 +308,7 @@ int main(int argc, char** argv) {
   inspect_cmd->footer("Example:\n  xmoe inspect runs/default/step-600");
 
   const cli::ProfileCommand profile_cmd(app);
+  const cli::PlanCommand plan_cmd(app);
 
   train::HfExportOptions export_opts;
   std::string export_checkpoint, export_out, export_format = "hf", export_dtype = "f32";
@@ -423,6 +404,8 @@ int main(int argc, char** argv) {
       for (const std::string& f : cli::plot_run(plot_dir, plot_out)) std::printf("%s\n", f.c_str());
     } else if (profile_cmd.chosen()) {
       profile_cmd.run();
+    } else if (plan_cmd.chosen()) {
+      plan_cmd.run();
     }
   } catch (const std::exception& e) {
     const bool ours = dynamic_cast<const xmoe::Error*>(&e) != nullptr;

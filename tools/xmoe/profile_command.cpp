@@ -66,6 +66,11 @@ ProfileCommand::ProfileCommand(CLI::App& app)
                    "the experts of tiny on the CPU, of moe-1b on CUDA; --quick: 64x128")
       ->delimiter(',')
       ->default_str("CPU 256x256,128x256; CUDA 1024x512,256x1024");
+  cmd_->add_option("--attention-shape", attention_shapes_,
+                   "Causal attention shapes HEAD_DIMxSEQ_LEN (repeatable or comma-separated); "
+                   "default: tiny's on the CPU, moe-1b's on CUDA; --quick: 32x64")
+      ->delimiter(',')
+      ->default_str("CPU 64x128; CUDA 64x2048");
   cmd_->add_option("--gemm-groups", gemm_groups_, "Experts per grouped GEMM")
       ->check(whole_number(1, 4096));
   cmd_->add_option("--statistic", statistic_,
@@ -86,6 +91,8 @@ void ProfileCommand::run() const {
   options.statistic = statistic_;
   for (const std::string& s : gemm_shapes_)
     options.gemm_shapes.push_back(sched::parse_gemm_shape(s, "--gemm-shape"));
+  for (const std::string& s : attention_shapes_)
+    options.attention_shapes.push_back(sched::parse_attention_shape(s, "--attention-shape"));
   options.gemm_groups = gemm_groups_;
   const fs::path out = fs::absolute(out_);
   XMOE_CHECK(fs::is_directory(out.parent_path()),

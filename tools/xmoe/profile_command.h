@@ -25,6 +25,7 @@ class ProfileCommand {
   std::string statistic_ = "median";
   int ranks_per_node_ = 0;
   std::vector<std::string> gemm_shapes_;
+  std::vector<std::string> attention_shapes_;
   long long gemm_groups_ = 8;
 };
 

@@ -18,8 +18,9 @@ namespace {
 using nlohmann::json;
 
 constexpr std::array<std::string_view, kNumTasks> kTaskNames = {
-    "all_to_all_v",       "all_gather",           "reduce_scatter", "all_reduce",  "gemm_forward",
-    "gemm_backward_data", "gemm_backward_weight", "gather_rows",    "scatter_rows"};
+    "all_to_all_v", "all_gather",         "reduce_scatter",       "all_reduce",
+    "gemm_forward", "gemm_backward_data", "gemm_backward_weight", "gather_rows",
+    "scatter_rows", "attention_forward",  "attention_backward",   "adamw"};
 constexpr const char* kFormat = "xmoe-profile";
 constexpr int kFormatVersion = 1;
 
@@ -116,7 +117,10 @@ TaskModel read_model(const Reader& r, const json& m, const std::string& where) {
     tm.in = r.integer(m, where, "in", 1);
     tm.out = r.integer(m, where, "out", 1);
     tm.groups = r.integer(m, where, "groups", 1);
-  } else {
+  } else if (is_attention(tm.task)) {
+    tm.head_dim = r.integer(m, where, "head_dim", 1);
+    tm.seq_len = r.integer(m, where, "seq_len", 1);
+  } else if (tm.task != Task::adamw) {
     tm.width = r.integer(m, where, "width", 1);
   }
   const std::string fit_key = where + ".fit";
@@ -139,6 +143,22 @@ TaskModel read_model(const Reader& r, const json& m, const std::string& where) {
   return tm;
 }
 
+/// The model of `kind` whose shape (a, b) is nearest (a0, b0) in log2 distance, or nullptr.
+template <typename Shape>
+const TaskModel* nearest_model(const std::vector<TaskModel>& models, Task kind, Shape shape,
+                               int64_t a0, int64_t b0) {
+  const TaskModel* best = nullptr;
+  double best_distance = 0;
+  for (const TaskModel& m : models) {
+    if (m.task != kind) continue;
+    const auto [a, b] = shape(m);
+    const double distance = std::abs(std::log2(static_cast<double>(a) / a0)) +
+                            std::abs(std::log2(static_cast<double>(b) / b0));
+    if (!best || distance < best_distance) best = &m, best_distance = distance;
+  }
+  return best;
+}
+
 }  // namespace
 
 std::string_view task_name(Task task) {
@@ -157,8 +177,11 @@ bool is_collective(Task task) {
 bool is_gemm(Task task) {
   return task >= Task::gemm_forward && task <= Task::gemm_backward_weight;
 }
+bool is_attention(Task task) {
+  return task == Task::attention_forward || task == Task::attention_backward;
+}
 std::string_view task_unit(Task task) {
-  return is_gemm(task) ? "flop" : "byte";
+  return is_gemm(task) || is_attention(task) ? "flop" : "byte";
 }
 std::string_view link_name(comm::LinkClass link) {
   return link == comm::LinkClass::intra_node ? "intra_node" : "inter_node";
@@ -192,14 +215,8 @@ double Profile::predict_gemm(Task kind, int64_t rows, int64_t in, int64_t out) c
   XMOE_CHECK(rows >= 0 && in > 0 && out > 0,
              "[profile] predict_gemm: rows {} in {} out {} (need rows >= 0, in and out > 0)", rows,
              in, out);
-  const TaskModel* best = nullptr;
-  double best_distance = 0;
-  for (const TaskModel& m : models) {
-    if (m.task != kind) continue;
-    const double distance = std::abs(std::log2(static_cast<double>(m.in) / in)) +
-                            std::abs(std::log2(static_cast<double>(m.out) / out));
-    if (!best || distance < best_distance) best = &m, best_distance = distance;
-  }
+  const TaskModel* best = nearest_model(
+      models, kind, [](const TaskModel& m) { return std::pair(m.in, m.out); }, in, out);
   XMOE_CHECK(best != nullptr, "[profile] the profile has no {} model", task_name(kind));
   return best->fit.predict(2.0 * static_cast<double>(rows) * static_cast<double>(in) *
                            static_cast<double>(out));
@@ -211,6 +228,28 @@ double Profile::predict_rows(Task task, double bytes) const {
   const TaskModel* m = find(task, comm::LinkClass::intra_node);
   XMOE_CHECK(m != nullptr, "[profile] the profile has no {} model", task_name(task));
   return m->fit.predict(bytes);
+}
+
+std::optional<double> Profile::predict_attention(Task kind, int64_t pairs, int64_t head_dim,
+                                                 int64_t seq_len) const {
+  XMOE_CHECK(is_attention(kind), "[profile] predict_attention: {} is not an attention task",
+             task_name(kind));
+  XMOE_CHECK(pairs >= 0 && head_dim > 0 && seq_len > 0,
+             "[profile] predict_attention: pairs {} head_dim {} seq_len {}", pairs, head_dim,
+             seq_len);
+  const TaskModel* best = nearest_model(
+      models, kind, [](const TaskModel& m) { return std::pair(m.head_dim, m.seq_len); }, head_dim,
+      seq_len);
+  if (!best) return std::nullopt;
+  const double s = static_cast<double>(seq_len);
+  return best->fit.predict(4.0 * static_cast<double>(pairs) * s * s *
+                           static_cast<double>(head_dim));
+}
+
+std::optional<double> Profile::predict_adamw(int64_t elements) const {
+  const TaskModel* m = find(Task::adamw, comm::LinkClass::intra_node);
+  if (!m) return std::nullopt;
+  return m->fit.predict(16.0 * static_cast<double>(elements));
 }
 
 double Profile::heldout_error() const {
@@ -227,10 +266,12 @@ std::string profile_table(const Profile& p) {
                   "link", "ranks", "shape", "alpha us", "beta", "rate", "R2", "points", "held-out");
   for (const TaskModel& m : p.models) {
     const bool flops = task_unit(m.task) == "flop";
-    const std::string shape = is_collective(m.task) ? m.dtype
-                              : is_gemm(m.task)
-                                  ? fmt::format("{}x{} g{} {}", m.in, m.out, m.groups, m.dtype)
-                                  : fmt::format("w{} {}", m.width, m.dtype);
+    const std::string shape =
+        is_collective(m.task)   ? m.dtype
+        : is_gemm(m.task)       ? fmt::format("{}x{} g{} {}", m.in, m.out, m.groups, m.dtype)
+        : is_attention(m.task)  ? fmt::format("hd{} s{} {}", m.head_dim, m.seq_len, m.dtype)
+        : m.task == Task::adamw ? m.dtype
+                                : fmt::format("w{} {}", m.width, m.dtype);
     const std::string beta = flops ? fmt::format("{:.4g} ms/GFLOP", m.fit.beta * 1e12)
                                    : fmt::format("{:.4g} ns/B", m.fit.beta * 1e9);
     const std::string rate = m.fit.beta <= 0 ? "-"
@@ -273,7 +314,10 @@ std::string profile_to_json(const Profile& p) {
       e["in"] = m.in;
       e["out"] = m.out;
       e["groups"] = m.groups;
-    } else {
+    } else if (is_attention(m.task)) {
+      e["head_dim"] = m.head_dim;
+      e["seq_len"] = m.seq_len;
+    } else if (m.task != Task::adamw) {
       e["width"] = m.width;
     }
     e["dtype"] = m.dtype;

@@ -26,6 +26,12 @@ namespace xmoe::sched {
 ///                   all three: 2 * rows * in * out FLOPs, rows split evenly over `groups`
 ///   gather_rows     bytes of the rows gathered (ops::gather_rows)
 ///   scatter_rows    bytes of the rows scatter-added with a weight (ops::scatter_add_rows)
+///   attention_forward   causal self-attention (ops::attention) of `pairs` (sequence, head)
+///                       pairs of seq_len × head_dim: 4 * pairs * seq_len^2 * head_dim FLOPs
+///                       (the whole square; the causal kernel does about half)
+///   attention_backward  ops::attention_backward, the same FLOPs count
+///   adamw           bytes of the f32 parameter, gradient and two moments (16 per element) one
+///                   ops::adamw_step updates
 enum class Task : uint8_t {
   all_to_all_v,
   all_gather,
@@ -36,14 +42,18 @@ enum class Task : uint8_t {
   gemm_backward_weight,
   gather_rows,
   scatter_rows,
+  attention_forward,
+  attention_backward,
+  adamw,
 };
-inline constexpr int kNumTasks = 9;
+inline constexpr int kNumTasks = 12;
 
 std::string_view task_name(Task task);
 /// The task called `name`; throws naming the known tasks.
 Task parse_task(std::string_view name);
 bool is_collective(Task task);
 bool is_gemm(Task task);
+bool is_attention(Task task);
 /// "byte" or "flop".
 std::string_view task_unit(Task task);
 /// "intra_node" / "inter_node".
@@ -55,6 +65,7 @@ struct TaskModel {
   comm::LinkClass link = comm::LinkClass::intra_node;  ///< collectives only
   int ranks = 1;                                       ///< ranks of the group (1: compute)
   int64_t in = 0, out = 0, groups = 0;                 ///< GEMMs: w [groups, in, out]
+  int64_t head_dim = 0, seq_len = 0;                   ///< attention
   int64_t width = 0;                                   ///< row tasks: elements per row
   std::string dtype;                                   ///< "f32", "bf16"
   LinearModel fit;
@@ -103,6 +114,13 @@ struct Profile {
   double predict_gemm(Task kind, int64_t rows, int64_t in, int64_t out) const;
   /// Predicted seconds of gather_rows or scatter_rows moving `bytes`.
   double predict_rows(Task task, double bytes) const;
+  /// Predicted seconds of attention_forward or attention_backward over `pairs` (sequence, head)
+  /// pairs: the model of that shape, else of the measured one nearest in log(head_dim) and
+  /// log(seq_len). nullopt when the profile has none (profiles before these tasks).
+  std::optional<double> predict_attention(Task kind, int64_t pairs, int64_t head_dim,
+                                          int64_t seq_len) const;
+  /// Predicted seconds of one AdamW step over `elements` f32 parameters; nullopt without a model.
+  std::optional<double> predict_adamw(int64_t elements) const;
   /// Median relative error over every held-out sample of every model (NaN when none).
   double heldout_error() const;
 };

@@ -12,7 +12,9 @@
 #include "xmoe/core/device_api.h"
 #include "xmoe/core/error.h"
 #include "xmoe/core/timer.h"
+#include "xmoe/ops/model_ops.h"
 #include "xmoe/ops/ops.h"
+#include "xmoe/ops/optim.h"
 
 namespace xmoe::sched {
 
@@ -36,13 +38,13 @@ struct Sweep {
 };
 
 struct Plan {
-  Sweep comm, gemm_rows, row_bytes;
+  Sweep comm, gemm_rows, row_bytes, attention_pairs;
   int warmup, reps;
 };
 
 Plan make_plan(bool quick) {
-  if (quick) return {{10, 20, 2}, {4, 11, 1}, {12, 20, 2}, 1, 5};
-  return {{10, 26, 2}, {4, 13, 1}, {12, 26, 2}, 2, 7};
+  if (quick) return {{10, 20, 2}, {4, 11, 1}, {12, 20, 2}, {0, 5, 1}, 1, 5};
+  return {{10, 26, 2}, {4, 13, 1}, {12, 26, 2}, {0, 8, 1}, 2, 7};
 }
 
 std::string format_size(double x, std::string_view unit) {
@@ -90,7 +92,9 @@ class Profiler {
   void sweep(TaskModel& model, const Sweep& sweep, const std::string& label, Measure&& measure);
   void collectives(const std::shared_ptr<comm::Group>& group, comm::LinkClass link);
   void gemms(GemmShape shape);
+  void attention(AttentionShape shape);
   void rows();
+  void adamw();
   void step(const std::string& label);
   /// A tensor of `shape` in the compute dtype on the device, every element 0.01 (small values
   /// keep accumulating outputs finite over every repetition).
@@ -225,6 +229,55 @@ void Profiler::gemms(GemmShape shape) {
   }
 }
 
+void Profiler::attention(AttentionShape shape) {
+  const int64_t S = shape.seq_len, hd = shape.head_dim;
+  for (Task task : {Task::attention_forward, Task::attention_backward}) {
+    TaskModel model;
+    model.task = task;
+    model.head_dim = hd;
+    model.seq_len = S;
+    model.dtype = std::string(dtype_name(compute_dtype_));
+    const std::string label = fmt::format("{} hd{} s{}", task_name(task), hd, S);
+    sweep(model, plan_.attention_pairs, label, [&](double pairs_d) -> std::pair<double, double> {
+      // pairs sequences of one head: q, k, v [pairs, S, 1, hd]
+      const int64_t pairs = std::max<int64_t>(1, std::llround(pairs_d));
+      const Tensor q = filled({pairs, S, 1, hd});
+      const double flops = 4.0 * static_cast<double>(pairs) * S * S * hd;
+      comm::Group& g = *world_;
+      if (task == Task::attention_forward)
+        return {flops, time(g, [&] { ops::attention(q, q, q, true); })};
+      const ops::AttentionResult r = ops::attention(q, q, q, true);
+      return {flops, time(g, [&] { ops::attention_backward(q, q, q, r.out, r.lse, q, true); })};
+    });
+  }
+}
+
+void Profiler::adamw() {
+  TaskModel model;
+  model.task = Task::adamw;
+  model.dtype = "f32";
+  sweep(model, plan_.row_bytes, "adamw", [&](double bytes) -> std::pair<double, double> {
+    const int64_t n = std::max<int64_t>(1, std::llround(bytes / 16));
+    // As training holds them: f32 master, gradient and moments; a bf16 copy on CUDA.
+    ops::AdamWTensors t{Tensor::full({n}, 0.01f, device_),
+                        Tensor::full({n}, 0.01f, device_),
+                        Tensor::zeros({n}, DType::f32, device_),
+                        Tensor::zeros({n}, DType::f32, device_),
+                        Tensor(),
+                        true};
+    if (device_.is_cuda()) t.param_bf16 = Tensor::zeros({n}, DType::bf16, device_);
+    const ops::AdamWStep step{.lr = 1e-4f,
+                              .beta1 = 0.9f,
+                              .beta2 = 0.95f,
+                              .eps = 1e-8f,
+                              .weight_decay = 0.1f,
+                              .bc1 = 0.1f,
+                              .bc2 = 0.05f};
+    return {16.0 * static_cast<double>(n),
+            time(*world_, [&] { ops::adamw_step(std::span(&t, 1), step); })};
+  });
+}
+
 void Profiler::rows() {
   const int64_t W = options_.row_width;
   const double row_bytes = static_cast<double>(W * dtype_size(compute_dtype_));
@@ -267,6 +320,9 @@ Profile Profiler::run() {
   const std::vector<GemmShape> shapes = options_.gemm_shapes.empty()
                                             ? default_gemm_shapes(device_, options_.quick)
                                             : options_.gemm_shapes;
+  const std::vector<AttentionShape> attention_shapes =
+      options_.attention_shapes.empty() ? default_attention_shapes(device_, options_.quick)
+                                        : options_.attention_shapes;
 
   const comm::Topology& topo = world_->topology();
   const int rank = world_->rank();
@@ -295,31 +351,55 @@ Profile Profiler::run() {
   };
   total_ = 4 * points(plan_.comm) * (int{intra} + int{inter}) +
            3 * points(plan_.gemm_rows) * static_cast<int>(shapes.size()) +
-           2 * points(plan_.row_bytes);
+           2 * points(plan_.attention_pairs) * static_cast<int>(attention_shapes.size()) +
+           3 * points(plan_.row_bytes);
 
   // Intra-node: each node's ranks, all nodes at once; inter-node: one rank per node, as
   // hierarchical dispatch (RBD) uses them. Splits are collective over the world.
   if (intra) collectives(world_->split(topo.node_of(rank), rank), comm::LinkClass::intra_node);
   if (inter) collectives(world_->split(topo.local_rank(rank), rank), comm::LinkClass::inter_node);
   for (const GemmShape& s : shapes) gemms(s);
+  for (const AttentionShape& s : attention_shapes) attention(s);
   rows();
+  adamw();
   return std::move(profile_);
 }
 
 }  // namespace
 
-GemmShape parse_gemm_shape(std::string_view text, std::string_view key) {
-  GemmShape s;
+namespace {
+
+/// "AxB" with two whole numbers > 0; `form` and `example` name the expected text in the error.
+std::pair<int64_t, int64_t> parse_pair(std::string_view text, std::string_view key,
+                                       std::string_view form, std::string_view example) {
+  int64_t a = 0, b = 0;
   const size_t x = text.find('x');
   const auto whole = [](std::string_view part, int64_t& v) {
     const auto [end, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
     return ec == std::errc() && end == part.data() + part.size() && v > 0;
   };
-  XMOE_CHECK(x != std::string_view::npos && whole(text.substr(0, x), s.in) &&
-                 whole(text.substr(x + 1), s.out),
-             "[profile] {} '{}' is not INxOUT with two whole numbers > 0 (e.g. 1024x512)", key,
-             text);
-  return s;
+  XMOE_CHECK(
+      x != std::string_view::npos && whole(text.substr(0, x), a) && whole(text.substr(x + 1), b),
+      "[profile] {} '{}' is not {} with two whole numbers > 0 (e.g. {})", key, text, form, example);
+  return {a, b};
+}
+
+}  // namespace
+
+GemmShape parse_gemm_shape(std::string_view text, std::string_view key) {
+  const auto [in, out] = parse_pair(text, key, "INxOUT", "1024x512");
+  return {in, out};
+}
+
+AttentionShape parse_attention_shape(std::string_view text, std::string_view key) {
+  const auto [head_dim, seq_len] = parse_pair(text, key, "HEAD_DIMxSEQ_LEN", "64x2048");
+  return {head_dim, seq_len};
+}
+
+std::vector<AttentionShape> default_attention_shapes(Device device, bool quick) {
+  if (quick) return {{32, 64}};
+  if (device.is_cuda()) return {{64, 2048}};
+  return {{64, 128}};
 }
 
 std::vector<GemmShape> default_gemm_shapes(Device device, bool quick) {

@@ -22,6 +22,15 @@ struct GemmShape {
 };
 /// "INxOUT", e.g. "1024x512"; throws naming `key` (the flag) and the bad text.
 GemmShape parse_gemm_shape(std::string_view text, std::string_view key);
+/// Causal attention's shape: head width and sequence length.
+struct AttentionShape {
+  int64_t head_dim = 0, seq_len = 0;
+};
+/// "HEAD_DIMxSEQ_LEN", e.g. "64x2048"; throws naming `key` and the bad text.
+AttentionShape parse_attention_shape(std::string_view text, std::string_view key);
+/// The attention of the preset the device usually trains: tiny's (64x128) on the CPU,
+/// moe-1b's (64x2048) on CUDA; --quick: 32x64.
+std::vector<AttentionShape> default_attention_shapes(Device device, bool quick);
 /// The experts' projections of the preset the device usually trains: on the CPU tiny's
 /// (d 256, f 128: gate_up 256x256, down 128x256), on CUDA moe-1b's (d 1024, f 256: 1024x512,
 /// 256x1024); --quick: one small shape.
@@ -36,9 +45,10 @@ struct ProfileOptions {
   /// Smaller sweeps and fewer repetitions (seconds instead of minutes; for tests and a first
   /// look).
   bool quick = false;
-  std::vector<GemmShape> gemm_shapes;  ///< empty: default_gemm_shapes
-  int64_t gemm_groups = 8;             ///< experts per grouped GEMM (rows split evenly)
-  int64_t row_width = 256;             ///< elements per row for gather_rows / scatter_rows
+  std::vector<GemmShape> gemm_shapes;            ///< empty: default_gemm_shapes
+  std::vector<AttentionShape> attention_shapes;  ///< empty: default_attention_shapes
+  int64_t gemm_groups = 8;                       ///< experts per grouped GEMM (rows split evenly)
+  int64_t row_width = 256;  ///< elements per row for gather_rows / scatter_rows
   /// Per size, over the repetitions: "median" (the typical time; the default) or "min" (the
   /// machine's best, robust to other processes descheduling a rank on a shared machine).
   std::string statistic = "median";

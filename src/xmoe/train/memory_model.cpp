@@ -141,6 +141,9 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     if (copy) r.compute_copy_bytes += 2 * p.numel;
     if (on_host && (p.reads_f32 || !copy)) r.device_f32_bytes += 4 * p.numel;
     r.whole_gradient_bytes += p.grad_bytes * p.numel;
+    (p.kind == ParamKind::dense    ? r.dense_gradient_bytes
+     : p.kind == ParamKind::expert ? r.expert_gradient_bytes
+                                   : r.tensor_gradient_bytes) += p.grad_bytes * p.numel;
     numels.push_back(p.numel);
     kinds.push_back(p.kind);
   }
@@ -197,6 +200,7 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     r.comm_bytes = std::max(r.comm_bytes, buffers);
   }
   r.optimizer_bytes = 8 * owned;
+  r.owned_parameters = owned;
   r.gradient_bytes = r.zero == 2 ? shard_bytes : r.whole_gradient_bytes;
 
   // State beside the parameters: the RoPE tables, the sigmoid gate's balancing bias.

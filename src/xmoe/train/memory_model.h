@@ -65,6 +65,12 @@ struct MemoryModel {
   int64_t staging_bytes = 0;
   int64_t gradient_bytes = 0;  ///< between steps (zero 2: the shards only)
   int64_t whole_gradient_bytes = 0;
+  /// whole_gradient_bytes by the group that syncs them (a planner times each sync): dense ones
+  /// over the world, the experts' over their dp group, tensor-parallel ones over the
+  /// tp-replica group.
+  int64_t dense_gradient_bytes = 0, expert_gradient_bytes = 0, tensor_gradient_bytes = 0;
+  /// Parameter elements whose AdamW update this rank runs (its zero shards, else all it holds).
+  int64_t owned_parameters = 0;
   int64_t optimizer_bytes = 0;        ///< AdamW m and v (on the host with offload)
   int64_t activation_peak_bytes = 0;  ///< saved activations + backward's working set at its peak
   int64_t comm_bytes = 0;             ///< the largest gradient-sync / zero gather buffers

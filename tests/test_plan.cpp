@@ -1,0 +1,217 @@
+// The planner (src/xmoe/plan/): cluster descriptions and their file errors, group spans, the α-β
+// collective model against hand-computed times, the enumeration and ranking of layouts, the
+// chosen config round trip, and the largest-model search.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "testing.h"
+#include "xmoe/config/config.h"
+#include "xmoe/plan/planner.h"
+#include "xmoe/train/memory_model.h"
+
+using namespace xmoe;
+using namespace xmoe::plan;
+using xmoe::testing::error_of;
+using xmoe::testing::TempDir;
+
+TEST(Cluster, BuiltInsHaveTheirDataSheets) {
+  EXPECT_EQ(builtin_cluster_names(),
+            (std::vector<std::string>{"dgx-h100", "dgx-h200", "frontier"}));
+  const Cluster h100 = builtin_cluster("dgx-h100"), h200 = builtin_cluster("dgx-h200");
+  const Cluster frontier = builtin_cluster("frontier");
+  EXPECT_EQ(h100.gpus_per_node, 8);
+  EXPECT_EQ(h100.gpu_memory, int64_t{80} << 30);
+  EXPECT_EQ(h200.gpu_memory, int64_t{141} << 30);
+  EXPECT_DOUBLE_EQ(h100.intra.bandwidth, 450e9);
+  EXPECT_DOUBLE_EQ(h100.inter.bandwidth, 50e9);  // 8 x 400 Gb/s over 8 GPUs
+  EXPECT_EQ(frontier.gpu_memory, int64_t{64} << 30);
+  EXPECT_DOUBLE_EQ(frontier.inter.bandwidth, 12.5e9);  // 4 x 25 GB/s over 8 GCDs
+  EXPECT_EQ(frontier.world(), 8);
+  EXPECT_CONTAINS(error_of([] { builtin_cluster("dgx-a100"); }), "unknown cluster 'dgx-a100'");
+}
+
+TEST(Cluster, FilesStartFromABaseOrDeclareEverything) {
+  const Cluster c =
+      cluster_from_yaml("base: dgx-h100\nnodes: 4\nintra_node: {bandwidth_gbs: 300}\n", "c.yaml");
+  EXPECT_EQ(c.name, "dgx-h100");
+  EXPECT_EQ(c.world(), 32);
+  EXPECT_DOUBLE_EQ(c.intra.bandwidth, 300e9);
+  EXPECT_DOUBLE_EQ(c.intra.latency, 5e-6);  // kept from the base
+  const Cluster own = cluster_from_yaml(
+      R"({"name": "lab", "gpus_per_node": 4, "gpu_memory_gib": 24, "peak_tflops": 165,
+          "gemm_efficiency": 0.5, "memory_bandwidth_gbs": 1000,
+          "intra_node": {"bandwidth_gbs": 32, "latency_us": 10}})",
+      "lab.json");
+  EXPECT_EQ(own.name, "lab");
+  EXPECT_EQ(own.world(), 4);
+  EXPECT_DOUBLE_EQ(own.peak_flops, 165e12);
+}
+
+TEST(Cluster, FileErrorsNameTheFileAndTheKey) {
+  const auto err = [](const std::string& text) {
+    return error_of([&] { cluster_from_yaml(text, "c.yaml"); });
+  };
+  EXPECT_CONTAINS(err("base: dgx-h100\nnodez: 2\n"), "[cluster] c.yaml: 'nodez' is not a key");
+  EXPECT_CONTAINS(err("base: dgx-h100\nnodes: 0\n"), "c.yaml: nodes = 0 must be >= 1");
+  EXPECT_CONTAINS(err("base: dgx-h100\nintra_node: {bandwidth_gbs: -1}\n"),
+                  "c.yaml: intra_node.bandwidth_gbs = -1 must be > 0");
+  EXPECT_CONTAINS(err("base: dgx-h100\ninter_node: {speed: 3}\n"),
+                  "c.yaml: inter_node.speed is not a key");
+  EXPECT_CONTAINS(err("base: dgx-h100\ngemm_efficiency: 1.5\n"),
+                  "c.yaml: gemm_efficiency = 1.5 must be <= 1");
+  EXPECT_CONTAINS(err("base: dgx-h100\npeak_tflops: fast\n"),
+                  "c.yaml: peak_tflops = 'fast' is not a number");
+  EXPECT_CONTAINS(err("base: dgx-h100\ndevice: tpu\n"),
+                  "c.yaml: device = 'tpu' must be cuda or cpu");
+  EXPECT_CONTAINS(err("base: dgx-a100\n"), "c.yaml: base: [cluster] unknown cluster 'dgx-a100'");
+  EXPECT_CONTAINS(err("gpus_per_node: 8\n"), "c.yaml: gpu_memory_gib is missing");
+  EXPECT_CONTAINS(err("[1, 2]"), "c.yaml: expected a map of keys");
+  EXPECT_CONTAINS(error_of([] { resolve_cluster("/no/such/cluster.yaml"); }),
+                  "neither a built-in cluster");
+}
+
+TEST(StepTime, GroupSpansFollowTheRankLayout) {
+  EXPECT_EQ(group_span(8, 1, 8).nodes, 1);   // ep 8 of consecutive ranks: one node
+  EXPECT_EQ(group_span(16, 1, 8).nodes, 2);  // ep 16: two nodes of 8
+  EXPECT_EQ(group_span(4, 8, 8).nodes, 4);   // dp over ep 8: one member per node
+  EXPECT_EQ(group_span(4, 2, 8).nodes, 1);   // stride 2: 4 members on a node of 8
+  EXPECT_EQ(group_span(8, 2, 8).nodes, 2);
+  EXPECT_EQ(group_span(1, 1, 8).ranks, 1);
+}
+
+TEST(StepTime, CollectivesFollowTheAlphaBetaModelPerLink) {
+  Cluster c = builtin_cluster("dgx-h100");
+  c.nodes = 4;
+  const Rates r(c);
+  const double x = 1e9, a_i = 5e-6, a_e = 10e-6, b_i = 450e9, b_e = 50e9;
+  // One node: a ring of 8 over NVLink.
+  EXPECT_NEAR(r.collective(sched::Task::all_reduce, {8, 1}, x), 14 * a_i + 2.0 * 7 / 8 * x / b_i,
+              1e-12);
+  EXPECT_NEAR(r.collective(sched::Task::all_gather, {8, 1}, x), 7 * a_i + 7.0 / 8 * x / b_i, 1e-12);
+  // Four nodes: within each node, then each GPU's 1/8 across the 4 nodes over its NIC share.
+  EXPECT_NEAR(r.collective(sched::Task::all_reduce, {32, 4}, x),
+              14 * a_i + 2.0 * 7 / 8 * x / b_i + 6 * a_e + 2.0 * 3 / 4 * (x / 8) / b_e, 1e-12);
+  // all_to_all over 16 ranks on 2 nodes: 7/16 of the bytes stay on the node, 8/16 leave it;
+  // both links at once, the slower decides.
+  EXPECT_NEAR(r.collective(sched::Task::all_to_all_v, {16, 2}, x), a_e + 0.5 * x / b_e, 1e-12);
+  EXPECT_EQ(r.collective(sched::Task::all_reduce, {1, 1}, x), 0);
+}
+
+TEST(StepTime, AProfileModelIsUsedAtItsMeasuredGroupSize) {
+  sched::Profile p;
+  sched::TaskModel ar;
+  ar.task = sched::Task::all_reduce;
+  ar.ranks = 4;
+  ar.fit = {.alpha = 30e-6, .beta = 2e-9, .r2 = 1, .n = 2, .unit = "byte"};
+  p.models.push_back(ar);
+  Cluster c = builtin_cluster("dgx-h100");
+  const Rates r(c, p);
+  // At 4 ranks exactly the profile's prediction; at 8 the unfolded link: 2(r-1) steps of
+  // alpha / 6 and 2(r-1)/r of the bytes at 1.5 / beta.
+  EXPECT_NEAR(r.collective(sched::Task::all_reduce, {4, 1}, 1e6), 30e-6 + 2e-3, 1e-12);
+  EXPECT_NEAR(r.collective(sched::Task::all_reduce, {8, 1}, 1e6),
+              14 * 5e-6 + 2.0 * 7 / 8 * 1e6 * 2e-9 / 1.5, 1e-12);
+  // No all_gather model: the cluster's link.
+  EXPECT_NEAR(r.collective(sched::Task::all_gather, {8, 1}, 1e6), 7 * 5e-6 + 7.0 / 8 * 1e6 / 450e9,
+              1e-12);
+}
+
+TEST(StepTime, RbdCrossesFewerBytesBetweenNodes) {
+  Config c = preset("xmoe-medium");
+  c.parallel.ep = 32;
+  c.train.batch_size = 1;
+  Cluster cl = builtin_cluster("dgx-h100");
+  cl.nodes = 4;
+  const Rates r(cl);
+  const train::MemoryModel m = train::predict_memory(c, {.world = 32});
+  c.model.moe.dispatch = "all_to_all";
+  const StepTime a2a = predict_step_time(c, m, r, {.world = 32});
+  c.model.moe.dispatch = "rbd";
+  const StepTime rbd = predict_step_time(c, m, r, {.world = 32});
+  const auto term = [](const StepTime& t, const std::string& name) {
+    for (const TimeTerm& x : t.terms)
+      if (x.name == name) return x.seconds;
+    return -1.0;
+  };
+  EXPECT_GT(term(a2a, "dispatch + combine"), 0);
+  EXPECT_LT(term(rbd, "dispatch + combine"), term(a2a, "dispatch + combine"));
+  EXPECT_EQ(term(rbd, "attention fwd+bwd"), term(a2a, "attention fwd+bwd"));
+  // The pipelined layer's seam: r chunks hide part of the dispatch.
+  const StepTime chunked = predict_step_time(c, m, r, {.world = 32, .moe_chunks = 4});
+  EXPECT_LT(chunked.total, rbd.total);
+  EXPECT_GT(chunked.hidden, 0);
+}
+
+TEST(Planner, RanksFittingLayoutsByTokensPerSecondAndWritesARunnableConfig) {
+  Config base = preset("moe-1b");
+  const Rates rates(builtin_cluster("dgx-h100"));
+  const Plan p = make_plan(base, rates);
+  ASSERT_GT(p.fitting, 0);
+  EXPECT_EQ(p.layouts, static_cast<int>(p.candidates.size()));
+  for (size_t i = 0; i + 1 < p.candidates.size(); ++i) {
+    const Candidate &a = p.candidates[i], &b = p.candidates[i + 1];
+    EXPECT_TRUE(a.fits || !b.fits);
+    if (a.fits && b.fits) {
+      EXPECT_GE(a.tokens_per_s, b.tokens_per_s);
+    }
+  }
+  for (const Candidate& c : p.candidates) {
+    // The memory is the memory model's for that config and world, whatever was cached.
+    const train::MemoryModel m = train::predict_memory(c.config, {.world = 8});
+    EXPECT_EQ(c.memory.peak_bytes, m.peak_bytes) << c.layout.str();
+    EXPECT_EQ(c.fits, m.peak_bytes <= 0.9 * (int64_t{80} << 30)) << c.layout.str();
+    EXPECT_EQ(c.config.parallel.ep, c.layout.ep);
+    EXPECT_EQ(c.config.train.device, "cuda");
+  }
+  const Candidate& best = p.candidates.front();
+  EXPECT_GT(best.mfu, 0);
+  EXPECT_LT(best.mfu, 1);
+  const std::string yaml = chosen_yaml(best, rates.cluster());
+  EXPECT_CONTAINS(yaml, "# chosen by `xmoe plan` for dgx-h100 (8 ranks)");
+  const Config loaded = load_config_string(yaml, "chosen.yaml");
+  validate(loaded);
+  EXPECT_EQ(loaded, best.config);
+  EXPECT_CONTAINS(plan_table(p, 5), "tokens/s");
+}
+
+TEST(Planner, GlobalBatchSetsTheAccumulation) {
+  PlanOptions o;
+  o.global_batch = 64;
+  const Plan p = make_plan(preset("moe-1b"), Rates(builtin_cluster("dgx-h100")), o);
+  ASSERT_FALSE(p.candidates.empty());
+  for (const Candidate& c : p.candidates)
+    EXPECT_EQ(c.layout.grad_accum * c.layout.micro_batch * (8 / c.layout.tp), 64) << c.layout.str();
+}
+
+TEST(Planner, AModelTooLargeFitsNowhereAndTheTableSaysSo) {
+  const Plan p = make_plan(preset("xmoe-large"), Rates(builtin_cluster("dgx-h100")));
+  EXPECT_EQ(p.fitting, 0);
+  EXPECT_GT(p.layouts, 0);
+  for (size_t i = 0; i + 1 < p.candidates.size(); ++i)
+    EXPECT_LE(p.candidates[i].memory.peak_bytes, p.candidates[i + 1].memory.peak_bytes);
+  EXPECT_CONTAINS(plan_table(p, 3), "no layout fits");
+}
+
+TEST(Planner, LargestModelIsTheLargestThatFits) {
+  Cluster c = builtin_cluster("dgx-h100");
+  c.gpu_memory = int64_t{2} << 30;  // 2 GiB GPUs: a small search space decides quickly
+  const Rates rates(c);
+  Config base = preset("moe-1b");
+  const std::vector<int> layers = {2, 4, 8, 16}, experts = {16, 64, 256};
+  const LargestModel m = largest_model(base, rates, layers, experts, {});
+  EXPECT_TRUE(m.best.fits);
+  EXPECT_EQ(m.best.config.model.num_layers, m.layers);
+  EXPECT_EQ(m.best.config.model.moe.num_experts, m.experts);
+  EXPECT_EQ(m.parameters, count_parameters(m.best.config.model).total);
+  for (int l : layers)
+    for (int e : experts) {
+      const Config s = scaled_model(base, l, e);
+      if (count_parameters(s.model).total > m.parameters) {
+        EXPECT_EQ(make_plan(s, rates).fitting, 0) << l << " layers x " << e << " experts";
+      }
+    }
+  c.gpu_memory = 1 << 20;
+  EXPECT_CONTAINS(error_of([&] { largest_model(base, Rates(c), layers, experts, {}); }),
+                  "[plan] no model of 4 layers x 3 experts choices fits");
+}
