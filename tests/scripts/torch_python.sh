@@ -8,5 +8,6 @@ src=$1
 out=$2
 python3 -m pip install --no-build-isolation --no-deps --upgrade --quiet --target "$out" \
   "$src/python"
-cd "$src/python"
-PYTHONPATH="$out" OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider tests
+# From OUT, so that python/xmoe (the sources, without _C) does not shadow the built package.
+cd "$out"
+PYTHONPATH="$out" OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider "$src/python/tests"
