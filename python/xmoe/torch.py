@@ -54,12 +54,13 @@ class MoE(nn.Module):
     Any other key of the config's ``model.moe`` table goes in ``options`` (docs/config.md), e.g.
     ``softmax_before_topk=False``, ``renormalize=False``, ``num_groups=4``, ``topk_groups=2``,
     ``routed_scaling=2.5``, ``aux_loss_weight=0.01``, ``z_loss_weight=1e-3``,
-    ``capacity_factor=1.25``, ``router_dim=16``, ``expert_grad_dtype="bf16"``.
+    ``capacity_factor=1.25``, ``router_dim=16``, ``expert_grad_dtype="bf16"``. ``device``: where
+    the parameters go once initialised (on the CPU).
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, expert_hidden: int,
                  gate: str = "softmax_topk", shared_experts: int = 0, impl: str = "pft",
-                 seed: int = 1234, init_std: float = 0.02, **options):
+                 seed: int = 1234, init_std: float = 0.02, device=None, **options):
         super().__init__()
         settings = {"num_experts": num_experts, "top_k": top_k, "expert_hidden": expert_hidden,
                     "gate": gate, "num_shared_experts": shared_experts, "impl": impl,
@@ -73,11 +74,14 @@ class MoE(nn.Module):
         self._written_whole: List[bool] = []
         for name, shape, grad_dtype, whole in self._layer.parameter_info():
             attr = name.removeprefix("moe.").replace(".", "_")
-            self.register_parameter(attr, nn.Parameter(torch.empty(shape, dtype=torch.float32)))
+            self.register_parameter(
+                attr, nn.Parameter(torch.empty(shape, dtype=torch.float32, device="cpu")))
             self._names.append(attr)
             self._grad_dtypes.append(getattr(torch, grad_dtype))
             self._written_whole.append(whole)
-        self._layer.copy_initial_values([p.data_ptr() for p in self._params()])
+        self._layer.copy_initial_values([p.data_ptr() for p in self._params()])  # host memory
+        if device is not None:
+            self.to(device)
         self.layer_id = next(_next_id)
         _layers[self.layer_id] = self
 
