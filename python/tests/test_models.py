@@ -38,7 +38,8 @@ def test_torch_compile_traces_through_the_layer():
         assert torch.allclose(p.grad, grads[n], rtol=1e-4, atol=1e-6), n
 
 
-transformers = pytest.importorskip("transformers")
+# transformers 5 fuses each block's experts into 3-d tensors, the layout replace_moe_layer reads.
+transformers = pytest.importorskip("transformers", minversion="5.0")
 
 
 def _tiny(config_cls, model_cls, **extra):

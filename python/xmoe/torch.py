@@ -233,6 +233,9 @@ def _from_hf_block(block: nn.Module, config) -> HFMoEBlock:
     """A Mixtral / Qwen2-MoE block (router `gate.weight` [E, d]; fused experts
     `experts.gate_up_proj` [E, 2f, d] (gate | up) and `experts.down_proj` [E, d, f]) as xmoe's."""
     router, ex = block.gate, block.experts
+    if not hasattr(ex, "gate_up_proj"):
+        raise ValueError(f"[xmoe.torch] {type(block).__name__} keeps one module per expert "
+                         "(transformers 4); replace_moe_layer reads transformers 5's fused experts")
     E, d = router.weight.shape
     f = ex.down_proj.shape[-1]
     if tuple(ex.gate_up_proj.shape) != (E, 2 * f, d) or tuple(ex.down_proj.shape) != (E, d, f):
@@ -254,9 +257,9 @@ def _from_hf_block(block: nn.Module, config) -> HFMoEBlock:
 
 
 def replace_moe_layer(model: nn.Module) -> nn.Module:
-    """Swaps every Mixtral / Qwen2-MoE sparse MoE block of a Hugging Face model for xmoe's layer
-    (weights copied once into xmoe's f32 layout, HFMoEBlock); returns the model. Raises when the
-    model has none."""
+    """Swaps every Mixtral / Qwen2-MoE sparse MoE block of a Hugging Face model (transformers 5:
+    fused 3-d expert weights) for xmoe's layer (weights copied once into xmoe's f32 layout,
+    HFMoEBlock); returns the model. Raises when the model has none."""
     config = getattr(model, "config", None)
     found = [(name, m) for name, m in model.named_modules()
              if type(m).__name__ in ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")]
