@@ -20,7 +20,8 @@ forward -> backward -> clip -> step -> synchronize, as bench_train_step does.
 Output: JSON lines, "train_step_peer_config" (parameter counts), one "train_step_peer" per
 timed step, then "train_step_peer_summary": median step ms, tokens/s, TFLOP/s and MFU by the
 PaLM count of src/xmoe/train/flops.h (6·N_active + 12·L·d·S FLOPs per token, against 989e12),
-peak memory (torch.cuda.max_memory_allocated over the timed steps) and reserved memory.
+peak memory (torch.cuda.max_memory_allocated over the timed steps) and reserved memory; with
+--moe xmoe also xmoe_peak_bytes, the peak of xmoe's own allocator (its MoE activations).
 
   python3 bench/peers/train_torch.py [--preset moe-1b|tiny] [--steps 8] [--warmup 3]
       [--batch B] [--seq S] [--layers L] [--device cuda|cpu] [--compile]
@@ -319,6 +320,9 @@ def main():
             torch.cuda.synchronize(device)
             if step == args.warmup:
                 torch.cuda.reset_peak_memory_stats(device)
+                if args.moe == "xmoe":
+                    from xmoe.torch import reset_peak_memory
+                    reset_peak_memory(device)
         t0 = time.perf_counter()
         try:
             opt.zero_grad(set_to_none=True)
@@ -368,6 +372,9 @@ def main():
         summary.update({"mfu": round(fpt * tps / PEAK_FLOPS, 5), "peak_flops": PEAK_FLOPS,
                         "peak_bytes": torch.cuda.max_memory_allocated(device),
                         "reserved_bytes": torch.cuda.max_memory_reserved(device)})
+        if args.moe == "xmoe":  # the MoE layers' activations live in xmoe's allocator
+            from xmoe.torch import memory_stats
+            summary["xmoe_peak_bytes"] = memory_stats(device)["peak_bytes"]
     print(json.dumps(summary), flush=True)
 
 

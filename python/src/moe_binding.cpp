@@ -98,7 +98,10 @@ class TorchMoE {
     for (const auto& [key, value] : options) config_set(config, "model.moe." + key, value);
     layer_ = std::make_unique<moe::MoELayer>(config.model.moe, d_model, "moe", seed, init_std);
     params_ = layer_->parameters();
-    for (Parameter* p : params_) grad_dtypes_.push_back(p->grad.dtype());
+    for (Parameter* p : params_) {
+      shapes_.push_back(p->value.shape());
+      grad_dtypes_.push_back(p->grad.dtype());
+    }
     unbind();  // torch allocates the gradients for each backward
   }
 
@@ -108,17 +111,21 @@ class TorchMoE {
     py::list out;
     for (size_t i = 0; i < params_.size(); ++i) {
       const Parameter& p = *params_[i];
-      out.append(py::make_tuple(p.name, p.value.shape(),
+      out.append(py::make_tuple(p.name, shapes_[i],
                                 grad_dtypes_[i] == DType::bf16 ? "bfloat16" : "float32",
                                 p.lazy_zero_grad));
     }
     return out;
   }
 
-  /// Copies xmoe's initial values (counter-based, docs/architecture.md) into f32 CPU tensors.
+  /// Copies xmoe's initial values (counter-based, docs/architecture.md) into f32 CPU tensors,
+  /// and frees them here: from now on the layer computes with the torch tensors only.
   void copy_initial_values(const std::vector<uintptr_t>& dst) {
     check_count(dst, "copy_initial_values");
-    for (size_t i = 0; i < params_.size(); ++i) copy_out(dst[i], params_[i]->value);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      copy_out(dst[i], params_[i]->value);
+      params_[i]->value = Tensor();
+    }
   }
 
   /// x [T, d] at x_ptr; writes y [T, d] at y_ptr. Without need_backward the saved activations
@@ -166,7 +173,7 @@ class TorchMoE {
     check_count(grad_ptrs, "backward");
     for (size_t i = 0; i < params_.size(); ++i) {
       Parameter& p = *params_[i];
-      p.grad = Tensor::from_external(reinterpret_cast<void*>(grad_ptrs[i]), p.value.shape(),
+      p.grad = Tensor::from_external(reinterpret_cast<void*>(grad_ptrs[i]), shapes_[i],
                                      grad_dtypes_[i], device);
       p.grad_zero_pending = p.lazy_zero_grad;  // torch.empty: backward overwrites it
     }
@@ -190,10 +197,8 @@ class TorchMoE {
   /// Views the torch parameters for this call (they may have moved since the last one).
   void bind_values(const std::vector<uintptr_t>& ptrs, const std::string& dtype, Device device) {
     check_count(ptrs, "parameters");
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const Shape shape = params_[i]->value.shape();
-      params_[i]->value = view(ptrs[i], shape, dtype, device);
-    }
+    for (size_t i = 0; i < params_.size(); ++i)
+      params_[i]->value = view(ptrs[i], shapes_[i], dtype, device);
   }
 
   /// Drops the gradient views (the values stay viewed: the saved activations may hold a cast of
@@ -207,6 +212,7 @@ class TorchMoE {
 
   std::unique_ptr<moe::MoELayer> layer_;
   std::vector<Parameter*> params_;
+  std::vector<Shape> shapes_;
   std::vector<DType> grad_dtypes_;
   int64_t pass_id_ = 0;
 };
@@ -235,4 +241,21 @@ PYBIND11_MODULE(_C, m) {
       .def("backward", &TorchMoE::backward, py::call_guard<py::gil_scoped_release>())
       .def("update_routing_bias", &TorchMoE::update_routing_bias);
   m.def("cuda_available", &xmoe::cuda_available);
+  // xmoe's allocator of a device (the layer's saved activations and temporaries), which torch's
+  // memory statistics do not see.
+  m.def(
+      "memory_stats",
+      [](const std::string& type, int index) {
+        const xmoe::MemoryStats s = xmoe::memory_stats(xmoe::torch_ext::make_device(type, index));
+        return py::dict(py::arg("live_bytes") = s.live_bytes, py::arg("peak_bytes") = s.peak_bytes,
+                        py::arg("total_bytes") = s.total_bytes,
+                        py::arg("num_allocs") = s.num_allocs);
+      },
+      py::arg("type"), py::arg("index") = 0);
+  m.def(
+      "reset_peak_memory",
+      [](const std::string& type, int index) {
+        xmoe::reset_peak_memory(xmoe::torch_ext::make_device(type, index));
+      },
+      py::arg("type"), py::arg("index") = 0);
 }

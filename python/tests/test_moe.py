@@ -5,6 +5,7 @@ the other gates are written out here from docs/moe.md. Forward, the aux loss and
 (input and parameters, through an aux-loss weight of 3 so its upstream gradient is checked)
 must agree within f32 round-off.
 """
+import gc
 import importlib.util
 import math
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xmoe.torch import MoE
+from xmoe.torch import MoE, memory_stats, reset_peak_memory
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("moe_layer_torch",
@@ -205,3 +206,28 @@ def test_a_second_forward_before_backward_is_refused():
     layer(x)
     with pytest.raises(ValueError, match="forward again before the backward"):
         first.y.sum().backward()
+
+
+def test_saved_activations_live_in_xmoe_until_backward():
+    """Forward keeps its activations in xmoe's allocator and backward frees them; the initial
+    weights are not kept (the layer computes on torch's tensors); nothing grows step by step."""
+    layer = MoE(D, E, K, F_, shared_experts=1)
+    x = torch.randn(64, D, requires_grad=True)
+    gc.collect()  # layers of earlier tests free what they hold now, not during the counts
+    base = memory_stats()["live_bytes"]
+    reset_peak_memory()
+    out = layer(x)
+    held = memory_stats()["live_bytes"] - base
+    assert held >= 64 * K * 2 * F_ * 4  # at least the experts' h [T k, 2f] in f32
+    out.y.sum().backward()
+    # What stays is the last expert choice (topk_idx [T, k], for frozen routing) and a few
+    # statistics: small, and the same after every step (no growth).
+    kept = memory_stats()["live_bytes"] - base
+    assert 0 <= kept < held / 10
+    assert memory_stats()["peak_bytes"] >= base + held
+    for _ in range(2):
+        layer(x).y.sum().backward()
+        assert memory_stats()["live_bytes"] - base == kept
+    with torch.no_grad():
+        layer(x)
+    assert memory_stats()["live_bytes"] - base <= kept

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from xmoe import _C
 
-__all__ = ["MoE", "MoEOutput", "replace_moe_layer"]
+__all__ = ["MoE", "MoEOutput", "replace_moe_layer", "memory_stats", "reset_peak_memory"]
 
 _layers: "weakref.WeakValueDictionary[int, MoE]" = weakref.WeakValueDictionary()
 _next_id = itertools.count(1)
@@ -109,6 +109,20 @@ class MoE(nn.Module):
         """gate="sigmoid": the aux-loss-free balancing step from the load since the last call
         (call after the optimizer step); a no-op for other gates."""
         self._layer.update_routing_bias()
+
+
+def memory_stats(device="cpu") -> dict:
+    """Counters (bytes) of xmoe's allocator for `device`: live_bytes, peak_bytes, total_bytes,
+    num_allocs. It holds what the layers save from forward to backward and their temporaries,
+    which torch.cuda.memory_allocated() does not count; add the two for a step's memory."""
+    d = torch.device(device)
+    return _C.memory_stats(d.type, d.index or 0)
+
+
+def reset_peak_memory(device="cpu") -> None:
+    """Sets memory_stats(device)["peak_bytes"] to the live bytes now."""
+    d = torch.device(device)
+    _C.reset_peak_memory(d.type, d.index or 0)
 
 
 def _layer(layer_id: int) -> MoE:
