@@ -66,8 +66,11 @@ class StreamScope {
   cuda::Stream previous_ = nullptr;
 };
 
-/// Copies src into torch's memory at dst, ordered on the current stream (no host wait on CUDA).
-void copy_out(uintptr_t dst, const Tensor& src) {
+/// Copies src into torch's memory at dst, a tensor like `like` (the shape and dtype torch
+/// allocated), ordered on the current stream (no host wait on CUDA).
+void copy_out(uintptr_t dst, const Tensor& src, const Tensor& like) {
+  XMOE_CHECK(src.shape() == like.shape() && src.dtype() == like.dtype(),
+             "[xmoe.torch] the layer made {}, but torch allocated {}", src.str(), like.str());
   if (src.is_cpu()) {
     backend::copy_bytes(reinterpret_cast<void*>(dst), src.device(), src.raw(), src.device(),
                         src.nbytes());
@@ -123,7 +126,7 @@ class TorchMoE {
   void copy_initial_values(const std::vector<uintptr_t>& dst) {
     check_count(dst, "copy_initial_values");
     for (size_t i = 0; i < params_.size(); ++i) {
-      copy_out(dst[i], params_[i]->value);
+      copy_out(dst[i], params_[i]->value, params_[i]->value);
       params_[i]->value = Tensor();
     }
   }
@@ -137,8 +140,9 @@ class TorchMoE {
     const Device device = make_device(device_type, device_index);
     StreamScope scope(device, stream);
     bind_values(param_ptrs, param_dtype, device);
-    Tensor y = layer_->forward(view(x_ptr, x_shape, dtype, device), seq_len);
-    copy_out(y_ptr, y);
+    const Tensor x = view(x_ptr, x_shape, dtype, device);
+    Tensor y = layer_->forward(x, seq_len);
+    copy_out(y_ptr, y, x);  // torch's y: empty_like(x)
     ForwardStats s;
     const moe::AuxLossTerms& terms = layer_->aux_terms();
     s.aux_loss = terms.weighted();
@@ -178,8 +182,9 @@ class TorchMoE {
       p.grad_zero_pending = p.lazy_zero_grad;  // torch.empty: backward overwrites it
     }
     layer_->set_aux_grad_scale(static_cast<float>(aux_grad));
-    Tensor dx = layer_->backward(view(dy_ptr, dy_shape, dtype, device));
-    copy_out(dx_ptr, dx);
+    const Tensor dy = view(dy_ptr, dy_shape, dtype, device);
+    Tensor dx = layer_->backward(dy);
+    copy_out(dx_ptr, dx, dy);  // torch's dx: empty_like(x), and dy has x's dtype
     pass_id_ = 0;
     unbind();
   }
