@@ -22,6 +22,29 @@ TEST(Tensor, ShapeViewsAndCopies) {
   EXPECT_EQ(t.item(5), 6.0);
 }
 
+TEST(Tensor, FromExternalViewsMemoryItDoesNotOwn) {
+  std::vector<float> memory = {1, 2, 3, 4, 5, 6};
+  const MemoryStats before = memory_stats();
+  auto owner_alive = std::make_shared<int>(0);
+  std::weak_ptr<int> watch = owner_alive;
+  {
+    Tensor t = Tensor::from_external(memory.data(), {2, 3}, DType::f32, Device::cpu(),
+                                     std::move(owner_alive));
+    EXPECT_EQ(t.raw(), memory.data());
+    EXPECT_EQ(memory_stats().live_bytes, before.live_bytes);  // nothing allocated or counted
+    EXPECT_EQ(memory_stats().num_allocs, before.num_allocs);
+    t.rows(1, 2).fill_(7.f);  // writes land in the external memory
+    EXPECT_EQ(memory, (std::vector<float>{1, 2, 3, 7, 7, 7}));
+    EXPECT_EQ(t.reshape({3, 2}).to_vector<float>(), memory);
+    EXPECT_FALSE(watch.expired());  // the keep-alive lives as long as the view
+  }
+  EXPECT_TRUE(watch.expired());
+  EXPECT_EQ(memory_stats().live_bytes, before.live_bytes);
+  EXPECT_EQ(memory[0], 1.f);  // not freed, not touched
+  EXPECT_THROW(Tensor::from_external(nullptr, {2}, DType::f32, Device::cpu()), Error);
+  EXPECT_TRUE(Tensor::from_external(nullptr, {0, 4}, DType::f32, Device::cpu()).defined());
+}
+
 TEST(Tensor, BadArgumentsNameTheProblem) {
   Tensor t = Tensor::zeros({3, 2});
   EXPECT_THROW(t.reshape({4, 2}), Error);

@@ -20,11 +20,16 @@ forward -> backward -> clip -> step -> synchronize, as bench_train_step does.
 Output: JSON lines, "train_step_peer_config" (parameter counts), one "train_step_peer" per
 timed step, then "train_step_peer_summary": median step ms, tokens/s, TFLOP/s and MFU by the
 PaLM count of src/xmoe/train/flops.h (6·N_active + 12·L·d·S FLOPs per token, against 989e12),
-peak memory (torch.cuda.max_memory_allocated over the timed steps) and reserved memory.
+peak memory (torch.cuda.max_memory_allocated over the timed steps) and reserved memory; with
+--moe xmoe also xmoe_peak_bytes, the peak of xmoe's own allocator (its MoE activations).
 
   python3 bench/peers/train_torch.py [--preset moe-1b|tiny] [--steps 8] [--warmup 3]
       [--batch B] [--seq S] [--layers L] [--device cuda|cpu] [--compile]
   python3 bench/peers/train_torch.py --preset tiny --device cpu --batch 2 --seq 64 --steps 2
+
+--moe xmoe swaps each MoE layer for xmoe's (xmoe.torch.MoE, the same gate, experts and shared
+experts; `pip install --no-build-isolation ./python -C cmake.define.XMOE_CUDA=ON` first): the
+PyTorch step before and after (issue 36), with "moe" in every JSON line.
 
 --compile tries torch.compile on the model; a failure (at compile time or in the first steps)
 is reported as a "train_step_peer_compile" JSON line and the run goes on in eager mode.
@@ -305,6 +310,23 @@ class MoE(nn.Module):
         return y, aux
 
 
+class XmoeMoE(nn.Module):
+    """The same layer as MoE, run by xmoe (xmoe.torch.MoE: router, routed and shared experts in
+    one op; bf16 activations on CUDA, f32 master weights)."""
+
+    def __init__(self, c, device):
+        super().__init__()
+        from xmoe.torch import MoE as XMoE  # the python/ package, installed with pip
+        self.moe = XMoE(c["d"], c["E"], c["k"], c["f"], gate="softmax_topk",
+                        shared_experts=c["shared"], renormalize=c["renormalize"],
+                        aux_loss_weight=c["aux_weight"], init_std=c["init_std"], device=device)
+
+    def forward(self, x):                            # x [B, S, d] -> y, aux
+        dt = torch.bfloat16 if x.is_cuda else torch.float32
+        out = self.moe(x.to(dt))
+        return out.y, out.aux_loss
+
+
 class Block(nn.Module):
     def __init__(self, c, index, out_std):
         super().__init__()
@@ -315,7 +337,8 @@ class Block(nn.Module):
             self.ffn = DenseFFN(c["d"], c["dense_hidden"], c["init_std"], out_std)
             self.is_moe = False
         else:
-            self.ffn = MoE(c, c["init_std"], out_std)
+            self.ffn = (XmoeMoE(c, torch.get_default_device()) if c.get("moe") == "xmoe"
+                        else MoE(c, c["init_std"], out_std))
             self.is_moe = True
 
     def forward(self, x, cos, sin):
@@ -375,9 +398,12 @@ def main():
     ap.add_argument("--eval-batches", type=int, default=8, help="--data: batches per eval")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the preset's)")
     ap.add_argument("--metrics", help="--data: write xmoe-style metrics.jsonl lines here")
+    ap.add_argument("--moe", choices=("grouped_mm", "xmoe"), default="grouped_mm",
+                    help="the MoE layers: torch._grouped_mm (the peer) or xmoe's (xmoe.torch)")
     args = ap.parse_args()
 
     c = dict(PRESETS[args.preset])
+    c["moe"] = args.moe
     if args.layers is not None:
         c["layers"] = args.layers
     if args.vocab is not None:
@@ -401,7 +427,7 @@ def main():
     moe_layers = sum(1 for b in model.layers if b.is_moe)
     active = total - moe_layers * (c["E"] - c["k"]) * 3 * c["d"] * c["f"]
     fpt = flops_per_token(c, seq, active)
-    print(json.dumps({"bench": "train_step_peer_config", "preset": args.preset,
+    print(json.dumps({"bench": "train_step_peer_config", "preset": args.preset, "moe": args.moe,
                       "layers": c["layers"], "moe_layers": moe_layers, "batch_size": batch,
                       "seq_len": seq, "params_total": total, "params_active": active,
                       "params_match_xmoe_formula": total == total_expected
@@ -444,6 +470,9 @@ def main():
             torch.cuda.synchronize(device)
             if step == args.warmup:
                 torch.cuda.reset_peak_memory_stats(device)
+                if args.moe == "xmoe":
+                    from xmoe.torch import reset_peak_memory
+                    reset_peak_memory(device)
         t0 = time.perf_counter()
         try:
             opt.zero_grad(set_to_none=True)
@@ -471,7 +500,8 @@ def main():
             continue
         times.append(ms)
         tps = batch * seq / (ms / 1e3)
-        line = {"bench": "train_step_peer", "preset": args.preset, "device": str(device),
+        line = {"bench": "train_step_peer", "preset": args.preset, "moe": args.moe,
+                "device": str(device),
                 "step": step - args.warmup, "loss": round(loss.item(), 5),
                 "ce": round(ce.item(), 5), "grad_norm": round(norm.item(), 5),
                 "step_ms": round(ms, 2), "tokens_per_s": round(tps)}
@@ -481,7 +511,8 @@ def main():
 
     median = statistics.median(times)
     tps = batch * seq / (median / 1e3)
-    summary = {"bench": "train_step_peer_summary", "preset": args.preset, "device": str(device),
+    summary = {"bench": "train_step_peer_summary", "preset": args.preset, "moe": args.moe,
+               "device": str(device),
                "dtype": "bf16-autocast", "compiled": compiled, "batch_size": batch,
                "seq_len": seq, "tokens_per_step": batch * seq, "params_total": total,
                "params_active": active, "flops_per_token": fpt, "steps": args.steps,
@@ -491,6 +522,9 @@ def main():
         summary.update({"mfu": round(fpt * tps / PEAK_FLOPS, 5), "peak_flops": PEAK_FLOPS,
                         "peak_bytes": torch.cuda.max_memory_allocated(device),
                         "reserved_bytes": torch.cuda.max_memory_reserved(device)})
+        if args.moe == "xmoe":  # the MoE layers' activations live in xmoe's allocator
+            from xmoe.torch import memory_stats
+            summary["xmoe_peak_bytes"] = memory_stats(device)["peak_bytes"]
     print(json.dumps(summary), flush=True)
 
 

@@ -1,6 +1,7 @@
 #include "xmoe/core/tensor.h"
 
 #include <cstring>
+#include <utility>
 
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/device_api.h"
@@ -32,8 +33,11 @@ Storage::Storage(size_t bytes, Allocator& allocator)
   data_ = allocator_->allocate(bytes);
 }
 
+Storage::Storage(void* data, size_t bytes, Device device, std::shared_ptr<void> keep_alive)
+    : data_(data), bytes_(bytes), device_(device), keep_alive_(std::move(keep_alive)) {}
+
 Storage::~Storage() {
-  allocator_->deallocate(data_, bytes_);
+  if (allocator_) allocator_->deallocate(data_, bytes_);
 }
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
@@ -52,6 +56,19 @@ Tensor Tensor::empty_pinned(Shape shape, DType dtype) {
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   t.storage_ = std::make_shared<Storage>(t.nbytes(), backend::pinned_host_allocator());
+  return t;
+}
+
+Tensor Tensor::from_external(void* data, Shape shape, DType dtype, Device device,
+                             std::shared_ptr<void> keep_alive) {
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  XMOE_CHECK(data != nullptr || t.numel_ == 0, "[tensor] from_external: null data for shape {}",
+             shape_str(shape));
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.storage_ = std::make_shared<Storage>(data, t.nbytes(), device, std::move(keep_alive));
   return t;
 }
 

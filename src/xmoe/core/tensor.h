@@ -26,6 +26,9 @@ class Storage {
   Storage(size_t bytes, Device device);
   /// Host bytes from `allocator` (e.g. the pinned host allocator), freed through it.
   Storage(size_t bytes, Allocator& allocator);
+  /// Memory owned elsewhere (e.g. a PyTorch tensor's): not counted by any allocator, never freed
+  /// here. `keep_alive` (may be null) is held as long as this storage.
+  Storage(void* data, size_t bytes, Device device, std::shared_ptr<void> keep_alive);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -38,7 +41,8 @@ class Storage {
   void* data_ = nullptr;
   size_t bytes_ = 0;
   Device device_;
-  Allocator* allocator_ = nullptr;
+  Allocator* allocator_ = nullptr;  // null: external memory
+  std::shared_ptr<void> keep_alive_;
 };
 
 class Tensor {
@@ -52,6 +56,11 @@ class Tensor {
   /// CUDA.
   static Tensor empty_pinned(Shape shape, DType dtype = DType::f32);
   static Tensor full(Shape shape, float value, Device device = Device::cpu());
+  /// A tensor over `data` (contiguous, row-major, on `device`) that it does not own: nothing is
+  /// copied, allocated or counted, and the memory must outlive every Tensor sharing this view
+  /// unless `keep_alive` owns it. How xmoe computes in memory a framework (PyTorch) allocated.
+  static Tensor from_external(void* data, Shape shape, DType dtype, Device device,
+                              std::shared_ptr<void> keep_alive = nullptr);
   /// Copies host values into a new tensor on `device`.
   template <typename T>
   static Tensor from_vector(const std::vector<T>& values, Shape shape,

@@ -1,0 +1,287 @@
+"""xmoe's MoE layer as a PyTorch module (docs/pytorch.md).
+
+`MoE` is an nn.Module whose parameters are ordinary torch tensors; its forward and backward are
+two torch custom ops (`xmoe::moe_forward`, `xmoe::moe_backward`, with fake kernels, so
+torch.compile traces through them) that run xmoe's C++ (or CUDA, on torch's current stream)
+layer on those tensors' memory: the weights and the input are viewed, not copied.
+`replace_moe_layer(model)` swaps the sparse MoE blocks of a Hugging Face Mixtral or Qwen2-MoE
+model for `MoE` layers carrying their weights.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from xmoe import _C
+
+__all__ = ["MoE", "MoEOutput", "replace_moe_layer", "memory_stats", "reset_peak_memory"]
+
+_layers: "weakref.WeakValueDictionary[int, MoE]" = weakref.WeakValueDictionary()
+_next_id = itertools.count(1)
+
+
+@dataclass
+class MoEOutput:
+    """What `MoE.forward` returns: the output and the routing of this forward."""
+
+    y: Tensor                  #: [..., d_model], the input's shape and dtype
+    aux_loss: Tensor           #: 0-d f32 on the input's device: the weighted aux losses (add it to the loss)
+    aux_terms: Tensor          #: f64 [3] on the CPU: load_balance, seq_balance, z_loss (unweighted)
+    tokens_per_expert: Tensor  #: i64 [E] on the CPU: (token, slot) pairs each expert processed
+    dropped: Tensor            #: i64 [] on the CPU: pairs dropped for capacity (impl="padded" only)
+
+
+def _option_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+class MoE(nn.Module):
+    """xmoe's MoE layer: gate, padding-free (or padded) routed SwiGLU experts, shared experts.
+
+    Parameters (f32, the names of xmoe's checkpoints without the layer prefix):
+    ``router_weight`` [d, E] (xmoe gate: [d, router_dim], plus ``router_expert_embeddings``
+    [router_dim, E] and ``router_temperature`` [1]), ``experts_gate_up`` [E, d, 2f] (gate | up),
+    ``experts_down`` [E, f, d], and with shared experts ``shared_gate_up`` [d, 2Sf] and
+    ``shared_down`` [Sf, d]. They start from xmoe's initialisation (N(0, init_std^2) from seed).
+
+    Any other key of the config's ``model.moe`` table goes in ``options`` (docs/config.md), e.g.
+    ``softmax_before_topk=False``, ``renormalize=False``, ``num_groups=4``, ``topk_groups=2``,
+    ``routed_scaling=2.5``, ``aux_loss_weight=0.01``, ``z_loss_weight=1e-3``,
+    ``capacity_factor=1.25``, ``router_dim=16``, ``expert_grad_dtype="bf16"``. ``device``: where
+    the parameters go once initialised (on the CPU).
+    """
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, expert_hidden: int,
+                 gate: str = "softmax_topk", shared_experts: int = 0, impl: str = "pft",
+                 seed: int = 1234, init_std: float = 0.02, device=None, **options):
+        super().__init__()
+        settings = {"num_experts": num_experts, "top_k": top_k, "expert_hidden": expert_hidden,
+                    "gate": gate, "num_shared_experts": shared_experts, "impl": impl,
+                    "dispatch": "local", **options}
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        self.expert_hidden, self.gate, self.impl = expert_hidden, gate, impl
+        self._layer = _C.MoELayer(d_model, [(k, _option_text(v)) for k, v in settings.items()],
+                                  seed, init_std)
+        self._names: List[str] = []
+        self._grad_dtypes: List[torch.dtype] = []
+        self._written_whole: List[bool] = []
+        for name, shape, grad_dtype, whole in self._layer.parameter_info():
+            attr = name.removeprefix("moe.").replace(".", "_")
+            self.register_parameter(
+                attr, nn.Parameter(torch.empty(shape, dtype=torch.float32, device="cpu")))
+            self._names.append(attr)
+            self._grad_dtypes.append(getattr(torch, grad_dtype))
+            self._written_whole.append(whole)
+        self._layer.copy_initial_values([p.data_ptr() for p in self._params()])  # host memory
+        if device is not None:
+            self.to(device)
+        self.layer_id = next(_next_id)
+        _layers[self.layer_id] = self
+
+    def _params(self) -> List[Tensor]:
+        return [getattr(self, n) for n in self._names]
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"expert_hidden={self.expert_hidden}, gate={self.gate!r}, impl={self.impl!r}")
+
+    def forward(self, x: Tensor) -> MoEOutput:
+        """x [..., d_model] (a 3-d input is [batch, seq, d]: the sequence-level balance loss
+        takes its sequences from it) -> MoEOutput."""
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"[xmoe.torch] x has shape {tuple(x.shape)}, expected [..., {self.d_model}]")
+        seq_len = x.shape[-2] if x.dim() == 3 else x.numel() // self.d_model
+        params = self._params()
+        need_backward = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in params))
+        y, aux, terms, counts, dropped, _pass = torch.ops.xmoe.moe_forward(
+            x.reshape(-1, self.d_model), params, self.layer_id, seq_len, need_backward)
+        return MoEOutput(y.view(x.shape), aux, terms, counts, dropped)
+
+    def update_routing_bias(self) -> None:
+        """gate="sigmoid": the aux-loss-free balancing step from the load since the last call
+        (call after the optimizer step); a no-op for other gates."""
+        self._layer.update_routing_bias()
+
+
+def memory_stats(device="cpu") -> dict:
+    """Counters (bytes) of xmoe's allocator for `device`: live_bytes, peak_bytes, total_bytes,
+    num_allocs. It holds what the layers save from forward to backward and their temporaries,
+    which torch.cuda.memory_allocated() does not count; add the two for a step's memory."""
+    d = torch.device(device)
+    return _C.memory_stats(d.type, d.index or 0)
+
+
+def reset_peak_memory(device="cpu") -> None:
+    """Sets memory_stats(device)["peak_bytes"] to the live bytes now."""
+    d = torch.device(device)
+    _C.reset_peak_memory(d.type, d.index or 0)
+
+
+def _layer(layer_id: int) -> MoE:
+    layer = _layers.get(layer_id)
+    if layer is None:
+        raise RuntimeError(f"[xmoe.torch] no live MoE layer with id {layer_id}")
+    return layer
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _check(x: Tensor, params: List[Tensor]) -> None:
+    for p in params:
+        if p.device != x.device or p.dtype != torch.float32 or not p.is_contiguous():
+            raise ValueError(
+                f"[xmoe.torch] parameters must be contiguous float32 on the input's device "
+                f"({x.device}); got {p.dtype} on {p.device}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or (x.dtype == torch.bfloat16 and not x.is_cuda):
+        raise ValueError(f"[xmoe.torch] x is {x.dtype} on {x.device}: float32, or bfloat16 on CUDA")
+
+
+@torch.library.custom_op("xmoe::moe_forward", mutates_args=())
+def _moe_forward(x: Tensor, params: List[Tensor], layer_id: int, seq_len: int,
+                 need_backward: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    x = x.contiguous()
+    _check(x, params)
+    layer = _layer(layer_id)
+    y = torch.empty_like(x)
+    s = layer._layer.forward(x.data_ptr(), list(x.shape), str(x.dtype).removeprefix("torch."),
+                             x.device.type, x.device.index or 0, _stream(x), seq_len,
+                             [p.data_ptr() for p in params], "float32", y.data_ptr(),
+                             need_backward)
+    return (y, torch.tensor(s.aux_loss, dtype=torch.float32).to(x.device),
+            torch.tensor(s.aux_terms, dtype=torch.float64),
+            torch.tensor(s.tokens_per_expert, dtype=torch.int64),
+            torch.tensor(s.dropped, dtype=torch.int64), torch.tensor(s.pass_id, dtype=torch.int64))
+
+
+@_moe_forward.register_fake
+def _moe_forward_fake(x, params, layer_id, seq_len, need_backward):
+    E = _layer(layer_id).num_experts
+    return (torch.empty_like(x), x.new_empty((), dtype=torch.float32),
+            torch.empty(3, dtype=torch.float64, device="cpu"),
+            torch.empty(E, dtype=torch.int64, device="cpu"),
+            torch.empty((), dtype=torch.int64, device="cpu"),
+            torch.empty((), dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("xmoe::moe_backward", mutates_args=())
+def _moe_backward(dy: Tensor, d_aux: Tensor, x: Tensor, params: List[Tensor], layer_id: int,
+                  pass_id: Tensor) -> Tuple[Tensor, List[Tensor]]:
+    dy = dy.to(x.dtype).contiguous()
+    layer = _layer(layer_id)
+    grads = [torch.empty(p.shape, dtype=dt, device=p.device) if whole else
+             torch.zeros(p.shape, dtype=dt, device=p.device)
+             for p, dt, whole in zip(params, layer._grad_dtypes, layer._written_whole)]
+    dx = torch.empty_like(x)
+    layer._layer.backward(dy.data_ptr(), list(dy.shape), str(dy.dtype).removeprefix("torch."),
+                          x.device.type, x.device.index or 0, _stream(x), float(d_aux),
+                          [p.data_ptr() for p in params], "float32",
+                          [g.data_ptr() for g in grads], dx.data_ptr(), int(pass_id))
+    return dx, grads
+
+
+@_moe_backward.register_fake
+def _moe_backward_fake(dy, d_aux, x, params, layer_id, pass_id):
+    layer = _layer(layer_id)
+    return (torch.empty_like(x),
+            [torch.empty(p.shape, dtype=dt, device=p.device)
+             for p, dt in zip(params, layer._grad_dtypes)])
+
+
+def _setup_context(ctx, inputs, output):
+    x, params, layer_id, _seq_len, _need_backward = inputs
+    ctx.layer_id = layer_id
+    ctx.save_for_backward(x, output[5], *params)
+
+
+def _backward(ctx, dy, d_aux, *_stats):
+    x, pass_id, *params = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if d_aux is None:
+        d_aux = torch.zeros((), dtype=torch.float32)
+    dx, grads = torch.ops.xmoe.moe_backward(dy, d_aux, x, params, ctx.layer_id, pass_id)
+    return dx, list(grads), None, None, None
+
+
+torch.library.register_autograd("xmoe::moe_forward", _backward, setup_context=_setup_context)
+
+
+# ---- Hugging Face models ---------------------------------------------------------------------
+
+class HFMoEBlock(nn.Module):
+    """What `replace_moe_layer` puts in place of a Hugging Face sparse MoE block: xmoe's routed
+    experts, plus the block's own gated shared expert (Qwen2-MoE), which stays in PyTorch. Takes
+    and returns hidden states [batch, seq, d] as the block did; the last forward's aux loss and
+    routing are in `aux_loss` and `tokens_per_expert`."""
+
+    def __init__(self, moe: MoE, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None):
+        super().__init__()
+        self.moe = moe
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        self.aux_loss: Tensor | None = None
+        self.tokens_per_expert: Tensor | None = None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        out = self.moe(hidden_states)
+        self.aux_loss, self.tokens_per_expert = out.aux_loss, out.tokens_per_expert
+        y = out.y
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(
+                hidden_states)
+        return y
+
+
+def _from_hf_block(block: nn.Module, config) -> HFMoEBlock:
+    """A Mixtral / Qwen2-MoE block (router `gate.weight` [E, d]; fused experts
+    `experts.gate_up_proj` [E, 2f, d] (gate | up) and `experts.down_proj` [E, d, f]) as xmoe's."""
+    router, ex = block.gate, block.experts
+    if not hasattr(ex, "gate_up_proj"):
+        raise ValueError(f"[xmoe.torch] {type(block).__name__} keeps one module per expert "
+                         "(transformers 4); replace_moe_layer reads transformers 5's fused experts")
+    E, d = router.weight.shape
+    f = ex.down_proj.shape[-1]
+    if tuple(ex.gate_up_proj.shape) != (E, 2 * f, d) or tuple(ex.down_proj.shape) != (E, d, f):
+        raise ValueError(f"[xmoe.torch] {type(block).__name__}: unexpected expert shapes "
+                         f"{tuple(ex.gate_up_proj.shape)}, {tuple(ex.down_proj.shape)}")
+    if getattr(ex.act_fn, "__class__", None).__name__ not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"[xmoe.torch] {type(block).__name__}: experts use {ex.act_fn}; xmoe's "
+                         "experts are SwiGLU (silu)")
+    renormalize = getattr(router, "norm_topk_prob", True)  # Mixtral always renormalises
+    moe = MoE(d, E, router.top_k, f, gate="softmax_topk", renormalize=renormalize,
+              aux_loss_weight=getattr(config, "router_aux_loss_coef", 0.01))
+    with torch.no_grad():
+        moe.router_weight.copy_(router.weight.t())
+        moe.experts_gate_up.copy_(ex.gate_up_proj.transpose(1, 2))
+        moe.experts_down.copy_(ex.down_proj.transpose(1, 2))
+    moe.to(router.weight.device)
+    return HFMoEBlock(moe, getattr(block, "shared_expert", None),
+                      getattr(block, "shared_expert_gate", None))
+
+
+def replace_moe_layer(model: nn.Module) -> nn.Module:
+    """Swaps every Mixtral / Qwen2-MoE sparse MoE block of a Hugging Face model (transformers 5:
+    fused 3-d expert weights) for xmoe's layer (weights copied once into xmoe's f32 layout,
+    HFMoEBlock); returns the model. Raises when the model has none."""
+    config = getattr(model, "config", None)
+    found = [(name, m) for name, m in model.named_modules()
+             if type(m).__name__ in ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")]
+    if not found:
+        raise ValueError(f"[xmoe.torch] replace_moe_layer: no Mixtral or Qwen2-MoE sparse MoE "
+                         f"block in {type(model).__name__}")
+    for name, block in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, _from_hf_block(block, config))
+    return model
