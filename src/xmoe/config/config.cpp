@@ -191,6 +191,14 @@ const std::vector<Key>& table() {
                "whole optimizer state; 1: AdamW moments sharded over each parameter's "
                "data-parallel group; 2: also gradients reduce-scattered, each rank keeps its "
                "shard (CPU ranks only: not yet on CUDA)"),
+      XMOE_KEY(parallel.bucket_kib, at_least(1), {},
+               "size of a gradient bucket (KiB of f32 gradients): the gradients are all-reduced "
+               "(zero 2: reduce-scattered) in buckets of one parameter kind, filled in parameter "
+               "order"),
+      XMOE_KEY(parallel.overlap_grad_sync, any(), {},
+               "parallel.zero = 2: start each bucket's reduce-scatter during backward, as soon "
+               "as its gradients are final, and free them there (false: all after backward; "
+               "the same bits)"),
   };
   return keys;
 }

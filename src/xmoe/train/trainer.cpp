@@ -281,8 +281,8 @@ class Run {
     moe_layers_ = model_->moe_layers();
     // parallel.zero >= 1: AdamW holds moments only for the pieces of the buckets' shards this
     // rank owns (zero 0: every parameter whole, one piece each).
-    grad_sync_ =
-        std::make_unique<parallel::GradientSync>(params_, layout_, 32 << 20, config_.parallel.zero);
+    grad_sync_ = std::make_unique<parallel::GradientSync>(
+        params_, layout_, int64_t{config_.parallel.bucket_kib} << 10, config_.parallel.zero);
     std::vector<optim::AdamWPiece> pieces;
     for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
       pieces.emplace_back(p.param, p.offset, p.count, p.grad);
@@ -358,6 +358,13 @@ class Run {
       const data::Batch b = on_device(train_loader_->next(), device_);
       loss += model_->forward_loss(b.inputs, b.targets) / tc_.grad_accum;
       aux += model_->aux_loss() / tc_.grad_accum;
+      // zero 2, overlapped: the last micro-batch's backward starts each bucket's reduce-scatter
+      // once its gradients are final (and frees them).
+      const bool overlap = config_.parallel.zero == 2 && config_.parallel.overlap_grad_sync &&
+                           micro + 1 == tc_.grad_accum;
+      model_->set_grads_ready(
+          overlap ? [this](const std::vector<Parameter*>& ps) { grad_sync_->grads_ready(ps); }
+                  : model::Transformer::GradsReady());
       model_->backward(1.0f / static_cast<float>(tc_.grad_accum));
       for (const moe::MoELayer* layer : moe_layers_) {
         const auto& tpe = layer->expert_load();
