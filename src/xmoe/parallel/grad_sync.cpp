@@ -53,8 +53,6 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     std::vector<int64_t> numels;
     for (const Parameter* p : b.params) numels.push_back(p->value.numel());
     b.shards = BucketShards::plan(numels, group.size(), group.rank());
-    if (zero_ == 2)
-      b.grad_shard = Tensor::zeros({b.shards.shard}, DType::f32, b.params[0]->grad.device());
   }
 }
 
@@ -145,7 +143,7 @@ void GradientSync::start_reduce_scatter(size_t bucket) {
   comm::Group& group = group_of(b);
   // Pack the padded bucket (the padding zeroed; bf16 gradients widened: the sum is f32), then
   // free the whole gradients: the update reads the shard (4 of the 4 + 12/N bytes per element).
-  const Device d = b.params[0]->grad.device();
+  const Device d = b.device = b.params[0]->grad.device();
   b.packed = Tensor::empty({b.shards.padded}, DType::f32, d);
   if (b.shards.padded > b.numel) b.packed.rows(b.numel, b.shards.padded).zero_();
   std::vector<Tensor> grads, views;
@@ -180,12 +178,12 @@ void GradientSync::finish_reduce_scatter() {
   Bucket& b = buckets_[in_flight_];
   in_flight_ = kNone;
   if (b.work) b.work->wait();
-  // This rank's shard of the sum, scaled as the all-reduced gradients are.
-  const Tensor sum = b.summed.device() == b.grad_shard.device()
-                         ? b.summed
-                         : b.summed.to(b.grad_shard.device());
+  // This rank's shard of the sum, scaled as the all-reduced gradients are: in place where the
+  // sum is on the gradients' device (no second buffer while the bucket is in flight).
+  const Device d = b.device;
+  b.grad_shard = b.summed.device() == d ? b.summed : Tensor::empty({b.shards.shard}, DType::f32, d);
   std::vector<Tensor> dst{b.grad_shard};
-  const std::vector<Tensor> src{sum};
+  const std::vector<Tensor> src{b.summed.device() == d ? b.summed : b.summed.to(d)};
   ops::multi_copy_scaled(dst, src, 1.0f / static_cast<float>(layout_.world_size));
   b.work.reset();
   b.packed = Tensor();
@@ -278,12 +276,24 @@ std::vector<OwnedPiece> GradientSync::owned_pieces() const {
     return out;
   }
   for (const Bucket& b : buckets_)
-    for (const ShardPiece& s : b.shards.pieces) {
-      OwnedPiece o{b.params[s.param], s.offset, s.count, {}};
-      if (zero_ == 2) o.grad = b.grad_shard.rows(s.shard_offset, s.shard_offset + s.count);
-      out.push_back(std::move(o));
-    }
+    for (const ShardPiece& s : b.shards.pieces)
+      out.push_back({b.params[s.param], s.offset, s.count, zero_ == 2});
   return out;
+}
+
+std::vector<Tensor> GradientSync::shard_grads() const {
+  XMOE_CHECK(zero_ == 2, "[grad_sync] shard_grads needs parallel.zero = 2");
+  std::vector<Tensor> out;
+  for (const Bucket& b : buckets_) {
+    XMOE_CHECK(b.grad_shard.defined(), "[grad_sync] shard_grads before sync()");
+    for (const ShardPiece& s : b.shards.pieces)
+      out.push_back(b.grad_shard.rows(s.shard_offset, s.shard_offset + s.count));
+  }
+  return out;
+}
+
+void GradientSync::release_shards() {
+  for (Bucket& b : buckets_) b.grad_shard = Tensor();
 }
 
 Tensor GradientSync::all_gather(const Bucket& b, const Tensor& shard) const {

@@ -17,10 +17,10 @@
 // its replica group by a BucketShards plan, and this
 // rank's optimizer updates only its shard (owned_pieces()); gather_params() then all-gathers the
 // updated parameters. With zero 2 the buckets are reduce-scattered instead of all-reduced: this
-// rank keeps only its shard of the averaged gradient (a flat f32 buffer per bucket), which the
-// pieces' grad views read. The reduce-scatter of a bucket may start during backward
-// (grads_ready(), parallel.overlap_grad_sync): as soon as backward has finished all its
-// gradients, which are packed and freed at once, so that whole gradients live only from their
+// rank keeps only its shard of the averaged gradient (a flat f32 buffer per bucket, from the
+// sync to the update), which the pieces' grad views read. The reduce-scatter of a bucket may start
+// during backward (grads_ready(), parallel.overlap_grad_sync): as soon as backward has finished all
+// its gradients, which are packed and freed at once, so that whole gradients live only from their
 // module's backward to their bucket's start; a bucket's operations are the same either way,
 // and so are the bits.
 #include <cstdint>
@@ -40,8 +40,9 @@ struct OwnedPiece {
   Parameter* param = nullptr;
   int64_t offset = 0;  ///< first element (flat)
   int64_t count = 0;   ///< elements
-  /// zero 2: [count] view of the bucket's gradient shard; else undefined (param->grad's range)
-  Tensor grad;
+  /// zero 2: the gradient is a [count] view of the bucket's shard, which exists only from
+  /// sync() to release_shards() (shard_grads()); else param->grad's range
+  bool shard_grad = false;
 };
 
 class GradientSync {
@@ -61,6 +62,12 @@ class GradientSync {
   /// and unpacked. sync() then does the buckets left. Collective, in the same order on every
   /// rank (backward's). A no-op below zero 2.
   void grads_ready(const std::vector<Parameter*>& params);
+  /// zero 2, after sync(): the averaged gradient of each owned piece, a [count] f32 view of its
+  /// bucket's shard, in owned_pieces() order (for AdamW::set_piece_grads).
+  std::vector<Tensor> shard_grads() const;
+  /// zero 2, after the update: frees the gradient shards (the optimizer must hold no view of
+  /// them), so that between steps this rank holds no gradient at all. A no-op below zero 2.
+  void release_shards();
   /// Gradient bytes this rank holds now: the per-parameter gradients still allocated and, with
   /// zero 2, the shards.
   int64_t gradient_bytes() const;
@@ -97,10 +104,13 @@ class GradientSync {
     int64_t numel = 0;
     ParamKind kind = ParamKind::dense;
     BucketShards shards;  ///< zero >= 1
-    Tensor grad_shard;    ///< zero 2: f32 [shards.shard], this rank's averaged gradient
+    /// zero 2, from its reduce-scatter to release_shards(): f32 [shards.shard], this rank's
+    /// averaged gradient
+    Tensor grad_shard;
     // zero 2, while its reduce-scatter runs: the packed gradients [padded], this rank's sum
     // [shard] (on the group's device) and the collective; `started`: this step.
     Tensor packed, summed;
+    Device device;  ///< the gradients
     std::unique_ptr<comm::Work> work;
     bool started = false;
     size_t ready = 0;  ///< parameters whose gradients backward finished this step

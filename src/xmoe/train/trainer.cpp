@@ -285,8 +285,12 @@ class Run {
         params_, layout_, int64_t{config_.parallel.bucket_kib} << 10, config_.parallel.zero);
     std::vector<optim::AdamWPiece> pieces;
     for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
-      pieces.emplace_back(p.param, p.offset, p.count, p.grad);
+      pieces.emplace_back(p.param, p.offset, p.count, Tensor(), p.shard_grad);
     opt_ = std::make_unique<optim::AdamW>(pieces, optim::AdamWConfig::from(tc_));
+    // zero 2: whole gradients exist only from their module's backward to their bucket's
+    // reduce-scatter, the first step's too.
+    if (config_.parallel.zero == 2)
+      for (Parameter* p : params_) p->release_grad();
     result.optimizer_bytes = opt_->state_bytes();
     result.offload_staging_bytes = opt_->staging_bytes();
     schedule_.emplace(optim::LrSchedule::from(tc_));
@@ -398,10 +402,14 @@ class Run {
     } else {
       bad_in_a_row_ = 0;
       // The clip factor rides on the update (no pass of its own over the gradients).
+      if (grad_sync_->zero() == 2) opt_->set_piece_grads(grad_sync_->shard_grads());
       opt_->step(static_cast<float>(m.lr), optim::clip_factor(m.grad_norm, tc_.grad_clip));
       grad_sync_->gather_params();  // zero >= 1: every rank's updated shard to every replica
       for (moe::MoELayer* layer : moe_layers_) layer->update_routing_bias();
     }
+    // zero 2: no gradient is held between steps (the next backward makes them again).
+    opt_->set_piece_grads({});
+    grad_sync_->release_shards();
     result.gradient_bytes = grad_sync_->gradient_bytes();
     const MemoryStats mem = memory_stats(device_);
     result.peak_step_bytes = std::max(result.peak_step_bytes, mem.peak_bytes - base_live_bytes_);
