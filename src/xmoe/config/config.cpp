@@ -169,6 +169,11 @@ const std::vector<Key>& table() {
                "f32 master weights and AdamW moments in pinned host memory, the update on CPU "
                "threads overlapped with the copies; the GPU keeps gradients and the bf16 (or f32) "
                "weights forward reads"),
+      XMOE_KEY(train.offload_overlap, any(), {},
+               "train.offload_optimizer: copy each module's gradients to the host during "
+               "backward, as soon as they are final (one process without parallel.zero = 2: no "
+               "sync changes them); the update itself waits for the gradient norm. The same bits "
+               "either way"),
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},

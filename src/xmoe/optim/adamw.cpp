@@ -1,5 +1,6 @@
 #include "xmoe/optim/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -108,6 +109,7 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
     groups_.back().second = i + 1;
     numel += static_cast<size_t>(pieces_[i].count);
   }
+  prefetched_.assign(pieces_.size(), 0);
   to_host_ = std::make_unique<CopyQueue>(compute_device_);
   to_device_ = std::make_unique<CopyQueue>(compute_device_);
 }
@@ -218,14 +220,43 @@ void AdamW::step(float lr, float grad_scale) {
   ops::adamw_step(list, s);
 }
 
+void AdamW::prefetch_grads(const std::vector<Parameter*>& params) {
+  if (!cfg_.offload || params.empty()) return;
+  const std::set<const Parameter*> final_now(params.begin(), params.end());
+  settle_grads(params);
+  // After the backward that wrote them; the markers of this round stay (step() waits on them).
+  if (any_prefetched_)
+    to_host_->follow_compute();
+  else
+    to_host_->after_compute();
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const AdamWPiece& piece = pieces_[i];
+    if (piece.own_grad || prefetched_[i] || !final_now.count(piece.param)) continue;
+    to_host_->copy(grad_host_[i], flat(piece_grad(i)));
+    prefetched_[i] = 1;
+    any_prefetched_ = true;
+  }
+}
+
+void AdamW::forget_prefetched() {
+  if (!any_prefetched_) return;
+  std::fill(prefetched_.begin(), prefetched_.end(), 0);
+  any_prefetched_ = false;
+}
+
 void AdamW::step_offloaded(const ops::AdamWStep& s) {
   // Both queues start after the device's queued work: the gradients are final, and nothing
-  // queued still reads the weights the updates overwrite.
-  to_host_->after_compute();
+  // queued still reads the weights the updates overwrite. The gradients prefetched during
+  // backward are on their way already (the copy queue runs in order: a marker after a group's
+  // copies is after them too).
+  if (any_prefetched_)
+    to_host_->follow_compute();
+  else
+    to_host_->after_compute();
   to_device_->after_compute();
   auto send_grads = [&](size_t g) {
     for (size_t i = groups_[g].first; i < groups_[g].second; ++i)
-      to_host_->copy(grad_host_[i], flat(piece_grad(i)));
+      if (!prefetched_[i]) to_host_->copy(grad_host_[i], flat(piece_grad(i)));
     return to_host_->mark();
   };
   std::vector<int> arrived(groups_.size());
@@ -248,6 +279,7 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
     }
   }
   to_device_->compute_waits();
+  forget_prefetched();
 }
 
 void AdamW::zero_grad() {

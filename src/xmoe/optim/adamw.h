@@ -87,6 +87,14 @@ class AdamW {
   void step(float lr, float grad_scale = 1.0f);
   /// Zeroes every parameter's grad.
   void zero_grad();
+  /// Offloaded: the gradients of `params` are final for the coming step() (backward finished
+  /// them and no sync changes them): their pieces' copies to the host start now, on the copy
+  /// queue after the device's queued work, so that they travel during the rest of backward;
+  /// step() copies only the others. Pieces with their own gradient (zero 2 shards) are left to
+  /// step(). A no-op without offload.
+  void prefetch_grads(const std::vector<Parameter*>& params);
+  /// Drops what prefetch_grads() started (a skipped step); step() does it after its update.
+  void forget_prefetched();
   /// The gradients of the pieces that have their own (AdamWPiece::own_grad), in piece order:
   /// one [count] f32 or bf16 tensor each (e.g. views of the zero 2 shards, which exist only
   /// from the gradient sync to the update). Empty: forgets them (the shards can be freed).
@@ -144,6 +152,8 @@ class AdamW {
   Device compute_device_ = Device::cpu();
   std::vector<std::pair<size_t, size_t>> groups_;
   std::vector<Tensor> grad_host_, bf16_host_;
+  std::vector<char> prefetched_;  // per piece: its gradient is on its way to grad_host_
+  bool any_prefetched_ = false;
   std::unique_ptr<CopyQueue> to_host_, to_device_;
 };
 

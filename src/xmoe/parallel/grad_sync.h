@@ -77,6 +77,9 @@ class GradientSync {
   double global_grad_sum_squares() const;
 
   int zero() const { return zero_; }
+  /// Whether sync() leaves the gradients as backward made them (one process, zero < 2): they
+  /// are final as soon as their module's backward is done.
+  bool grads_final_after_backward() const { return layout_.world_size == 1 && zero_ < 2; }
   /// What this rank's optimizer updates, bucket by bucket: zero 0 every parameter whole
   /// (offset 0, count numel, in the order given), else this rank's shard of each bucket.
   std::vector<OwnedPiece> owned_pieces() const;

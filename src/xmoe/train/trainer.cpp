@@ -355,6 +355,7 @@ class Run {
     Timer step_timer;
     reset_peak_memory(device_);
     maybe_inject_fault(layout_.world_rank, step);
+    opt_->forget_prefetched();  // a skipped step's
     model_->zero_grad();
     double loss = 0, aux = 0;
     std::vector<int64_t> load;
@@ -362,13 +363,18 @@ class Run {
       const data::Batch b = on_device(train_loader_->next(), device_);
       loss += model_->forward_loss(b.inputs, b.targets) / tc_.grad_accum;
       aux += model_->aux_loss() / tc_.grad_accum;
-      // zero 2, overlapped: the last micro-batch's backward starts each bucket's reduce-scatter
-      // once its gradients are final (and frees them).
-      const bool overlap = config_.parallel.zero == 2 && config_.parallel.overlap_grad_sync &&
-                           micro + 1 == tc_.grad_accum;
+      // The last micro-batch's backward hands on each module's finished gradients: zero 2,
+      // overlapped, starts their buckets' reduce-scatters (and frees them); the offloaded
+      // optimizer starts copying them to the host where no sync follows.
+      const bool last = micro + 1 == tc_.grad_accum;
+      const bool reduce = last && config_.parallel.zero == 2 && config_.parallel.overlap_grad_sync;
+      const bool prefetch = last && tc_.offload_optimizer && tc_.offload_overlap &&
+                            grad_sync_->grads_final_after_backward();
       model_->set_grads_ready(
-          overlap ? [this](const std::vector<Parameter*>& ps) { grad_sync_->grads_ready(ps); }
-                  : model::Transformer::GradsReady());
+          reduce || prefetch ? [this, reduce, prefetch](const std::vector<Parameter*>& ps) {
+            if (reduce) grad_sync_->grads_ready(ps);
+            if (prefetch) opt_->prefetch_grads(ps);
+          } : model::Transformer::GradsReady());
       model_->backward(1.0f / static_cast<float>(tc_.grad_accum));
       for (const moe::MoELayer* layer : moe_layers_) {
         const auto& tpe = layer->expert_load();
