@@ -236,16 +236,26 @@ double GradientSync::global_grad_sum_squares() const {
   if (zero_ == 2) {
     // Every element of a bucket is in exactly one rank's shard of its group, and the groups
     // cover every parameter once, except where the tp ranks of a group hold the same copy
-    // (counted tp times: divided by tp).
-    std::vector<Tensor> once, tp_copies;
-    for (const Bucket& b : buckets_)
-      (replicated_over_tp(b.kind) ? tp_copies : once).push_back(b.grad_shard);
+    // (counted tp times: divided by tp). The pieces are summed per kind in parameter order and
+    // added as zero 0 adds its sums, so that one process gets zero 0's bits.
+    std::vector<Tensor> dense, expert, shard, replicated;
+    for (const Bucket& b : buckets_) {
+      std::vector<Tensor>& list = b.kind == ParamKind::dense          ? dense
+                                  : b.kind == ParamKind::expert       ? expert
+                                  : b.kind == ParamKind::tensor_shard ? shard
+                                                                      : replicated;
+      for (const ShardPiece& p : b.shards.pieces)
+        list.push_back(b.grad_shard.rows(p.shard_offset, p.shard_offset + p.count));
+    }
+    const bool expert_copies = replicated_over_tp(ParamKind::expert);
     Tensor t = Tensor::from_vector<double>(
-        {ops::multi_sum_squares(once).item(), ops::multi_sum_squares(tp_copies).item()}, {2},
-        world.device());
+        {ops::multi_sum_squares(dense).item(), ops::multi_sum_squares(shard).item(),
+         ops::multi_sum_squares(expert).item(), ops::multi_sum_squares(replicated).item()},
+        {4}, world.device());
     if (world.size() > 1) world.all_reduce(t);
     const std::vector<double> s = t.to_vector<double>();
-    return s[0] + s[1] / layout_.tp;
+    const double tp = layout_.tp;
+    return (s[0] + s[1]) + (expert_copies ? s[2] / tp : s[2]) + s[3] / tp;
   }
   // After sync the dense and tp-replicated gradients are the same on every rank (counted
   // here once); the tensor-parallel shards add up over the tp group, the experts over the ep

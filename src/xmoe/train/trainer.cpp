@@ -546,10 +546,6 @@ class Run {
 
 TrainResult train(const Config& config, const TrainOptions& options) {
   const TrainConfig& tc = config.train;
-  XMOE_CHECK(config.parallel.zero == 0 || parse_device(tc.device).is_cpu(),
-             "[train] parallel.zero = {} is not yet on CUDA (train.device = {}): ZeRO sharding "
-             "runs on CPU ranks over MPI; use parallel.zero = 0 on CUDA",
-             config.parallel.zero, tc.device);
   XMOE_CHECK(!tc.offload_optimizer || parse_device(tc.device).is_cpu() ||
                  config.parallel.expert_placement == "none",
              "[train] train.offload_optimizer with train.device = {}: parallel.expert_placement = "
