@@ -9,7 +9,8 @@
 //                    [--set key=value ...]
 // --set train.offload_optimizer=true runs the offloaded update: the summary line then gives
 // its median time per step (median_optimizer_ms, also without offload), the device bytes
-// before the offload and with the optimizer built, and the pinned host bytes.
+// before the offload and with the optimizer built, and the pinned host bytes; the gradients
+// start for the host during backward unless --set train.offload_overlap=false.
 // --set takes config keys (e.g. train.batch_size=4, model.num_layers=2); --dense makes every
 // block a dense FFN (model.first_dense_layers = model.num_layers).
 // --breakdown: after the timed steps, 2 more steps with the region profiler on
@@ -110,6 +111,10 @@ void run_preset(const std::string& preset_name, const Options& o) {
     double norm;
     double optimizer_ms;  ///< the update (offloaded: copies, host update, copies back)
   };
+  // train.offload_overlap (the trainer's default with offload): each module's gradients start
+  // for the host during backward.
+  if (tc.offload_optimizer && tc.offload_overlap)
+    model.set_grads_ready([&](const std::vector<Parameter*>& ps) { opt.prefetch_grads(ps); });
   auto train_step = [&](const Tensor& ids, const Tensor& targets) {
     {
       ProfileScope scope("zero_grad", device);

@@ -500,8 +500,8 @@ TEST_F(CudaTrainTest, ResumeOnTheDeviceReproducesTheRun) {
 // train.offload_optimizer on the GPU (MoE model, f32 and bf16 compute): the losses follow the
 // on-device optimizer's run within 1e-5 relative over 10 steps (the two AdamWs agree within
 // 1e-6 on the weights, CudaModel.OffloadedAdamWMatchesTheDeviceOne; a wrong copy or a stale
-// weight would be off by far more); saved and resumed with offload, the run repeats the
-// straight offloaded one bit for bit.
+// weight would be off by far more); copied during backward or after it, the same bits; saved
+// and resumed with offload, the run repeats the straight offloaded one bit for bit.
 TEST_F(CudaTrainTest, OffloadFollowsTheOnDeviceOptimizer) {
   XMOE_REQUIRE_CUDA();
   for (const char* dtype : {"f32", "bf16"}) {
@@ -520,6 +520,15 @@ TEST_F(CudaTrainTest, OffloadFollowsTheOnDeviceOptimizer) {
       EXPECT_LE(std::fabs(off.steps[i].loss - plain.steps[i].loss), 1e-5 * plain.steps[i].loss)
           << dtype << " step " << i + 1;
     }
+    // train.offload_overlap (the default): the gradients that travelled during backward give
+    // the bits of the run that copies them all after it.
+    c.train.offload_overlap = false;
+    c.train.out_dir = (root_ / (std::string("offload-after-") + dtype)).string();
+    const auto after = train::train(c, quiet());
+    ASSERT_EQ(after.steps.size(), off.steps.size());
+    for (size_t i = 0; i < off.steps.size(); ++i)
+      EXPECT_EQ(after.steps[i].loss, off.steps[i].loss) << dtype << " overlap, step " << i + 1;
+    c.train.offload_overlap = true;
     c.train.out_dir = (root_ / (std::string("offload-resumed-") + dtype)).string();
     auto first = quiet();
     first.stop_after = 5;

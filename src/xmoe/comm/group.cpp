@@ -63,18 +63,18 @@ Tensor Group::all_gather(const Tensor& t) {
   return out;
 }
 
-Tensor Group::reduce_scatter(const Tensor& t) {
+std::unique_ptr<Work> Group::reduce_scatter_async(const Tensor& t, Tensor& out) {
   check_tensor(t, "reduce_scatter");
   XMOE_CHECK(t.dim() >= 1 && t.size(0) % size() == 0,
              "[reduce_scatter] dim 0 of {} is not divisible by the group size {}", t.str(), size());
   Shape shape = t.shape();
   shape[0] /= size();
-  Tensor out = Tensor::empty(shape, t.dtype(), t.device());
-  do_reduce_scatter(t, out);
+  out = Tensor::empty(shape, t.dtype(), t.device());
+  std::unique_ptr<Work> work = do_reduce_scatter(t, out);
   ++counters_.calls[ByteCounters::reduce_scatter];
   for (int p = 0; p < size(); ++p)
     count(ByteCounters::reduce_scatter, p, static_cast<int64_t>(out.nbytes()));
-  return out;
+  return work;
 }
 
 namespace {
@@ -190,7 +190,10 @@ class SingleGroup final : public Group {
     return std::make_unique<DoneWork>();
   }
   void do_all_gather(const Tensor& t, Tensor& out) override { out.copy_from(t); }
-  void do_reduce_scatter(const Tensor& t, Tensor& out) override { out.copy_from(t); }
+  std::unique_ptr<Work> do_reduce_scatter(const Tensor& t, Tensor& out) override {
+    out.copy_from(t);
+    return std::make_unique<DoneWork>();
+  }
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
                                         std::span<const int64_t> send_offsets, Tensor& recv,
                                         std::span<const int64_t> recv_rows,

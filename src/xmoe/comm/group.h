@@ -76,7 +76,14 @@ class Group {
   /// Concatenation of every rank's `t` along dim 0 (all ranks give the same shape).
   Tensor all_gather(const Tensor& t);
   /// Sum over ranks of `t`, scattered along dim 0: rank r gets rows [r·n/size, (r+1)·n/size).
-  Tensor reduce_scatter(const Tensor& t);
+  /// The async variant allocates `out` and returns a Work whose wait() makes it valid (the
+  /// blocking one is it, waited: both give the same bits).
+  Tensor reduce_scatter(const Tensor& t) {
+    Tensor out;
+    reduce_scatter_async(t, out)->wait();
+    return out;
+  }
+  std::unique_ptr<Work> reduce_scatter_async(const Tensor& t, Tensor& out);
   /// Uneven all-to-all over dim 0: rows [o_p, o_p + send_rows[p]) of `send` go to rank p; the
   /// result holds, in rank order, recv_rows[p] rows from each rank p. Zero rows are fine.
   Tensor all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
@@ -124,7 +131,7 @@ class Group {
   /// `out`: [size·n, ...] for `t` [n, ...].
   virtual void do_all_gather(const Tensor& t, Tensor& out) = 0;
   /// `out`: [n/size, ...] for `t` [n, ...]; the reduction is a sum.
-  virtual void do_reduce_scatter(const Tensor& t, Tensor& out) = 0;
+  virtual std::unique_ptr<Work> do_reduce_scatter(const Tensor& t, Tensor& out) = 0;
   /// Rows [send_offsets[p], + send_rows[p]) of `send` to rank p, rows from rank p to
   /// [recv_offsets[p], + recv_rows[p]) of `recv` (same dtype and row width); counts and
   /// offsets are >= 0, one per rank, and the ranges inside the tensors.

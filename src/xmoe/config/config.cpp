@@ -188,6 +188,11 @@ const std::vector<Key>& table() {
                "f32 master weights and AdamW moments in pinned host memory, the update on CPU "
                "threads overlapped with the copies; the GPU keeps gradients and the bf16 (or f32) "
                "weights forward reads"),
+      XMOE_KEY(train.offload_overlap, any(), {},
+               "train.offload_optimizer: copy each module's gradients to the host during "
+               "backward, as soon as they are final (one process without parallel.zero = 2: no "
+               "sync changes them); the update itself waits for the gradient norm. The same bits "
+               "either way"),
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},
@@ -209,7 +214,15 @@ const std::vector<Key>& table() {
                "optimizer-state sharding over data-parallel replicas: 0: every rank holds the "
                "whole optimizer state; 1: AdamW moments sharded over each parameter's "
                "data-parallel group; 2: also gradients reduce-scattered, each rank keeps its "
-               "shard (CPU ranks only: not yet on CUDA)"),
+               "shard (MPI on CPU ranks, NCCL on GPUs; the f32 master weights stay whole)"),
+      XMOE_KEY(parallel.bucket_kib, at_least(1), {},
+               "size of a gradient bucket (KiB of f32 gradients): the gradients are all-reduced "
+               "(zero 2: reduce-scattered) in buckets of one parameter kind, filled in parameter "
+               "order"),
+      XMOE_KEY(parallel.overlap_grad_sync, any(), {},
+               "parallel.zero = 2: start each bucket's reduce-scatter during backward, as soon "
+               "as its gradients are final, and free them there (false: all after backward; "
+               "the same bits)"),
   };
   return keys;
 }

@@ -117,6 +117,8 @@ struct TrainConfig {
   /// Master weights and AdamW moments in (pinned) host memory, the update on CPU threads
   /// (docs/training.md, "Optimizer offload").
   bool offload_optimizer = false;
+  /// offload: each module's gradients start for the host during backward once final
+  bool offload_overlap = true;
 
   bool operator==(const TrainConfig&) const = default;
 };
@@ -129,6 +131,8 @@ struct ParallelConfig {
   std::string expert_placement = "none";  ///< none | affinity
   int placement_batches = 8;              ///< batches recorded to choose the affinity placement
   int zero = 0;  ///< 0 | 1 (AdamW moments sharded over dp) | 2 (also gradients reduce-scattered)
+  int bucket_kib = 32 << 10;      ///< gradient bucket size (KiB of f32 gradients)
+  bool overlap_grad_sync = true;  ///< zero 2: each bucket's reduce-scatter starts in backward
 
   bool operator==(const ParallelConfig&) const = default;
 };

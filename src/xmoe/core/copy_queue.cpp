@@ -16,6 +16,10 @@ CopyQueue::~CopyQueue() {
 
 void CopyQueue::after_compute() {
   used_ = 0;
+  follow_compute();
+}
+
+void CopyQueue::follow_compute() {
   if (!device_.is_cuda()) return;
   const int m = mark_on(nullptr);
   backend::stream_wait_event(device_.index, stream_, events_[static_cast<size_t>(m)]);

@@ -23,6 +23,8 @@ class CopyQueue {
   /// Later copies start after the work queued so far on the device's compute stream (e.g. the
   /// backward pass that wrote the gradients to copy). Starts a new round of markers.
   void after_compute();
+  /// The same, keeping this round's markers (copies queued earlier in the round stay marked).
+  void follow_compute();
   /// Queues dst <- src (same numel and dtype; one of them on the host, best pinned).
   void copy(const Tensor& dst, const Tensor& src);
   /// A marker after the copies queued so far (valid until the next after_compute()).

@@ -23,6 +23,7 @@ void Parameter::to(Device device) {
   if (value.device() == device) return;
   value = value.to(device);
   if (grad.defined()) grad = grad.to(device);
+  if (grad_released) released_grad_device = device;
   if (compute_copy.defined()) compute_copy = compute_copy.to(device);
 }
 

@@ -73,7 +73,9 @@ struct Parameter {
   bool lazy_zero_grad = false;
   /// grad is logically zero but its memory is stale (zero_grad() deferred the memset).
   bool grad_zero_pending = false;
-  /// grad's dtype and device while release_grad() has freed it (zero_grad() allocates it again).
+  /// release_grad() freed grad: it is logically zero until materialize_grad() allocates it
+  /// again (zero_grad() keeps it freed), in released_grad_dtype on released_grad_device.
+  bool grad_released = false;
   DType released_grad_dtype = DType::f32;
   Device released_grad_device;
 
@@ -81,11 +83,10 @@ struct Parameter {
   static Parameter make(std::string name, Shape shape, ParamKind kind = ParamKind::dense,
                         bool weight_decay = true, DType grad_dtype = DType::f32);
   void zero_grad() {
-    if (!grad.defined()) {  // released after the last step: a fresh zeroed gradient
-      grad = Tensor::zeros(value.shape(), released_grad_dtype, released_grad_device);
-      grad_zero_pending = false;
-      return;
-    }
+    // Released (zero 2, after the last step's sync): it stays freed, logically zero, until the
+    // backward that writes it materializes it, so whole gradients exist only from their
+    // module's backward to their bucket's reduce-scatter.
+    if (grad_released) return;
     if (lazy_zero_grad) {
       grad_zero_pending = true;
     } else {
@@ -101,15 +102,26 @@ struct Parameter {
     if (grad_zero_pending && grad.defined()) grad.zero_();
     grad_zero_pending = false;
   }
-  /// Frees grad until the next zero_grad() (parallel.zero = 2: once the gradient sync has
-  /// reduce-scattered it, this rank keeps only its shard between steps).
+  /// Frees grad, which stays logically zero until materialize_grad() (parallel.zero = 2: once
+  /// the gradient sync has packed it for the reduce-scatter, this rank keeps only its shard).
   void release_grad() {
     if (grad.defined()) {
       released_grad_dtype = grad.dtype();
       released_grad_device = grad.device();
+      grad_released = true;
     }
     grad = Tensor();
     grad_zero_pending = false;
+  }
+  /// For the backward about to write grad: allocates a released one, zeroed (a lazily zeroed
+  /// one is left for its writer to overwrite: no memset). A no-op otherwise.
+  void materialize_grad() {
+    if (!grad_released) return;
+    const Shape& shape = value.shape();
+    grad = lazy_zero_grad ? Tensor::empty(shape, released_grad_dtype, released_grad_device)
+                          : Tensor::zeros(shape, released_grad_dtype, released_grad_device);
+    grad_zero_pending = lazy_zero_grad;
+    grad_released = false;
   }
   /// Keeps the weights in `dtype` (bf16) only: value becomes the compute copy (or, on the CPU,
   /// value cast) and the f32 master is freed, so a bf16 forward and backward hold 2 bytes of
@@ -143,6 +155,10 @@ struct Parameter {
 /// settle_grad() on each: call before reading gradients.
 inline void settle_grads(const std::vector<Parameter*>& params) {
   for (Parameter* p : params) p->settle_grad();
+}
+/// materialize_grad() on each: call before a backward that writes their gradients.
+inline void materialize_grads(const std::vector<Parameter*>& params) {
+  for (Parameter* p : params) p->materialize_grad();
 }
 
 /// Anything that owns parameters.

@@ -138,25 +138,38 @@ void Transformer::backward(float dloss) {
   for (moe::MoELayer* layer : moe_layers()) layer->set_aux_grad_scale(1.0f);
 }
 
+template <class F>
+void Transformer::backward_of(const std::vector<Parameter*>& params, F&& backward) {
+  materialize_grads(params);
+  backward();
+  if (grads_ready_) grads_ready_(params);
+}
+
 void Transformer::backward_logits(const Tensor& dlogits) {
   XMOE_CHECK(xf_.defined(), "[transformer] backward without a forward");
   check_shape(dlogits, {batch_ * seq_, cfg_.vocab_size}, "transformer_backward", "dlogits");
   ProfileScope scope("model.bwd", device_);
   Tensor dx;
   if (lm_head_) {
-    ProfileScope head("lm_head.bwd", device_);
-    ops::matmul_into(lm_head_->grad, xf_, dlogits, /*trans_a=*/true, false, 1.f, 1.f);
-    dx = ops::matmul_f32(dlogits, lm_head_->compute(), false, /*trans_b=*/true);
+    backward_of({lm_head_.get()}, [&] {
+      ProfileScope head("lm_head.bwd", device_);
+      ops::matmul_into(lm_head_->grad, xf_, dlogits, /*trans_a=*/true, false, 1.f, 1.f);
+      dx = ops::matmul_f32(dlogits, lm_head_->compute(), false, /*trans_b=*/true);
+    });
   } else {
+    // The tied table's gradient is finished by the embedding's backward, last.
     ProfileScope head("lm_head.bwd", device_);
     Parameter& e = embed_->weight();
+    e.materialize_grad();
     ops::matmul_into(e.grad, dlogits, xf_, /*trans_a=*/true, false, 1.f, 1.f);
     dx = ops::matmul_f32(dlogits, e.compute());
   }
   xf_ = Tensor();
-  dx = final_norm_->backward(as_dtype(dx, DType::f32));
-  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) dx = (*it)->backward(dx);
-  embed_->backward(dx);
+  backward_of(final_norm_->parameters(),
+              [&] { dx = final_norm_->backward(as_dtype(dx, DType::f32)); });
+  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
+    backward_of((*it)->parameters(), [&] { dx = (*it)->backward(dx); });
+  backward_of(embed_->parameters(), [&] { embed_->backward(dx); });
 }
 
 float Transformer::aux_loss() const {

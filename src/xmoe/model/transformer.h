@@ -3,6 +3,7 @@
 //   ids [B, S] -> Embedding -> L x TransformerBlock -> RMSNorm -> LM head -> logits [B·S, V]
 // Blocks i < first_dense_layers use a dense SwiGLU FFN, the others the MoE layer.
 // Every module has an explicit forward and backward and owns what it saves (see docs/model.md).
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,6 +53,11 @@ class Transformer : public Module {
   void backward(float dloss = 1.0f);
   /// Backward from a gradient of the logits of the last forward(): dlogits [B·S, V].
   void backward_logits(const Tensor& dlogits);
+  /// Called by backward with the parameters whose gradients it has just finished, module by
+  /// module (the LM head, the final norm, the blocks from the last, the embedding), e.g. to
+  /// start their gradient sync while the layers below run backward. Empty: none.
+  using GradsReady = std::function<void(const std::vector<Parameter*>&)>;
+  void set_grads_ready(GradsReady fn) { grads_ready_ = std::move(fn); }
 
   /// Sum of the MoE layers' weighted auxiliary losses of the last forward.
   float aux_loss() const;
@@ -122,6 +128,12 @@ class Transformer : public Module {
 
   /// This rank's rows [B/P, ...] of a [B, ...] tensor (tp = 1: t); `what` names it in errors.
   Tensor my_sequences(const Tensor& t, const char* what) const;
+
+  /// Materializes `params`' gradients (Parameter::materialize_grad), runs `backward`, then
+  /// hands them to grads_ready_.
+  template <class F>
+  void backward_of(const std::vector<Parameter*>& params, F&& backward);
+  GradsReady grads_ready_;
 
   int tp_ = 1, tp_rank_ = 0;
   float moe_aux_scale_ = 1.0f;  // the MoE layers' aux-loss gradient factor (parallel.ssmb off)

@@ -59,15 +59,15 @@ void adamw_step(std::span<const AdamWTensors> tensors, const AdamWStep& s) {
     for (const AdamWTensors& t : tensors) {
       const float decay = t.decay ? 1.0f - s.lr * s.weight_decay : 1.0f;
       float* w = t.param.data<float>();
+      bf16* copy = t.param_bf16.defined() ? t.param_bf16.data<bf16>() : nullptr;
       const int64_t n = t.param.numel();
       if (t.grad.dtype() == DType::bf16) {
-        cpu::adamw_update(w, t.grad.data<bf16>(), t.m.data<float>(), t.v.data<float>(), n, s.lr,
-                          s.beta1, s.beta2, s.eps, s.bc1, s.bc2, decay, s.grad_scale);
+        cpu::adamw_update(w, t.grad.data<bf16>(), t.m.data<float>(), t.v.data<float>(), copy, n,
+                          s.lr, s.beta1, s.beta2, s.eps, s.bc1, s.bc2, decay, s.grad_scale);
       } else {
-        cpu::adamw_update(w, t.grad.data<float>(), t.m.data<float>(), t.v.data<float>(), n, s.lr,
-                          s.beta1, s.beta2, s.eps, s.bc1, s.bc2, decay, s.grad_scale);
+        cpu::adamw_update(w, t.grad.data<float>(), t.m.data<float>(), t.v.data<float>(), copy, n,
+                          s.lr, s.beta1, s.beta2, s.eps, s.bc1, s.bc2, decay, s.grad_scale);
       }
-      if (t.param_bf16.defined()) cpu::copy_scaled(t.param_bf16.raw(), true, w, false, n, 1.0f);
     }
     return;
   }

@@ -1,5 +1,6 @@
 #include "xmoe/optim/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -79,11 +80,7 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
     XMOE_CHECK(piece.offset >= 0 && piece.count >= 0 && piece.offset + piece.count <= n,
                "[adamw] {}: piece [{}, {}) outside its {} elements", p->name, piece.offset,
                piece.offset + piece.count, n);
-    if (piece.grad.defined())
-      XMOE_CHECK(piece.grad.numel() == piece.count && piece.grad.device() == compute_device_ &&
-                     (piece.grad.dtype() == DType::f32 || piece.grad.dtype() == DType::bf16),
-                 "[adamw] {}: the piece's grad is {}, expected {} f32 or bf16 values on {}",
-                 p->name, piece.grad.str(), piece.count, compute_device_.str());
+    if (piece.grad.defined()) check_piece_grad(piece, piece.grad);
     // A whole piece keeps the parameter's shape (the exported state's); a part is flat.
     const Shape shape = piece.whole() ? p->value.shape() : Shape{piece.count};
     sharded_ = sharded_ || !piece.whole();
@@ -93,7 +90,10 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
                              : Tensor::zeros(shape, DType::f32, device_));
     if (!cfg.offload) continue;
     // The host buffers this piece's gradient and bf16 copy travel through.
-    const DType grad_dtype = piece.grad.defined() ? piece.grad.dtype() : p->grad.dtype();
+    // (own gradients given later: the f32 shards of zero 2)
+    const DType grad_dtype = piece.grad.defined() ? piece.grad.dtype()
+                             : piece.own_grad     ? DType::f32
+                                                  : p->grad.dtype();
     grad_host_.push_back(pinned ? Tensor::empty_pinned({piece.count}, grad_dtype)
                                 : Tensor::empty({piece.count}, grad_dtype));
     bf16_host_.push_back(!p->compute_copy.defined() ? Tensor()
@@ -109,6 +109,7 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
     groups_.back().second = i + 1;
     numel += static_cast<size_t>(pieces_[i].count);
   }
+  prefetched_.assign(pieces_.size(), 0);
   to_host_ = std::make_unique<CopyQueue>(compute_device_);
   to_device_ = std::make_unique<CopyQueue>(compute_device_);
 }
@@ -127,9 +128,38 @@ int64_t AdamW::staging_bytes() const {
   return bytes;
 }
 
+void AdamW::check_piece_grad(const AdamWPiece& piece, const Tensor& grad) const {
+  XMOE_CHECK(grad.numel() == piece.count && grad.device() == compute_device_ &&
+                 (grad.dtype() == DType::f32 || grad.dtype() == DType::bf16),
+             "[adamw] {}: the piece's grad is {}, expected {} f32 or bf16 values on {}",
+             piece.param->name, grad.str(), piece.count, compute_device_.str());
+}
+
+void AdamW::set_piece_grads(std::span<const Tensor> grads) {
+  size_t k = 0;
+  for (AdamWPiece& piece : pieces_) {
+    if (!piece.own_grad) continue;
+    if (grads.empty()) {
+      piece.grad = Tensor();
+      continue;
+    }
+    XMOE_CHECK(k < grads.size(), "[adamw] set_piece_grads: {} gradients for more pieces",
+               grads.size());
+    check_piece_grad(piece, grads[k]);
+    piece.grad = grads[k++];
+  }
+  XMOE_CHECK(k == grads.size(), "[adamw] set_piece_grads: {} gradients for {} pieces", grads.size(),
+             k);
+}
+
 Tensor AdamW::piece_grad(size_t i) const {
   const AdamWPiece& piece = pieces_[i];
-  if (piece.grad.defined()) return piece.grad;
+  if (piece.own_grad) {
+    XMOE_CHECK(piece.grad.defined(),
+               "[adamw] {}: the piece's own gradient was not given (set_piece_grads)",
+               piece.param->name);
+    return piece.grad;
+  }
   const Tensor& g = piece.param->grad;
   return piece.whole() ? g : flat(g).rows(piece.offset, piece.offset + piece.count);
 }
@@ -190,14 +220,43 @@ void AdamW::step(float lr, float grad_scale) {
   ops::adamw_step(list, s);
 }
 
+void AdamW::prefetch_grads(const std::vector<Parameter*>& params) {
+  if (!cfg_.offload || params.empty()) return;
+  const std::set<const Parameter*> final_now(params.begin(), params.end());
+  settle_grads(params);
+  // After the backward that wrote them; the markers of this round stay (step() waits on them).
+  if (any_prefetched_)
+    to_host_->follow_compute();
+  else
+    to_host_->after_compute();
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const AdamWPiece& piece = pieces_[i];
+    if (piece.own_grad || prefetched_[i] || !final_now.count(piece.param)) continue;
+    to_host_->copy(grad_host_[i], flat(piece_grad(i)));
+    prefetched_[i] = 1;
+    any_prefetched_ = true;
+  }
+}
+
+void AdamW::forget_prefetched() {
+  if (!any_prefetched_) return;
+  std::fill(prefetched_.begin(), prefetched_.end(), 0);
+  any_prefetched_ = false;
+}
+
 void AdamW::step_offloaded(const ops::AdamWStep& s) {
   // Both queues start after the device's queued work: the gradients are final, and nothing
-  // queued still reads the weights the updates overwrite.
-  to_host_->after_compute();
+  // queued still reads the weights the updates overwrite. The gradients prefetched during
+  // backward are on their way already (the copy queue runs in order: a marker after a group's
+  // copies is after them too).
+  if (any_prefetched_)
+    to_host_->follow_compute();
+  else
+    to_host_->after_compute();
   to_device_->after_compute();
   auto send_grads = [&](size_t g) {
     for (size_t i = groups_[g].first; i < groups_[g].second; ++i)
-      to_host_->copy(grad_host_[i], flat(piece_grad(i)));
+      if (!prefetched_[i]) to_host_->copy(grad_host_[i], flat(piece_grad(i)));
     return to_host_->mark();
   };
   std::vector<int> arrived(groups_.size());
@@ -220,6 +279,7 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
     }
   }
   to_device_->compute_waits();
+  forget_prefetched();
 }
 
 void AdamW::zero_grad() {

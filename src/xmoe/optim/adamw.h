@@ -40,17 +40,25 @@ struct AdamWConfig {
 /// per-element formula and order, so a parameter split into pieces over ranks gets the bits it
 /// gets whole.
 struct AdamWPiece {
-  explicit AdamWPiece(Parameter* p, int64_t offset_ = 0, int64_t count_ = -1, Tensor grad_ = {})
-      : param(p), offset(offset_), count(count_), grad(std::move(grad_)) {}
+  /// `own_grad` (implied by a defined `grad`): the piece's gradient is its own tensor, given
+  /// with the piece or before each step (AdamW::set_piece_grads), not param->grad's range.
+  explicit AdamWPiece(Parameter* p, int64_t offset_ = 0, int64_t count_ = -1, Tensor grad_ = {},
+                      bool own_grad_ = false)
+      : param(p),
+        offset(offset_),
+        count(count_),
+        grad(std::move(grad_)),
+        own_grad(own_grad_ || grad.defined()) {}
 
   Parameter* param = nullptr;
   int64_t offset = 0;
   int64_t count = -1;  ///< -1: the whole parameter
   /// [count] gradient of the range (f32 or bf16), e.g. a view of a reduce-scattered shard;
-  /// undefined: the range of param->grad, read at every step
+  /// undefined without own_grad: the range of param->grad, read at every step
   Tensor grad;
+  bool own_grad = false;
 
-  bool whole() const { return offset == 0 && count == param->value.numel() && !grad.defined(); }
+  bool whole() const { return offset == 0 && count == param->value.numel() && !own_grad; }
 };
 
 class AdamW {
@@ -79,6 +87,18 @@ class AdamW {
   void step(float lr, float grad_scale = 1.0f);
   /// Zeroes every parameter's grad.
   void zero_grad();
+  /// Offloaded: the gradients of `params` are final for the coming step() (backward finished
+  /// them and no sync changes them): their pieces' copies to the host start now, on the copy
+  /// queue after the device's queued work, so that they travel during the rest of backward;
+  /// step() copies only the others. Pieces with their own gradient (zero 2 shards) are left to
+  /// step(). A no-op without offload.
+  void prefetch_grads(const std::vector<Parameter*>& params);
+  /// Drops what prefetch_grads() started (a skipped step); step() does it after its update.
+  void forget_prefetched();
+  /// The gradients of the pieces that have their own (AdamWPiece::own_grad), in piece order:
+  /// one [count] f32 or bf16 tensor each (e.g. views of the zero 2 shards, which exist only
+  /// from the gradient sync to the update). Empty: forgets them (the shards can be freed).
+  void set_piece_grads(std::span<const Tensor> grads);
 
   /// Number of updates done (t of the bias correction).
   int64_t step_count() const { return step_; }
@@ -115,6 +135,7 @@ class AdamW {
   /// Piece i's gradient where backward (or the gradient sync) left it: its own, or its range
   /// of param->grad.
   Tensor piece_grad(size_t i) const;
+  void check_piece_grad(const AdamWPiece& piece, const Tensor& grad) const;
   /// Piece i's tensors for ops::adamw_step reading the gradient `grad`.
   ops::AdamWTensors piece_tensors(size_t i, const Tensor& grad, const Tensor& param_bf16) const;
   void step_offloaded(const ops::AdamWStep& s);
@@ -131,6 +152,8 @@ class AdamW {
   Device compute_device_ = Device::cpu();
   std::vector<std::pair<size_t, size_t>> groups_;
   std::vector<Tensor> grad_host_, bf16_host_;
+  std::vector<char> prefetched_;  // per piece: its gradient is on its way to grad_host_
+  bool any_prefetched_ = false;
   std::unique_ptr<CopyQueue> to_host_, to_device_;
 };
 

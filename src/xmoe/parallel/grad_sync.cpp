@@ -43,6 +43,7 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     for (size_t i : members) {
       b.params.push_back(params_[i]);
       b.numel += numels[i];
+      bucket_of_[params_[i]] = buckets_.size();
     }
     buckets_.push_back(std::move(b));
   }
@@ -52,8 +53,6 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     std::vector<int64_t> numels;
     for (const Parameter* p : b.params) numels.push_back(p->value.numel());
     b.shards = BucketShards::plan(numels, group.size(), group.rank());
-    if (zero_ == 2)
-      b.grad_shard = Tensor::zeros({b.shards.shard}, DType::f32, b.params[0]->grad.device());
   }
 }
 
@@ -107,10 +106,7 @@ void GradientSync::reduce(Bucket& b) {
   // with the 1/world scale (bf16 rounded once). Nothing waits for the device except staging.
   const Device d = b.params[0]->grad.device();
   const float scale = 1.0f / static_cast<float>(layout_.world_size);
-  // zero 2 packs the padded bucket (the padding zeroed) for the reduce-scatter.
-  const int64_t packed = zero_ == 2 ? b.shards.padded : b.numel;
-  Tensor flat = Tensor::empty({packed}, DType::f32, d);
-  if (packed > b.numel) flat.rows(b.numel, packed).zero_();
+  Tensor flat = Tensor::empty({b.numel}, DType::f32, d);
   std::vector<Tensor> grads, views;
   int64_t offset = 0;
   for (Parameter* p : b.params) {
@@ -121,20 +117,6 @@ void GradientSync::reduce(Bucket& b) {
     offset += p->grad.numel();
   }
   ops::multi_copy_scaled(views, grads, 1.0f);
-  if (zero_ == 2) {
-    // This rank's shard of the sum, scaled as the all-reduced gradients are.
-    const Tensor sum =
-        group.size() > 1
-            ? on_group(group, flat, [&](const Tensor& t) { return group.reduce_scatter(t); })
-            : flat;
-    std::vector<Tensor> dst{b.grad_shard};
-    const std::vector<Tensor> src{sum};
-    ops::multi_copy_scaled(dst, src, scale);
-    // The whole per-parameter gradients are not needed again before the next backward (the
-    // update reads the shard): free them until zero_grad() (4 of the 4 + 12/N bytes).
-    for (Parameter* p : b.params) p->release_grad();
-    return;
-  }
   if (group.size() > 1) {
     if (group.device() == d) {
       group.all_reduce(flat);
@@ -150,6 +132,77 @@ void GradientSync::reduce(Bucket& b) {
   ops::multi_copy_scaled(grads, views, scale);
 }
 
+void GradientSync::start_reduce_scatter(size_t bucket) {
+  finish_reduce_scatter();
+  Bucket& b = buckets_[bucket];
+  XMOE_CHECK(!b.started, "[grad_sync] bucket {} ({}...) started twice in one step", bucket,
+             b.params[0]->name);
+  b.started = true;
+  materialize_grads(b.params);  // (a parameter no backward wrote: a zero gradient)
+  settle_grads(b.params);
+  comm::Group& group = group_of(b);
+  // Pack the padded bucket (the padding zeroed; bf16 gradients widened: the sum is f32), then
+  // free the whole gradients: the update reads the shard (4 of the 4 + 12/N bytes per element).
+  const Device d = b.device = b.params[0]->grad.device();
+  b.packed = Tensor::empty({b.shards.padded}, DType::f32, d);
+  if (b.shards.padded > b.numel) b.packed.rows(b.numel, b.shards.padded).zero_();
+  std::vector<Tensor> grads, views;
+  int64_t offset = 0;
+  for (Parameter* p : b.params) {
+    XMOE_CHECK(p->grad.device() == d, "[grad_sync] {} has its grad on {} but {} on {}", p->name,
+               p->grad.device().str(), b.params[0]->name, d.str());
+    grads.push_back(p->grad);
+    views.push_back(b.packed.rows(offset, offset + p->grad.numel()));
+    offset += p->grad.numel();
+  }
+  ops::multi_copy_scaled(views, grads, 1.0f);
+  for (Parameter* p : b.params) p->release_grad();
+  grads.clear();
+  if (group.size() == 1) {
+    b.summed = std::move(b.packed);
+  } else {
+    // Where the group's tensors live (NCCL: this device; MPI: the host, staged through it).
+    if (group.device() != d) {
+      XMOE_CHECK(group.device().is_cpu(),
+                 "[grad_sync] gradients on {} but the group's tensors live on {}", d.str(),
+                 group.device().str());
+      b.packed = b.packed.to(Device::cpu());
+    }
+    b.work = group.reduce_scatter_async(b.packed, b.summed);
+  }
+  in_flight_ = bucket;
+}
+
+void GradientSync::finish_reduce_scatter() {
+  if (in_flight_ == kNone) return;
+  Bucket& b = buckets_[in_flight_];
+  in_flight_ = kNone;
+  if (b.work) b.work->wait();
+  // This rank's shard of the sum, scaled as the all-reduced gradients are: in place where the
+  // sum is on the gradients' device (no second buffer while the bucket is in flight).
+  const Device d = b.device;
+  b.grad_shard = b.summed.device() == d ? b.summed : Tensor::empty({b.shards.shard}, DType::f32, d);
+  std::vector<Tensor> dst{b.grad_shard};
+  const std::vector<Tensor> src{b.summed.device() == d ? b.summed : b.summed.to(d)};
+  ops::multi_copy_scaled(dst, src, 1.0f / static_cast<float>(layout_.world_size));
+  b.work.reset();
+  b.packed = Tensor();
+  b.summed = Tensor();
+}
+
+void GradientSync::grads_ready(const std::vector<Parameter*>& params) {
+  if (zero_ < 2) return;
+  for (const Parameter* p : params) {
+    const auto it = bucket_of_.find(p);
+    XMOE_CHECK(it != bucket_of_.end(), "[grad_sync] grads_ready: {} is not synchronised here",
+               p->name);
+    Bucket& b = buckets_[it->second];
+    XMOE_CHECK(b.ready < b.params.size(),
+               "[grad_sync] grads_ready: {} reported finished twice in one step", p->name);
+    if (++b.ready == b.params.size()) start_reduce_scatter(it->second);
+  }
+}
+
 int64_t GradientSync::gradient_bytes() const {
   int64_t bytes = 0;
   for (const Parameter* p : params_)
@@ -160,7 +213,18 @@ int64_t GradientSync::gradient_bytes() const {
 }
 
 void GradientSync::sync() {
-  if (layout_.world_size == 1 && zero_ < 2) return;
+  if (zero_ == 2) {
+    // The buckets grads_ready() did not start, in order; then the last one in flight.
+    for (size_t i = 0; i < buckets_.size(); ++i)
+      if (!buckets_[i].started) start_reduce_scatter(i);
+    finish_reduce_scatter();
+    for (Bucket& b : buckets_) {
+      b.started = false;
+      b.ready = 0;
+    }
+    return;
+  }
+  if (layout_.world_size == 1) return;
   settle_grads(params_);
   for (Bucket& b : buckets_) reduce(b);
 }
@@ -172,16 +236,26 @@ double GradientSync::global_grad_sum_squares() const {
   if (zero_ == 2) {
     // Every element of a bucket is in exactly one rank's shard of its group, and the groups
     // cover every parameter once, except where the tp ranks of a group hold the same copy
-    // (counted tp times: divided by tp).
-    std::vector<Tensor> once, tp_copies;
-    for (const Bucket& b : buckets_)
-      (replicated_over_tp(b.kind) ? tp_copies : once).push_back(b.grad_shard);
+    // (counted tp times: divided by tp). The pieces are summed per kind in parameter order and
+    // added as zero 0 adds its sums, so that one process gets zero 0's bits.
+    std::vector<Tensor> dense, expert, shard, replicated;
+    for (const Bucket& b : buckets_) {
+      std::vector<Tensor>& list = b.kind == ParamKind::dense          ? dense
+                                  : b.kind == ParamKind::expert       ? expert
+                                  : b.kind == ParamKind::tensor_shard ? shard
+                                                                      : replicated;
+      for (const ShardPiece& p : b.shards.pieces)
+        list.push_back(b.grad_shard.rows(p.shard_offset, p.shard_offset + p.count));
+    }
+    const bool expert_copies = replicated_over_tp(ParamKind::expert);
     Tensor t = Tensor::from_vector<double>(
-        {ops::multi_sum_squares(once).item(), ops::multi_sum_squares(tp_copies).item()}, {2},
-        world.device());
+        {ops::multi_sum_squares(dense).item(), ops::multi_sum_squares(shard).item(),
+         ops::multi_sum_squares(expert).item(), ops::multi_sum_squares(replicated).item()},
+        {4}, world.device());
     if (world.size() > 1) world.all_reduce(t);
     const std::vector<double> s = t.to_vector<double>();
-    return s[0] + s[1] / layout_.tp;
+    const double tp = layout_.tp;
+    return (s[0] + s[1]) + (expert_copies ? s[2] / tp : s[2]) + s[3] / tp;
   }
   // After sync the dense and tp-replicated gradients are the same on every rank (counted
   // here once); the tensor-parallel shards add up over the tp group, the experts over the ep
@@ -212,12 +286,24 @@ std::vector<OwnedPiece> GradientSync::owned_pieces() const {
     return out;
   }
   for (const Bucket& b : buckets_)
-    for (const ShardPiece& s : b.shards.pieces) {
-      OwnedPiece o{b.params[s.param], s.offset, s.count, {}};
-      if (zero_ == 2) o.grad = b.grad_shard.rows(s.shard_offset, s.shard_offset + s.count);
-      out.push_back(std::move(o));
-    }
+    for (const ShardPiece& s : b.shards.pieces)
+      out.push_back({b.params[s.param], s.offset, s.count, zero_ == 2});
   return out;
+}
+
+std::vector<Tensor> GradientSync::shard_grads() const {
+  XMOE_CHECK(zero_ == 2, "[grad_sync] shard_grads needs parallel.zero = 2");
+  std::vector<Tensor> out;
+  for (const Bucket& b : buckets_) {
+    XMOE_CHECK(b.grad_shard.defined(), "[grad_sync] shard_grads before sync()");
+    for (const ShardPiece& s : b.shards.pieces)
+      out.push_back(b.grad_shard.rows(s.shard_offset, s.shard_offset + s.count));
+  }
+  return out;
+}
+
+void GradientSync::release_shards() {
+  for (Bucket& b : buckets_) b.grad_shard = Tensor();
 }
 
 Tensor GradientSync::all_gather(const Bucket& b, const Tensor& shard) const {

@@ -17,10 +17,16 @@
 // its replica group by a BucketShards plan, and this
 // rank's optimizer updates only its shard (owned_pieces()); gather_params() then all-gathers the
 // updated parameters. With zero 2 the buckets are reduce-scattered instead of all-reduced: this
-// rank keeps only its shard of the averaged gradient (a flat f32 buffer per bucket), which the
-// pieces' grad views read.
+// rank keeps only its shard of the averaged gradient (a flat f32 buffer per bucket, from the
+// sync to the update), which the pieces' grad views read. The reduce-scatter of a bucket may start
+// during backward (grads_ready(), parallel.overlap_grad_sync): as soon as backward has finished all
+// its gradients, which are packed and freed at once, so that whole gradients live only from their
+// module's backward to their bucket's start; a bucket's operations are the same either way,
+// and so are the bits.
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "xmoe/core/parameter.h"
@@ -34,8 +40,9 @@ struct OwnedPiece {
   Parameter* param = nullptr;
   int64_t offset = 0;  ///< first element (flat)
   int64_t count = 0;   ///< elements
-  /// zero 2: [count] view of the bucket's gradient shard; else undefined (param->grad's range)
-  Tensor grad;
+  /// zero 2: the gradient is a [count] view of the bucket's shard, which exists only from
+  /// sync() to release_shards() (shard_grads()); else param->grad's range
+  bool shard_grad = false;
 };
 
 class GradientSync {
@@ -48,6 +55,19 @@ class GradientSync {
   /// zero 2: reduce-scatters into this rank's gradient shards instead and frees every
   /// param->grad (Parameter::release_grad) until the next zero_grad().
   void sync();
+  /// zero 2: backward has finished these parameters' gradients for this step (model::
+  /// Transformer::set_grads_ready, on the last micro-batch): every bucket whose parameters are
+  /// all finished now is packed, its whole gradients freed and its reduce-scatter started (non-
+  /// blocking: MPI's, or NCCL's on its stream), after the one in flight, if any, is waited for
+  /// and unpacked. sync() then does the buckets left. Collective, in the same order on every
+  /// rank (backward's). A no-op below zero 2.
+  void grads_ready(const std::vector<Parameter*>& params);
+  /// zero 2, after sync(): the averaged gradient of each owned piece, a [count] f32 view of its
+  /// bucket's shard, in owned_pieces() order (for AdamW::set_piece_grads).
+  std::vector<Tensor> shard_grads() const;
+  /// zero 2, after the update: frees the gradient shards (the optimizer must hold no view of
+  /// them), so that between steps this rank holds no gradient at all. A no-op below zero 2.
+  void release_shards();
   /// Gradient bytes this rank holds now: the per-parameter gradients still allocated and, with
   /// zero 2, the shards.
   int64_t gradient_bytes() const;
@@ -57,6 +77,9 @@ class GradientSync {
   double global_grad_sum_squares() const;
 
   int zero() const { return zero_; }
+  /// Whether sync() leaves the gradients as backward made them (one process, zero < 2): they
+  /// are final as soon as their module's backward is done.
+  bool grads_final_after_backward() const { return layout_.world_size == 1 && zero_ < 2; }
   /// What this rank's optimizer updates, bucket by bucket: zero 0 every parameter whole
   /// (offset 0, count numel, in the order given), else this rank's shard of each bucket.
   std::vector<OwnedPiece> owned_pieces() const;
@@ -84,12 +107,26 @@ class GradientSync {
     int64_t numel = 0;
     ParamKind kind = ParamKind::dense;
     BucketShards shards;  ///< zero >= 1
-    Tensor grad_shard;    ///< zero 2: f32 [shards.shard], this rank's averaged gradient
+    /// zero 2, from its reduce-scatter to release_shards(): f32 [shards.shard], this rank's
+    /// averaged gradient
+    Tensor grad_shard;
+    // zero 2, while its reduce-scatter runs: the packed gradients [padded], this rank's sum
+    // [shard] (on the group's device) and the collective; `started`: this step.
+    Tensor packed, summed;
+    Device device;  ///< the gradients
+    std::unique_ptr<comm::Work> work;
+    bool started = false;
+    size_t ready = 0;  ///< parameters whose gradients backward finished this step
   };
   comm::Group& group_of(const Bucket& b) const;
   /// Whether the tp ranks of a group hold the same copy of a kind's parameters.
   bool replicated_over_tp(ParamKind kind) const;
   void reduce(Bucket& b);
+  /// zero 2: packs the bucket's gradients, frees them and starts the reduce-scatter, after
+  /// finishing the one in flight.
+  void start_reduce_scatter(size_t bucket);
+  /// zero 2: waits for the bucket in flight, if any, and scales its sum into its grad_shard.
+  void finish_reduce_scatter();
   /// The bucket's elements [padded] gathered from every rank's `shard` [shard].
   Tensor all_gather(const Bucket& b, const Tensor& shard) const;
 
@@ -97,6 +134,9 @@ class GradientSync {
   const Layout& layout_;
   int zero_ = 0;
   std::vector<Bucket> buckets_;
+  std::unordered_map<const Parameter*, size_t> bucket_of_;
+  static constexpr size_t kNone = static_cast<size_t>(-1);
+  size_t in_flight_ = kNone;  ///< zero 2: the bucket whose reduce-scatter runs
 };
 
 }  // namespace xmoe::parallel

@@ -27,6 +27,10 @@ struct ParamSpec {
   bool compute_copy = false;  ///< gets a bf16 copy in bf16 compute (a matrix a matmul reads)
   bool reads_f32 = false;     ///< forward reads the f32 weights (Parameter::reads_f32)
   int64_t grad_bytes = 4;     ///< per element
+  /// Backward's modules in order (model::Transformer::backward_logits): 0 the LM head, 1 the
+  /// final norm, 2 + j block L-1-j, 2 + L the embedding. `made`: the one whose backward first
+  /// writes the gradient (materializes it), `ready`: the one that finishes it.
+  int made = 0, ready = 0;
 };
 
 /// The parameters of model::Transformer(cfg) on a rank of tp group size `tp` and ep group size
@@ -47,9 +51,13 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& m, int tp, bool ssmb, 
   auto mat = [&](int64_t n, ParamKind kind, bool reads_f32 = false) {
     out.push_back({n, kind, true, reads_f32, 4});
   };
+  auto at_block = [&](int i) { return 2 + (m.num_layers - 1 - i); };
   // embed: looked up in f32 (a copy only when tied to the LM head)
-  out.push_back({m.vocab_size * d, ParamKind::dense, m.tie_embeddings, true, 4});
+  const int embed_stage = 2 + m.num_layers;
+  out.push_back({m.vocab_size * d, ParamKind::dense, m.tie_embeddings, true, 4,
+                 m.tie_embeddings ? 0 : embed_stage, embed_stage});
   for (int i = 0; i < m.num_layers; ++i) {
+    const size_t first = out.size();
     vec(d, ParamKind::dense);  // attn_norm
     mat(d * q, shard);
     mat(d * kv, shard);
@@ -59,6 +67,7 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& m, int tp, bool ssmb, 
     if (i < m.first_dense_layers) {
       mat(d * 2 * dense_hidden, shard);
       mat(dense_hidden * d, shard);
+      for (size_t k = first; k < out.size(); ++k) out[k].made = out[k].ready = at_block(i);
       continue;
     }
     if (moe.gate == "xmoe") {  // the cosine router runs in f32
@@ -74,9 +83,11 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& m, int tp, bool ssmb, 
       mat(d * 2 * sf, moe_kind);
       mat(sf * d, moe_kind);
     }
+    for (size_t k = first; k < out.size(); ++k) out[k].made = out[k].ready = at_block(i);
   }
   vec(d, ParamKind::dense);  // final_norm
-  if (!m.tie_embeddings) mat(d * m.vocab_size, ParamKind::dense);
+  out.back().made = out.back().ready = 1;
+  if (!m.tie_embeddings) mat(d * m.vocab_size, ParamKind::dense);  // stage 0
   return out;
 }
 
@@ -170,10 +181,18 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     const int64_t grad = r.zero == 2 ? 4 : p.grad_bytes;
     return count * (grad + (r.bf16_compute && p.compute_copy ? 2 : 0));
   };
-  int64_t shard_bytes = 0, owned = 0;
-  const bool syncs = o.world > 1 || r.zero == 2;
+  // zero 2's buckets as backward reaches them: members, group size, shard plan.
+  struct ZeroBucket {
+    std::vector<size_t> members;
+    int group = 1;
+    parallel::BucketShards plan;
+  };
+  std::vector<ZeroBucket> zero_buckets;
+  int64_t owned = 0;
+  const bool syncs = o.world > 1;
+  const int64_t bucket_bytes = int64_t{config.parallel.bucket_kib} << 10;
   for (const std::vector<size_t>& members :
-       parallel::GradientSync::bucket_plan(numels, kinds, o.bucket_bytes)) {
+       parallel::GradientSync::bucket_plan(numels, kinds, bucket_bytes)) {
     std::vector<int64_t> sizes;
     for (size_t i : members) sizes.push_back(numels[i]);
     const auto [group, rank] = group_of(kinds[members.front()]);
@@ -189,19 +208,17 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
         r.staging_bytes += staging(params[members[p.param]], p.count);
       }
     }
-    if (r.zero == 2) shard_bytes += 4 * plan.shard;
-    int64_t buffers = 0;
-    if (syncs) {  // the packed f32 bucket, and the reduce-scatter's shard
-      buffers = 4 * (r.zero == 2 ? plan.padded : bucket_numel);
-      if (r.zero == 2 && group > 1) buffers += 4 * plan.shard;
-    }
+    if (r.zero == 2) zero_buckets.push_back({members, group, plan});
+    // zero 0, 1: the all-reduce's packed f32 bucket (zero 2: below, in the walk)
+    int64_t buffers = syncs && r.zero < 2 ? 4 * bucket_numel : 0;
     if (r.zero >= 1)  // gather_params: this rank's shard packed, then every rank's
       buffers = std::max(buffers, 4 * plan.shard + (group > 1 ? 4 * plan.padded : 0));
     r.comm_bytes = std::max(r.comm_bytes, buffers);
   }
   r.optimizer_bytes = 8 * owned;
   r.owned_parameters = owned;
-  r.gradient_bytes = r.zero == 2 ? shard_bytes : r.whole_gradient_bytes;
+  // zero 2 holds no gradient between steps (its shards live from the sync to the update).
+  r.gradient_bytes = r.zero == 2 ? 0 : r.whole_gradient_bytes;
 
   // State beside the parameters: the RoPE tables, the sigmoid gate's balancing bias.
   const int64_t moe_layers = std::max(0, m.num_layers - m.first_dense_layers);
@@ -236,20 +253,88 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     r.layer_saved.push_back(blocks.back().saved);
     saved += blocks.back().saved;
   }
-  int64_t peak = saved + ends.backward_extra;
-  int64_t held = saved - ends.saved + ends.kept;
+  // zero 2's gradients inside the step (parallel/grad_sync.h), after backward's module
+  // `stage` (-1: before the first): whole gradients from the module that makes them (all of
+  // them from the start with accumulation) to their bucket's start; then the bucket's shard,
+  // and its packed copy while its reduce-scatter is the one in flight. Overlapped, a bucket
+  // starts after the module that finishes its last gradient; else all start after backward.
+  const int stages = 3 + m.num_layers;
+  const bool overlap = config.parallel.overlap_grad_sync;
+  const bool accumulates = config.train.grad_accum > 1;
+  auto bucket_start = [&](const ZeroBucket& b) {
+    int ready = 0;
+    for (size_t i : b.members) ready = std::max(ready, params[i].ready);
+    return overlap ? ready : stages - 1;
+  };
+  // Buckets in the order they start (by stage, then bucket order, as grads_ready reports).
+  std::vector<size_t> order(zero_buckets.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return bucket_start(zero_buckets[a]) < bucket_start(zero_buckets[b]);
+  });
+  // Bytes live while `stage` runs (inside: its own gradients made) with the first `started`
+  // buckets of `order` started, and the largest moment of each bucket start after it.
+  auto zero2_grads = [&](int stage, size_t started) {
+    int64_t bytes = 0;
+    std::vector<bool> released(params.size(), false);
+    for (size_t k = 0; k < started; ++k) {
+      const ZeroBucket& b = zero_buckets[order[k]];
+      for (size_t i : b.members) released[i] = true;
+      bytes += 4 * b.plan.shard;  // the reduce-scatter's output, then the gradient shard
+      if (k + 1 == started && b.group > 1) bytes += 4 * b.plan.padded;  // in flight: packed
+    }
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!released[i] && (accumulates || params[i].made <= stage))
+        bytes += params[i].grad_bytes * params[i].numel;
+    return bytes;
+  };
+  // The moment bucket order[k] packs: its (and later) gradients, the shards before it, its
+  // packed copy; the one in flight before it is finished.
+  auto zero2_packing = [&](int stage, size_t k) {
+    const ZeroBucket& b = zero_buckets[order[k]];
+    return zero2_grads(stage, k) -
+           (k > 0 && zero_buckets[order[k - 1]].group > 1
+                ? 4 * zero_buckets[order[k - 1]].plan.padded
+                : 0) +
+           4 * b.plan.padded;
+  };
+  const bool zero2 = r.zero == 2;
+  size_t started = 0;
+  // The ends (the LM head's stage 0 and the final norm's 1, with their gradients), then
+  // between stages the buckets that start, then each block.
+  auto start_buckets_after = [&](int stage, int64_t live) {
+    int64_t most = 0;
+    while (zero2 && started < order.size() && bucket_start(zero_buckets[order[started]]) <= stage) {
+      most = std::max(most, live + zero2_packing(stage, started));
+      ++started;
+    }
+    return most;
+  };
   const int64_t carry = batch * seq / r.tp * m.d_model * 4;
-  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
-    peak = std::max(peak, held + carry + it->backward_extra);
+  int64_t peak = saved + ends.backward_extra + (zero2 ? zero2_grads(1, 0) : 0);
+  int64_t held = saved - ends.saved + ends.kept;
+  peak = std::max(peak, start_buckets_after(1, held + carry));
+  int stage = 2;
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it, ++stage) {
+    peak = std::max(peak,
+                    held + carry + it->backward_extra + (zero2 ? zero2_grads(stage, started) : 0));
     held -= it->saved;
+    peak = std::max(peak, start_buckets_after(stage, held + carry));
   }
-  r.activation_peak_bytes = peak;
+  // The embedding's backward, then the buckets left (the sync after backward).
+  peak = std::max(peak, held + carry + (zero2 ? zero2_grads(stage, started) : 0));
+  peak = std::max(peak, start_buckets_after(stage, held));
+  r.activation_peak_bytes = peak;  // zero 2: with the gradients
+  int64_t shards = 0;
+  for (const ZeroBucket& b : zero_buckets) shards += 4 * b.plan.shard;
 
-  const int64_t in_step_grads = r.zero == 2 ? r.whole_gradient_bytes : 0;
   r.steady_bytes =
       r.compute_copy_bytes + r.gradient_bytes + state +
       (on_host ? r.device_f32_bytes : r.parameter_bytes + r.optimizer_bytes + r.staging_bytes);
-  r.peak_bytes = r.steady_bytes + in_step_grads + std::max(r.activation_peak_bytes, r.comm_bytes);
+  // zero 0, 1: every whole gradient is in the steady bytes; zero 2: backward's gradients are in
+  // its peak, and the update runs beside the shards.
+  r.peak_bytes = r.steady_bytes + std::max(r.activation_peak_bytes, shards + r.comm_bytes);
+  const int64_t in_step_grads = zero2 ? shards : 0;
   r.host_bytes = on_host ? r.parameter_bytes + r.optimizer_bytes + r.staging_bytes : 0;
 
   const std::string sharded = r.zero >= 1 ? fmt::format(", zero {} shards", r.zero) : "";
@@ -257,15 +342,17 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
       {"parameters (f32 master)", r.parameter_bytes, true, on_host},
       {"f32 copies forward reads (offload)", r.device_f32_bytes, true},
       {"compute copies (bf16)", r.compute_copy_bytes, true},
-      {r.zero == 2 ? "gradient shards (zero 2, f32)" : "gradients", r.gradient_bytes, true},
+      {"gradients", r.gradient_bytes, true},
       {"AdamW moments m, v" + sharded, r.optimizer_bytes, true, on_host},
       {"offload staging (gradients, bf16 copies)", r.staging_bytes, true, on_host},
       {"RoPE tables, gate bias", state, true},
-      {"whole gradients in the step (zero 2)", in_step_grads, false},
+      {"gradient shards from sync to update (zero 2, f32)", in_step_grads, false},
       {r.tp > 1 ? fmt::format("activations saved for backward ({}x{} / tp {})", batch, seq, r.tp)
                 : fmt::format("activations saved for backward ({}x{} tokens)", batch, seq),
        saved, false},
-      {"backward working set (peak above saved)", r.activation_peak_bytes - saved, false},
+      {zero2 ? "backward working set and whole gradients (peak above saved)"
+             : "backward working set (peak above saved)",
+       r.activation_peak_bytes - saved, false},
       {"gradient sync / zero buffers (after backward)", r.comm_bytes, false},
   };
   return r;

@@ -29,8 +29,6 @@ struct MemoryModelOptions {
   /// world / tp) = dp × parallel.ep
   int world = 1;
   int rank = 0;  ///< whose shards (rank 0 of a group holds the most elements: padding is last)
-  /// Gradient bucket size (GradientSync's, the trainer's default).
-  int64_t bucket_bytes = 32 << 20;
   /// With parallel.ep > 1, the busiest rank's experts receive this many times the expected
   /// T·k rows (routing is data-dependent; 1 = perfectly balanced).
   double load_imbalance = 1.25;

@@ -310,12 +310,16 @@ class Run {
     configure_pipeline();
     // parallel.zero >= 1: AdamW holds moments only for the pieces of the buckets' shards this
     // rank owns (zero 0: every parameter whole, one piece each).
-    grad_sync_ =
-        std::make_unique<parallel::GradientSync>(params_, layout_, 32 << 20, config_.parallel.zero);
+    grad_sync_ = std::make_unique<parallel::GradientSync>(
+        params_, layout_, int64_t{config_.parallel.bucket_kib} << 10, config_.parallel.zero);
     std::vector<optim::AdamWPiece> pieces;
     for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
-      pieces.emplace_back(p.param, p.offset, p.count, p.grad);
+      pieces.emplace_back(p.param, p.offset, p.count, Tensor(), p.shard_grad);
     opt_ = std::make_unique<optim::AdamW>(pieces, optim::AdamWConfig::from(tc_));
+    // zero 2: whole gradients exist only from their module's backward to their bucket's
+    // reduce-scatter, the first step's too.
+    if (config_.parallel.zero == 2)
+      for (Parameter* p : params_) p->release_grad();
     result.optimizer_bytes = opt_->state_bytes();
     result.offload_staging_bytes = opt_->staging_bytes();
     schedule_.emplace(optim::LrSchedule::from(tc_));
@@ -393,6 +397,7 @@ class Run {
     Timer step_timer;
     reset_peak_memory(device_);
     maybe_inject_fault(layout_.world_rank, step);
+    opt_->forget_prefetched();  // a skipped step's
     model_->zero_grad();
     double loss = 0, aux = 0;
     std::vector<int64_t> load;
@@ -400,6 +405,18 @@ class Run {
       const data::Batch b = on_device(train_loader_->next(), device_);
       loss += model_->forward_loss(b.inputs, b.targets) / tc_.grad_accum;
       aux += model_->aux_loss() / tc_.grad_accum;
+      // The last micro-batch's backward hands on each module's finished gradients: zero 2,
+      // overlapped, starts their buckets' reduce-scatters (and frees them); the offloaded
+      // optimizer starts copying them to the host where no sync follows.
+      const bool last = micro + 1 == tc_.grad_accum;
+      const bool reduce = last && config_.parallel.zero == 2 && config_.parallel.overlap_grad_sync;
+      const bool prefetch = last && tc_.offload_optimizer && tc_.offload_overlap &&
+                            grad_sync_->grads_final_after_backward();
+      model_->set_grads_ready(
+          reduce || prefetch ? [this, reduce, prefetch](const std::vector<Parameter*>& ps) {
+            if (reduce) grad_sync_->grads_ready(ps);
+            if (prefetch) opt_->prefetch_grads(ps);
+          } : model::Transformer::GradsReady());
       model_->backward(1.0f / static_cast<float>(tc_.grad_accum));
       for (const moe::MoELayer* layer : moe_layers_) {
         const auto& tpe = layer->expert_load();
@@ -433,10 +450,14 @@ class Run {
     } else {
       bad_in_a_row_ = 0;
       // The clip factor rides on the update (no pass of its own over the gradients).
+      if (grad_sync_->zero() == 2) opt_->set_piece_grads(grad_sync_->shard_grads());
       opt_->step(static_cast<float>(m.lr), optim::clip_factor(m.grad_norm, tc_.grad_clip));
       grad_sync_->gather_params();  // zero >= 1: every rank's updated shard to every replica
       for (moe::MoELayer* layer : moe_layers_) layer->update_routing_bias();
     }
+    // zero 2: no gradient is held between steps (the next backward makes them again).
+    opt_->set_piece_grads({});
+    grad_sync_->release_shards();
     result.gradient_bytes = grad_sync_->gradient_bytes();
     const MemoryStats mem = memory_stats(device_);
     result.peak_step_bytes = std::max(result.peak_step_bytes, mem.peak_bytes - base_live_bytes_);
@@ -589,10 +610,6 @@ class Run {
 
 TrainResult train(const Config& config, const TrainOptions& options) {
   const TrainConfig& tc = config.train;
-  XMOE_CHECK(config.parallel.zero == 0 || parse_device(tc.device).is_cpu(),
-             "[train] parallel.zero = {} is not yet on CUDA (train.device = {}): ZeRO sharding "
-             "runs on CPU ranks over MPI; use parallel.zero = 0 on CUDA",
-             config.parallel.zero, tc.device);
   XMOE_CHECK(!tc.offload_optimizer || parse_device(tc.device).is_cpu() ||
                  config.parallel.expert_placement == "none",
              "[train] train.offload_optimizer with train.device = {}: parallel.expert_placement = "

@@ -1,8 +1,11 @@
 // CPU kernels of the optimizer ops (backend/cpu/optim_kernels.h).
 #include <omp.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "xmoe/backend/cpu/optim_kernels.h"
 
@@ -10,40 +13,79 @@ namespace xmoe::cpu {
 
 namespace {
 
-template <class G>
-void adamw_update_impl(float* w, const G* g, float* m, float* v, int64_t n, float lr, float b1,
-                       float b2, float eps, float bc1, float bc2, float decay, float grad_scale) {
-#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
+// Below this many elements a loop runs on the calling thread (a parallel region costs more).
+constexpr int64_t kParallelMin = int64_t{1} << 15;
+
+/// bf16(f)'s bits (core/dtype.h: round to nearest even, NaN kept quiet) on plain integers,
+/// which the vectoriser takes where it does not take the struct.
+inline uint16_t bf16_bits(float f) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  return static_cast<uint16_t>(
+      (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <bool kCopy, class G>
+void adamw_update_impl(float* w, const G* g, float* m, float* v, uint16_t* copy, int64_t n,
+                       float lr, float b1, float b2, float eps, float bc1, float bc2, float decay,
+                       float grad_scale) {
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
   for (int64_t j = 0; j < n; ++j) {
     const float gj = static_cast<float>(g[j]) * grad_scale;
     m[j] = b1 * m[j] + (1.f - b1) * gj;
     v[j] = b2 * v[j] + (1.f - b2) * gj * gj;
     const float mhat = m[j] / bc1, vhat = v[j] / bc2;
-    w[j] = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
+    const float wj = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
+    w[j] = wj;
+    if constexpr (kCopy) copy[j] = bf16_bits(wj);
   }
+}
+
+template <class G>
+void adamw_update_any(float* w, const G* g, float* m, float* v, bf16* copy, int64_t n, float lr,
+                      float b1, float b2, float eps, float bc1, float bc2, float decay,
+                      float grad_scale) {
+  static_assert(sizeof(bf16) == sizeof(uint16_t));
+  auto* bits = reinterpret_cast<uint16_t*>(copy);
+  if (copy)
+    adamw_update_impl<true>(w, g, m, v, bits, n, lr, b1, b2, eps, bc1, bc2, decay, grad_scale);
+  else
+    adamw_update_impl<false>(w, g, m, v, bits, n, lr, b1, b2, eps, bc1, bc2, decay, grad_scale);
 }
 
 template <class D, class S>
 void copy_scaled_impl(D* dst, const S* src, int64_t n, float s) {
-  if (s == 1.0f) {
+  if constexpr (std::is_same_v<D, bf16>) {  // through the bits: see bf16_bits
+    auto* bits = reinterpret_cast<uint16_t*>(dst);
+    if (s == 1.0f) {
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
+      for (int64_t i = 0; i < n; ++i) bits[i] = bf16_bits(static_cast<float>(src[i]));
+    } else {
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
+      for (int64_t i = 0; i < n; ++i) bits[i] = bf16_bits(static_cast<float>(src[i]) * s);
+    }
+  } else if (s == 1.0f) {
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
     for (int64_t i = 0; i < n; ++i) dst[i] = D(static_cast<float>(src[i]));
   } else {
+#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
     for (int64_t i = 0; i < n; ++i) dst[i] = D(static_cast<float>(src[i]) * s);
   }
 }
 
 }  // namespace
 
-void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr,
-                  float beta1, float beta2, float eps, float bc1, float bc2, float decay,
+void adamw_update(float* param, const float* grad, float* m, float* v, bf16* param_bf16, int64_t n,
+                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
                   float grad_scale) {
-  adamw_update_impl(param, grad, m, v, n, lr, beta1, beta2, eps, bc1, bc2, decay, grad_scale);
+  adamw_update_any(param, grad, m, v, param_bf16, n, lr, beta1, beta2, eps, bc1, bc2, decay,
+                   grad_scale);
 }
 
-void adamw_update(float* param, const bf16* grad, float* m, float* v, int64_t n, float lr,
-                  float beta1, float beta2, float eps, float bc1, float bc2, float decay,
+void adamw_update(float* param, const bf16* grad, float* m, float* v, bf16* param_bf16, int64_t n,
+                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
                   float grad_scale) {
-  adamw_update_impl(param, grad, m, v, n, lr, beta1, beta2, eps, bc1, bc2, decay, grad_scale);
+  adamw_update_any(param, grad, m, v, param_bf16, n, lr, beta1, beta2, eps, bc1, bc2, decay,
+                   grad_scale);
 }
 
 void copy_scaled(void* dst, bool dst_bf16, const void* src, bool src_bf16, int64_t n, float s) {

@@ -146,9 +146,12 @@ class MpiGroup final : public Group {
                             static_cast<int>(t.nbytes()), MPI_BYTE, comm_));
   }
 
-  void do_reduce_scatter(const Tensor& t, Tensor& out) override {
-    MPI_CHECK(MPI_Reduce_scatter_block(t.raw(), out.raw(), static_cast<int>(out.numel()),
-                                       mpi_type(t.dtype()), MPI_SUM, comm_));
+  std::unique_ptr<Work> do_reduce_scatter(const Tensor& t, Tensor& out) override {
+    MPI_Request req;
+    MPI_CHECK(MPI_Ireduce_scatter_block(t.raw(), out.raw(), static_cast<int>(out.numel()),
+                                        mpi_type(t.dtype()), MPI_SUM, comm_, &req));
+    return std::make_unique<MpiWork>(req, std::vector<Tensor>{t, out}, nullptr,
+                                     std::vector<std::vector<int>>{});
   }
 
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,

@@ -252,13 +252,13 @@ class NcclGroup final : public Group {
     finish({t, out})->wait();
   }
 
-  void do_reduce_scatter(const Tensor& t, Tensor& out) override {
+  std::unique_ptr<Work> do_reduce_scatter(const Tensor& t, Tensor& out) override {
     const ncclDataType_t type = reduce_type(t.dtype(), "reduce_scatter");
     cudaStream_t s = begin();
     if (out.numel() > 0)
       NCCL_CHECK(ncclReduceScatter(t.raw(), out.raw(), static_cast<size_t>(out.numel()), type,
                                    ncclSum, comm_, s));
-    finish({t, out})->wait();
+    return finish({t, out});
   }
 
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
