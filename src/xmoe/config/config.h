@@ -85,6 +85,9 @@ struct TrainConfig {
   int eval_batches = 8;
   int save_every = 200;
   int keep_checkpoints = 0;  ///< newest step-N checkpoints kept in out_dir (0 = all)
+  /// Write checkpoints on a side thread from a host copy of the state (docs/training.md).
+  bool async_checkpoint = false;
+  std::string on_save_error = "stop";  ///< stop | continue (docs/training.md)
   int log_every = 10;
   int max_bad_steps = 5;  ///< consecutive NaN/Inf steps before the run stops
   uint64_t seed = 1234;
@@ -108,6 +111,8 @@ struct ParallelConfig {
   std::string expert_placement = "none";  ///< none | affinity
   int placement_batches = 8;              ///< batches recorded to choose the affinity placement
   int zero = 0;  ///< 0 | 1 (AdamW moments sharded over dp) | 2 (also gradients reduce-scattered)
+  /// A collective in flight longer than this ends the job (comm/watchdog.h); 0 = no watchdog.
+  float collective_timeout_s = 600;
 
   bool operator==(const ParallelConfig&) const = default;
 };
