@@ -84,7 +84,7 @@ if [[ -z ${NO_TMPFS:-} ]] && mount -t tmpfs -o size=2m tmpfs "$disk" 2>"$work/mo
   echo "continue: $(grep -c "Training continues" "$work/log") failed save(s), then space back:" \
     "trained to step 600 and saved it"
 else
-  echo "mount -t tmpfs is not permitted here ($(head -c 200 "$work/mount.log")); a file-size" \
+  echo "no tmpfs (NO_TMPFS set, or mount -t tmpfs refused: $(head -c 200 "$work/mount.log" 2>/dev/null)); a file-size" \
     "limit (RLIMIT_FSIZE) makes the writes fail instead"
   limited() { (trap '' XFSZ && ulimit -f 100 && exec "$xmoe" "$@"); }  # 100 KiB per file
   for mode in stop continue; do
