@@ -176,13 +176,14 @@ TEST(Comm, EveryBackendRefusesBadArgumentsAlike) {
 TEST(Comm, WatchedAllReduceIsCorrectAndTimed) {
   auto g = world()->split(0, world()->rank());
   const int n = 2000, r = g->rank(), size = g->size();
+  int wrong = 0;
   auto time_all_reduce = [&] {
     g->barrier();
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < n; ++i) {
       Tensor t = Tensor::from_vector<float>({float(r + i)}, {1});
       g->all_reduce(t);
-      ASSERT_EQ(t.data<float>()[0], float(size * i + size * (size - 1) / 2));
+      wrong += t.data<float>()[0] != float(size * i + size * (size - 1) / 2);
     }
     Tensor s = Tensor::from_vector<double>(
         {std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}, {1});
@@ -198,6 +199,7 @@ TEST(Comm, WatchedAllReduceIsCorrectAndTimed) {
     EXPECT_EQ(g->watchdog()->in_flight(), 0u);
   }
   g->set_watchdog(nullptr);
+  EXPECT_EQ(wrong, 0);
   if (r == 0)
     std::printf(
         "{\"bench\": \"watchdog_overhead\", \"group\": \"mpi\", \"ranks\": %d, "

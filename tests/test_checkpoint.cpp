@@ -286,7 +286,8 @@ TEST(Checkpoint, FullDiskRemovesTmpAndKeepsPreviousCheckpoint) {
     msg_overwrite = error_of([&] { train::save_checkpoint(prev, big, {{"step", 100}}); });
     // Rank 1 of 2 whose write fails after rank 0 created the tmp folder: it removes the folder.
     fs::create_directories(train::checkpoint_tmp_dir(next));
-    msg_rank1 = error_of([&] { train::save_checkpoint(next, big, {}, 1, 2, [](bool ok) { return ok; }); });
+    msg_rank1 =
+        error_of([&] { train::save_checkpoint(next, big, {}, 1, 2, [](bool ok) { return ok; }); });
   }
   EXPECT_CONTAINS(msg, "[checkpoint] saving " + next + " failed: [io] " +
                            train::checkpoint_tmp_dir(next) + "/model-rank0.safetensors: " + efbig);
@@ -331,7 +332,9 @@ TEST(Checkpoint, NotEnoughFreeSpaceFailsBeforeWriting) {
   {
     FakeFreeBytes free(900);
     msg = error_of([&] { train::save_checkpoint(next, t, {{"step", 2}}); });
-    msg_world2 = error_of([&] { train::save_checkpoint(next, t, {{"step", 2}}, 0, 2, [](bool ok) { return ok; }); });
+    msg_world2 = error_of([&] {
+      train::save_checkpoint(next, t, {{"step", 2}}, 0, 2, [](bool ok) { return ok; });
+    });
   }
   EXPECT_CONTAINS(msg, "[checkpoint] saving " + next +
                            " failed: not enough free space; it needs about 4.0 kB, 900 B free on "

@@ -53,8 +53,9 @@ TEST(Watchdog, ACallPastTheTimeoutIsReportedWithItsName) {
   }
   EXPECT_EQ(w.in_flight(), 0u);
   ASSERT_EQ(fired.fired(), 1);  // once: the job ends at the first
-  EXPECT_CONTAINS(fired.message, "[watchdog] all_reduce did not complete within "
-                                 "parallel.collective_timeout_s = 0.2 s");
+  EXPECT_CONTAINS(fired.message,
+                  "[watchdog] all_reduce did not complete within "
+                  "parallel.collective_timeout_s = 0.2 s");
   EXPECT_CONTAINS(fired.message, "rank 0 of 1");
 }
 

@@ -10,7 +10,9 @@
 namespace xmoe::comm {
 
 Watchdog::Watchdog(double timeout_s, std::string config_key, OnTimeout on_timeout)
-    : timeout_s_(timeout_s), config_key_(std::move(config_key)), on_timeout_(std::move(on_timeout)) {
+    : timeout_s_(timeout_s),
+      config_key_(std::move(config_key)),
+      on_timeout_(std::move(on_timeout)) {
   XMOE_CHECK(timeout_s > 0, "[watchdog] {} = {} must be > 0 (0 turns the watchdog off)",
              config_key_, timeout_s);
   if (!on_timeout_)
@@ -86,13 +88,14 @@ void Watchdog::run() {
     const std::string missing =
         group.size() == 2
             ? fmt::format("rank {} of that group stopped answering", 1 - group.rank())
-            : std::string("a rank of that group stopped answering (a rank that prints no such "
-                          "line is one missing)");
+            : std::string(
+                  "a rank of that group stopped answering (a rank that prints no such "
+                  "line is one missing)");
     const std::string message = fmt::format(
         "xmoe: rank {} of {}: error: [watchdog] {} did not complete within {} = {} s (waited "
         "{:.1f} s in a group of {} ranks, {}): {}. Ending the job (exit code {}).",
-        group.rank(), group.size(), late->collective, config_key_, timeout_s_, waited,
-        group.size(), group.backend_name(), missing, kExitCollectiveTimeout);
+        group.rank(), group.size(), late->collective, config_key_, timeout_s_, waited, group.size(),
+        group.backend_name(), missing, kExitCollectiveTimeout);
     lock.unlock();
     on_timeout_(message, group);
     lock.lock();

@@ -206,20 +206,19 @@ void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tens
   };
   // Measured before the first vote, while no rank of this save has written anything.
   const std::optional<uint64_t> free_before = io::free_bytes(parent);
-  const bool ok =
-      phase([&] {
-        XMOE_CHECK(!free_before || *free_before >= needed, "not enough free space");
-        if (rank != 0) return;
-        std::error_code ec;
-        fs::create_directories(parent, ec);
-        XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", parent, ec.message());
-        remove_all_or_throw(tmp);  // leftover of a crashed save
-        fs::create_directory(tmp, ec);
-        XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", tmp, ec.message());
-      }) &&
-      phase([&] { write_checkpoint_shard(tmp, tensors, rank); }) && phase([&] {
-        if (rank == 0) commit_impl(tmp, dir, manifest_extra, world, in_place);
-      });
+  const bool ok = phase([&] {
+                    XMOE_CHECK(!free_before || *free_before >= needed, "not enough free space");
+                    if (rank != 0) return;
+                    std::error_code ec;
+                    fs::create_directories(parent, ec);
+                    XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", parent, ec.message());
+                    remove_all_or_throw(tmp);  // leftover of a crashed save
+                    fs::create_directory(tmp, ec);
+                    XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", tmp, ec.message());
+                  }) &&
+                  phase([&] { write_checkpoint_shard(tmp, tensors, rank); }) && phase([&] {
+                    if (rank == 0) commit_impl(tmp, dir, manifest_extra, world, in_place);
+                  });
   if (ok) return;
   if (in_place)
     XMOE_FAIL("[checkpoint] {} is saved, but finishing the save failed: {}", dir, failure);

@@ -39,9 +39,10 @@ std::string checkpoint_tmp_dir(const std::string& dir);
 /// A save that fails on any rank (a full disk, a quota, an I/O error) removes the tmp folder and
 /// throws "[checkpoint] saving <dir> failed: <reason>; it needs about <bytes>, <bytes> free on
 /// that filesystem. The previous checkpoints are intact." on every rank (needed = this rank's
-/// tensor bytes x world; the reason on other ranks: "another rank's part of the save failed"); the previous `dir`, if any, is kept. If io::free_bytes shows less than needed, it
-/// fails that way before writing anything. A failure after the new checkpoint has its name
-/// (fsync of the run folder, removing `<dir>.old`) throws "[checkpoint] <dir> is saved, but ...".
+/// tensor bytes x world; the reason on other ranks: "another rank's part of the save failed"); the
+/// previous `dir`, if any, is kept. If io::free_bytes shows less than needed, it fails that way
+/// before writing anything. A failure after the new checkpoint has its name (fsync of the run
+/// folder, removing `<dir>.old`) throws "[checkpoint] <dir> is saved, but ...".
 void save_checkpoint(const std::string& dir, const std::map<std::string, Tensor>& tensors,
                      const nlohmann::json& manifest_extra, int rank = 0, int world = 1,
                      const std::function<bool(bool)>& all_ok = {});

@@ -490,8 +490,9 @@ class Run {
             step, result.last_checkpoint.empty() ? "(none yet)" : result.last_checkpoint);
       return false;
     }
-    // One save at a time: the previous one ends (and counts) before this one starts.
-    if (writer_.pending() && !collect_save()) return false;
+    // One save at a time: the previous one ends (and counts) before this one starts; unless
+    // its failure stops the run (train.on_save_error = stop), this one is tried all the same.
+    if (writer_.pending() && !collect_save() && !result.save_error.empty()) return false;
     nlohmann::json state;
     state["config"] = to_yaml(config_);
     state["step"] = step;
@@ -624,7 +625,7 @@ class Run {
   int64_t base_live_bytes_ = 0;  // live on the device before the run built anything
   int bad_in_a_row_ = 0;
   std::string last_save_error_;  // the latest save's error; cleared by a save that completes
-  CheckpointWriter writer_;  // train.async_checkpoint; declared last: joined first
+  CheckpointWriter writer_;      // train.async_checkpoint; declared last: joined first
 };
 
 }  // namespace
@@ -682,12 +683,14 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     progress.on_step(m, step % tc.log_every == 0 || step == last);
     if (tc.eval_every > 0 && (step % tc.eval_every == 0 || step == last))
       progress.on_eval(step, run.evaluate_and_log(step));
+    Timer save_timer;
     const bool saved =
         ((tc.save_every > 0 && step % tc.save_every == 0) || step == last) && run.save(step);
     const auto [signal, save_done] = run.agreed_signal_and_save_done();
     // An async save that ended everywhere is collected now, by every rank at this step: its
     // error surfaces here, as a synchronous save's would have at its step.
     if (save_done) run.collect_save();
+    run.result.save_seconds += save_timer.seconds();
     if (!run.result.save_error.empty()) break;
     if (signal) {
       run.stop_on_signal(signal, step, saved);
@@ -695,7 +698,9 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     }
   }
   // The final save (and any still in flight) completes before the run returns.
+  Timer final_save_timer;
   run.collect_save();
+  run.result.save_seconds += final_save_timer.seconds();
   if (step == last && run.result.stop_signal == 0) run.final_save_must_have_succeeded();
   if (!run.result.save_error.empty() && run.leader())
     spdlog::error("{} Stopping (train.on_save_error = stop); the newest complete checkpoint is {}",

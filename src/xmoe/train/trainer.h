@@ -56,6 +56,10 @@ struct TrainResult {
   /// A checkpoint save failed with train.on_save_error = stop: its message; the run stopped
   /// after that step. Empty otherwise.
   std::string save_error;
+  /// Seconds the training loop waited for checkpoint saves: the whole save when synchronous;
+  /// with train.async_checkpoint the collectives and the host copy, plus any wait for the
+  /// previous save and the final one (bench_checkpoint measures it).
+  double save_seconds = 0;
   int64_t optimizer_bytes = 0;  ///< AdamW moment bytes held by this rank (parallel.zero divides)
   /// Gradient bytes this rank holds between steps, after the last one (zero 2: the shards)
   int64_t gradient_bytes = 0;
