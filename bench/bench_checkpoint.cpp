@@ -31,7 +31,7 @@ Config bench_config(const std::string& name, const fs::path& dir) {
   if (name == "wide") {
     for (const char* kv :
          {"model.d_model=512", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=8",
-          "model.dense_hidden=1024", "model.moe.num_experts=8", "model.moe.expert_hidden=1024"})
+          "model.dense_hidden=1024", "model.moe.num_experts=8", "model.moe.expert_hidden=256"})
       apply_override(c, kv);
   } else if (name != "tiny") {
     XMOE_FAIL("[bench_checkpoint] --config {}: expected tiny or wide", name);
