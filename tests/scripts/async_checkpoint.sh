@@ -2,7 +2,8 @@
 # train.async_checkpoint: checkpoints written on the side thread equal the synchronous ones byte
 # for byte (the tensor files, and the manifest but for the run folder and the key itself), in
 # one process and with 2 MPI ranks (ep = 2: expert shards, the ranks' votes); a run stopped
-# and resumed with async saves reproduces the uninterrupted run's losses bit for bit.
+# and resumed with async saves reproduces the uninterrupted run's losses bit for bit; SIGTERM
+# during async saves stops with a complete checkpoint that it names.
 # Usage: async_checkpoint.sh <xmoe binary> [mpiexec]
 set -u
 xmoe=$1
@@ -63,6 +64,25 @@ grep -q "resumed from" "$work/log" || fail "the second half did not resume"
 diff <(values "$work/sync") <(values "$work/resumed") >/dev/null ||
   fail "the resumed async run's metrics differ from the uninterrupted run's"
 echo "resumed at step 10: the metrics equal the uninterrupted run's bit for bit"
+
+# SIGTERM while saving every step asynchronously: the run waits for the writer, says which
+# checkpoint it saved, exits 143, and that checkpoint is complete.
+launch=()
+"$xmoe" train "${tiny[@]}" --set train.async_checkpoint=true --set train.save_every=1 \
+  --set train.steps=100000 --set "train.out_dir=$work/signal" >"$work/log" 2>&1 &
+pid=$!
+for _ in $(seq 1 200); do
+  [[ -n "$(ls -d "$work"/signal/step-* 2>/dev/null)" ]] && break
+  sleep 0.05
+done
+kill -TERM "$pid"
+wait "$pid"
+rc=$?
+[[ $rc == 143 ]] || fail "SIGTERM with async saves: expected exit code 143, got $rc"
+saved=$(grep -oE "received SIGTERM at step [0-9]+: saved step-[0-9]+" "$work/log" | grep -oE "step-[0-9]+$")
+[[ -n "$saved" ]] || fail "no line naming the saved checkpoint"
+"$xmoe" inspect "$work/signal/$saved" >/dev/null || fail "$saved does not load"
+echo "SIGTERM: saved $saved (async), exit 143"
 
 if [[ -n "$mpiexec" ]]; then
   launch=("$mpiexec" --oversubscribe -np 2)

@@ -4,10 +4,14 @@
 # timeout, and the whole job ends with exit code 124 within the timeout plus start-up and slack,
 # naming the collective, the knob and the timeout. Run for 2 ranks (the missing rank is named)
 # and 3 ranks with ep (the MoE dispatch's collectives).
-# Usage: collective_watchdog.sh <xmoe binary> <mpiexec>
+# Usage: collective_watchdog.sh <xmoe binary> <mpiexec> [more xmoe train arguments...]
+# With more arguments (mpi_collective_watchdog_nccl: --set train.device=cuda, one GPU per rank)
+# only the 2-rank case runs, with them.
 set -u
 xmoe=$1
 mpiexec=$2
+shift 2
+extra=("$@")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 source "$(dirname "$0")/micro_corpus.sh"
@@ -18,7 +22,7 @@ tiny=(--quiet --set model.d_model=32 --set model.num_layers=2 --set model.num_he
   --set model.moe.num_experts=4 --set model.moe.expert_hidden=16 --set train.seq_len=16
   --set train.batch_size=2 --set train.steps=50 --set train.eval_every=0
   --set train.warmup_steps=2 --set "parallel.collective_timeout_s=$timeout_s"
-  --set "data.corpus=$work/corpus" --set "data.dir=$work/data")
+  --set "data.corpus=$work/corpus" --set "data.dir=$work/data" "${extra[@]}")
 # A first run prepares the data, so the timed runs below start training at once.
 "$xmoe" train "${tiny[@]}" --set train.steps=1 --set "train.out_dir=$work/prep" >/dev/null 2>&1
 
@@ -51,5 +55,5 @@ if ! grep -q "rank 1 of that group stopped answering" "$work/log"; then
   echo "FAIL (np 2): the missing rank (1) is not named"
   exit 1
 fi
-check 3 0 --set parallel.ep=1
+[[ ${#extra[@]} -eq 0 ]] && check 3 0 --set parallel.ep=1
 echo "PASS: a hung rank ends the job within the timeout, naming the collective"
