@@ -70,6 +70,10 @@ class MemoryModelTest : public MicroCorpusTest {
         static_cast<long long>(r.peak_step_bytes), 100 * peak_err,
         static_cast<long long>(m.steady_bytes), static_cast<long long>(r.steady_bytes),
         100 * steady_err);
+    if (m.attention_workspace_bytes > 0)
+      std::printf("[memory] %-28s attention backward workspace %lld bytes (%s)\n", what.c_str(),
+                  static_cast<long long>(m.attention_workspace_bytes),
+                  m.attention_workspace_asked ? "asked" : "estimated");
     EXPECT_LE(std::abs(peak_err), 0.10) << what << "\n" << train::memory_table(m);
     EXPECT_LE(std::abs(steady_err), 0.01) << what << "\n" << train::memory_table(m);
   }

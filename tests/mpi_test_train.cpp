@@ -11,6 +11,7 @@
 #include "xmoe/comm/group.h"
 #include "xmoe/config/config.h"
 #include "xmoe/data/prepare.h"
+#include "xmoe/io/file.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
@@ -213,6 +214,35 @@ TEST(DistributedTraining, MatchesOneProcessForEveryLayout) {
                   1e-5 * ref.evals[i].val_loss)
             << tag;
     }
+  }
+  world()->barrier();
+}
+
+// data.mix over data-parallel ranks: each rank its windows of the mixed global batch, so the run
+// (and the per-folder validation) equals the one-process run; a second folder is prepared from
+// the corpus's second half.
+TEST(DistributedTraining, WeightedMixMatchesOneProcess) {
+  const fs::path root = shared_root();
+  if (world()->rank() == 0) {
+    fs::create_directories(root / "corpus-b");
+    const std::string text = io::read_file((root / "corpus" / "text.txt").string());
+    io::write_file_atomic((root / "corpus-b" / "text.txt").string(), text.substr(text.size() / 2));
+    if (!fs::exists(root / "data-b" / "meta.json"))
+      data::prepare((root / "corpus-b").string(), (root / "data-b").string(), 0.1);
+  }
+  world()->barrier();
+  Config c = micro_config(root, "softmax_topk");
+  c.data.mix = {(root / "data").string() + ":0.6", (root / "data-b").string() + ":0.4"};
+  const auto ref = reference(c, root, "mix");
+  const auto got = run_training(c, (root / "mix").string(), world());
+  ASSERT_EQ(got.steps.size(), ref.steps.size());
+  expect_same_losses(ref, got, 0, "mix");
+  ASSERT_EQ(got.evals.size(), ref.evals.size());
+  for (size_t i = 0; i < got.evals.size(); ++i) {
+    ASSERT_EQ(got.evals[i].set_losses.size(), 2u);
+    for (size_t k = 0; k < 2; ++k)
+      EXPECT_LE(std::fabs(got.evals[i].set_losses[k] - ref.evals[i].set_losses[k]),
+                1e-5 * ref.evals[i].set_losses[k]);
   }
   world()->barrier();
 }

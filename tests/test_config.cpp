@@ -229,7 +229,7 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
   // 13 model + 22 model.moe + 3 data + 23 train + 7 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 22u + 3u + 23u + 7u);
+  EXPECT_EQ(config_keys().size(), 13u + 22u + 4u + 23u + 7u);
 }
 
 TEST(Config, ParameterCounts) {

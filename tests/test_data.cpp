@@ -682,3 +682,141 @@ TEST(FuzzFindings, MetaJsonValuesOfTheWrongTypeAreRefused) {
   write(meta, R"({"dtype": "uint16", "vocab_size": 300})");
   EXPECT_EQ(TokenFile::open(path).size(), 100);
 }
+
+// Weighted mixing (data.mix): two files whose tokens tell them apart (A: 0..99, B: 100..199).
+TEST(DataMix, WindowsFollowTheWeightsDeterministically) {
+  TempDir tmp;
+  std::string b_bytes;
+  for (int64_t i = 0; i < 3000; ++i) {
+    const uint16_t v = static_cast<uint16_t>(100 + i % 100);
+    b_bytes.append(reinterpret_cast<const char*>(&v), 2);
+  }
+  write(tmp / "b.bin", b_bytes);
+  const TokenFile a = TokenFile::open(make_tokens(tmp, 5000, 100, "a.bin"));
+  const TokenFile b = TokenFile::open(tmp / "b.bin");
+  const int64_t B = 8, T = 16;
+  DataLoader mix({a, b}, {0.7, 0.3}, B, T, 3);
+  EXPECT_NEAR(mix.weights()[0], 0.7, 1e-12);
+
+  // Realised proportions over 4000 batches (32000 windows; the binomial standard deviation of
+  // the share is 0.0026), and every window's tokens come from the file it names.
+  int64_t from_b = 0, windows = 0;
+  for (int s = 0; s < 4000; ++s) {
+    const Batch batch = mix.next();
+    const auto in = batch.inputs.to_vector<int32_t>();
+    for (int64_t i = 0; i < B; ++i, ++windows) {
+      const int file = mix.window_file(static_cast<uint64_t>(s * B + i));
+      from_b += file;
+      const int32_t first = in[static_cast<size_t>(i * T)];
+      ASSERT_EQ(first >= 100, file == 1) << "window " << s * B + i;
+    }
+  }
+  EXPECT_NEAR(static_cast<double>(from_b) / static_cast<double>(windows), 0.3, 0.01);
+
+  // Weights 1:3 (unnormalised) give a share of 0.75.
+  DataLoader quarter({a, b}, {1.0, 3.0}, B, T, 3);
+  int64_t q = 0;
+  for (uint64_t g = 0; g < 20000; ++g) q += quarter.window_file(g);
+  EXPECT_NEAR(static_cast<double>(q) / 20000.0, 0.75, 0.015);
+
+  // The same seed gives the same batches; another seed others.
+  DataLoader again({a, b}, {0.7, 0.3}, B, T, 3), other({a, b}, {0.7, 0.3}, B, T, 4);
+  EXPECT_EQ(again.batch_at(17).inputs.to_vector<int32_t>(),
+            mix.batch_at(17).inputs.to_vector<int32_t>());
+  EXPECT_NE(other.batch_at(17).inputs.to_vector<int32_t>(),
+            mix.batch_at(17).inputs.to_vector<int32_t>());
+  // One file with any weight is the plain loader.
+  DataLoader plain(a, B, T, 3), weighted(std::vector<TokenFile>{a}, {2.5}, B, T, 3);
+  EXPECT_EQ(plain.batch_at(5).inputs.to_vector<int32_t>(),
+            weighted.batch_at(5).inputs.to_vector<int32_t>());
+}
+
+// The window starts for seed 1234, 100000 tokens, seq 64: bench/peers/train_torch.py draws the
+// same (tests/scripts/torch_peer_tokens.sh pins these numbers too).
+TEST(Data, WindowStartsArePinned) {
+  TempDir tmp;
+  const TokenFile file = TokenFile::open(make_tokens(tmp, 100000, 256));
+  DataLoader loader(file, 1, 64, 1234);
+  std::vector<int64_t> starts;
+  for (uint64_t g = 0; g < 4; ++g) starts.push_back(loader.window_start(g));
+  EXPECT_EQ(starts, (std::vector<int64_t>{16428, 64818, 20349, 96369}));
+}
+
+TEST(DataMix, ResumesFromThePositionAndSplitsOverRanks) {
+  TempDir tmp;
+  const TokenFile a = TokenFile::open(make_tokens(tmp, 4000, 100, "a.bin"));
+  const TokenFile b = TokenFile::open(make_tokens(tmp, 2500, 250, "b.bin"));
+  const int64_t B = 3, T = 8;
+  DataLoader straight({a, b}, {0.5, 0.5}, 2 * B, T, 9);
+  std::vector<std::vector<int32_t>> want;
+  for (int s = 0; s < 6; ++s) want.push_back(straight.next().inputs.to_vector<int32_t>());
+
+  // Resume: a loader set to position 3 continues with batches 3, 4, 5.
+  DataLoader resumed({a, b}, {0.5, 0.5}, 2 * B, T, 9);
+  resumed.set_position(3);
+  for (int s = 3; s < 6; ++s) EXPECT_EQ(resumed.next().inputs.to_vector<int32_t>(), want[s]);
+
+  // Two data-parallel ranks: each its own B windows of the global batch, together the whole.
+  DataLoader r0({a, b}, {0.5, 0.5}, B, T, 9, 0, 2), r1({a, b}, {0.5, 0.5}, B, T, 9, 1, 2);
+  for (int s = 0; s < 6; ++s) {
+    std::vector<int32_t> cat = r0.next().inputs.to_vector<int32_t>();
+    const auto second = r1.next().inputs.to_vector<int32_t>();
+    cat.insert(cat.end(), second.begin(), second.end());
+    EXPECT_EQ(cat, want[s]) << "step " << s;
+  }
+}
+
+TEST(DataMix, BadMixesAreRefusedByName) {
+  TempDir tmp;
+  const TokenFile a = TokenFile::open(make_tokens(tmp, 100, 100, "a.bin"));
+  const TokenFile small = TokenFile::open(make_tokens(tmp, 10, 100, "small.bin"));
+  EXPECT_CONTAINS(error_of([&] {
+                    DataLoader({a, a}, {1.0}, 1, 8, 0);
+                  }),
+                  "2 token files and 1 weights");
+  EXPECT_CONTAINS(error_of([&] {
+                    DataLoader({a, a}, {1.0, 0.0}, 1, 8, 0);
+                  }),
+                  "weight 0 is not a finite positive number");
+  EXPECT_CONTAINS(error_of([&] {
+                    DataLoader({a, small}, {1.0, 1.0}, 1, 16, 0);
+                  }),
+                  "small.bin: 10 tokens, need at least seq_len + 1 = 17");
+  DataLoader mix({a, a}, {1.0, 1.0}, 1, 8, 0);
+  EXPECT_CONTAINS(error_of([&] { mix.eval_batch(0); }), "this loader mixes 2");
+
+  // data.mix entries.
+  EXPECT_CONTAINS(error_of([&] { parse_data_mix({"data/a"}); }),
+                  "data.mix entry 'data/a' has no weight");
+  EXPECT_CONTAINS(error_of([&] { parse_data_mix({"data/a:-1"}); }),
+                  "weight '-1' is not a finite positive number");
+  EXPECT_CONTAINS(error_of([&] { parse_data_mix({"data/a:x"}); }), "weight 'x'");
+  EXPECT_CONTAINS(error_of([&] { parse_data_mix({":0.5"}); }), "names no folder");
+  EXPECT_CONTAINS(error_of([&] { parse_data_mix({"d:1", "d:2"}); }), "data.mix lists d twice");
+  const auto parsed = parse_data_mix({"/x/y:z/a:0.7", " b : 0.3 "});
+  ASSERT_EQ(parsed.size(), 2u);
+  EXPECT_EQ(parsed[0].dir, "/x/y:z/a");
+  EXPECT_EQ(parsed[0].weight, 0.7);
+  EXPECT_EQ(parsed[1].dir, "b");
+  Config c;
+  c.data.mix = {"data/a:0"};
+  EXPECT_CONTAINS(error_of([&] { validate(c); }), "data.mix entry 'data/a:0'");
+
+  // Folders: unprepared, or prepared with other tokenizers.
+  write(tmp / "corpus.txt", std::string(2000, 'x') + "\n");
+  prepare(tmp / "corpus.txt", tmp / "p1", 0.1);
+  prepare(tmp / "corpus.txt", tmp / "p2", 0.1);
+  EXPECT_EQ(prepared_mix({{tmp / "p1", 1}, {tmp / "p2", 1}}).size(), 2u);
+  EXPECT_CONTAINS(error_of([&] {
+                    prepared_mix({{tmp / "p1", 1}, {tmp / "none", 1}});
+                  }),
+                  "data.mix entry " + (tmp / "none") + " lacks train.bin, val.bin, meta.json");
+  nlohmann::json meta = nlohmann::json::parse(io::read_file(tmp / "p2/meta.json"));
+  meta["vocab_size"] = 300;
+  write(tmp / "p2/meta.json", meta.dump());
+  const std::string e = error_of([&] { prepared_mix({{tmp / "p1", 1}, {tmp / "p2", 1}}); });
+  EXPECT_CONTAINS(e, "[data] data.mix: " + (tmp / "p1") + " (byte tokenizer, vocab_size 256) and " +
+                         (tmp / "p2") +
+                         " (byte tokenizer, vocab_size 300) differ in their "
+                         "vocabulary sizes");
+}

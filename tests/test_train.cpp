@@ -18,6 +18,7 @@
 #include "xmoe/io/file.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/generate.h"
+#include "xmoe/train/hf.h"
 #include "xmoe/train/progress.h"
 #include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
@@ -431,4 +432,115 @@ TEST_F(TrainTest, SentencePieceDataTrainsAndGenerates) {
   EXPECT_EQ(text.substr(0, 4), "the ");
   // Decoded text, not pieces: SentencePiece's word marker U+2581 never reaches the output.
   EXPECT_EQ(text.find("\xe2\x96\x81"), std::string::npos) << text;
+}
+
+// data.mix (issue 37): two folders trained on together by weight. The run resumes bit for bit,
+// each folder is evaluated and the combined loss is their weighted mean (in metrics.jsonl too).
+TEST_F(TrainTest, WeightedMixResumesBitForBitAndEvaluatesEachFolder) {
+  Config c = micro_config();
+  data::ensure_prepared(c.data);
+  fs::create_directories(root_ / "corpus-b");
+  const std::string text = io::read_file((root_ / "corpus" / "text.txt").string());
+  io::write_file_atomic((root_ / "corpus-b" / "text.txt").string(), text.substr(text.size() / 2));
+  data::prepare((root_ / "corpus-b").string(), (root_ / "data-b").string(), 0.1);
+  c.data.mix = {c.data.dir + ":0.7", (root_ / "data-b").string() + ":0.3"};
+  c.data.dir = (root_ / "unused").string();  // a mix reads its folders only
+  c.train.steps = 20;
+  c.train.out_dir = (root_ / "straight").string();
+  const auto straight = train::train(c, quiet());
+  ASSERT_FALSE(straight.evals.empty());
+  for (const train::EvalMetrics& e : straight.evals) {
+    ASSERT_EQ(e.set_losses.size(), 2u);
+    EXPECT_NEAR(e.val_loss, 0.7 * e.set_losses[0] + 0.3 * e.set_losses[1], 1e-12);
+  }
+  EXPECT_FALSE(fs::exists(root_ / "unused"));
+  const std::string metrics = io::read_file((root_ / "straight" / "metrics.jsonl").string());
+  EXPECT_CONTAINS(metrics, "\"val_loss_sets\":{\"" + (root_ / "data").string() + "\":");
+
+  c.train.out_dir = (root_ / "resumed").string();
+  auto first = quiet();
+  first.stop_after = 10;
+  train::train(c, first);
+  auto second = quiet();
+  second.resume = true;
+  const auto b = train::train(c, second);
+  ASSERT_EQ(b.steps.size(), 10u);
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_EQ(straight.steps[10 + i].loss, b.steps[i].loss) << "step " << 11 + i;
+    EXPECT_EQ(straight.steps[10 + i].grad_norm, b.steps[i].grad_norm) << "step " << 11 + i;
+  }
+  // The mix differs from training on either folder alone.
+  Config alone = micro_config();
+  alone.train.steps = 20;
+  alone.train.out_dir = (root_ / "alone").string();
+  EXPECT_NE(train::train(alone, quiet()).steps[5].loss, straight.steps[5].loss);
+}
+
+// The tokenizer travels in each checkpoint (issue 37): generate and export work after the data
+// folder and the tokenizer file are gone; a checkpoint saved without one (older xmoe) still
+// finds the data folder's copy, and says what to do when that folder is gone too.
+TEST_F(TrainTest, TheTokenizerTravelsInTheCheckpoint) {
+  if (!data::sentencepiece_available()) GTEST_SKIP() << "built without libsentencepiece";
+  Config c = micro_config();
+  data::SentencePieceTrainOptions t;
+  t.corpus = {c.data.corpus};
+  t.out = (root_ / "tok.model").string();
+  t.vocab_size = 300;
+  data::train_sentencepiece(t);
+  data::PrepareOptions p;
+  p.corpus = {c.data.corpus};
+  p.out_dir = (root_ / "sp-data").string();
+  p.val_fraction = 0.1;
+  p.tokenizer = t.out;
+  data::prepare(p);
+  c.data.dir = p.out_dir;
+  c.model.vocab_size = 320;
+  c.train.steps = 4;
+  c.train.out_dir = (root_ / "sp-run").string();
+  train::train(c, quiet());
+  const std::string ckpt = (root_ / "sp-run" / "step-4").string();
+  EXPECT_EQ(io::read_file(ckpt + "/tokenizer.model"), io::read_file(t.out));
+  train::GenerateOptions g;
+  g.prompt = "the ";
+  g.max_new_tokens = 8;
+  const std::string before = train::generate(c.train.out_dir, g);
+
+  fs::rename(root_ / "sp-data", root_ / "moved");
+  fs::remove(t.out);
+  EXPECT_EQ(train::generate(c.train.out_dir, g), before);
+  const train::HfExportResult hf =
+      train::export_hf(c.train.out_dir, (root_ / "hf").string(), train::HfExportOptions{});
+  EXPECT_EQ(io::read_file((root_ / "hf" / "tokenizer.model").string()),
+            io::read_file(ckpt + "/tokenizer.model"));
+  const auto tc =
+      nlohmann::json::parse(io::read_file((root_ / "hf" / "tokenizer_config.json").string()));
+  EXPECT_EQ(tc["tokenizer_class"], "LlamaTokenizer");
+  EXPECT_EQ(tc["eos_token"], "</s>");
+  EXPECT_EQ(tc["bos_token"], "<s>");
+  EXPECT_EQ(tc["unk_token"], "<unk>");
+  EXPECT_EQ(tc["add_bos_token"], false);
+
+  // A checkpoint as older xmoe saved it: no tokenizer in the manifest or the folder.
+  const std::string manifest_path = ckpt + "/manifest.json";
+  auto manifest = nlohmann::json::parse(io::read_file(manifest_path));
+  manifest["state"].erase("tokenizer");
+  manifest.erase("extra_files");
+  io::write_file_atomic(manifest_path, manifest.dump(2));
+  fs::remove(ckpt + "/tokenizer.model");
+  EXPECT_CONTAINS(error_of([&] { train::generate(ckpt, g); }),
+                  "carries no tokenizer (saved by an older xmoe, or imported) and its data folder");
+  fs::rename(root_ / "moved", root_ / "sp-data");
+  EXPECT_EQ(train::generate(ckpt, g), before);
+
+  // A mix of folders prepared with two different SentencePiece models is refused.
+  t.corpus = {(root_ / "corpus").string()};
+  t.out = (root_ / "tok2.model").string();
+  t.model_type = "unigram";
+  data::train_sentencepiece(t);
+  p.tokenizer = t.out;
+  p.out_dir = (root_ / "sp-data-2").string();
+  data::prepare(p);
+  c.data.mix = {(root_ / "sp-data").string() + ":1", p.out_dir + ":1"};
+  c.train.out_dir = (root_ / "mixed").string();
+  EXPECT_CONTAINS(error_of([&] { train::train(c, quiet()); }), "differ in their tokenizer files");
 }

@@ -28,6 +28,21 @@ peak memory (torch.cuda.max_memory_allocated over the timed steps) and reserved 
 
 --compile tries torch.compile on the model; a failure (at compile time or in the first steps)
 is reported as a "train_step_peer_compile" JSON line and the run goes on in eager mode.
+
+Training on real tokens against xmoe (issue 37; bench/real_data/run.sh runs both):
+
+  python3 bench/peers/train_torch.py --preset moe-1b --data data/kjv --init runs/kjv/step-0 \
+      --train-steps 600 --lr 1e-3 --min-lr 1e-4 --warmup-steps 50 --eval-every 50 \
+      --eval-batches 8 --metrics runs/kjv-torch.jsonl
+
+--data DIR trains on DIR/train.bin (a folder `xmoe prepare` wrote) with the windows xmoe's loader
+draws for the same --seed (src/xmoe/data/data_loader.h: window g of global batch s starts at
+Philox(seed, stream "data.train", g) mod (N - T)), one process, batch = the global batch; it
+evaluates on DIR/val.bin's fixed windows [k*T, k*T + T + 1) as xmoe does. --init CKPT starts
+from an xmoe checkpoint's weights (`xmoe train --stop-after 0` writes step-0, the initial
+weights). The learning rate follows xmoe's schedule (linear warm-up, cosine to --min-lr over
+--train-steps). metrics.jsonl lines as xmoe writes them: {"step", "loss"} per step (the
+cross-entropy, without the aux loss), {"step", "val_loss"} per evaluation.
 """
 import argparse
 import json
@@ -59,6 +74,122 @@ PRESETS = {
                  tie=False, batch=16, seq=128, lr=3e-3),
 }
 WEIGHT_DECAY, BETAS, ADAM_EPS, GRAD_CLIP = 0.1, (0.9, 0.95), 1e-8, 1.0
+
+
+# ---- xmoe's data order and weights ------------------------------------------------------------
+
+MASK32 = 0xFFFFFFFF
+
+
+def stream_id(name):
+    """src/xmoe/core/rng.cpp: FNV-1a 64 of the name."""
+    h = 1469598103934665603
+    for ch in name.encode():
+        h = ((h ^ ch) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def philox_block(seed, stream, counter):
+    """src/xmoe/core/rng.cpp: Philox4x32-10 of (counter, stream) keyed by seed -> 4 words."""
+    c = [counter & MASK32, (counter >> 32) & MASK32, stream & MASK32, (stream >> 32) & MASK32]
+    k0, k1 = seed & MASK32, (seed >> 32) & MASK32
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & MASK32, (p0 >> 32) ^ c[3] ^ k1, p0 & MASK32]
+        k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
+    return c
+
+
+DATA_STREAM = stream_id("data.train")
+
+
+def window_start(seed, g, n_tokens, seq):
+    """xmoe's DataLoader::window_start for one token file."""
+    b = philox_block(seed, DATA_STREAM, g)
+    return ((b[0] << 32) | b[1]) % (n_tokens - seq)
+
+
+def open_tokens(data_dir, name):
+    """DIR/<name> as a numpy memmap of meta.json's dtype."""
+    import numpy as np
+    meta = json.load(open(os.path.join(data_dir, "meta.json")))
+    dtype = {"uint16": np.uint16, "uint32": np.uint32}[meta["dtype"]]
+    return np.memmap(os.path.join(data_dir, name), dtype=dtype, mode="r"), meta
+
+
+def windows(tokens, starts, seq, device):
+    """ids, targets [len(starts), seq] int64 from windows of seq + 1 tokens."""
+    import numpy as np
+    w = np.stack([np.asarray(tokens[s:s + seq + 1], dtype=np.int64) for s in starts])
+    w = torch.from_numpy(w).to(device)
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+def read_safetensors(path):
+    """name -> f32/i64 tensor of a safetensors file (the format is a JSON header + raw bytes)."""
+    import numpy as np
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    dtypes = {"F32": np.float32, "I64": np.int64, "BF16": None}
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        if dtypes.get(t["dtype"]) is None:
+            raise SystemExit(f"train_torch: {path}: tensor {name} has dtype {t['dtype']}")
+        arr = np.frombuffer(raw[8 + n + a:8 + n + b], dtype=dtypes[t["dtype"]]).reshape(t["shape"])
+        out[name] = torch.from_numpy(arr.copy())
+    return out
+
+
+def load_xmoe_weights(model, ckpt):
+    """Copies an xmoe checkpoint's parameters (all rank files) into the model: the names are the
+    same but for the routed experts, saved one slice per expert ("...experts.gate_up@e")."""
+    tensors = {}
+    for f in sorted(os.listdir(ckpt)):
+        if f.startswith("model-rank") and f.endswith(".safetensors"):
+            tensors.update(read_safetensors(os.path.join(ckpt, f)))
+    experts = {}
+    for name, t in tensors.items():
+        if "@" in name and ".adam_" not in name:
+            base, e = name.split("@")
+            experts.setdefault(base, {})[int(e)] = t
+    used = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # torch: layers.i.ffn.{router,gate_up,down,shared.*} of an MoE block; xmoe: .moe.*
+            block = model.layers[int(name.split(".")[1])] if name.startswith("layers.") else None
+            key = name
+            if block is not None and block.is_moe:
+                key = name.replace(".ffn.", ".moe.")
+                key = key.replace(".moe.router", ".moe.router.weight")
+                if key.endswith(".moe.gate_up") or key.endswith(".moe.down"):
+                    key = key.replace(".moe.", ".moe.experts.")
+            key = {"embed": "embed.weight", "lm_head": "lm_head.weight"}.get(key, key)
+            if key in experts:
+                slices = experts[key]
+                t = torch.stack([slices[e] for e in range(len(slices))])
+            elif key in tensors:
+                t = tensors[key]
+            else:
+                raise SystemExit(f"train_torch: {ckpt} has no tensor {key} (for {name})")
+            if tuple(t.shape) != tuple(p.shape):
+                raise SystemExit(f"train_torch: {ckpt}: {key} is {list(t.shape)}, the model's "
+                                 f"{name} {list(p.shape)}")
+            p.copy_(t.to(p.device, p.dtype))
+            used.add(key)
+    return len(used)
+
+
+def lr_at(step, peak, min_lr, warmup, total):
+    """src/xmoe/optim/schedule.cpp: LrSchedule::at(step), step 0-based."""
+    n = max(step, 0) + 1
+    if n <= warmup:
+        return peak * n / warmup
+    p = min(1.0, (n - warmup) / max(1, total - warmup))
+    return min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
 def count_parameters(c):
@@ -234,11 +365,23 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="try torch.compile(model)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--data", help="train on this prepared folder's tokens, as xmoe draws them")
+    ap.add_argument("--init", help="initial weights: an xmoe checkpoint folder (step-N)")
+    ap.add_argument("--train-steps", type=int, default=100, help="--data: optimizer steps")
+    ap.add_argument("--lr", type=float, default=None, help="--data: peak lr (default preset's)")
+    ap.add_argument("--min-lr", type=float, default=None, help="--data: lr at the end (lr / 10)")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="--data: linear warm-up steps")
+    ap.add_argument("--eval-every", type=int, default=0, help="--data: steps between evals")
+    ap.add_argument("--eval-batches", type=int, default=8, help="--data: batches per eval")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the preset's)")
+    ap.add_argument("--metrics", help="--data: write xmoe-style metrics.jsonl lines here")
     args = ap.parse_args()
 
     c = dict(PRESETS[args.preset])
     if args.layers is not None:
         c["layers"] = args.layers
+    if args.vocab is not None:
+        c["vocab"] = args.vocab
     batch, seq = args.batch or c["batch"], args.seq or c["seq"]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -249,6 +392,10 @@ def main():
 
     with torch.device(device):  # initialise on the device (fast; the values differ from xmoe's)
         model = Transformer(c, seq)
+    if args.init:
+        n = load_xmoe_weights(model, args.init)
+        print(json.dumps({"bench": "train_peer_init", "checkpoint": args.init, "tensors": n}),
+              flush=True)
     total_expected, active_expected = count_parameters(c)
     total = sum(p.numel() for p in model.parameters())
     moe_layers = sum(1 for b in model.layers if b.is_moe)
@@ -283,8 +430,11 @@ def main():
             print(json.dumps({"bench": "train_step_peer_compile", "ok": False, "stage": "compile",
                               "error": f"{type(e).__name__}: {e}"[:1000]}), flush=True)
 
-    gen = torch.Generator(device=device).manual_seed(args.seed)
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if args.data:
+        train_on_tokens(args, c, model, opt, params, autocast, batch, seq, device)
+        return
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     times = []
     step = 0
     while step < args.warmup + args.steps:
@@ -342,6 +492,54 @@ def main():
                         "peak_bytes": torch.cuda.max_memory_allocated(device),
                         "reserved_bytes": torch.cuda.max_memory_reserved(device)})
     print(json.dumps(summary), flush=True)
+
+
+def train_on_tokens(args, c, model, opt, params, autocast, batch, seq, device):
+    """--data: xmoe's training loop on xmoe's windows: per step the global batch's windows,
+    CE + aux loss, clip, AdamW at xmoe's lr schedule; validation on val.bin's fixed windows."""
+    train, meta = open_tokens(args.data, "train.bin")
+    val, _ = open_tokens(args.data, "val.bin")
+    if meta["vocab_size"] > c["vocab"]:
+        raise SystemExit(f"train_torch: {args.data} has vocabulary {meta['vocab_size']}, the "
+                         f"model {c['vocab']} (--vocab)")
+    peak = args.lr if args.lr is not None else c["lr"]
+    min_lr = args.min_lr if args.min_lr is not None else peak / 10
+    out = open(args.metrics, "w") if args.metrics else None
+
+    def log(line):
+        print(json.dumps(line), flush=True)
+        if out:
+            out.write(json.dumps(line) + "\n")
+            out.flush()
+
+    def evaluate():
+        n_windows = (len(val) - 1) // seq
+        n = min(args.eval_batches, max(1, n_windows // batch))
+        total = 0.0
+        with torch.no_grad(), autocast:
+            for i in range(n):
+                starts = [((i * batch + j) % n_windows) * seq for j in range(batch)]
+                ids, targets = windows(val, starts, seq, device)
+                total += model(ids, targets)[1].item()
+        return total / n
+
+    for step in range(1, args.train_steps + 1):
+        g0 = (step - 1) * batch  # global window index of this step's first window
+        starts = [window_start(args.seed, g0 + j, len(train), seq) for j in range(batch)]
+        ids, targets = windows(train, starts, seq, device)
+        lr = lr_at(step - 1, peak, min_lr, args.warmup_steps, args.train_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            loss, ce = model(ids, targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP, foreach=True)
+        opt.step()
+        log({"step": step, "loss": ce.item(), "aux_loss": (loss - ce).item(), "lr": lr,
+             "grad_norm": norm.item()})
+        if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.train_steps):
+            log({"step": step, "val_loss": evaluate()})
 
 
 if __name__ == "__main__":

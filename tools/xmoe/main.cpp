@@ -127,6 +127,11 @@ void inspect(const std::string& dir) {
 void absolute_data_paths(Config& c) {
   c.data.dir = fs::absolute(c.data.dir).lexically_normal().string();
   c.data.corpus = fs::absolute(c.data.corpus).lexically_normal().string();
+  std::vector<std::string> mix;
+  for (const DataMixEntry& e : parse_data_mix(c.data.mix))
+    mix.push_back(fmt::format("{}:{}", fs::absolute(e.dir).lexically_normal().string(),
+                              e.weight));  // shortest text that round-trips
+  c.data.mix = mix;
 }
 
 /// `xmoe train`: a fresh run from the command line's config, or (--resume) the run's own
@@ -225,7 +230,7 @@ int main(int argc, char** argv) {
   train_cmd
       ->add_option("--stop-after", train_opts.stop_after,
                    "Stop after this step (with a checkpoint), as if interrupted; -1 = "
-                   "train.steps")
+                   "train.steps; 0 = save the initial weights as step-0")
       ->check(at_least(-1));
   train_cmd->footer(
       "Examples:\n"

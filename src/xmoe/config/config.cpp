@@ -135,6 +135,10 @@ const std::vector<Key>& table() {
                "folder of prepared token files (train.bin, val.bin, meta.json)"),
       XMOE_KEY(data.val_fraction, half_open(0, 1), {},
                "fraction of the tokens (the last ones) held out for validation"),
+      XMOE_KEY(data.mix, any(), {},
+               "several prepared folders trained on together, each \"DIR:WEIGHT\": windows drawn "
+               "from each in proportion to its weight (data.dir and data.corpus are then unused); "
+               "the folders must share one tokenizer"),
       // train
       XMOE_KEY(train.steps, at_least(1), {}, "optimizer steps"),
       XMOE_KEY(train.batch_size, at_least(1), {},
@@ -575,6 +579,30 @@ void load_node(Config& c, const YAML::Node& map, const std::string& prefix,
 
 }  // namespace
 
+std::vector<DataMixEntry> parse_data_mix(const std::vector<std::string>& mix) {
+  std::vector<DataMixEntry> out;
+  for (const std::string& raw : mix) {
+    const std::string e = trim(raw);
+    const size_t colon = e.rfind(':');
+    XMOE_CHECK(colon != std::string::npos,
+               "[config] data.mix entry '{}' has no weight; write it as DIR:WEIGHT (e.g. "
+               "data/books:0.7)",
+               raw);
+    DataMixEntry m;
+    m.dir = trim(e.substr(0, colon));
+    const std::string w = trim(e.substr(colon + 1));
+    char* end = nullptr;
+    m.weight = w.empty() ? 0 : std::strtod(w.c_str(), &end);
+    XMOE_CHECK(!w.empty() && end == w.c_str() + w.size() && std::isfinite(m.weight) && m.weight > 0,
+               "[config] data.mix entry '{}': weight '{}' is not a finite positive number", raw, w);
+    XMOE_CHECK(!m.dir.empty(), "[config] data.mix entry '{}' names no folder", raw);
+    for (const DataMixEntry& o : out)
+      XMOE_CHECK(o.dir != m.dir, "[config] data.mix lists {} twice; give each folder once", m.dir);
+    out.push_back(m);
+  }
+  return out;
+}
+
 size_t edit_distance(const std::string& a, const std::string& b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
@@ -742,6 +770,13 @@ void validate(const Config& c) {
     fail("train.eval_every = {} needs a validation split but data.val_fraction = {}",
          c.train.eval_every, c.data.val_fraction);
   try {
+    parse_data_mix(c.data.mix);
+  } catch (const Error& e) {
+    std::string what = e.what();
+    if (what.rfind("[config] ", 0) == 0) what = what.substr(9);
+    errors.push_back(what);
+  }
+  try {
     parse_device(c.train.device);
   } catch (const Error&) {
     fail("train.device = \"{}\" is not cpu, cuda or cuda:N", c.train.device);
@@ -803,7 +838,8 @@ std::string config_reference_markdown() {
       "- `sigmoid` gate: `num_experts % num_groups == 0`, `topk_groups <= num_groups`,\n"
       "  `top_k <= topk_groups * num_experts / num_groups`\n"
       "- `model.first_dense_layers <= model.num_layers`; `train.seq_len <= model.max_seq_len`;\n"
-      "  `train.min_lr <= train.lr`; `train.eval_every > 0` needs `data.val_fraction > 0`\n\n";
+      "  `train.min_lr <= train.lr`; `train.eval_every > 0` needs `data.val_fraction > 0`\n"
+      "- each `data.mix` entry is `DIR:WEIGHT` with a finite positive weight, each folder once\n\n";
   std::string section;
   for (const ConfigKeyInfo& k : config_keys()) {
     const std::string s = k.name.substr(0, k.name.rfind('.'));

@@ -66,9 +66,22 @@ struct DataConfig {
   std::string corpus = "/usr/share/games/fortunes";  ///< a text file or a folder of text files
   std::string dir = "data/default";  ///< where prepared token files live (train.bin, val.bin)
   float val_fraction = 0.05f;
+  /// Several prepared folders trained on together, each "DIR:WEIGHT" (data/mix.h); when set,
+  /// training reads these instead of data.dir.
+  std::vector<std::string> mix;
 
   bool operator==(const DataConfig&) const = default;
 };
+
+/// One entry of data.mix.
+struct DataMixEntry {
+  std::string dir;
+  double weight = 0;  ///< as given (> 0); the loader normalises the weights to sum to 1
+};
+/// data.mix parsed: "DIR:WEIGHT" entries (the weight after the last ':'). Throws "[config]
+/// data.mix entry '...' ..." for an entry without a weight, a weight that is not a finite
+/// positive number, an empty folder or a folder listed twice.
+std::vector<DataMixEntry> parse_data_mix(const std::vector<std::string>& mix);
 
 struct TrainConfig {
   int steps = 600;

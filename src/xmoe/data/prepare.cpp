@@ -1,5 +1,6 @@
 #include "xmoe/data/prepare.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -378,13 +379,52 @@ std::string prepared_tokenizer(const std::string& data_dir) {
   return file.string();
 }
 
+namespace {
+
+// meta.json of a folder holding train.bin and val.bin: vocabulary, dtype, tokenizer, token
+// counts and source.
+PreparedData read_prepared_meta(const fs::path& dir) {
+  PreparedData out;
+  const std::string meta_path = (dir / "meta.json").string();
+  const nlohmann::json m = read_meta(meta_path);
+  XMOE_CHECK(m.is_object(), "[data] {}: expected a JSON object with vocab_size and dtype",
+             meta_path);
+  XMOE_CHECK(m.contains("vocab_size") && m["vocab_size"].is_number_integer() &&
+                 m["vocab_size"].get<int64_t>() > 0,
+             "[data] {}: vocab_size is {}; it must be a positive integer", meta_path,
+             m.contains("vocab_size") ? m["vocab_size"].dump() : "missing");
+  XMOE_CHECK(m.contains("dtype") && (m["dtype"] == "uint16" || m["dtype"] == "uint32"),
+             "[data] {}: dtype is {}; it must be \"uint16\" or \"uint32\"", meta_path,
+             m.contains("dtype") ? m["dtype"].dump() : "missing");
+  out.vocab_size = m["vocab_size"].get<int64_t>();
+  out.dtype = m["dtype"].get<std::string>();
+  out.tokenizer = tokenizer_kind_of(m);
+  const int64_t width = parse_token_dtype(out.dtype) == TokenDType::u16 ? 2 : 4;
+  // Counted from the sizes, which a meta.json written by hand may not give; TokenFile::open
+  // checks each file in full later.
+  auto tokens_in = [&](const char* name) {
+    std::error_code ec;
+    const auto bytes = fs::file_size(dir / name, ec);
+    XMOE_CHECK(!ec, "[data] {}: cannot read its size ({})", (dir / name).string(), ec.message());
+    return static_cast<int64_t>(bytes) / width;
+  };
+  out.train_tokens = tokens_in("train.bin");
+  out.val_tokens = tokens_in("val.bin");
+  if (m.contains("source") && m["source"].is_string()) out.source = m["source"].get<std::string>();
+
+  out.tokenizer_file = prepared_tokenizer(dir.string());
+  return out;
+}
+
+}  // namespace
+
 PreparedData ensure_prepared(const DataConfig& data) {
   const fs::path dir(data.dir);
   const bool train = present(dir / "train.bin"), val = present(dir / "val.bin");
   const bool meta = present(dir / "meta.json");
-  PreparedData out;
 
   if (!train && !val && !meta) {
+    PreparedData out;
     spdlog::info("preparing corpus {} into {}", data.corpus, data.dir);
     const PrepareResult r = prepare(data.corpus, data.dir, data.val_fraction);
     spdlog::info("prepared {} train / {} validation tokens from {} files", r.train_tokens,
@@ -416,32 +456,7 @@ PreparedData ensure_prepared(const DataConfig& data) {
              "(e.g. 256) and dtype (uint16 or uint32); otherwise {}",
              data.dir, (dir / "meta.json").string(), redo);
 
-  const std::string meta_path = (dir / "meta.json").string();
-  const nlohmann::json m = read_meta(meta_path);
-  XMOE_CHECK(m.is_object(), "[data] {}: expected a JSON object with vocab_size and dtype",
-             meta_path);
-  XMOE_CHECK(m.contains("vocab_size") && m["vocab_size"].is_number_integer() &&
-                 m["vocab_size"].get<int64_t>() > 0,
-             "[data] {}: vocab_size is {}; it must be a positive integer", meta_path,
-             m.contains("vocab_size") ? m["vocab_size"].dump() : "missing");
-  XMOE_CHECK(m.contains("dtype") && (m["dtype"] == "uint16" || m["dtype"] == "uint32"),
-             "[data] {}: dtype is {}; it must be \"uint16\" or \"uint32\"", meta_path,
-             m.contains("dtype") ? m["dtype"].dump() : "missing");
-  out.vocab_size = m["vocab_size"].get<int64_t>();
-  out.dtype = m["dtype"].get<std::string>();
-  out.tokenizer = tokenizer_kind_of(m);
-  const int64_t width = parse_token_dtype(out.dtype) == TokenDType::u16 ? 2 : 4;
-  // Counted from the sizes, which a meta.json written by hand may not give; TokenFile::open
-  // checks each file in full later.
-  auto tokens_in = [&](const char* name) {
-    std::error_code ec;
-    const auto bytes = fs::file_size(dir / name, ec);
-    XMOE_CHECK(!ec, "[data] {}: cannot read its size ({})", (dir / name).string(), ec.message());
-    return static_cast<int64_t>(bytes) / width;
-  };
-  out.train_tokens = tokens_in("train.bin");
-  out.val_tokens = tokens_in("val.bin");
-  if (m.contains("source") && m["source"].is_string()) out.source = m["source"].get<std::string>();
+  PreparedData out = read_prepared_meta(dir);
 
   if (out.source.empty())
     spdlog::info(
@@ -454,6 +469,42 @@ PreparedData ensure_prepared(const DataConfig& data) {
         "folders are never re-prepared)",
         data.dir, out.source, data.corpus);
   return out;
+}
+
+}  // namespace xmoe::data
+
+namespace xmoe::data {
+
+std::vector<PreparedData> prepared_mix(const std::vector<DataMixEntry>& mix) {
+  std::vector<PreparedData> sets;
+  for (const DataMixEntry& e : mix) {
+    const fs::path dir(e.dir);
+    std::vector<std::string> missing;
+    for (const char* f : {"train.bin", "val.bin", "meta.json"})
+      if (!present(dir / f)) missing.push_back(f);
+    XMOE_CHECK(missing.empty(),
+               "[data] data.mix entry {} lacks {}: each folder of a mix must be prepared first "
+               "(`xmoe prepare --corpus ... --out {}`)",
+               e.dir, fmt::join(missing, ", "), e.dir);
+    sets.push_back(read_prepared_meta(dir));
+    const PreparedData& a = sets.front();
+    const PreparedData& b = sets.back();
+    // Same kind, vocabulary and tokenizer file bytes: the ids mean the same in every set.
+    const std::string why = a.tokenizer != b.tokenizer     ? "tokenizer kinds"
+                            : a.vocab_size != b.vocab_size ? "vocabulary sizes"
+                            : !a.tokenizer_file.empty() && io::read_file(a.tokenizer_file) !=
+                                                               io::read_file(b.tokenizer_file)
+                                ? "tokenizer files"
+                                : "";
+    XMOE_CHECK(why.empty(),
+               "[data] data.mix: {} ({} tokenizer{}, vocab_size {}) and {} ({} tokenizer{}, "
+               "vocab_size {}) differ in their {}; a mix needs folders prepared with one "
+               "tokenizer",
+               mix.front().dir, a.tokenizer, a.tokenizer_file.empty() ? "" : " " + a.tokenizer_file,
+               a.vocab_size, e.dir, b.tokenizer,
+               b.tokenizer_file.empty() ? "" : " " + b.tokenizer_file, b.vocab_size, why);
+  }
+  return sets;
 }
 
 }  // namespace xmoe::data

@@ -74,6 +74,7 @@ struct PreparedData {
   int64_t vocab_size = 0;    ///< meta.json's vocab_size
   std::string dtype;         ///< meta.json's dtype: "uint16" or "uint32"
   std::string tokenizer = "byte";  ///< meta.json's tokenizer kind
+  std::string tokenizer_file;      ///< its copy in the folder (prepared_tokenizer(); "" = byte)
 };
 
 /// Makes sure data.dir holds train.bin, val.bin and meta.json. All three present: they are used
@@ -82,5 +83,10 @@ struct PreparedData {
 /// Anything in between (token files without meta.json, one of the two token files, meta.json
 /// alone) is an error naming the folder and what is missing; nothing is written.
 PreparedData ensure_prepared(const DataConfig& data);
+
+/// data.mix's folders, each holding train.bin, val.bin and meta.json (a folder lacking any is an
+/// error naming the entry; nothing is prepared), all made with one tokenizer: the same kind,
+/// vocab_size and tokenizer file. Folders that differ are an error naming both.
+std::vector<PreparedData> prepared_mix(const std::vector<DataMixEntry>& mix);
 
 }  // namespace xmoe::data

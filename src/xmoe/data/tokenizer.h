@@ -19,7 +19,11 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;
   /// The end-of-document id written between documents; -1 when the tokenizer has none.
   virtual int64_t eos_id() const = 0;
-  virtual int64_t bos_id() const = 0;  ///< -1 when none
+  virtual int64_t bos_id() const = 0;            ///< -1 when none
+  virtual int64_t unk_id() const { return -1; }  ///< -1 when none
+  /// The vocabulary's text for `id` (SentencePiece: its piece, e.g. "</s>"); "" where the
+  /// tokenizer names no pieces.
+  virtual std::string piece(int64_t /*id*/) const { return ""; }
   virtual std::vector<uint32_t> encode(std::string_view text) const = 0;
   /// Encodes several texts; the default loops, the HF helper takes them in one round trip.
   /// Safe to call from several threads at once.

@@ -120,7 +120,8 @@ int64_t Attention::saved_bytes() const {
 
 ActivationBytes Attention::activation_bytes_for(const AttentionShape& s, int64_t batch,
                                                 int64_t seq_len, DType dtype,
-                                                AttentionRecompute recompute, int tp) {
+                                                AttentionRecompute recompute, int tp,
+                                                int64_t workspace) {
   const auto c = static_cast<int64_t>(dtype_size(dtype));
   const int64_t t = batch * seq_len, heads = s.num_heads / tp, kv_heads = s.num_kv_heads / tp;
   const int64_t q = t * heads * s.head_dim * c, kv = t * kv_heads * s.head_dim * c;
@@ -131,7 +132,7 @@ ActivationBytes Attention::activation_bytes_for(const AttentionShape& s, int64_t
   const int64_t x = t * s.d_model * c;  // with tp: the gathered x
   // tp: backward gathers dy [T, d]; its reduce-scattered dx [T/tp, d] comes after release().
   const int64_t gathered_dy = tp > 1 ? x : 0;
-  return {x + kept, inner - kept + gathered_dy + 2 * q + 2 * kv + t * s.d_model * 4};
+  return {x + kept, inner - kept + gathered_dy + 2 * q + 2 * kv + workspace + t * s.d_model * 4};
 }
 
 void Attention::collect_parameters(std::vector<Parameter*>& out) {

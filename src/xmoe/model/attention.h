@@ -66,9 +66,12 @@ class Attention : public Module {
   /// with recompute, what forward dropped). `shape` is the whole model's; with tensor
   /// parallelism over `tp` ranks, `batch` is the whole micro-batch (this rank gathers its
   /// tokens and works on H/tp, Hkv/tp heads) and backward also holds the gathered dy [T, d].
+  /// `workspace`: the attention kernel's backward scratch
+  /// (ops::attention_backward_workspace_bytes).
   static ActivationBytes activation_bytes_for(const AttentionShape& shape, int64_t batch,
                                               int64_t seq_len, DType dtype,
-                                              AttentionRecompute recompute, int tp = 1);
+                                              AttentionRecompute recompute, int tp = 1,
+                                              int64_t workspace = 0);
   void collect_parameters(std::vector<Parameter*>& out) override;
 
   Parameter& wq() { return wq_; }

@@ -95,9 +95,9 @@ ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, i
   const int64_t t = tokens / layout.tp;  // this rank's rows of the residual stream
   const bool dense = index < cfg.first_dense_layers;
   const ActivationBytes norm = RMSNorm::activation_bytes_for(t, d);
-  const ActivationBytes attn =
-      Attention::activation_bytes_for({d, cfg.num_heads, cfg.num_kv_heads, d / cfg.num_heads},
-                                      batch, seq_len, dtype, r.attention_mode(), layout.tp);
+  const ActivationBytes attn = Attention::activation_bytes_for(
+      {d, cfg.num_heads, cfg.num_kv_heads, d / cfg.num_heads}, batch, seq_len, dtype,
+      r.attention_mode(), layout.tp, layout.attention_workspace);
   const ActivationBytes ffn =
       dense ? DenseFFN::activation_bytes_for(tokens, d, cfg.dense_hidden, dtype, r.ffn, layout.tp)
             : moe_ffn_activation_bytes_for(cfg.moe, d, tokens, dtype, {r.moe, r.router}, layout);

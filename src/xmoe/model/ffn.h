@@ -23,6 +23,9 @@ struct ActivationLayout {
   int ep = 1;        ///< parallel.ep
   /// With ep > 1, the busiest rank's experts receive this many times the expected T·k rows.
   double load_imbalance = 1.25;
+  /// Attention backward's scratch per layer (ops::attention_backward_workspace_bytes): cuDNN's
+  /// workspace on a GPU, which no formula gives.
+  int64_t attention_workspace = 0;
 };
 
 class FeedForward : public Module {

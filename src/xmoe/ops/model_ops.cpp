@@ -171,6 +171,14 @@ AttentionResult attention(const Tensor& q, const Tensor& k, const Tensor& v, boo
   return r;
 }
 
+int64_t attention_backward_workspace_bytes(DType dtype, int64_t batch, int64_t seq, int64_t heads,
+                                           int64_t kv_heads, int64_t head_dim, Device device,
+                                           bool causal) {
+  if (device.is_cpu()) return 0;
+  return static_cast<int64_t>(cuda::attention_backward_workspace_bytes(dtype, batch, seq, heads,
+                                                                       kv_heads, head_dim, causal));
+}
+
 AttentionGrads attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& lse, const Tensor& dout,
                                   bool causal) {

@@ -65,6 +65,12 @@ struct AttentionGrads {
   Tensor dk;  ///< [B, S, Hkv, hd]
   Tensor dv;  ///< [B, S, Hkv, hd]
 };
+/// The scratch bytes attention_backward allocates for these shapes on `device` besides its
+/// gradients: on CUDA cuDNN's workspace when cuDNN runs it (asked of cuDNN, so a GPU must be
+/// present) or the native kernel's B·H·S floats; 0 on the CPU.
+int64_t attention_backward_workspace_bytes(DType dtype, int64_t batch, int64_t seq, int64_t heads,
+                                           int64_t kv_heads, int64_t head_dim, Device device,
+                                           bool causal = true);
 /// Gradients of attention from its inputs, its output `out`, the saved `lse` and dout.
 AttentionGrads attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& lse, const Tensor& dout,

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <regex>
 
+#include "xmoe/config/config.h"
+#include "xmoe/data/prepare.h"
 #include "xmoe/io/file.h"
 #include "xmoe/io/safetensors.h"
 
@@ -119,7 +121,7 @@ namespace {
 // commit_checkpoint's work; sets `in_place` once the new checkpoint has its final name, after
 // which a failure (fsync, removing `.old`) no longer threatens it.
 void commit_impl(const std::string& tmp_dir, const std::string& dir_in, const json& manifest_extra,
-                 int world, bool& in_place) {
+                 int world, const std::map<std::string, std::string>& extra, bool& in_place) {
   const std::string dir = strip_slash(dir_in);
   json files = json::array();
   for (int r = 0; r < world; ++r) {
@@ -131,11 +133,22 @@ void commit_impl(const std::string& tmp_dir, const std::string& dir_in, const js
                      {"bytes", fs::file_size(path)},
                      {"crc32c", io::crc32c_hex(io::file_crc32c(path))}});
   }
-  const json manifest = {{"format", kFormat},
-                         {"version", kCheckpointFormatVersion},
-                         {"world", world},
-                         {"files", files},
-                         {"state", manifest_extra}};
+  json manifest = {{"format", kFormat},
+                   {"version", kCheckpointFormatVersion},
+                   {"world", world},
+                   {"files", files},
+                   {"state", manifest_extra}};
+  for (const auto& [name, bytes] : extra) {
+    XMOE_CHECK(name.find('/') == std::string::npos && name != kManifest &&
+                   name.rfind("model-rank", 0) != 0,
+               "[checkpoint] extra file name '{}' is not a plain name of its own", name);
+    const std::string path = join(tmp_dir, name);
+    io::write_file_atomic(path, bytes);
+    manifest["extra_files"].push_back(
+        {{"name", name},
+         {"bytes", bytes.size()},
+         {"crc32c", io::crc32c_hex(io::crc32c(bytes.data(), bytes.size()))}});
+  }
   io::write_file_atomic(join(tmp_dir, kManifest), manifest.dump(2) + "\n");
   io::fsync_path(tmp_dir);
 
@@ -168,14 +181,16 @@ uint64_t shard_bytes(const std::map<std::string, Tensor>& tensors) {
 }  // namespace
 
 void commit_checkpoint(const std::string& tmp_dir, const std::string& dir,
-                       const json& manifest_extra, int world) {
+                       const json& manifest_extra, int world,
+                       const std::map<std::string, std::string>& files) {
   bool in_place = false;
-  commit_impl(tmp_dir, dir, manifest_extra, world, in_place);
+  commit_impl(tmp_dir, dir, manifest_extra, world, files, in_place);
 }
 
 void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tensor>& tensors,
                      const json& manifest_extra, int rank, int world,
-                     const std::function<bool(bool)>& all_ok) {
+                     const std::function<bool(bool)>& all_ok,
+                     const std::map<std::string, std::string>& files) {
   XMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "[checkpoint] rank {} outside world {}", rank,
              world);
   XMOE_CHECK(world == 1 || all_ok,
@@ -186,7 +201,8 @@ void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tens
   const std::string parent = parent_of(dir);
   // Every rank writes into the same folder (rank 0 checksums all files), so the save needs about
   // world times this rank's share.
-  const uint64_t needed = shard_bytes(tensors) * static_cast<uint64_t>(world);
+  uint64_t needed = shard_bytes(tensors) * static_cast<uint64_t>(world);
+  for (const auto& [name, bytes] : files) needed += bytes.size();
   bool in_place = false;
   std::string failure;  // this rank's reason, if a phase failed here
   // One phase of the protocol on this rank, then the vote: every rank learns whether all
@@ -217,7 +233,7 @@ void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tens
                     XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", tmp, ec.message());
                   }) &&
                   phase([&] { write_checkpoint_shard(tmp, tensors, rank); }) && phase([&] {
-                    if (rank == 0) commit_impl(tmp, dir, manifest_extra, world, in_place);
+                    if (rank == 0) commit_impl(tmp, dir, manifest_extra, world, files, in_place);
                   });
   if (ok) return;
   if (in_place)
@@ -245,6 +261,11 @@ Checkpoint load_impl(const std::string& dir_in, int only_rank) {
   XMOE_CHECK(only_rank < ck.world, "[checkpoint] {}: rank {} requested, saved with world {}", dir,
              only_rank, ck.world);
   for (const json& entry : ck.manifest["files"]) verify_file(dir, entry, ck.world);
+  if (ck.manifest.contains("extra_files")) {
+    XMOE_CHECK(ck.manifest["extra_files"].is_array(), "[checkpoint] {}: extra_files is not a list",
+               join(dir, kManifest));
+    for (const json& entry : ck.manifest["extra_files"]) verify_file(dir, entry, ck.world);
+  }
   for (const json& entry : ck.manifest["files"]) {
     const int r = entry.value("rank", 0);
     if (only_rank >= 0 && r != only_rank) continue;
@@ -281,6 +302,43 @@ Checkpoint load_checkpoint(const std::string& dir) {
 Checkpoint load_checkpoint_rank(const std::string& dir, int rank) {
   XMOE_CHECK(rank >= 0, "[checkpoint] {}: rank {} < 0", dir, rank);
   return load_impl(dir, rank);
+}
+
+std::string checkpoint_tokenizer(const std::string& dir_in, const Checkpoint& checkpoint) {
+  const std::string dir = strip_slash(dir_in);
+  const json& state = checkpoint.state;
+  if (state.contains("tokenizer")) {
+    const json& t = state["tokenizer"];
+    XMOE_CHECK(t.is_object() && t.contains("kind") && t["kind"].is_string(),
+               "[checkpoint] {}: tokenizer {} names no kind", join(dir, kManifest), t.dump());
+    if (t["kind"] == "byte") return "";
+    XMOE_CHECK(t.contains("file") && t["file"].is_string(),
+               "[checkpoint] {}: the {} tokenizer names no file", join(dir, kManifest),
+               t["kind"].get<std::string>());
+    const std::string name = t["file"].get<std::string>();
+    bool listed = false;
+    if (checkpoint.manifest.contains("extra_files"))
+      for (const json& e : checkpoint.manifest["extra_files"])
+        listed |= e.value("name", "") == name;
+    XMOE_CHECK(listed && name.find('/') == std::string::npos,
+               "[checkpoint] {}: tokenizer file '{}' is not among the checkpoint's files",
+               join(dir, kManifest), name);
+    return join(dir, name);
+  }
+  // Saved before checkpoints carried the tokenizer: the data folder's copy.
+  XMOE_CHECK(state.contains("config") && state["config"].is_string(), "[checkpoint] {}: no config",
+             join(dir, kManifest));
+  const Config config =
+      load_config_string(state["config"].get<std::string>(), join(dir, kManifest));
+  const std::vector<DataMixEntry> mix = parse_data_mix(config.data.mix);
+  const std::string data_dir = mix.empty() ? config.data.dir : mix.front().dir;
+  // Without the folder, only a byte-vocabulary model can safely assume the byte tokenizer.
+  XMOE_CHECK(
+      fs::is_regular_file(fs::path(data_dir) / "meta.json") || config.model.vocab_size <= 256,
+      "[checkpoint] {} carries no tokenizer (saved by an older xmoe, or imported) and its data "
+      "folder {} is gone; give the tokenizer file (--tokenizer)",
+      dir, data_dir);
+  return data::prepared_tokenizer(data_dir);
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& run_dir) {

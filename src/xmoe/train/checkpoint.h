@@ -43,16 +43,21 @@ std::string checkpoint_tmp_dir(const std::string& dir);
 /// previous `dir`, if any, is kept. If io::free_bytes shows less than needed, it fails that way
 /// before writing anything. A failure after the new checkpoint has its name (fsync of the run
 /// folder, removing `<dir>.old`) throws "[checkpoint] <dir> is saved, but ...".
+/// `files` (name -> bytes: the run's tokenizer) are written by rank 0 beside the tensor files and
+/// listed, with their sizes and CRC-32C, under the manifest's "extra_files" (which checkpoints
+/// without them lack; load_checkpoint verifies them when listed).
 void save_checkpoint(const std::string& dir, const std::map<std::string, Tensor>& tensors,
                      const nlohmann::json& manifest_extra, int rank = 0, int world = 1,
-                     const std::function<bool(bool)>& all_ok = {});
+                     const std::function<bool(bool)>& all_ok = {},
+                     const std::map<std::string, std::string>& files = {});
 
 /// Step 2 of the protocol alone: writes rank `rank`'s file into `tmp_dir`.
 void write_checkpoint_shard(const std::string& tmp_dir,
                             const std::map<std::string, Tensor>& tensors, int rank);
 /// Step 3 alone (rank 0): checks all `world` rank files exist, writes the manifest, renames.
 void commit_checkpoint(const std::string& tmp_dir, const std::string& dir,
-                       const nlohmann::json& manifest_extra, int world);
+                       const nlohmann::json& manifest_extra, int world,
+                       const std::map<std::string, std::string>& files = {});
 
 struct Checkpoint {
   nlohmann::json state;                   ///< the manifest_extra given to save_checkpoint
@@ -73,5 +78,12 @@ Checkpoint load_checkpoint_rank(const std::string& dir, int rank);
 /// folders are ignored. If a crash happened between the two renames of an overwrite, only
 /// `step-N.old` exists; it is complete and is returned in place of `step-N`.
 std::optional<std::string> latest_checkpoint(const std::string& run_dir);
+
+/// The tokenizer a checkpoint's run trained with, for generate and export: the copy inside the
+/// checkpoint folder `dir` (state "tokenizer"), "" for the byte tokenizer. A checkpoint saved
+/// before checkpoints carried it: the copy in its data folder (data.dir, or the first folder of
+/// data.mix), "" when that folder names none. A checkpoint that names a tokenizer of another
+/// kind than byte but holds no file of it is an error.
+std::string checkpoint_tokenizer(const std::string& dir, const Checkpoint& checkpoint);
 
 }  // namespace xmoe::train

@@ -53,9 +53,9 @@ std::string generate(const std::string& checkpoint, const GenerateOptions& optio
   const Checkpoint ckpt = load_checkpoint(dir);
   const Config config =
       load_config_string(ckpt.state.at("config").get<std::string>(), dir + "/manifest.json");
-  // The tokenizer the data was prepared with (data.dir's meta.json), unless one is given.
+  // The tokenizer the run trained with (its copy in the checkpoint), unless one is given.
   const std::string tokenizer_path =
-      options.tokenizer.empty() ? data::prepared_tokenizer(config.data.dir) : options.tokenizer;
+      options.tokenizer.empty() ? checkpoint_tokenizer(dir, ckpt) : options.tokenizer;
   const std::unique_ptr<data::Tokenizer> tok = data::load_tokenizer(tokenizer_path);
   XMOE_CHECK(tok->vocab_size() <= config.model.vocab_size,
              "[generate] the {} tokenizer has {} tokens, more than the checkpoint's "

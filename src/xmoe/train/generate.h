@@ -11,8 +11,8 @@ struct GenerateOptions {
   float temperature = 0.8f;  ///< 0 = greedy
   int top_k = 40;            ///< 0 = whole vocabulary
   uint64_t seed = 0;
-  /// Tokenizer file for the prompt and the output; "" = the one data.dir was prepared with
-  /// (its meta.json), the byte tokenizer when that names none.
+  /// Tokenizer file for the prompt and the output; "" = the run's, which the checkpoint
+  /// carries (train::checkpoint_tokenizer).
   std::string tokenizer;
 };
 

@@ -571,6 +571,20 @@ TensorMap read_hf_tensors(const std::string& dir) {
 
 }  // namespace
 
+namespace {
+
+// tokenizer_config.json's special tokens of a SentencePiece model: its own pieces for the ids it
+// reserves (null where it reserves none).
+json sentencepiece_special_tokens(const data::Tokenizer& sp) {
+  const auto token = [&](int64_t id) -> json { return id >= 0 ? json(sp.piece(id)) : json(); };
+  return {{"bos_token", token(sp.bos_id())},
+          {"eos_token", token(sp.eos_id())},
+          {"unk_token", token(sp.unk_id())},
+          {"pad_token", nullptr}};
+}
+
+}  // namespace
+
 HfExportResult export_hf(const std::string& checkpoint, const std::string& out_dir,
                          const HfExportOptions& options) {
   XMOE_CHECK(options.dtype == DType::f32 || options.dtype == DType::bf16,
@@ -613,21 +627,36 @@ HfExportResult export_hf(const std::string& checkpoint, const std::string& out_d
     write_json(kIndex,
                {{"metadata", {{"total_size", r.tensor_bytes}}}, {"weight_map", weight_map}});
   write_json("config.json", hf_config(config.model, r.architecture, options.dtype));
-  // xmoe generate's sampling defaults; the byte vocabulary has no end-of-text token.
-  write_json("generation_config.json", {{"do_sample", true},
-                                        {"temperature", 0.8},
-                                        {"top_k", 40},
-                                        {"max_length", config.model.max_seq_len}});
-  // The tokenizer the run's data was prepared with (a copy in data.dir), as it is.
-  const std::string tokenizer = data::prepared_tokenizer(config.data.dir);
+  // The tokenizer the run trained with (the checkpoint's copy), as it is.
+  const std::string tokenizer = checkpoint_tokenizer(r.checkpoint, ckpt);
+  json generation = {{"do_sample", true},  // xmoe generate's sampling defaults
+                     {"temperature", 0.8},
+                     {"top_k", 40},
+                     {"max_length", config.model.max_seq_len}};
   if (!tokenizer.empty()) {
     const std::string name = fs::path(tokenizer).filename().string();
     io::write_file_atomic((fs::path(tmp) / name).string(), io::read_file(tokenizer));
     r.files.push_back(name);
-    if (name == "tokenizer.json")
+    if (name == "tokenizer.json") {
       write_json("tokenizer_config.json", {{"tokenizer_class", "PreTrainedTokenizerFast"},
                                            {"model_max_length", config.model.max_seq_len},
                                            {"clean_up_tokenization_spaces", false}});
+    } else {
+      // A SentencePiece model: transformers' Llama tokenizer reads tokenizer.model (BPE with
+      // byte fallback, "▁" for spaces). xmoe adds no BOS/EOS when it encodes a text, so neither
+      // does the exported one; the special tokens are the model's own.
+      const std::unique_ptr<data::Tokenizer> sp = data::load_tokenizer(tokenizer);
+      const json special = sentencepiece_special_tokens(*sp);
+      json tc = {{"tokenizer_class", "LlamaTokenizer"},
+                 {"model_max_length", config.model.max_seq_len},
+                 {"add_bos_token", false},
+                 {"add_eos_token", false},
+                 {"clean_up_tokenization_spaces", false}};
+      tc.update(special);
+      write_json("tokenizer_config.json", tc);
+      if (sp->bos_id() >= 0) generation["bos_token_id"] = sp->bos_id();
+      if (sp->eos_id() >= 0) generation["eos_token_id"] = sp->eos_id();
+    }
   } else if (config.model.vocab_size == data::ByteTokenizer::kVocabSize) {
     io::write_file_atomic((fs::path(tmp) / "tokenizer.json").string(),
                           data::ByteTokenizer::hf_tokenizer_json());
@@ -636,6 +665,7 @@ HfExportResult export_hf(const std::string& checkpoint, const std::string& out_d
                                          {"model_max_length", config.model.max_seq_len},
                                          {"clean_up_tokenization_spaces", false}});
   }
+  write_json("generation_config.json", generation);
   io::fsync_path(tmp);
   if (fs::exists(dir)) fs::remove(dir);  // empty (checked above)
   fs::rename(tmp, dir);

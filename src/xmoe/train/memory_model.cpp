@@ -7,9 +7,11 @@
 #include <utility>
 
 #include "xmoe/core/device.h"
+#include "xmoe/core/device_api.h"
 #include "xmoe/core/error.h"
 #include "xmoe/model/block.h"
 #include "xmoe/model/transformer.h"
+#include "xmoe/ops/ops.h"
 #include "xmoe/parallel/grad_sync.h"
 #include "xmoe/parallel/zero.h"
 
@@ -207,7 +209,19 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   // working peak; an f32 dx [T/tp, d] is carried between them.
   const int64_t batch = config.train.batch_size, seq = config.train.seq_len;
   const model::RecomputeOptions rc = model::parse_recompute(m.recompute);
-  const model::ActivationLayout layout{r.tp, r.ssmb, r.ep, o.load_imbalance};
+  // Attention backward's scratch: cuDNN sizes its workspace per shape, so ask it where a GPU
+  // is here; elsewhere the native kernel's D (B, H/tp, S) floats, a lower bound.
+  const int64_t heads = m.num_heads / r.tp, head_dim = m.d_model / m.num_heads;
+  if (r.cuda && backend::cuda_available()) {
+    r.attention_workspace_bytes =
+        ops::attention_backward_workspace_bytes(compute, batch, seq, heads, m.num_kv_heads / r.tp,
+                                                head_dim, parse_device(config.train.device));
+    r.attention_workspace_asked = true;
+  } else if (r.cuda) {
+    r.attention_workspace_bytes = batch * heads * seq * 4;
+  }
+  const model::ActivationLayout layout{r.tp, r.ssmb, r.ep, o.load_imbalance,
+                                       r.attention_workspace_bytes};
   const ActivationBytes ends =
       model::Transformer::ends_activation_bytes_for(m, batch, seq, compute, r.tp);
   std::vector<ActivationBytes> blocks;
@@ -279,6 +293,11 @@ std::string memory_table(const MemoryModel& r) {
   for (const MemoryTerm& t : r.terms)
     if (t.host && t.bytes > 0) line("host: " + t.name, t.bytes);
   if (r.host_bytes > 0) line("= pinned host memory (offload)", r.host_bytes);
+  if (r.attention_workspace_bytes > 0)
+    out += fmt::format("#     of which attention backward's workspace {:>20} {}\n",
+                       human_bytes(r.attention_workspace_bytes),
+                       r.attention_workspace_asked ? "(asked of the GPU's attention kernel)"
+                                                   : "(no GPU here to ask cuDNN: a lower bound)");
   // Saved activations per layer, runs of equal layers on one line.
   for (size_t i = 0; i < r.layer_saved.size();) {
     size_t j = i;

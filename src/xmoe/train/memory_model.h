@@ -72,6 +72,11 @@ struct MemoryModel {
   int64_t peak_bytes = 0;             ///< the most live inside a step (on the device)
   /// Offload on CUDA: pinned host bytes (master weights, moments, staging); else 0.
   int64_t host_bytes = 0;
+  /// Attention backward's scratch per layer, inside the backward working set: on CUDA asked
+  /// of cuDNN where a GPU is present (attention_workspace_asked), else the native kernel's
+  /// B·H·S floats, which cuDNN's workspace can exceed many times.
+  int64_t attention_workspace_bytes = 0;
+  bool attention_workspace_asked = false;
 };
 
 /// The model of `config` (its train.device, train.dtype, train.offload_optimizer, parallel.tp,

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -288,14 +289,32 @@ class Run {
     if (leader_) {
       lock_.emplace(tc_.out_dir);
       if (!options_.resume) start_fresh_run(tc_.out_dir, options_.overwrite);
-      const data::PreparedData d = data::ensure_prepared(config_.data);
+      const std::vector<std::string> dirs = data_dirs();
+      const std::vector<data::PreparedData> sets =
+          config_.data.mix.empty()
+              ? std::vector<data::PreparedData>{data::ensure_prepared(config_.data)}
+              : data::prepared_mix(parse_data_mix(config_.data.mix));
+      const data::PreparedData& d = sets.front();  // prepared_mix: all alike
       XMOE_CHECK(config_.model.vocab_size >= d.vocab_size,
-                 "[train] model.vocab_size = {} is smaller than the vocabulary of data.dir {} "
-                 "({} tokens, {} tokenizer); set model.vocab_size to at least {}",
-                 config_.model.vocab_size, config_.data.dir, d.vocab_size, d.tokenizer,
-                 d.vocab_size);
+                 "[train] model.vocab_size = {} is smaller than the vocabulary of {} {} ({} "
+                 "tokens, {} tokenizer); set model.vocab_size to at least {}",
+                 config_.model.vocab_size, config_.data.mix.empty() ? "data.dir" : "data.mix",
+                 dirs.front(), d.vocab_size, d.tokenizer, d.vocab_size);
+      // Read now: each checkpoint carries the tokenizer, even if the data folder goes away.
+      tokenizer_kind_ = d.tokenizer;
+      if (!d.tokenizer_file.empty())
+        tokenizer_files_[fs::path(d.tokenizer_file).filename().string()] =
+            io::read_file(d.tokenizer_file);
     }
     save_group_->barrier();  // unwatched: preparing a large corpus may take long
+  }
+
+  /// The prepared folders training reads: data.dir, or data.mix's folders in order.
+  std::vector<std::string> data_dirs() const {
+    if (config_.data.mix.empty()) return {config_.data.dir};
+    std::vector<std::string> dirs;
+    for (const DataMixEntry& e : parse_data_mix(config_.data.mix)) dirs.push_back(e.dir);
+    return dirs;
   }
 
   void build() {
@@ -303,14 +322,22 @@ class Run {
     data::TokenFile::Options topt;
     topt.vocab_size = config_.model.vocab_size;
     topt.min_tokens = tc_.seq_len + 1;
-    const fs::path dir(config_.data.dir);
-    auto loader = [&](const char* file) {
-      // The tp ranks of a group read the same micro-batches (each takes its sequences).
-      return data::DataLoader(data::TokenFile::open((dir / file).string(), topt), tc_.batch_size,
-                              tc_.seq_len, tc_.seed, layout_.data_rank(), layout_.data_ranks());
-    };
-    train_loader_.emplace(loader("train.bin"));
-    val_loader_.emplace(loader("val.bin"));
+    // data.mix: windows drawn from every folder's train.bin by weight; each folder's val.bin
+    // evaluated on its own. The tp ranks of a group read the same micro-batches (each takes its
+    // sequences).
+    std::vector<data::TokenFile> train_files;
+    std::vector<double> weights;
+    const std::vector<DataMixEntry> mix = parse_data_mix(config_.data.mix);
+    for (const std::string& dir : data_dirs()) {
+      train_files.push_back(data::TokenFile::open((fs::path(dir) / "train.bin").string(), topt));
+      val_loaders_.emplace_back(data::TokenFile::open((fs::path(dir) / "val.bin").string(), topt),
+                                tc_.batch_size, tc_.seq_len, tc_.seed, layout_.data_rank(),
+                                layout_.data_ranks());
+      val_names_.push_back(dir);
+      weights.push_back(mix.empty() ? 1.0 : mix[weights.size()].weight);
+    }
+    train_loader_.emplace(std::move(train_files), std::move(weights), tc_.batch_size, tc_.seq_len,
+                          tc_.seed, layout_.data_rank(), layout_.data_ranks());
 
     // Built and initialised on the host (the same weights on any device), then moved.
     model_ = std::make_unique<model::Transformer>(config_.model, tc_.seed, &layout_);
@@ -470,11 +497,24 @@ class Run {
     metrics_->write_line(line.dump());
   }
 
+  /// The validation loss: with data.mix, each folder's and their mean weighted as training
+  /// draws them (the loss expected on the mixture).
   double evaluate_and_log(int step) {
-    const double val = evaluate(*model_, *val_loader_, tc_.eval_batches, *layout_.world);
-    result.evals.push_back({step, val});
-    if (metrics_) metrics_->write_line(nlohmann::json{{"step", step}, {"val_loss", val}}.dump());
-    return val;
+    EvalMetrics e;
+    e.step = step;
+    for (size_t i = 0; i < val_loaders_.size(); ++i) {
+      const double v = evaluate(*model_, val_loaders_[i], tc_.eval_batches, *layout_.world);
+      e.val_loss += train_loader_->weights()[i] * v;
+      if (val_loaders_.size() > 1) e.set_losses.push_back(v);
+    }
+    result.evals.push_back(e);
+    if (metrics_) {
+      nlohmann::json line{{"step", step}, {"val_loss", e.val_loss}};
+      for (size_t i = 0; i < e.set_losses.size(); ++i)
+        line["val_loss_sets"][val_names_[i]] = e.set_losses[i];
+      metrics_->write_line(line.dump());
+    }
+    return e.val_loss;
   }
 
   /// Saves checkpoint step-N, unless the last step was not finite (the weights it would save
@@ -498,6 +538,9 @@ class Run {
     state["step"] = step;
     state["data_position"] = train_loader_->position();
     state["seed"] = tc_.seed;
+    // The tokenizer travels in the checkpoint (generate and export read it there).
+    state["tokenizer"] = {{"kind", tokenizer_kind_}};
+    if (!tokenizer_files_.empty()) state["tokenizer"]["file"] = tokenizer_files_.begin()->first;
     state["layout"] = {{"world", layout_.world_size},
                        {"ep", layout_.ep},
                        {"dp", layout_.dp},
@@ -510,8 +553,10 @@ class Run {
     if (metrics_) metrics_->sync();  // the log on disk reaches at least the checkpoint
     auto write = [dir, state = std::move(state), rank = layout_.world_rank,
                   world = layout_.world_size, group = save_group_, out_dir = tc_.out_dir,
-                  keep = leader_ ? tc_.keep_checkpoints : 0](const TensorMap& t) {
-      save_checkpoint(dir, t, state, rank, world, [&group](bool ok) { return vote(*group, ok); });
+                  keep = leader_ ? tc_.keep_checkpoints : 0,
+                  files = tokenizer_files_](const TensorMap& t) {
+      save_checkpoint(
+          dir, t, state, rank, world, [&group](bool ok) { return vote(*group, ok); }, files);
       // Every rank has passed the save's last vote: the new checkpoint is complete.
       if (keep > 0) remove_old_checkpoints(out_dir, keep);
     };
@@ -612,7 +657,11 @@ class Run {
   const Device device_;
   const bool leader_;
   std::optional<RunLock> lock_;  // rank 0 holds the run folder while the run lives
-  std::optional<data::DataLoader> train_loader_, val_loader_;
+  std::optional<data::DataLoader> train_loader_;
+  std::vector<data::DataLoader> val_loaders_;  // one per folder of data_dirs()
+  std::vector<std::string> val_names_;
+  std::string tokenizer_kind_ = "byte";                 // rank 0 only
+  std::map<std::string, std::string> tokenizer_files_;  // rank 0: name -> bytes (none for byte)
   std::unique_ptr<model::Transformer> model_;
   std::vector<Parameter*> params_;
   std::vector<moe::MoELayer*> moe_layers_;
@@ -675,6 +724,9 @@ TrainResult train(const Config& config, const TrainOptions& options) {
   run.result.first_step = step;
   const int last = options.stop_after >= 0 ? std::min(options.stop_after, tc.steps) : tc.steps;
 
+  // --stop-after 0 on a fresh run: the initial weights as checkpoint step-0 (a peer framework
+  // can start from them: bench/peers/train_torch.py --init).
+  if (last == 0 && step == 0) run.save(0);
   Progress progress(options.progress && run.leader(), step, last);
   Timer run_timer;
   while (step < last) {

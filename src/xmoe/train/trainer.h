@@ -31,14 +31,17 @@ struct StepMetrics {
 
 struct EvalMetrics {
   int step = 0;
-  double val_loss = 0;
+  double val_loss = 0;  ///< with data.mix: the folders' losses weighted by data.mix's weights
+  std::vector<double> set_losses;  ///< data.mix: each folder's, in data.mix's order
 };
 
 struct TrainOptions {
   bool resume = false;     ///< continue from the latest checkpoint of train.out_dir
   bool overwrite = false;  ///< start over in a train.out_dir that holds a run (deletes it)
   bool progress = true;    ///< print the live progress line
-  int stop_after = -1;     ///< stop (with a checkpoint) after this step; -1 = train.steps
+  /// Stop (with a checkpoint) after this step; -1 = train.steps. 0 on a fresh run: save the
+  /// initial weights as step-0 and stop.
+  int stop_after = -1;
   /// The processes to train on; null = comm::world() (MPI under mpirun/srun, else one process).
   std::shared_ptr<comm::Group> world;
 };

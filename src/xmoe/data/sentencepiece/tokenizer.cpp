@@ -29,6 +29,12 @@ class SentencePieceTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return sp_.GetPieceSize(); }
   int64_t eos_id() const override { return sp_.eos_id(); }
   int64_t bos_id() const override { return sp_.bos_id(); }
+  int64_t unk_id() const override { return sp_.unk_id(); }
+  std::string piece(int64_t id) const override {
+    XMOE_CHECK(id >= 0 && id < sp_.GetPieceSize(), "[tokenizer] {}: no piece {} (vocabulary {})",
+               path_, id, sp_.GetPieceSize());
+    return sp_.IdToPiece(static_cast<int>(id));
+  }
   std::string file() const override { return path_; }
 
   // SentencePieceProcessor's Encode and Decode are const: threads may share it. Line by line,
