@@ -352,6 +352,30 @@ TEST(Checkpoint, NotEnoughFreeSpaceFailsBeforeWriting) {
   EXPECT_EQ(train::latest_checkpoint(tmp.str()), next);
 }
 
+// A rank whose part of the save succeeded learns from the vote that another rank's failed: it
+// fails too, with the same message form, and removes the temporary folder; the previous
+// checkpoint stays the newest. (Rank 0 of 2 here; the vote says "no" at the second phase, after
+// rank 0 wrote its file.)
+TEST(Checkpoint, AnotherRanksFailureFailsTheSaveHere) {
+  TempDir tmp;
+  const std::string prev = tmp / "step-1", next = tmp / "step-2";
+  train::save_checkpoint(prev, sample_tensors(), {{"step", 1}});
+  int votes = 0;
+  const std::string msg = error_of([&] {
+    train::save_checkpoint(next, sample_tensors(), {{"step", 2}}, 0, 2, [&](bool ok) {
+      ++votes;
+      return ok && votes < 2;
+    });
+  });
+  EXPECT_EQ(votes, 2);  // no third phase (the commit) after a failed vote
+  EXPECT_CONTAINS(msg, "[checkpoint] saving " + next +
+                           " failed: another rank's part of the save failed; it needs about ");
+  EXPECT_CONTAINS(msg, "The previous checkpoints are intact.");
+  EXPECT_EQ(leftovers(tmp.str()), std::vector<std::string>{});
+  EXPECT_FALSE(fs::exists(next));
+  EXPECT_EQ(train::latest_checkpoint(tmp.str()), prev);
+}
+
 // Manifests whose values have the wrong JSON type (found by tests/fuzz/fuzz_checkpoint's
 // harness): each ends in an Error naming the manifest, not in a JSON exception.
 TEST(FuzzFindings, ManifestValuesOfTheWrongTypeAreRefused) {
