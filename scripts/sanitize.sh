@@ -14,6 +14,9 @@ cd "$(dirname "$0")/.."
 tests=(test_core test_env test_io test_config test_ops test_optim test_data test_checkpoint
   test_run_folder test_watchdog test_moe test_train)
 [[ $# -gt 0 ]] && tests=("$@")
+# Tests that measure what the sanitizers change: the resident memory of data preparation (ASan
+# keeps freed blocks in quarantine, so the peak RSS grows with everything prepared).
+declare -A skip=([test_data]="-Data.PrepareKeepsMemoryFlat")
 cmake --preset sanitize -B build/sanitize -DXMOE_TESTS=ON >/dev/null
 ninja -C build/sanitize "${tests[@]}"
 export OMP_NUM_THREADS=2 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
@@ -21,7 +24,8 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 failed=()
 for t in "${tests[@]}"; do
   start=$SECONDS
-  if build/sanitize/tests/"$t" --gtest_brief=1 >"build/sanitize/$t.log" 2>&1; then
+  if build/sanitize/tests/"$t" --gtest_brief=1 --gtest_filter="${skip[$t]:-*}" \
+    >"build/sanitize/$t.log" 2>&1; then
     echo "[sanitize] $t: ok ($((SECONDS - start)) s)"
   else
     echo "[sanitize] $t: FAILED ($((SECONDS - start)) s); its output:"

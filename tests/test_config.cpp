@@ -228,8 +228,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 22 model.moe + 3 data + 23 train + 7 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 22u + 4u + 23u + 7u);
+  // 13 model + 22 model.moe + 4 data + 25 train + 8 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 22u + 4u + 25u + 8u);
 }
 
 TEST(Config, ParameterCounts) {

@@ -131,6 +131,10 @@ TEST(Watchdog, CostPerCollectiveIsSmall) {
       "{\"bench\": \"watchdog_overhead\", \"group\": \"single\", \"all_reduce_ns\": %.1f, "
       "\"watched_all_reduce_ns\": %.1f, \"added_ns\": %.1f}\n",
       plain_ns, watched_ns, watched_ns - plain_ns);
+#ifdef NDEBUG
   // An MPI all-reduce of one number takes microseconds; the watchdog must add far less.
   EXPECT_LT(watched_ns - plain_ns, 2000.0);
+#else
+  GTEST_SKIP() << "timed only in optimised builds (Debug and the sanitizers make every call slow)";
+#endif
 }
