@@ -248,7 +248,7 @@ TEST(Checkpoint, MultiRankProtocol) {
   EXPECT_EQ(ck.world, 2);
   EXPECT_EQ(ck.tensors.size(), 3u);
   EXPECT_EQ(train::load_checkpoint_rank(dir, 1).tensors.count("expert.0"), 0u);
-  EXPECT_CONTAINS(error_of([&] { train::save_checkpoint(dir, r0, {}, 0, 2); }), "needs a barrier");
+  EXPECT_CONTAINS(error_of([&] { train::save_checkpoint(dir, r0, {}, 0, 2); }), "needs a vote");
 }
 
 namespace {
@@ -286,7 +286,8 @@ TEST(Checkpoint, FullDiskRemovesTmpAndKeepsPreviousCheckpoint) {
     msg_overwrite = error_of([&] { train::save_checkpoint(prev, big, {{"step", 100}}); });
     // Rank 1 of 2 whose write fails after rank 0 created the tmp folder: it removes the folder.
     fs::create_directories(train::checkpoint_tmp_dir(next));
-    msg_rank1 = error_of([&] { train::save_checkpoint(next, big, {}, 1, 2, [] {}); });
+    msg_rank1 =
+        error_of([&] { train::save_checkpoint(next, big, {}, 1, 2, [](bool ok) { return ok; }); });
   }
   EXPECT_CONTAINS(msg, "[checkpoint] saving " + next + " failed: [io] " +
                            train::checkpoint_tmp_dir(next) + "/model-rank0.safetensors: " + efbig);
@@ -331,7 +332,9 @@ TEST(Checkpoint, NotEnoughFreeSpaceFailsBeforeWriting) {
   {
     FakeFreeBytes free(900);
     msg = error_of([&] { train::save_checkpoint(next, t, {{"step", 2}}); });
-    msg_world2 = error_of([&] { train::save_checkpoint(next, t, {{"step", 2}}, 0, 2, [] {}); });
+    msg_world2 = error_of([&] {
+      train::save_checkpoint(next, t, {{"step", 2}}, 0, 2, [](bool ok) { return ok; });
+    });
   }
   EXPECT_CONTAINS(msg, "[checkpoint] saving " + next +
                            " failed: not enough free space; it needs about 4.0 kB, 900 B free on "
@@ -347,6 +350,30 @@ TEST(Checkpoint, NotEnoughFreeSpaceFailsBeforeWriting) {
     train::save_checkpoint(next, t, {{"step", 2}});
   }
   EXPECT_EQ(train::latest_checkpoint(tmp.str()), next);
+}
+
+// A rank whose part of the save succeeded learns from the vote that another rank's failed: it
+// fails too, with the same message form, and removes the temporary folder; the previous
+// checkpoint stays the newest. (Rank 0 of 2 here; the vote says "no" at the second phase, after
+// rank 0 wrote its file.)
+TEST(Checkpoint, AnotherRanksFailureFailsTheSaveHere) {
+  TempDir tmp;
+  const std::string prev = tmp / "step-1", next = tmp / "step-2";
+  train::save_checkpoint(prev, sample_tensors(), {{"step", 1}});
+  int votes = 0;
+  const std::string msg = error_of([&] {
+    train::save_checkpoint(next, sample_tensors(), {{"step", 2}}, 0, 2, [&](bool ok) {
+      ++votes;
+      return ok && votes < 2;
+    });
+  });
+  EXPECT_EQ(votes, 2);  // no third phase (the commit) after a failed vote
+  EXPECT_CONTAINS(msg, "[checkpoint] saving " + next +
+                           " failed: another rank's part of the save failed; it needs about ");
+  EXPECT_CONTAINS(msg, "The previous checkpoints are intact.");
+  EXPECT_EQ(leftovers(tmp.str()), std::vector<std::string>{});
+  EXPECT_FALSE(fs::exists(next));
+  EXPECT_EQ(train::latest_checkpoint(tmp.str()), prev);
 }
 
 // Manifests whose values have the wrong JSON type (found by tests/fuzz/fuzz_checkpoint's

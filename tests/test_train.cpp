@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 
 #include "file_size_limit.h"
@@ -255,9 +257,10 @@ TEST_F(TrainTest, ResumeLogsEveryStepOnceAndStopsAtTrainSteps) {
   EXPECT_CONTAINS(error_of([&] { train::train(c, o); }), "past train.steps = 8");
 }
 
-// A disk that fills up mid-run: the failed save says so and leaves no temporary folder; the
-// config and metrics written before are whole; a metrics line that does not fit stops the run
-// naming the file, and the log keeps only whole lines.
+// A disk that fills up mid-run: the failed save says so, stops the run after its step
+// (train.on_save_error = stop: TrainResult::save_error, exit code 75 from the CLI) and leaves
+// no temporary folder; the config and metrics written before are whole; a metrics line that
+// does not fit stops the run naming the file, and the log keeps only whole lines.
 TEST_F(TrainTest, AFullDiskStopsTheRunAndLosesNothing) {
   Config c = micro_config();
   c.train.steps = 6;
@@ -267,7 +270,9 @@ TEST_F(TrainTest, AFullDiskStopsTheRunAndLosesNothing) {
   std::string save_error;
   {
     xmoe::testing::FileSizeLimit limit(64 * 1024);  // config and metrics fit, a checkpoint not
-    save_error = error_of([&] { train::train(c, quiet()); });
+    const auto r = train::train(c, quiet());
+    EXPECT_EQ(r.last_step, 2);
+    save_error = r.save_error;
   }
   EXPECT_CONTAINS(save_error, "[checkpoint] saving " + c.train.out_dir + "/step-2 failed");
   EXPECT_CONTAINS(save_error, "File too large");
@@ -301,6 +306,51 @@ TEST_F(TrainTest, AFullDiskStopsTheRunAndLosesNothing) {
   const std::string text = xmoe::io::read_file(metrics);
   EXPECT_EQ(text, text.substr(0, text.rfind('\n') + 1)) << "a partial line was left";
   EXPECT_EQ(fs::file_size(metrics), size);
+}
+
+// train.async_checkpoint: a save that fails on the writer thread surfaces on the trainer's
+// thread within a step or two with the synchronous save's message and stops the run the same
+// way; with train.on_save_error = continue both train to the end, and the final save's failure
+// still ends the run.
+TEST_F(TrainTest, AsyncSaveErrorsSurfaceLikeSyncOnes) {
+  Config c = micro_config();
+  c.train.steps = 8;
+  c.train.save_every = 2;
+  c.train.eval_every = 0;
+  data::ensure_prepared(c.data);
+  for (const char* on_error : {"stop", "continue"}) {
+    c.train.on_save_error = on_error;
+    std::map<bool, train::TrainResult> runs;
+    for (bool async : {false, true}) {
+      c.train.async_checkpoint = async;
+      c.train.out_dir = (root_ / fmt::format("{}-{}", on_error, async)).string();
+      xmoe::testing::FileSizeLimit limit(64 * 1024);
+      runs[async] = train::train(c, quiet());
+    }
+    const train::TrainResult &sync = runs[false], &async = runs[true];
+    ASSERT_FALSE(sync.save_error.empty());
+    const std::string sync_dir = root_ / fmt::format("{}-false", on_error);
+    const std::string async_dir = root_ / fmt::format("{}-true", on_error);
+    // The messages with the run folder and the tmp folder's hash (of its path) left out.
+    auto plain = [](std::string m, const std::string& dir) {
+      for (size_t at = 0; (at = m.find(dir, at)) != std::string::npos;)
+        m.replace(at, dir.size(), "RUN");
+      return std::regex_replace(m, std::regex(R"(\.tmp-[0-9a-f]{8})"), ".tmp-X");
+    };
+    if (std::string(on_error) == "stop") {
+      EXPECT_CONTAINS(sync.save_error, "[checkpoint] saving " + sync_dir + "/step-2 failed");
+      EXPECT_EQ(sync.last_step, 2);
+      EXPECT_GE(async.last_step, 2);  // collected once the writer ended on every rank
+      EXPECT_LE(async.last_step, 8);
+    } else {
+      EXPECT_CONTAINS(sync.save_error, "step-8 failed");
+      EXPECT_CONTAINS(sync.save_error, "It was the final save");
+      EXPECT_EQ(sync.last_step, 8);
+      EXPECT_EQ(async.last_step, 8);
+    }
+    EXPECT_EQ(plain(async.save_error, async_dir), plain(sync.save_error, sync_dir));
+    EXPECT_TRUE(train::inspect_run_folder(async_dir).checkpoints.empty());
+  }
 }
 
 TEST_F(TrainTest, GenerationIsDeterministicForASeed) {

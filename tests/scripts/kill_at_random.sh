@@ -2,10 +2,13 @@
 # kill -9 at random moments (during steps and during saves: the run saves every step), then
 # --resume: every resume starts from the newest complete checkpoint, and the finished run's
 # metrics.jsonl holds each step once with the uninterrupted run's values bit for bit.
-# Usage: kill_at_random.sh <xmoe binary> [kills]
+# Usage: kill_at_random.sh <xmoe binary> [kills] [more xmoe train arguments...]
+# (train_kill_at_random_async passes --set train.async_checkpoint=true: kills then also land
+# while the side thread writes.)
 set -u
 xmoe=$1
 kills=${2:-8}
+shift $(($# < 2 ? $# : 2))
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 source "$(dirname "$0")/micro_corpus.sh"
@@ -16,7 +19,7 @@ tiny=(--quiet --set model.d_model=32 --set model.num_layers=2 --set model.num_he
   --set model.moe.num_experts=4 --set model.moe.expert_hidden=16 --set train.seq_len=16
   --set train.batch_size=2 --set train.eval_every=0 --set train.warmup_steps=2
   --set train.save_every=1 --set train.keep_checkpoints=2 --set "train.steps=$steps"
-  --set "data.corpus=$work/corpus" --set "data.dir=$work/data")
+  --set "data.corpus=$work/corpus" --set "data.dir=$work/data" "$@")
 # A metrics line without its timing (tokens_per_s differs from run to run).
 values() { sed -E 's/"tokens_per_s":[^,}]*,?//' "$1/metrics.jsonl"; }
 

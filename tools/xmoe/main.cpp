@@ -115,8 +115,9 @@ void absolute_data_paths(Config& c) {
 }
 
 /// `xmoe train`: a fresh run from the command line's config, or (--resume) the run's own
-/// config with the --set overrides as changes. Returns the exit code: 0, or after a stop
-/// signal 128 + its number (train/stop_signal.h).
+/// config with the --set overrides as changes. Returns the exit code: 0, after a stop signal
+/// 128 + its number (train/stop_signal.h), after a failed save with train.on_save_error = stop
+/// train::kExitSaveFailed.
 int run_train(const ConfigArgs& args, const train::TrainOptions& opts) {
   Config config = args.resolve();
   const bool leader = comm::world()->rank() == 0;
@@ -157,6 +158,7 @@ int run_train(const ConfigArgs& args, const train::TrainOptions& opts) {
   // XMOE_PROFILE=1: the regions of the whole run (evaluation passes included), rank 0's.
   if (profiling::enabled() && leader)
     std::fprintf(stderr, "xmoe: profile (XMOE_PROFILE)\n%s", profiling::report_table().c_str());
+  if (!r.save_error.empty()) return train::kExitSaveFailed;
   return r.stop_signal ? train::kExitAfterSignalBase + r.stop_signal : 0;
 }
 

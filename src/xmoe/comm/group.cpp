@@ -35,14 +35,47 @@ int64_t Group::row_bytes(const Tensor& t) {
   return n;
 }
 
+namespace {
+
+/// An async collective's Work whose wait() (where a rank blocks for its peers) is watched.
+class WatchedWork final : public Work {
+ public:
+  WatchedWork(std::unique_ptr<Work> work, Group& group, const char* name)
+      : work_(std::move(work)), group_(group), name_(name) {}
+  void wait() override {
+    const Watchdog::Scope scope = group_.watchdog()->watch(name_, group_);
+    work_->wait();
+  }
+
+ private:
+  std::unique_ptr<Work> work_;
+  Group& group_;
+  const char* name_;
+};
+
+}  // namespace
+
+std::unique_ptr<Work> Group::watched(std::unique_ptr<Work> work, const char* name) {
+  if (!watchdog_) return work;
+  return std::make_unique<WatchedWork>(std::move(work), *this, name);
+}
+
 std::shared_ptr<Group> Group::split(int color, int key) {
   XMOE_CHECK(color >= 0, "[split] color {} must be >= 0", color);
-  return do_split(color, key);
+  const Watchdog::Scope scope = watch("split");
+  std::shared_ptr<Group> g = do_split(color, key);
+  g->watchdog_ = watchdog_;
+  return g;
+}
+
+void Group::barrier() {
+  const Watchdog::Scope scope = watch("barrier");
+  do_barrier();
 }
 
 std::unique_ptr<Work> Group::all_reduce_async(Tensor& t, ReduceOp op) {
   check_tensor(t, "all_reduce");
-  std::unique_ptr<Work> work = do_all_reduce(t, op);
+  std::unique_ptr<Work> work = watched(do_all_reduce(t, op), "all_reduce");
   ++counters_.calls[ByteCounters::all_reduce];
   // reduce_scatter + all_gather of this rank's 1/size of the tensor
   const int64_t block = static_cast<int64_t>(t.nbytes()) / size();
@@ -56,7 +89,10 @@ Tensor Group::all_gather(const Tensor& t) {
   Shape shape = t.shape();
   shape[0] *= size();
   Tensor out = Tensor::empty(shape, t.dtype(), t.device());
-  do_all_gather(t, out);
+  {
+    const Watchdog::Scope scope = watch("all_gather");
+    do_all_gather(t, out);
+  }
   ++counters_.calls[ByteCounters::all_gather];
   for (int p = 0; p < size(); ++p)
     count(ByteCounters::all_gather, p, static_cast<int64_t>(t.nbytes()));
@@ -70,7 +106,7 @@ std::unique_ptr<Work> Group::reduce_scatter_async(const Tensor& t, Tensor& out) 
   Shape shape = t.shape();
   shape[0] /= size();
   out = Tensor::empty(shape, t.dtype(), t.device());
-  std::unique_ptr<Work> work = do_reduce_scatter(t, out);
+  std::unique_ptr<Work> work = watched(do_reduce_scatter(t, out), "reduce_scatter");
   ++counters_.calls[ByteCounters::reduce_scatter];
   for (int p = 0; p < size(); ++p)
     count(ByteCounters::reduce_scatter, p, static_cast<int64_t>(out.nbytes()));
@@ -138,8 +174,9 @@ std::unique_ptr<Work> Group::all_to_all_v_rows_async(
                p, send_offsets[p], send_rows[p], send.size(0), recv_offsets[p], recv_rows[p],
                recv.size(0));
   }
-  std::unique_ptr<Work> work =
-      do_all_to_all_v(send, send_rows, send_offsets, recv, recv_rows, recv_offsets);
+  std::unique_ptr<Work> work = watched(
+      do_all_to_all_v(send, send_rows, send_offsets, recv, recv_rows, recv_offsets),
+      "all_to_all_v");
   ++counters_.calls[ByteCounters::all_to_all];
   const int64_t rb = row_bytes(send);
   for (int p = 0; p < n; ++p) count(ByteCounters::all_to_all, p, send_rows[p] * rb);
@@ -150,7 +187,11 @@ std::vector<int64_t> Group::all_to_all_counts(std::span<const int64_t> send) {
   const auto n = static_cast<size_t>(size());
   XMOE_CHECK(send.size() % n == 0, "[all_to_all_counts] {} values do not split over {} ranks",
              send.size(), n);
-  std::vector<int64_t> out = do_all_to_all_counts(send);
+  std::vector<int64_t> out;
+  {
+    const Watchdog::Scope scope = watch("all_to_all_counts");
+    out = do_all_to_all_counts(send);
+  }
   const auto per = static_cast<int64_t>(send.size() / n);
   for (int p = 0; p < size(); ++p)
     count(ByteCounters::counts, p, per * static_cast<int64_t>(sizeof(int64_t)));
@@ -160,7 +201,10 @@ std::vector<int64_t> Group::all_to_all_counts(std::span<const int64_t> send) {
 void Group::broadcast(Tensor& t, int root) {
   check_tensor(t, "broadcast");
   XMOE_CHECK(root >= 0 && root < size(), "[broadcast] root {} outside a group of {}", root, size());
-  do_broadcast(t, root);
+  {
+    const Watchdog::Scope scope = watch("broadcast");
+    do_broadcast(t, root);
+  }
   ++counters_.calls[ByteCounters::broadcast];
   if (rank() == root)
     for (int p = 0; p < size(); ++p)
@@ -180,11 +224,11 @@ class SingleGroup final : public Group {
   SingleGroup() : Group("single", Topology()) {}
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  void barrier() override {}
   [[noreturn]] void abort(int code) override { std::_Exit(code); }
 
  protected:
   void check_tensor(const Tensor&, const char*) const override {}
+  void do_barrier() override {}
   std::shared_ptr<Group> do_split(int, int) override { return std::make_shared<SingleGroup>(); }
   std::unique_ptr<Work> do_all_reduce(Tensor&, ReduceOp) override {
     return std::make_unique<DoneWork>();

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "xmoe/comm/topology.h"
+#include "xmoe/comm/watchdog.h"
 #include "xmoe/core/tensor.h"
 
 namespace xmoe::comm {
@@ -109,9 +110,13 @@ class Group {
   /// exchange before all_to_all_v).
   std::vector<int64_t> all_to_all_counts(std::span<const int64_t> send);
   void broadcast(Tensor& t, int root);
-  virtual void barrier() = 0;
+  void barrier();
   /// Stops every process of the job (after an unrecoverable error on this rank).
   [[noreturn]] virtual void abort(int code) = 0;
+
+  /// The collective watchdog of this group and of the groups split from it later (null: none).
+  void set_watchdog(std::shared_ptr<Watchdog> watchdog) { watchdog_ = std::move(watchdog); }
+  const std::shared_ptr<Watchdog>& watchdog() const { return watchdog_; }
 
   ByteCounters& counters() { return counters_; }
   const ByteCounters& counters() const { return counters_; }
@@ -143,6 +148,14 @@ class Group {
   /// `send.size()` is a multiple of size().
   virtual std::vector<int64_t> do_all_to_all_counts(std::span<const int64_t> send) = 0;
   virtual void do_broadcast(Tensor& t, int root) = 0;
+  virtual void do_barrier() = 0;
+
+  /// Watches the collective `name` while the Scope lives (nothing without a watchdog).
+  Watchdog::Scope watch(const char* name) {
+    return watchdog_ ? watchdog_->watch(name, *this) : Watchdog::Scope();
+  }
+  /// A Work whose wait() is watched as `name`.
+  std::unique_ptr<Work> watched(std::unique_ptr<Work> work, const char* name);
 
   /// all_to_all_counts over `other` without touching its counters: for a backend that carries
   /// its host-side exchanges over another group and counts them as its own.
@@ -156,6 +169,7 @@ class Group {
   std::string backend_;
   Topology topology_;
   ByteCounters counters_;
+  std::shared_ptr<Watchdog> watchdog_;
 
  private:
   void count(ByteCounters::Kind kind, int peer, int64_t bytes);

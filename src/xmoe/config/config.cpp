@@ -175,6 +175,12 @@ const std::vector<Key>& table() {
       XMOE_KEY(train.keep_checkpoints, at_least(0), {},
                "newest checkpoints kept in train.out_dir; older ones are deleted once a new one "
                "is complete (0 = keep all)"),
+      XMOE_KEY(train.async_checkpoint, any(), {},
+               "write checkpoints on a side thread: the step copies the state to host memory "
+               "and goes on while the copy is written (one save at a time)"),
+      XMOE_KEY(train.on_save_error, any(), {"stop", "continue"},
+               "a failed checkpoint save (full disk, quota, I/O error): stop (exit code 75) or "
+               "continue (warn, keep training, try again at the next save)"),
       XMOE_KEY(train.log_every, at_least(1), {}, "steps between log lines"),
       XMOE_KEY(train.max_bad_steps, at_least(1), {},
                "consecutive NaN/Inf steps before the run stops"),
@@ -223,6 +229,9 @@ const std::vector<Key>& table() {
                "parallel.zero = 2: start each bucket's reduce-scatter during backward, as soon "
                "as its gradients are final, and free them there (false: all after backward; "
                "the same bits)"),
+      XMOE_KEY(parallel.collective_timeout_s, at_least(0), {},
+               "seconds a collective may wait for the other ranks before every rank ends "
+               "(naming the collective); 0 = no watchdog"),
   };
   return keys;
 }

@@ -106,6 +106,9 @@ struct TrainConfig {
   int eval_batches = 8;
   int save_every = 200;
   int keep_checkpoints = 0;  ///< newest step-N checkpoints kept in out_dir (0 = all)
+  /// Write checkpoints on a side thread from a host copy of the state (docs/training.md).
+  bool async_checkpoint = false;
+  std::string on_save_error = "stop";  ///< stop | continue (docs/training.md)
   int log_every = 10;
   int max_bad_steps = 5;  ///< consecutive NaN/Inf steps before the run stops
   uint64_t seed = 1234;
@@ -133,6 +136,8 @@ struct ParallelConfig {
   int zero = 0;  ///< 0 | 1 (AdamW moments sharded over dp) | 2 (also gradients reduce-scattered)
   int bucket_kib = 32 << 10;      ///< gradient bucket size (KiB of f32 gradients)
   bool overlap_grad_sync = true;  ///< zero 2: each bucket's reduce-scatter starts in backward
+  /// A collective in flight longer than this ends the job (comm/watchdog.h); 0 = no watchdog.
+  float collective_timeout_s = 600;
 
   bool operator==(const ParallelConfig&) const = default;
 };

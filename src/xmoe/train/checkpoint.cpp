@@ -189,12 +189,13 @@ void commit_checkpoint(const std::string& tmp_dir, const std::string& dir,
 
 void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tensor>& tensors,
                      const json& manifest_extra, int rank, int world,
-                     const std::function<void()>& barrier,
+                     const std::function<bool(bool)>& all_ok,
                      const std::map<std::string, std::string>& files) {
   XMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "[checkpoint] rank {} outside world {}", rank,
              world);
-  XMOE_CHECK(world == 1 || barrier,
-             "[checkpoint] save with world {} needs a barrier to coordinate the ranks", world);
+  XMOE_CHECK(world == 1 || all_ok,
+             "[checkpoint] save with world {} needs a vote (all_ok) to coordinate the ranks",
+             world);
   const std::string dir = strip_slash(dir_in);
   const std::string tmp = checkpoint_tmp_dir(dir);
   const std::string parent = parent_of(dir);
@@ -202,50 +203,51 @@ void save_checkpoint(const std::string& dir_in, const std::map<std::string, Tens
   // world times this rank's share.
   uint64_t needed = shard_bytes(tensors) * static_cast<uint64_t>(world);
   for (const auto& [name, bytes] : files) needed += bytes.size();
-  auto sync = [&] {
-    if (barrier) barrier();
-  };
   bool in_place = false;
-  try {
-    if (rank == 0) {
-      std::error_code ec;
-      fs::create_directories(parent, ec);
-      XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", parent, ec.message());
-      remove_all_or_throw(tmp);  // leftover of a crashed save
+  std::string failure;  // this rank's reason, if a phase failed here
+  // One phase of the protocol on this rank, then the vote: every rank learns whether all
+  // passed, so all fail together and none waits for a rank that gave up.
+  auto phase = [&](const std::function<void()>& work) {
+    if (failure.empty()) {
+      try {
+        work();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
     }
-    // Measured before the first barrier, while no rank of this save has written anything. The
-    // message is completed below, as for every failure.
-    const std::optional<uint64_t> free = io::free_bytes(parent);
-    const bool fits = !free || *free >= needed;
-    // Rank 0 stops before creating the tmp folder; the others only after the barrier, so that
-    // the folder they remove is not created after they removed it.
-    if (rank == 0) {
-      XMOE_CHECK(fits, "not enough free space");
-      std::error_code ec;
-      fs::create_directory(tmp, ec);
-      XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", tmp, ec.message());
-    }
-    sync();
-    XMOE_CHECK(fits, "not enough free space");
-    write_checkpoint_shard(tmp, tensors, rank);
-    sync();
-    if (rank == 0) commit_impl(tmp, dir, manifest_extra, world, files, in_place);
-  } catch (const std::exception& e) {
-    if (in_place)
-      XMOE_FAIL("[checkpoint] {} is saved, but finishing the save failed: {}", dir, e.what());
-    // Any rank may get here; the folder goes whichever rank removes it (another rank's removal
-    // racing with ours is harmless), so a full disk is not kept full by a half checkpoint. A
-    // rank still creating its file can make one removal fail (folder not empty): try again.
-    std::error_code ignored;
-    for (int i = 0; i < 3 && fs::exists(tmp, ignored); ++i) fs::remove_all(tmp, ignored);
-    const std::optional<uint64_t> free = io::free_bytes(parent);
-    XMOE_FAIL(
-        "[checkpoint] saving {} failed: {}; it needs about {}, {} free on that filesystem. The "
-        "previous checkpoints are intact.",
-        dir, e.what(), io::format_bytes(needed),
-        free ? io::format_bytes(*free) : std::string("an unknown amount"));
-  }
-  sync();
+    const bool all = all_ok ? all_ok(failure.empty()) : failure.empty();
+    if (all) return true;
+    if (failure.empty()) failure = "another rank's part of the save failed";
+    return false;
+  };
+  // Measured before the first vote, while no rank of this save has written anything.
+  const std::optional<uint64_t> free_before = io::free_bytes(parent);
+  const bool ok = phase([&] {
+                    XMOE_CHECK(!free_before || *free_before >= needed, "not enough free space");
+                    if (rank != 0) return;
+                    std::error_code ec;
+                    fs::create_directories(parent, ec);
+                    XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", parent, ec.message());
+                    remove_all_or_throw(tmp);  // leftover of a crashed save
+                    fs::create_directory(tmp, ec);
+                    XMOE_CHECK(!ec, "[checkpoint] cannot create {}: {}", tmp, ec.message());
+                  }) &&
+                  phase([&] { write_checkpoint_shard(tmp, tensors, rank); }) && phase([&] {
+                    if (rank == 0) commit_impl(tmp, dir, manifest_extra, world, files, in_place);
+                  });
+  if (ok) return;
+  if (in_place)
+    XMOE_FAIL("[checkpoint] {} is saved, but finishing the save failed: {}", dir, failure);
+  // Every rank has voted: none writes into the folder any more, so any may remove it (a removal
+  // racing with another rank's is harmless). A full disk is not kept full by a half checkpoint.
+  std::error_code ignored;
+  for (int i = 0; i < 3 && fs::exists(tmp, ignored); ++i) fs::remove_all(tmp, ignored);
+  const std::optional<uint64_t> free = io::free_bytes(parent);
+  XMOE_FAIL(
+      "[checkpoint] saving {} failed: {}; it needs about {}, {} free on that filesystem. The "
+      "previous checkpoints are intact.",
+      dir, failure, io::format_bytes(needed),
+      free ? io::format_bytes(*free) : std::string("an unknown amount"));
 }
 
 namespace {

@@ -3,11 +3,13 @@
 // with the trainer's state and every file's size and CRC-32C. A checkpoint is built in
 // `<dir>.tmp-XXXXXXXX/` and renamed into place, so a folder named `dir` is always complete.
 //
-// Multi-rank protocol (save_checkpoint with world > 1 and a barrier):
+// Multi-rank protocol (save_checkpoint with world > 1 and a vote, `all_ok`):
 //   1. every rank measures the free space; rank 0 removes a stale tmp folder and, if the save
-//      fits, creates it;                                             barrier
-//   2. every rank r writes model-rank{r}.safetensors into it;        barrier
-//   3. rank 0 checksums the rank files, writes manifest.json, fsyncs and renames;  barrier
+//      fits, creates it;                                             vote
+//   2. every rank r writes model-rank{r}.safetensors into it;        vote
+//   3. rank 0 checksums the rank files, writes manifest.json, fsyncs and renames;  vote
+// A vote is a collective that tells every rank whether all passed their phase, so a failure on
+// one rank (a full disk while writing its file) fails the save on every rank alike.
 // The tmp folder's name is derived from `dir` alone, so all ranks agree on it without talking.
 #include <cstdint>
 #include <functional>
@@ -31,20 +33,22 @@ std::string checkpoint_tmp_dir(const std::string& dir);
 /// Saves `tensors` (this rank's shard) and `manifest_extra` (stored under "state": config YAML,
 /// step, data position, RNG state, layout) as checkpoint `dir`. If `dir` exists it is replaced:
 /// renamed to `<dir>.old`, the new one renamed in, then the old one deleted.
-/// With world > 1 every rank calls this with the same dir and `barrier` must synchronise all
-/// ranks (see the protocol above); with world == 1 `barrier` may be empty.
+/// With world > 1 every rank calls this with the same dir, and `all_ok(mine)` must be a
+/// collective that returns true when every rank passed true (see the protocol above); with
+/// world == 1 it may be empty.
 /// A save that fails on any rank (a full disk, a quota, an I/O error) removes the tmp folder and
 /// throws "[checkpoint] saving <dir> failed: <reason>; it needs about <bytes>, <bytes> free on
-/// that filesystem. The previous checkpoints are intact." (needed = this rank's tensor bytes x
-/// world); the previous `dir`, if any, is kept. If io::free_bytes shows less than needed, it
-/// fails that way before writing anything. A failure after the new checkpoint has its name
-/// (fsync of the run folder, removing `<dir>.old`) throws "[checkpoint] <dir> is saved, but ...".
+/// that filesystem. The previous checkpoints are intact." on every rank (needed = this rank's
+/// tensor bytes x world; the reason on other ranks: "another rank's part of the save failed"); the
+/// previous `dir`, if any, is kept. If io::free_bytes shows less than needed, it fails that way
+/// before writing anything. A failure after the new checkpoint has its name (fsync of the run
+/// folder, removing `<dir>.old`) throws "[checkpoint] <dir> is saved, but ...".
 /// `files` (name -> bytes: the run's tokenizer) are written by rank 0 beside the tensor files and
 /// listed, with their sizes and CRC-32C, under the manifest's "extra_files" (which checkpoints
 /// without them lack; load_checkpoint verifies them when listed).
 void save_checkpoint(const std::string& dir, const std::map<std::string, Tensor>& tensors,
                      const nlohmann::json& manifest_extra, int rank = 0, int world = 1,
-                     const std::function<void()>& barrier = {},
+                     const std::function<bool(bool)>& all_ok = {},
                      const std::map<std::string, std::string>& files = {});
 
 /// Step 2 of the protocol alone: writes rank `rank`'s file into `tmp_dir`.

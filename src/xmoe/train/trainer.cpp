@@ -10,8 +10,10 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 
 #include "xmoe/comm/nccl/nccl_group.h"
+#include "xmoe/comm/watchdog.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/env.h"
 #include "xmoe/core/timer.h"
@@ -28,6 +30,7 @@
 #include "xmoe/parallel/layout.h"
 #include "xmoe/sched/pipeline_plan.h"
 #include "xmoe/train/checkpoint.h"
+#include "xmoe/train/checkpoint_writer.h"
 #include "xmoe/train/flops.h"
 #include "xmoe/train/progress.h"
 #include "xmoe/train/run_folder.h"
@@ -46,6 +49,13 @@ double world_mean(comm::Group& world, double v) {
   Tensor t = Tensor::from_vector<double>({v}, {1}, world.device());  // NCCL groups: on the GPU
   world.all_reduce(t);
   return t.item() / world.size();
+}
+
+/// A checkpoint vote (train/checkpoint.h): true on every rank when every rank passes `ok`.
+bool vote(comm::Group& group, bool ok) {
+  Tensor t = Tensor::from_vector<int32_t>({ok ? 1 : 0}, {1}, group.device());
+  group.all_reduce(t, comm::ReduceOp::min);
+  return t.to(Device::cpu()).data<int32_t>()[0] == 1;
 }
 
 /// A batch's ids and targets on `device` (the loader produces them on the host).
@@ -129,6 +139,35 @@ void maybe_inject_fault(int rank, int step) {
     XMOE_FAIL("[train] injected fault on rank {} at step {} (XMOE_INJECT_FAULT={})", rank, step,
               spec);
 }
+
+/// XMOE_INJECT_HANG=<rank>:<step> makes that rank stop answering before that step (it sleeps
+/// an hour): the test of the collective watchdog (parallel.collective_timeout_s).
+void maybe_inject_hang(int rank, int step) {
+  static const char* spec = env::text("XMOE_INJECT_HANG");
+  if (!spec) return;
+  int hang_rank = -1, hang_step = -1;
+  if (std::sscanf(spec, "%d:%d", &hang_rank, &hang_step) == 2 && hang_rank == rank &&
+      hang_step == step) {
+    spdlog::warn("rank {}: injected hang before step {} (XMOE_INJECT_HANG={})", rank, step, spec);
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+}
+
+/// parallel.collective_timeout_s on `world` (and the groups split from it) while alive; the
+/// world group may outlive the run (comm::world()), so the watchdog goes with the run.
+class WatchdogOnGroup {
+ public:
+  WatchdogOnGroup(comm::Group& group, double timeout_s) : group_(group) {
+    if (timeout_s > 0 && group.size() > 1)
+      group.set_watchdog(std::make_shared<comm::Watchdog>(timeout_s));
+  }
+  ~WatchdogOnGroup() { group_.set_watchdog(nullptr); }
+  WatchdogOnGroup(const WatchdogOnGroup&) = delete;
+  WatchdogOnGroup& operator=(const WatchdogOnGroup&) = delete;
+
+ private:
+  comm::Group& group_;
+};
 
 /// train.device: "cpu", "cuda:N", or "cuda" = cuda:0 for one process and, with several, the
 /// rank's position among the ranks of its host (one rank per GPU), taken from `hosts` (the
@@ -233,14 +272,17 @@ DType compute_dtype(const TrainConfig& tc, Device device) {
 /// resume, train a step, log it, evaluate, save.
 class Run {
  public:
+  /// `save_group`: the ranks of the world on the host, for the checkpoint votes (which run on
+  /// the writer thread with train.async_checkpoint, beside the step's collectives).
   Run(const Config& config, const TrainOptions& options, const parallel::Layout& layout,
-      Device device)
+      Device device, std::shared_ptr<comm::Group> save_group)
       : config_(config),
         tc_(config.train),
         options_(options),
         layout_(layout),
         device_(device),
-        leader_(layout.world_rank == 0) {}
+        leader_(layout.world_rank == 0),
+        save_group_(std::move(save_group)) {}
 
   /// Rank 0 takes the run folder (the lock; for a fresh run, the refusal to write over a run
   /// unless --overwrite) and the token files (prepared on first use). Others wait.
@@ -265,7 +307,7 @@ class Run {
         tokenizer_files_[fs::path(d.tokenizer_file).filename().string()] =
             io::read_file(d.tokenizer_file);
     }
-    layout_.world->barrier();
+    save_group_->barrier();  // unwatched: preparing a large corpus may take long
   }
 
   /// The prepared folders training reads: data.dir, or data.mix's folders in order.
@@ -397,6 +439,7 @@ class Run {
     Timer step_timer;
     reset_peak_memory(device_);
     maybe_inject_fault(layout_.world_rank, step);
+    maybe_inject_hang(layout_.world_rank, step);
     opt_->forget_prefetched();  // a skipped step's
     model_->zero_grad();
     double loss = 0, aux = 0;
@@ -512,7 +555,8 @@ class Run {
 
   /// Saves checkpoint step-N, unless the last step was not finite (the weights it would save
   /// are not known to be good): "the last good checkpoint" is always one saved after a finite
-  /// step. Returns whether it saved. Then train.keep_checkpoints removes the oldest.
+  /// step. Then train.keep_checkpoints removes the oldest. With train.async_checkpoint it only
+  /// starts the save (collect_save() finishes it). Returns whether it saved (or started).
   bool save(int step) {
     if (bad_in_a_row_ > 0) {
       if (leader_)
@@ -522,6 +566,9 @@ class Run {
             step, result.last_checkpoint.empty() ? "(none yet)" : result.last_checkpoint);
       return false;
     }
+    // One save at a time: the previous one ends (and counts) before this one starts; unless
+    // its failure stops the run (train.on_save_error = stop), this one is tried all the same.
+    if (writer_.pending() && !collect_save() && !result.save_error.empty()) return false;
     nlohmann::json state;
     state["config"] = to_yaml(config_);
     state["step"] = step;
@@ -536,34 +583,84 @@ class Run {
                        {"tp", layout_.tp},
                        {"ssmb", layout_.ssmb}};
     const std::string dir = (fs::path(tc_.out_dir) / fmt::format("step-{}", step)).string();
-    const TensorMap opt_state = optimizer_state(*opt_, *grad_sync_);  // collective (zero >= 1)
-    save_checkpoint(
-        dir, checkpoint_tensors(params_, opt_state, moe_layers_, layout_), state,
-        layout_.world_rank, layout_.world_size, [&] { layout_.world->barrier(); },
-        tokenizer_files_);
-    result.last_checkpoint = dir;
+    // The collective parts (ZeRO's moment gathers, tensor-parallel gathers) on this thread.
+    const TensorMap opt_state = optimizer_state(*opt_, *grad_sync_);
+    TensorMap tensors = checkpoint_tensors(params_, opt_state, moe_layers_, layout_);
     if (metrics_) metrics_->sync();  // the log on disk reaches at least the checkpoint
-    // Every rank has passed the save's last barrier: the new checkpoint is complete.
-    if (leader_ && tc_.keep_checkpoints > 0)
-      remove_old_checkpoints(tc_.out_dir, tc_.keep_checkpoints);
+    auto write = [dir, state = std::move(state), rank = layout_.world_rank,
+                  world = layout_.world_size, group = save_group_, out_dir = tc_.out_dir,
+                  keep = leader_ ? tc_.keep_checkpoints : 0,
+                  files = tokenizer_files_](const TensorMap& t) {
+      save_checkpoint(
+          dir, t, state, rank, world, [&group](bool ok) { return vote(*group, ok); }, files);
+      // Every rank has passed the save's last vote: the new checkpoint is complete.
+      if (keep > 0) remove_old_checkpoints(out_dir, keep);
+    };
+    if (tc_.async_checkpoint) {
+      writer_.start(dir, host_copy(tensors), std::move(write));
+      return true;
+    }
+    try {
+      write(tensors);
+    } catch (const Error& e) {
+      return on_save_error(e);
+    }
+    result.last_checkpoint = dir;
+    last_save_error_.clear();
     return true;
   }
 
-  /// The stop signal any rank received (the largest number), the same on every rank: one
-  /// all-reduce of one number per step, so that all ranks enter the collective save together.
-  int agreed_stop_signal() {
+  /// Waits for the save in flight (train.async_checkpoint) and takes its outcome: true when
+  /// it completed (or none was in flight), false after on_save_error.
+  bool collect_save() {
+    try {
+      const std::string dir = writer_.collect();
+      if (!dir.empty()) {
+        result.last_checkpoint = dir;
+        last_save_error_.clear();
+      }
+      return true;
+    } catch (const Error& e) {
+      return on_save_error(e);
+    }
+  }
+
+  /// A failed save (the same error on every rank: the save votes). train.on_save_error =
+  /// continue: a warning, and training goes on; stop: the run ends after this step.
+  bool on_save_error(const Error& e) {
+    last_save_error_ = e.what();
+    if (tc_.on_save_error == "continue") {
+      if (leader_)
+        spdlog::warn(
+            "{} Training continues (train.on_save_error = continue); the next save tries "
+            "again.",
+            e.what());
+      return false;
+    }
+    result.save_error = e.what();
+    return false;
+  }
+
+  /// The stop signal any rank received (the largest number) and whether every rank's save in
+  /// flight has ended, the same on every rank: one all-reduce of two numbers per step, so that
+  /// all ranks enter the collective save (or collect the async one) together.
+  std::pair<int, bool> agreed_signal_and_save_done() {
     const int mine = stop_signal_received();
+    const bool writing = writer_.pending() && !writer_.finished();
     comm::Group& world = *layout_.world;
-    if (world.size() == 1) return mine;
-    Tensor t = Tensor::from_vector<double>({static_cast<double>(mine)}, {1}, world.device());
+    if (world.size() == 1) return {mine, !writing};
+    Tensor t = Tensor::from_vector<double>({static_cast<double>(mine), writing ? 1.0 : 0.0}, {2},
+                                           world.device());
     world.all_reduce(t, comm::ReduceOp::max);
-    return static_cast<int>(t.item());
+    const Tensor h = t.to(Device::cpu());
+    return {static_cast<int>(h.data<double>()[0]), h.data<double>()[1] == 0};
   }
 
   /// After a stop signal: a checkpoint of `step` (unless `saved` already, or the step was not
   /// finite) and the line that says so.
   void stop_on_signal(int signal, int step, bool saved) {
     if (!saved) saved = save(step);
+    if (saved && writer_.pending()) saved = collect_save();
     result.stop_signal = signal;
     if (!leader_) return;
     if (saved)
@@ -575,6 +672,13 @@ class Run {
           "checkpoint is {}), stopping",
           signal_name(signal), step,
           result.last_checkpoint.empty() ? "(none yet)" : result.last_checkpoint);
+  }
+
+  /// After the last step: a final save that failed under train.on_save_error = continue has
+  /// no later save to try again, so the run ends as with stop.
+  void final_save_must_have_succeeded() {
+    if (result.save_error.empty() && !last_save_error_.empty())
+      result.save_error = last_save_error_ + " It was the final save (no later one to try again).";
   }
 
   bool leader() const { return leader_; }
@@ -601,9 +705,12 @@ class Run {
   std::optional<optim::LrSchedule> schedule_;
   std::unique_ptr<parallel::GradientSync> grad_sync_;
   std::optional<io::AppendFile> metrics_;
+  std::shared_ptr<comm::Group> save_group_;
   int64_t tokens_per_step_ = 0;
   int64_t base_live_bytes_ = 0;  // live on the device before the run built anything
   int bad_in_a_row_ = 0;
+  std::string last_save_error_;  // the latest save's error; cleared by a save that completes
+  CheckpointWriter writer_;      // train.async_checkpoint; declared last: joined first
 };
 
 }  // namespace
@@ -620,11 +727,17 @@ TrainResult train(const Config& config, const TrainOptions& options) {
              "[train] --resume continues the run in {} and --overwrite deletes it: give one",
              tc.out_dir);
   auto world_group = options.world ? options.world : comm::world();
+  const std::shared_ptr<comm::Group> host_world = world_group;
   check_ranks_agree(*world_group, config);
   const Device device = training_device(tc, *world_group);
   if (config.parallel.ranks_per_node > 0)
     world_group = world_group->with_declared_nodes(config.parallel.ranks_per_node);
   world_group = device_world(std::move(world_group), device, tc);
+  // Every collective of the layout's groups is watched; the checkpoint votes and the wait for
+  // data preparation (save group, split before the watchdog) are not: they wait for one
+  // rank's file work, which may take long.
+  const std::shared_ptr<comm::Group> save_group = host_world->split(0, host_world->rank());
+  const WatchdogOnGroup watchdog(*world_group, config.parallel.collective_timeout_s);
   // Every group of the run lives in `layout` (and in the model's copies of it) and goes when
   // train() returns: before comm::finalize(), in the same order on every rank.
   const parallel::Layout layout = parallel::Layout::create(
@@ -632,7 +745,9 @@ TrainResult train(const Config& config, const TrainOptions& options) {
   const AbandonOnError abandon_on_error(layout);
   const StopSignalHandlers stop_handlers;
 
-  Run run(config, options, layout, device);
+  // The checkpoint votes go over a communicator of their own on the host: with
+  // train.async_checkpoint they run on the writer thread beside the step's collectives.
+  Run run(config, options, layout, device, save_group);
   run.open_folder_and_data();
   run.build();
   int step = options.resume ? run.resume() : 0;
@@ -652,13 +767,29 @@ TrainResult train(const Config& config, const TrainOptions& options) {
     progress.on_step(m, step % tc.log_every == 0 || step == last);
     if (tc.eval_every > 0 && (step % tc.eval_every == 0 || step == last))
       progress.on_eval(step, run.evaluate_and_log(step));
+    Timer save_timer;
     const bool saved =
         ((tc.save_every > 0 && step % tc.save_every == 0) || step == last) && run.save(step);
-    if (const int signal = run.agreed_stop_signal()) {
+    const auto [signal, save_done] = run.agreed_signal_and_save_done();
+    // An async save that ended everywhere is collected now, by every rank at this step: its
+    // error surfaces here, as a synchronous save's would have at its step.
+    if (save_done) run.collect_save();
+    run.result.save_seconds += save_timer.seconds();
+    if (!run.result.save_error.empty()) break;
+    if (signal) {
       run.stop_on_signal(signal, step, saved);
       break;
     }
   }
+  // The final save (and any still in flight) completes before the run returns.
+  Timer final_save_timer;
+  run.collect_save();
+  run.result.save_seconds += final_save_timer.seconds();
+  if (step == last && run.result.stop_signal == 0) run.final_save_must_have_succeeded();
+  if (!run.result.save_error.empty() && run.leader())
+    spdlog::error("{} Stopping (train.on_save_error = stop); the newest complete checkpoint is {}",
+                  run.result.save_error,
+                  run.result.last_checkpoint.empty() ? "(none)" : run.result.last_checkpoint);
   run.result.last_step = step;
   run.result.seconds = run_timer.seconds();
   progress.finish(run.result.seconds);

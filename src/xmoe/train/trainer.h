@@ -11,6 +11,10 @@
 
 namespace xmoe::train {
 
+/// Exit code of `xmoe train` when a checkpoint save failed and train.on_save_error = stop
+/// (EX_TEMPFAIL of sysexits.h: free space, then --resume).
+inline constexpr int kExitSaveFailed = 75;
+
 struct StepMetrics {
   int step = 0;         ///< 1-based step just finished
   double loss = 0;      ///< mean cross-entropy over the global batch (nats/token)
@@ -52,6 +56,13 @@ struct TrainResult {
   std::string last_checkpoint;
   /// SIGTERM/SIGINT that stopped the run after last_step (train/stop_signal.h); 0 = none
   int stop_signal = 0;
+  /// A checkpoint save failed with train.on_save_error = stop: its message; the run stopped
+  /// after that step. Empty otherwise.
+  std::string save_error;
+  /// Seconds the training loop waited for checkpoint saves: the whole save when synchronous;
+  /// with train.async_checkpoint the collectives and the host copy, plus any wait for the
+  /// previous save and the final one (bench_checkpoint measures it).
+  double save_seconds = 0;
   int64_t optimizer_bytes = 0;  ///< AdamW moment bytes held by this rank (parallel.zero divides)
   /// Gradient bytes this rank holds between steps, after the last one (zero 2: the shards)
   int64_t gradient_bytes = 0;

@@ -109,14 +109,14 @@ class MpiGroup final : public Group {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
-
   [[noreturn]] void abort(int code) override {
     MPI_Abort(MPI_COMM_WORLD, code);
     std::_Exit(code);
   }
 
  protected:
+  void do_barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+
   void check_tensor(const Tensor& t, const char* op) const override {
     XMOE_CHECK(t.is_cpu(),
                "[{}] the MPI backend moves CPU tensors; got {} (use NCCL for GPU tensors)", op,

@@ -176,6 +176,7 @@ class NcclGroup final : public Group {
   }
 
   ~NcclGroup() override {
+    if (watchdog_) watchdog_->forget(*this);
     // ncclCommDestroy waits for queued operations; every rank destroys its groups in the same
     // order (it synchronises the ranks of a node in recent NCCL versions).
     // An abandoned group (comm_ already aborted) neither waits nor destroys.
@@ -199,13 +200,6 @@ class NcclGroup final : public Group {
   int size() const override { return size_; }
   Device device() const override { return Device::cuda(device_); }
 
-  void barrier() override {
-    // Everything queued on this device (compute and communication) is done, then the ranks meet.
-    CUDA_CHECK(cudaStreamSynchronize(cuda::activate(device_)));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    cpu_->barrier();
-  }
-
   [[noreturn]] void abort(int code) override {
     // Unblocks NCCL kernels that wait for peers, then stops the job through the CPU group.
     if (comm_) ncclCommAbort(comm_);
@@ -225,6 +219,13 @@ class NcclGroup final : public Group {
                t.str(), device_);
   }
 
+  void do_barrier() override {
+    // Everything queued on this device (compute and communication) is done, then the ranks meet.
+    CUDA_CHECK(cudaStreamSynchronize(cuda::activate(device_)));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cpu_->barrier();
+  }
+
   std::shared_ptr<Group> do_split(int color, int key) override {
     // Both splits order the new ranks by key, then by old rank, so their rank numbers agree
     // (the constructor checks it).
@@ -242,14 +243,14 @@ class NcclGroup final : public Group {
     if (t.numel() > 0)
       NCCL_CHECK(ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()), type, nccl_op(op),
                                comm_, s));
-    return finish({t});
+    return finish({t}, "all_reduce");
   }
 
   void do_all_gather(const Tensor& t, Tensor& out) override {
     cudaStream_t s = begin();
     if (t.nbytes() > 0)
       NCCL_CHECK(ncclAllGather(t.raw(), out.raw(), t.nbytes(), ncclUint8, comm_, s));
-    finish({t, out})->wait();
+    finish({t, out}, "all_gather")->wait();
   }
 
   std::unique_ptr<Work> do_reduce_scatter(const Tensor& t, Tensor& out) override {
@@ -258,7 +259,7 @@ class NcclGroup final : public Group {
     if (out.numel() > 0)
       NCCL_CHECK(ncclReduceScatter(t.raw(), out.raw(), static_cast<size_t>(out.numel()), type,
                                    ncclSum, comm_, s));
-    return finish({t, out});
+    return finish({t, out}, "reduce_scatter");
   }
 
   std::unique_ptr<Work> do_all_to_all_v(const Tensor& send, std::span<const int64_t> send_rows,
@@ -293,7 +294,7 @@ class NcclGroup final : public Group {
     XMOE_CHECK(first == ncclSuccess, "[nccl] {} in all_to_all_v failed: {}{}", failed,
                ncclGetErrorString(first), last_error_detail());
     NCCL_CHECK(end);
-    return finish({send, recv});
+    return finish({send, recv}, "all_to_all_v");
   }
 
   std::vector<int64_t> do_all_to_all_counts(std::span<const int64_t> send) override {
@@ -306,7 +307,7 @@ class NcclGroup final : public Group {
     cudaStream_t s = begin();
     if (t.nbytes() > 0)
       NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), t.nbytes(), ncclUint8, root, comm_, s));
-    finish({t})->wait();
+    finish({t}, "broadcast")->wait();
   }
 
  private:
@@ -326,10 +327,20 @@ class NcclGroup final : public Group {
     return stream_;
   }
 
-  /// Records the end of the queued collective; the Work orders the compute stream after it.
-  std::unique_ptr<Work> finish(std::vector<Tensor> keep) {
+  /// Records the end of the queued collective `op`; the Work orders the compute stream after
+  /// it. The host does not wait for it here (a peer that never comes blocks the device, and
+  /// the host only at a later synchronisation), so the watchdog watches the communication
+  /// stream: the collective is done once the stream has drained.
+  std::unique_ptr<Work> finish(std::vector<Tensor> keep, const char* op) {
     cudaEvent_t done = events_->take();
     CUDA_CHECK(cudaEventRecord(done, stream_));
+    if (watchdog_)
+      watchdog_->watch_queued(op, *this, [device = device_, stream = stream_] {
+        if (cudaSetDevice(device) != cudaSuccess) cudaGetLastError();
+        const cudaError_t state = cudaStreamQuery(stream);
+        if (state != cudaErrorNotReady && state != cudaSuccess) cudaGetLastError();
+        return state != cudaErrorNotReady;
+      });
     return std::make_unique<NcclWork>(device_, events_, done, std::move(keep));
   }
 
