@@ -35,6 +35,22 @@ class TrainTest : public xmoe::testing::MicroCorpusTest {
  protected:
   TrainTest() : MicroCorpusTest("xmoe-train-") {}
   Config micro_config() const { return xmoe::testing::micro_config(root_); }
+  /// The micro corpus prepared with a SentencePiece tokenizer of 300 pieces trained on it, in
+  /// root_/sp-data (the tokenizer: root_/tok.model); `c.data.dir` points there.
+  void use_sentencepiece_data(Config& c) const {
+    data::SentencePieceTrainOptions t;
+    t.corpus = {c.data.corpus};
+    t.out = (root_ / "tok.model").string();
+    t.vocab_size = 300;
+    data::train_sentencepiece(t);
+    data::PrepareOptions p;
+    p.corpus = {c.data.corpus};
+    p.out_dir = (root_ / "sp-data").string();
+    p.val_fraction = 0.1;
+    p.tokenizer = t.out;
+    data::prepare(p);
+    c.data.dir = p.out_dir;
+  }
 };
 
 using xmoe::testing::quiet;
@@ -407,18 +423,7 @@ TEST(Progress, IdleExpertsAndSkippedStepsReadPlainly) {
 TEST_F(TrainTest, SentencePieceDataTrainsAndGenerates) {
   if (!data::sentencepiece_available()) GTEST_SKIP() << "built without libsentencepiece";
   Config c = micro_config();
-  data::SentencePieceTrainOptions t;
-  t.corpus = {c.data.corpus};
-  t.out = (root_ / "tok.model").string();
-  t.vocab_size = 300;
-  data::train_sentencepiece(t);
-  data::PrepareOptions p;
-  p.corpus = {c.data.corpus};
-  p.out_dir = (root_ / "sp-data").string();
-  p.val_fraction = 0.1;
-  p.tokenizer = t.out;
-  data::prepare(p);
-  c.data.dir = p.out_dir;
+  use_sentencepiece_data(c);
   c.train.steps = 4;
   EXPECT_CONTAINS(error_of([&] { train::train(c, quiet()); }),
                   "[train] model.vocab_size = 256 is smaller than the vocabulary of data.dir");
@@ -482,31 +487,21 @@ TEST_F(TrainTest, WeightedMixResumesBitForBitAndEvaluatesEachFolder) {
 TEST_F(TrainTest, TheTokenizerTravelsInTheCheckpoint) {
   if (!data::sentencepiece_available()) GTEST_SKIP() << "built without libsentencepiece";
   Config c = micro_config();
-  data::SentencePieceTrainOptions t;
-  t.corpus = {c.data.corpus};
-  t.out = (root_ / "tok.model").string();
-  t.vocab_size = 300;
-  data::train_sentencepiece(t);
-  data::PrepareOptions p;
-  p.corpus = {c.data.corpus};
-  p.out_dir = (root_ / "sp-data").string();
-  p.val_fraction = 0.1;
-  p.tokenizer = t.out;
-  data::prepare(p);
-  c.data.dir = p.out_dir;
+  use_sentencepiece_data(c);
   c.model.vocab_size = 320;
   c.train.steps = 4;
   c.train.out_dir = (root_ / "sp-run").string();
   train::train(c, quiet());
   const std::string ckpt = (root_ / "sp-run" / "step-4").string();
-  EXPECT_EQ(io::read_file(ckpt + "/tokenizer.model"), io::read_file(t.out));
+  const std::string tokenizer = (root_ / "tok.model").string();
+  EXPECT_EQ(io::read_file(ckpt + "/tokenizer.model"), io::read_file(tokenizer));
   train::GenerateOptions g;
   g.prompt = "the ";
   g.max_new_tokens = 8;
   const std::string before = train::generate(c.train.out_dir, g);
 
   fs::rename(root_ / "sp-data", root_ / "moved");
-  fs::remove(t.out);
+  fs::remove(tokenizer);
   EXPECT_EQ(train::generate(c.train.out_dir, g), before);
   const train::HfExportResult hf =
       train::export_hf(c.train.out_dir, (root_ / "hf").string(), train::HfExportOptions{});
@@ -533,10 +528,15 @@ TEST_F(TrainTest, TheTokenizerTravelsInTheCheckpoint) {
   EXPECT_EQ(train::generate(ckpt, g), before);
 
   // A mix of folders prepared with two different SentencePiece models is refused.
+  data::SentencePieceTrainOptions t;
+  t.vocab_size = 300;
   t.corpus = {(root_ / "corpus").string()};
   t.out = (root_ / "tok2.model").string();
   t.model_type = "unigram";
   data::train_sentencepiece(t);
+  data::PrepareOptions p;
+  p.corpus = t.corpus;
+  p.val_fraction = 0.1;
   p.tokenizer = t.out;
   p.out_dir = (root_ / "sp-data-2").string();
   data::prepare(p);

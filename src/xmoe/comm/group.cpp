@@ -174,9 +174,9 @@ std::unique_ptr<Work> Group::all_to_all_v_rows_async(
                p, send_offsets[p], send_rows[p], send.size(0), recv_offsets[p], recv_rows[p],
                recv.size(0));
   }
-  std::unique_ptr<Work> work = watched(
-      do_all_to_all_v(send, send_rows, send_offsets, recv, recv_rows, recv_offsets),
-      "all_to_all_v");
+  std::unique_ptr<Work> work =
+      watched(do_all_to_all_v(send, send_rows, send_offsets, recv, recv_rows, recv_offsets),
+              "all_to_all_v");
   ++counters_.calls[ByteCounters::all_to_all];
   const int64_t rb = row_bytes(send);
   for (int p = 0; p < n; ++p) count(ByteCounters::all_to_all, p, send_rows[p] * rb);
