@@ -65,8 +65,7 @@ std::string cpu_model_name() {
   return "unknown CPU";
 }
 
-std::string utc_now() {
-  const std::time_t now = std::time(nullptr);
+std::string utc_date(std::time_t now) {
   std::tm tm{};
   gmtime_r(&now, &tm);
   char buf[32];
@@ -342,7 +341,11 @@ Profile Profiler::run() {
   m.world_size = world_->size();
   m.nodes = topo.num_nodes();
   m.ranks_per_node = most_on_a_node;
-  m.date = utc_now();
+  // Rank 0's clock: ranks start a little apart and must write the same profile.
+  Tensor start = Tensor::from_vector<int64_t>({static_cast<int64_t>(std::time(nullptr))}, {1})
+                     .to(world_->device());
+  world_->all_reduce(start, comm::ReduceOp::min);
+  m.date = utc_date(static_cast<std::time_t>(start.to(Device::cpu()).data<int64_t>()[0]));
   m.xmoe_version = XMOE_VERSION;
   profile_.measurement = {options_.statistic, plan_.warmup, plan_.reps};
 
