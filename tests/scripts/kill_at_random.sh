@@ -14,9 +14,7 @@ trap 'rm -rf "$work"' EXIT
 source "$(dirname "$0")/micro_corpus.sh"
 write_micro_corpus "$work/corpus"
 steps=300
-tiny=(--quiet --set model.d_model=32 --set model.num_layers=2 --set model.num_heads=2
-  --set model.num_kv_heads=2 --set model.dense_hidden=32 --set model.max_seq_len=16
-  --set model.moe.num_experts=4 --set model.moe.expert_hidden=16 --set train.seq_len=16
+tiny=(--quiet "${micro_model[@]}"
   --set train.batch_size=2 --set train.eval_every=0 --set train.warmup_steps=2
   --set train.save_every=1 --set train.keep_checkpoints=2 --set "train.steps=$steps"
   --set "data.corpus=$work/corpus" --set "data.dir=$work/data" "$@")
