@@ -102,7 +102,8 @@ struct Variant {
 /// What a line says about the run, whatever its outcome.
 nlohmann::ordered_json describe(const Shape5& s, const Variant& v, Device device, bool recompute,
                                 int expert_chunks, const std::string& router_dtype,
-                                const std::string& expert_grad_dtype, const std::string& weights) {
+                                const std::string& expert_grad_dtype, const std::string& weights,
+                                const std::string& expert_dtype) {
   nlohmann::ordered_json j;
   j["bench"] = "moe_layer";
   j["impl"] = "xmoe_" + v.impl;
@@ -113,6 +114,7 @@ nlohmann::ordered_json describe(const Shape5& s, const Variant& v, Device device
   j["expert_chunks"] = expert_chunks;
   j["router_dtype"] = router_dtype;
   j["expert_grad_dtype"] = expert_grad_dtype;
+  j["expert_dtype"] = expert_dtype;
   j["shape"] = fmt::format("{}x{}x{}x{}x{}", s.T, s.d, s.f, s.E, s.k);
   j["T"] = s.T;
   j["d"] = s.d;
@@ -138,7 +140,7 @@ constexpr int kProfiledPasses = 2;
 
 Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int iters, Device device,
            bool recompute, int expert_chunks, bool breakdown, const std::string& router,
-           const std::string& expert_grad, bool bf16_weights) {
+           const std::string& expert_grad, bool bf16_weights, const std::string& expert_dtype) {
   MoeConfig c;  // softmax_topk (softmax, then top-k, renormalised), aux_loss_weight 0.01
   c.num_experts = static_cast<int>(s.E);
   c.top_k = static_cast<int>(s.k);
@@ -147,6 +149,7 @@ Result run(const Shape5& s, const std::string& impl, float cf, int warmup, int i
   c.gate = "softmax_topk";
   c.router_dtype = router;
   c.expert_grad_dtype = expert_grad;
+  c.expert_dtype = expert_dtype;
   c.impl = impl;
   c.capacity_factor = cf;
   c.expert_chunks = expert_chunks;
@@ -226,7 +229,8 @@ int main(int argc, char** argv) {
   int iters = 5, warmup = 1;
   bool quick = false, recompute = false, breakdown = false;
   int expert_chunks = 0;
-  std::string router_dtype = "f32", expert_grad_dtype = "f32", weights = "f32";
+  std::string router_dtype = "f32", expert_grad_dtype = "f32", weights = "f32",
+              expert_dtype = "bf16";
   CLI::App app{"Forward + backward of the routed MoE layer: pft vs padded, CPU or CUDA"};
   app.add_option("--device", device_name, "cpu, cuda or cuda:N");
   app.add_option("--shapes", shapes_text, "comma-separated TxdxfxExk (default: by device)");
@@ -249,6 +253,9 @@ int main(int argc, char** argv) {
   app.add_option("--weights", weights,
                  "routed experts' weights: f32 master (+ bf16 copies on CUDA) or bf16 only")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--expert-dtype", expert_dtype,
+                 "routed experts' forward and data-gradient GEMMs (model.moe.expert_dtype)")
+      ->check(CLI::IsMember({"bf16", "fp8"}));
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -284,12 +291,12 @@ int main(int argc, char** argv) {
       bool have_pft = false;
       for (const Variant& v : variants) {
         nlohmann::ordered_json j = describe(s, v, device, recompute, expert_chunks, router_dtype,
-                                            expert_grad_dtype, weights);
+                                            expert_grad_dtype, weights, expert_dtype);
         Result r;  // the layer, its gradients and activations live inside run() only
         const bench::RunStatus status = bench::run_reporting_failure(
             [&] {
               r = run(s, v.impl, v.cf, warmup, iters, device, recompute, expert_chunks, breakdown,
-                      router_dtype, expert_grad_dtype, weights == "bf16");
+                      router_dtype, expert_grad_dtype, weights == "bf16", expert_dtype);
             },
             j);
         failed = failed || status == bench::RunStatus::error;

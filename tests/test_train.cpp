@@ -116,6 +116,24 @@ TEST_F(TrainTest, Bf16ExpertGradientsFollowTheF32Run) {
   EXPECT_LT(bf.steps.back().loss, bf.steps.front().loss - 0.5);
 }
 
+// model.moe.expert_dtype = fp8 on the CPU (the emulation: e4m3 operands with block scales, f32
+// products): the run follows the bf16 (here f32) one within FP8's error and still learns.
+TEST_F(TrainTest, Fp8ExpertsFollowTheBf16Run) {
+  Config c = micro_config();
+  c.train.steps = 20;
+  c.train.out_dir = (root_ / "bf16").string();
+  const auto ref = train::train(c, quiet());
+  c.model.moe.expert_dtype = "fp8";
+  validate(c);
+  c.train.out_dir = (root_ / "fp8").string();
+  const auto q = train::train(c, quiet());
+  ASSERT_EQ(q.steps.size(), ref.steps.size());
+  EXPECT_NE(q.steps.back().loss, ref.steps.back().loss);  // the quantisation does reach the loss
+  for (size_t i = 0; i < q.steps.size(); ++i)
+    EXPECT_NEAR(q.steps[i].loss, ref.steps[i].loss, 2e-2 * ref.steps[i].loss) << "step " << i + 1;
+  EXPECT_LT(q.steps.back().loss, q.steps.front().loss - 0.5);
+}
+
 // train.offload_optimizer on the CPU runs the offloaded update (gradients staged into host
 // buffers group by group, the CPU kernel, the copies back): the same bits as the plain update,
 // with f32 and bf16 expert gradients, gradient accumulation, and across a resume.

@@ -124,6 +124,12 @@ const std::vector<Key>& table() {
                "in each GEMM, rounded once on the store; Megatron-Core's default): half the "
                "gradient memory and traffic of the largest parameters. Master weights, optimizer "
                "state and the gradient all-reduce stay f32"),
+      XMOE_KEY(model.moe.expert_dtype, any(), {"bf16", "fp8"},
+               "the routed experts' forward and data-gradient GEMMs: bf16 (the compute dtype: "
+               "bf16 on CUDA, f32 on the CPU) or fp8 (E4M3 with DeepSeek-V3's block scales, 1 x "
+               "128 for activations and 128 x 128 for weights, f32 accumulation; CUTLASS' "
+               "block-scaled kernel on Hopper, emulated elsewhere). Weight gradients, master "
+               "weights and optimizer state keep their dtypes (docs/fp8.md)"),
       XMOE_KEY(model.moe.expert_chunks, at_least(0), {},
                "the experts' SwiGLU output and its gradient [N, f] are made this many row chunks "
                "at a time (cut between experts), so the layer never holds them for all N rows; "

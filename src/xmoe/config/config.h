@@ -38,6 +38,9 @@ struct MoeConfig {
   std::string dispatch = "auto";  ///< auto | local | all_to_all | rbd
   /// f32 | bf16: dtype of the routed experts' weight gradients (the master weights stay f32)
   std::string expert_grad_dtype = "f32";
+  /// bf16 | fp8: the routed experts' forward and data-gradient GEMMs in the compute dtype, or in
+  /// FP8 E4M3 with block scales (docs/fp8.md)
+  std::string expert_dtype = "bf16";
   int expert_chunks = 0;  ///< the experts' [N, f] activations in this many row chunks (0: auto)
   /// off | auto | N: Dispatch, Expert and Combine in N chunks of local experts (docs/pipeline.md)
   std::string pipeline = "off";

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "xmoe/ops/fp8.h"
 #include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
@@ -11,7 +12,8 @@ namespace {
 
 class SwigluExperts final : public Experts {
  public:
-  explicit SwigluExperts(const ExpertArgs& a) : recompute_(a.recompute), chunks_(a.chunks) {
+  explicit SwigluExperts(const ExpertArgs& a)
+      : recompute_(a.recompute), fp8_(a.fp8), chunks_(a.chunks) {
     XMOE_CHECK(a.chunks >= 0, "[moe] moe.expert_chunks = {} must be >= 0", a.chunks);
     XMOE_CHECK(
         a.num_local >= 0 && a.first_expert >= 0 && a.first_expert + a.num_local <= a.num_experts,
@@ -89,14 +91,15 @@ class SwigluExperts final : public Experts {
       accumulate_gate_up_ = !gate_up_.take_grad_overwrite();
       backward_started_ = true;
     }
-    Tensor dout = xmoe::ops::as_dtype(d_out, wgu_.dtype());  // the rows' dtype
+    Tensor dout = xmoe::ops::as_dtype(d_out, rows_dtype_);
     d_out = Tensor();
     Tensor d_rows;
     if (holders.size() == 1 && holders[0]->group_begin == group_begin &&
         holders[0]->group_end == group_end) {  // exactly one forward part (always unchunked)
       d_rows = backward_groups(*holders[0], group_begin, group_end, std::move(dout), nullptr);
     } else {  // each piece into its rows of d_rows
-      d_rows = Tensor::empty({row_end - row_begin, wgu_.size(1)}, dout.dtype(), dout.device());
+      d_rows =
+          Tensor::empty({row_end - row_begin, gate_up_.value.size(1)}, dout.dtype(), dout.device());
       for (Part* p : holders) {
         const int64_t g0 = std::max(group_begin, p->group_begin);
         const int64_t g1 = std::min(group_end, p->group_end);
@@ -115,7 +118,7 @@ class SwigluExperts final : public Experts {
 
   void release() override {
     parts_.clear();
-    wgu_ = wd_ = Tensor();
+    drop_weights();
     regather_ = nullptr;
     backward_started_ = false;
   }
@@ -193,14 +196,13 @@ class SwigluExperts final : public Experts {
     const bool whole = g0 == part.group_begin && g1 == part.group_end;
     const int64_t r0 = group_row_[g0] - part.row_begin, r1 = group_row_[g1] - part.row_begin;
     const std::span<const int64_t> sizes{groups_.data() + g0, groups_.data() + g1};
-    const Tensor wgu = wgu_.rows(g0, g1);
     XMOE_CHECK(whole || !regather_, "[moe experts] a re-gathered input backwarded in pieces");
     // h [n, 2f] becomes dh in place, chunk by chunk: a and da [n_c, f] live for one chunk, one
     // at a time. d_out and the saved rows go as soon as they are used.
     if (!part.h.defined() && !part.rows.defined()) part.rows = input_rows(part);  // recompute
     Tensor rows = part.rows.defined() ? part.rows.rows(r0, r1) : Tensor();
-    Tensor dh =
-        part.h.defined() ? part.h.rows(r0, r1) : xmoe::ops::grouped_matmul(rows, wgu, sizes);  // h
+    Tensor dh = part.h.defined() ? part.h.rows(r0, r1)
+                                 : expert_gemm(rows, Weight::gate_up, g0, g1, sizes, false);  // h
     if (whole) part.h = Tensor();
     for (const Chunk& c : chunks(Part{g0, g1, group_row_[g0], group_row_[g1], {}, {}, 0})) {
       const std::span<const int64_t> csizes = c.sizes(groups_);
@@ -209,9 +211,9 @@ class SwigluExperts final : public Experts {
       Tensor dwd_c = down_.grad.rows(c.group_begin, c.group_end);
       xmoe::ops::grouped_matmul_weight_grad(dwd_c, xmoe::ops::swiglu(h_c), dout_c, csizes,
                                             accumulate_down_);
-      Tensor da = xmoe::ops::grouped_matmul(dout_c, wd_.rows(c.group_begin, c.group_end), csizes,
-                                            true);  // [n_c, f]
-      xmoe::ops::swiglu_backward_(h_c, da);         // [n_c, 2f]
+      Tensor da = expert_gemm(dout_c, Weight::down, c.group_begin, c.group_end, csizes,
+                              true);         // [n_c, f]
+      xmoe::ops::swiglu_backward_(h_c, da);  // [n_c, 2f]
     }
     dout = Tensor();
     Tensor dwgu = gate_up_.grad.rows(g0, g1);
@@ -220,8 +222,8 @@ class SwigluExperts final : public Experts {
     rows = Tensor();
     part.groups_left -= g1 - g0;
     if (part.groups_left == 0) part.rows = part.h = Tensor();
-    if (!into) return xmoe::ops::grouped_matmul(dh, wgu, sizes, true);  // [n, d]
-    xmoe::ops::grouped_matmul_into(*into, dh, wgu, sizes, true);
+    if (!into) return expert_gemm(dh, Weight::gate_up, g0, g1, sizes, true);  // [n, d]
+    expert_gemm_into(*into, dh, Weight::gate_up, g0, g1, sizes, true);
     return *into;
   }
 
@@ -235,7 +237,35 @@ class SwigluExperts final : public Experts {
     groups_.assign(group_sizes.begin(), group_sizes.end());
     group_row_.assign(groups_.size() + 1, 0);
     for (size_t g = 0; g < groups_.size(); ++g) group_row_[g + 1] = group_row_[g] + groups_[g];
-    wgu_ = wd_ = Tensor();  // cast in the first part, to the rows' dtype
+    drop_weights();  // cast (or quantised) in the first part, to the rows' dtype
+  }
+
+  void drop_weights() {
+    wgu_ = wd_ = Tensor();
+    qgu_ = qd_ = {};
+    weights_ready_ = false;
+  }
+
+  enum class Weight { gate_up, down };
+  /// y = x_g @ w[g] (trans: w[g]^T) over groups [g0, g1) of one weight: in the rows' dtype, or
+  /// (moe.expert_dtype = fp8) with x quantised per row and 128 columns and the quantised w.
+  void expert_gemm_into(Tensor& y, const Tensor& x, Weight which, int64_t g0, int64_t g1,
+                        std::span<const int64_t> sizes, bool trans) const {
+    if (fp8_) {
+      const xmoe::ops::Fp8Weights& q = which == Weight::gate_up ? qgu_ : qd_;
+      xmoe::ops::grouped_matmul_fp8_into(y, xmoe::ops::quantize_rows_fp8(x, sizes),
+                                         q.groups(g0, g1), trans);
+    } else {
+      const Tensor& w = which == Weight::gate_up ? wgu_ : wd_;
+      xmoe::ops::grouped_matmul_into(y, x, w.rows(g0, g1), sizes, trans);
+    }
+  }
+  Tensor expert_gemm(const Tensor& x, Weight which, int64_t g0, int64_t g1,
+                     std::span<const int64_t> sizes, bool trans) const {
+    const Tensor& w = which == Weight::gate_up ? gate_up_.value : down_.value;
+    Tensor y = Tensor::empty({x.size(0), trans ? w.size(1) : w.size(2)}, rows_dtype_, x.device());
+    expert_gemm_into(y, x, which, g0, g1, sizes, trans);
+    return y;
   }
 
   Tensor forward_part_(Tensor rows, int64_t group_begin, int64_t group_end) {
@@ -245,21 +275,28 @@ class SwigluExperts final : public Experts {
     check_shape(rows, {n, gate_up_.value.size(1)}, "moe experts", "rows");
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
     // where there are none), kept for backward; the weight gradients are f32 or bf16.
-    if (!wgu_.defined()) {
-      wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), rows.dtype());
-      wd_ = xmoe::ops::as_dtype(down_.compute(), rows.dtype());
+    // FP8: the weights quantised once per forward, kept for backward's data gradients.
+    if (!weights_ready_) {
+      rows_dtype_ = rows.dtype();
+      if (fp8_) {
+        qgu_ = xmoe::ops::quantize_weights_fp8(gate_up_.compute());
+        qd_ = xmoe::ops::quantize_weights_fp8(down_.compute());
+      } else {
+        wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), rows.dtype());
+        wd_ = xmoe::ops::as_dtype(down_.compute(), rows.dtype());
+      }
+      weights_ready_ = true;
     }
     const std::span<const int64_t> sizes = part_sizes(part);
-    Tensor h =
-        xmoe::ops::grouped_matmul(rows, wgu_.rows(group_begin, group_end), sizes);  // [n, 2f]
+    Tensor h = expert_gemm(rows, Weight::gate_up, group_begin, group_end, sizes, false);  // [n, 2f]
     part.rows = regather_ ? Tensor() : rows;
     rows = Tensor();  // gone here if the caller moved it in and backward can regather it
-    Tensor out = Tensor::empty({n, wd_.size(2)}, h.dtype(), h.device());
+    Tensor out = Tensor::empty({n, down_.value.size(2)}, h.dtype(), h.device());
     for (const Chunk& c : chunks(part)) {  // a [n_c, f] lives for one chunk only
       const int64_t r0 = c.row_begin - part.row_begin, r1 = c.row_end - part.row_begin;
       Tensor out_c = out.rows(r0, r1);
-      xmoe::ops::grouped_matmul_into(out_c, xmoe::ops::swiglu(h.rows(r0, r1)),
-                                     wd_.rows(c.group_begin, c.group_end), c.sizes(groups_));
+      expert_gemm_into(out_c, xmoe::ops::swiglu(h.rows(r0, r1)), Weight::down, c.group_begin,
+                       c.group_end, c.sizes(groups_), false);
     }
     part.h = recompute_ ? Tensor() : h;
     parts_.push_back(std::move(part));
@@ -267,6 +304,7 @@ class SwigluExperts final : public Experts {
   }
 
   bool recompute_;
+  bool fp8_;                          // moe.expert_dtype = fp8
   int chunks_;                        // moe.expert_chunks (0: auto)
   std::function<Tensor()> regather_;  // set_input_regather
   Parameter gate_up_, down_;
@@ -276,6 +314,9 @@ class SwigluExperts final : public Experts {
   bool backward_started_ = false;
   bool accumulate_down_ = false, accumulate_gate_up_ = false;
   Tensor wgu_, wd_;  // the weights in the rows' dtype (the parameters themselves when f32)
+  xmoe::ops::Fp8Weights qgu_, qd_;  // fp8: the weights quantised instead
+  DType rows_dtype_ = DType::f32;
+  bool weights_ready_ = false;
 };
 
 }  // namespace

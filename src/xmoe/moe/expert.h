@@ -30,6 +30,7 @@ struct ExpertArgs {
   bool recompute = false;
   DType grad_dtype = DType::f32;  ///< of the weight gradients (moe.expert_grad_dtype)
   int chunks = 0;                 ///< moe.expert_chunks (0: auto)
+  bool fp8 = false;               ///< moe.expert_dtype = fp8 (ops/fp8.h)
 };
 
 class Experts : public Module {

@@ -59,6 +59,9 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
              "[moe] moe.expert_grad_dtype = \"{}\" is not f32 or bf16", c.expert_grad_dtype);
   ea.grad_dtype = c.expert_grad_dtype == "bf16" ? DType::bf16 : DType::f32;
   ea.chunks = c.expert_chunks;
+  XMOE_CHECK(c.expert_dtype == "bf16" || c.expert_dtype == "fp8",
+             "[moe] moe.expert_dtype = \"{}\" is not bf16 or fp8", c.expert_dtype);
+  ea.fp8 = c.expert_dtype == "fp8";
   experts_ = make_experts("swiglu", ea);
   if (c.num_shared_experts > 0)
     shared_ = std::make_unique<SharedExperts>(

@@ -17,6 +17,21 @@ void grouped_gemm_weight_grad(float* dw, const float* x, const float* dy,
                               const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
                               bool accumulate);
 
+// ---- FP8 E4M3 block quantisation (fp8.cpp; core/fp8.h, docs/fp8.md) ----------------------
+// x [N, K] -> q [N, K] e4m3 bytes with one scale per row and 128-column block. Scales are
+// grouped like the rows: group g (first row o_g, n_g rows) holds [ceil(K/128), n_g] from
+// o_g * ceil(K/128) (the layout the sm90 FP8 grouped GEMM reads).
+void quantize_rows_fp8(uint8_t* q, float* scales, const float* x, const int64_t* group_sizes,
+                       int64_t groups, int64_t k);
+void dequantize_rows_fp8(float* x, const uint8_t* q, const float* scales,
+                         const int64_t* group_sizes, int64_t groups, int64_t k);
+// w [G, K, M] -> q [G, K, M] and its transpose q_t [G, M, K], one scale per 128 x 128 block:
+// scales [G, ceil(K/128), ceil(M/128)] and its transpose scales_t.
+void quantize_weights_fp8(uint8_t* q, uint8_t* q_t, float* scales, float* scales_t, const float* w,
+                          int64_t groups, int64_t k, int64_t m);
+void dequantize_weights_fp8(float* w, const uint8_t* q, const float* scales, int64_t groups,
+                            int64_t k, int64_t m);
+
 void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols);
 void softmax_backward(float* dx, const float* y, const float* dy, int64_t rows, int64_t cols);
 void sigmoid_forward(float* y, const float* x, int64_t n);

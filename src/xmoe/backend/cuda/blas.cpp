@@ -259,7 +259,7 @@ void sort_longest_first(sm90::ProblemList& list) {
 /// Partial outputs of the pieces after a group's first: at most this many bytes (else no cutting).
 constexpr size_t kMaxPartialBytes = size_t{512} << 20;
 
-std::atomic<int64_t> g_sm90_calls[3], g_cublas_calls[3];
+std::atomic<int64_t> g_sm90_calls[4], g_cublas_calls[4];
 
 void count_call(GroupedGemmKind kind, bool sm90) {
   (sm90 ? g_sm90_calls : g_cublas_calls)[static_cast<int>(kind)].fetch_add(
@@ -363,6 +363,59 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
 }
 
 }  // namespace
+
+bool grouped_gemm_fp8(void* y, const uint8_t* x, const float* x_scales, const uint8_t* w,
+                      const float* w_scales, const int64_t* group_sizes, int64_t groups, int64_t k,
+                      int64_t n, Stream stream) {
+  const auto decline = [] {
+    count_call(GroupedGemmKind::fp8, false);
+    return false;
+  };
+  if (!cutlass_grouped_enabled() || k <= 0 || n <= 0 || k % 16 != 0 || n % 16 != 0 || k > INT_MAX ||
+      n > INT_MAX || !aligned16(y) || !aligned16(x) || !aligned16(w))
+    return decline();
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (!sm90::supported(device)) return decline();
+  thread_local sm90::ProblemList list;
+  list.count = 0;
+  list.k = k;
+  list.m = n;
+  list.x = x;
+  list.w_or_dy = w;
+  list.out = y;
+  list.partials = nullptr;
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = group_sizes[g];
+    if (rows > 0) {
+      if (list.count == sm90::kMaxProblems || row + rows > INT_MAX) return decline();
+      const int i = list.count++;
+      list.group[i] = static_cast<int32_t>(g);
+      list.rows[i] = static_cast<int32_t>(rows);
+      list.row_start[i] = static_cast<int32_t>(row);
+      list.partial[i] = -1;
+    }
+    row += rows;
+  }
+  if (list.count == 0) return true;  // no rows: nothing to write
+  const size_t bytes = sm90::fp8_scratch_bytes(list);
+  if (bytes == 0) {
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true))
+      spdlog::warn(
+          "[grouped_matmul_fp8] the sm90 FP8 kernel cannot take K = {}, N = {}, {} problems: "
+          "dequantised bf16 GEMMs instead",
+          k, n, list.count);
+    return decline();
+  }
+  Allocator& alloc = backend::cuda_allocator(device);
+  void* scratch = alloc.allocate(bytes);
+  sm90::fp8_run(list, sm90::Fp8Scales{x_scales, w_scales}, scratch, stream);
+  alloc.deallocate(scratch, bytes);  // stream-ordered, as in sm90_grouped
+  count_call(GroupedGemmKind::fp8, true);
+  return true;
+}
 
 GroupedGemmCalls grouped_gemm_calls(GroupedGemmKind kind) {
   const int i = static_cast<int>(kind);

@@ -30,9 +30,29 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
                               const int64_t* group_sizes, int64_t groups, int64_t k, int64_t m,
                               bool accumulate, Stream stream);
 
+// ---- FP8 E4M3 (fp8.cu, blas.cpp; docs/fp8.md) -----------------------------------------------
+// As cpu::quantize_rows_fp8 etc. (the same layouts, bytes and scales), for f32 or bf16 inputs
+// and outputs; group_sizes is a host array of at most kMaxFp8Groups entries.
+constexpr int kMaxFp8Groups = 1024;
+void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
+                       const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream);
+void dequantize_rows_fp8(void* x, DType dt, const uint8_t* q, const float* scales,
+                         const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream);
+void quantize_weights_fp8(uint8_t* q, uint8_t* q_t, float* scales, float* scales_t, const void* w,
+                          DType dt, int64_t groups, int64_t k, int64_t m, Stream stream);
+void dequantize_weights_fp8(void* w, DType dt, const uint8_t* q, const float* scales,
+                            int64_t groups, int64_t k, int64_t m, Stream stream);
+// y[o_g : o_g + n_g] (n_g, N) bf16 = x_g (n_g, K) @ w_g^T on the sm90 FP8 kernel: x e4m3 rows
+// with their grouped 1 x 128 scales, w [G, N, K] e4m3 with [G, ceil(K/128), ceil(N/128)] scales.
+// Returns false, having queued nothing, where the kernel does not apply (no sm90 device or
+// CUTLASS, N or K not a multiple of 16, unaligned bases): the caller then dequantises.
+bool grouped_gemm_fp8(void* y, const uint8_t* x, const float* x_scales, const uint8_t* w,
+                      const float* w_scales, const int64_t* group_sizes, int64_t groups, int64_t k,
+                      int64_t n, Stream stream);
+
 // Which path the grouped GEMMs took, per kind, since the process started (tests check that the
 // sm90 kernels run where they apply rather than a silent cuBLAS fallback).
-enum class GroupedGemmKind : uint8_t { forward, forward_trans_w, weight_grad };
+enum class GroupedGemmKind : uint8_t { forward, forward_trans_w, weight_grad, fp8 };
 struct GroupedGemmCalls {
   int64_t sm90 = 0, cublas = 0;
 };

@@ -44,6 +44,26 @@ void grouped_gemm_weight_grad(void*, DType, const void*, const void*, DType, con
                               int64_t, int64_t, int64_t, bool, Stream) {
   no_cuda("grouped_matmul_weight_grad");
 }
+void quantize_rows_fp8(uint8_t*, float*, const void*, DType, const int64_t*, int64_t, int64_t,
+                       Stream) {
+  no_cuda("quantize_rows_fp8");
+}
+void dequantize_rows_fp8(void*, DType, const uint8_t*, const float*, const int64_t*, int64_t,
+                         int64_t, Stream) {
+  no_cuda("dequantize_rows_fp8");
+}
+void quantize_weights_fp8(uint8_t*, uint8_t*, float*, float*, const void*, DType, int64_t, int64_t,
+                          int64_t, Stream) {
+  no_cuda("quantize_weights_fp8");
+}
+void dequantize_weights_fp8(void*, DType, const uint8_t*, const float*, int64_t, int64_t, int64_t,
+                            Stream) {
+  no_cuda("dequantize_weights_fp8");
+}
+bool grouped_gemm_fp8(void*, const uint8_t*, const float*, const uint8_t*, const float*,
+                      const int64_t*, int64_t, int64_t, int64_t, Stream) {
+  no_cuda("grouped_matmul_fp8");
+}
 GroupedGemmCalls grouped_gemm_calls(GroupedGemmKind) {
   return {};
 }

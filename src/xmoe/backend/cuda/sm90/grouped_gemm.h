@@ -76,6 +76,20 @@ void run(GroupedKind kind, const ProblemList& list, float beta, void* scratch, S
 /// dw[group[i]] += partials[first[i] + p] for p < pieces[i], in order (deterministic).
 void add_partials(const PartialSums& sums, Stream stream);
 
+/// FP8 (model.moe.expert_dtype = fp8): y_g (rows, N) bf16 = x_g (rows, K) @ w_g^T, x and w e4m3
+/// bytes, w_g stored [N, K] (list.m is N). Scales (f32) per 1 x 128 of x, grouped like
+/// cpu::quantize_rows_fp8 writes them (group g's [ceil(K/128), rows_g] from row_start *
+/// ceil(K/128)), and per 128 x 128 of w: [G, ceil(K/128), ceil(N/128)]. Problems are per group
+/// (row_start, rows, group); `partial` is unused.
+constexpr int kFp8Block = 128;
+struct Fp8Scales {
+  const void* x = nullptr;
+  const void* w = nullptr;
+};
+/// As scratch_bytes, for the FP8 kernel (0: it cannot take the list).
+size_t fp8_scratch_bytes(const ProblemList& list);
+void fp8_run(const ProblemList& list, const Fp8Scales& scales, void* scratch, Stream stream);
+
 namespace detail {  // one instantiation per kind, each in grouped_gemm_<kind>.cu
 size_t forward_scratch_bytes(const ProblemList& list);
 void forward_run(const ProblemList& list, float beta, void* scratch, Stream stream);

@@ -17,6 +17,12 @@ size_t scratch_bytes(GroupedKind, const ProblemList&, float) {
 void run(GroupedKind, const ProblemList&, float, void*, Stream) {
   XMOE_FAIL("[grouped_matmul] this build has no CUTLASS sm90 kernels (XMOE_CUTLASS is off)");
 }
+size_t fp8_scratch_bytes(const ProblemList&) {
+  return 0;
+}
+void fp8_run(const ProblemList&, const Fp8Scales&, void*, Stream) {
+  XMOE_FAIL("[grouped_matmul_fp8] this build has no CUTLASS sm90 kernels (XMOE_CUTLASS is off)");
+}
 void add_partials(const PartialSums&, Stream) {
   XMOE_FAIL("[grouped_matmul] this build has no CUTLASS sm90 kernels (XMOE_CUTLASS is off)");
 }

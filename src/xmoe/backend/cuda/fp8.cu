@@ -1,0 +1,216 @@
+// FP8 E4M3 block quantisation on the GPU (docs/fp8.md): the same bytes and scales as the CPU
+// reference (backend/cpu/fp8.cpp; CUDA's satfinite round-to-nearest-even conversion, one f32
+// multiply by the block's 448 / amax), read by the sm90 FP8 grouped GEMM.
+#include <cuda_fp8.h>
+
+#include "xmoe/backend/cuda/common.cuh"
+#include "xmoe/core/fp8.h"
+
+namespace xmoe::cuda {
+
+namespace {
+
+constexpr int kFp8Block = static_cast<int>(fp8::kBlock);
+
+__device__ __forceinline__ uint8_t to_e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+__device__ __forceinline__ float from_e4m3(uint8_t b) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+  return __half2float(__half(h));
+}
+/// As fp8::block_scale.
+__device__ __forceinline__ void block_scale(float amax, float& scale, float& inverse) {
+  if (!(amax > 0.f) || isinf(amax)) {
+    scale = inverse = 1.f;
+  } else {
+    scale = amax / fp8::kE4m3Max;
+    inverse = fp8::kE4m3Max / amax;
+  }
+}
+
+/// The first row of every group (and the total last), passed by value.
+struct RowGroups {
+  int count = 0;
+  int32_t start[kMaxFp8Groups + 1];
+};
+
+RowGroups row_groups(const int64_t* group_sizes, int64_t groups, const char* op) {
+  if (groups > kMaxFp8Groups) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "[%s] %lld groups: the FP8 kernels take at most %d", op,
+                  static_cast<long long>(groups), kMaxFp8Groups);
+    fail(buf);
+  }
+  RowGroups r;
+  r.count = static_cast<int>(groups);
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    r.start[g] = static_cast<int32_t>(row);
+    row += group_sizes[g];
+  }
+  r.start[groups] = static_cast<int32_t>(row);
+  return r;
+}
+
+/// Index of row r's scale of column block j (cpu::quantize_rows_fp8's grouped layout).
+__device__ __forceinline__ int64_t row_scale_index(const RowGroups& groups, int64_t r, int64_t kb,
+                                                   int64_t j) {
+  int lo = 0, hi = groups.count - 1;  // the last group whose start <= r
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (groups.start[mid] <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int64_t o = groups.start[lo], n = groups.start[lo + 1] - o;
+  return o * kb + j * n + (r - o);
+}
+
+/// One warp per (row, 128-column block).
+template <class T>
+__global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x,
+                                     const __grid_constant__ RowGroups groups, int64_t k) {
+  const int64_t kb = (k + kFp8Block - 1) / kFp8Block, rows = groups.start[groups.count];
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t item = warp; item < rows * kb; item += warps) {
+    const int64_t r = item / kb, j = item % kb;
+    const int64_t c0 = j * kFp8Block, c1 = min(k, c0 + kFp8Block);
+    float v[kFp8Block / 32];
+    float amax = 0.f;
+#pragma unroll
+    for (int t = 0; t < kFp8Block / 32; ++t) {
+      const int64_t c = c0 + lane + 32 * t;
+      v[t] = c < c1 ? to_float(x[r * k + c]) : 0.f;
+      amax = fmaxf(amax, fabsf(v[t]));
+    }
+    amax = warp_max(amax);
+    float scale, inverse;
+    block_scale(amax, scale, inverse);
+#pragma unroll
+    for (int t = 0; t < kFp8Block / 32; ++t) {
+      const int64_t c = c0 + lane + 32 * t;
+      if (c < c1) q[r * k + c] = to_e4m3(v[t] * inverse);
+    }
+    if (lane == 0) scales[row_scale_index(groups, r, kb, j)] = scale;
+  }
+}
+
+template <class T>
+__global__ void dequantize_rows_kernel(T* x, const uint8_t* q, const float* scales,
+                                       const __grid_constant__ RowGroups groups, int64_t k) {
+  const int64_t kb = (k + kFp8Block - 1) / kFp8Block, n = groups.start[groups.count] * k;
+  XMOE_GRID_STRIDE(i, n) {
+    const int64_t r = i / k, c = i % k;
+    x[i] = from_float<T>(from_e4m3(q[i]) * scales[row_scale_index(groups, r, kb, c / kFp8Block)]);
+  }
+}
+
+/// One block per (128 x 128 tile, group): the tile's amax, its bytes in both layouts.
+template <class T>
+__global__ void quantize_weights_kernel(uint8_t* q, uint8_t* q_t, float* scales, float* scales_t,
+                                        const T* w, int64_t k, int64_t m) {
+  __shared__ uint8_t tile[kFp8Block][kFp8Block + 4];  // [m][k]: read back along k
+  __shared__ float scratch[32];
+  const int64_t kb = (k + kFp8Block - 1) / kFp8Block, mb = (m + kFp8Block - 1) / kFp8Block;
+  const int64_t bj = blockIdx.x, bi = blockIdx.y, g = blockIdx.z;
+  const int64_t r0 = bi * kFp8Block, c0 = bj * kFp8Block;
+  const int rn = static_cast<int>(min(int64_t{kFp8Block}, k - r0));
+  const int cn = static_cast<int>(min(int64_t{kFp8Block}, m - c0));
+  const T* wg = w + g * k * m;
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < rn * kFp8Block; i += blockDim.x) {
+    const int r = i / kFp8Block, c = i % kFp8Block;
+    if (c < cn) amax = fmaxf(amax, fabsf(to_float(wg[(r0 + r) * m + c0 + c])));
+  }
+  amax = block_max(amax, scratch);
+  float scale, inverse;
+  block_scale(amax, scale, inverse);
+  for (int i = threadIdx.x; i < rn * kFp8Block; i += blockDim.x) {
+    const int r = i / kFp8Block, c = i % kFp8Block;
+    if (c < cn) {
+      const uint8_t b = to_e4m3(to_float(wg[(r0 + r) * m + c0 + c]) * inverse);
+      q[g * k * m + (r0 + r) * m + c0 + c] = b;
+      tile[c][r] = b;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < cn * kFp8Block; i += blockDim.x) {
+    const int c = i / kFp8Block, r = i % kFp8Block;
+    if (r < rn) q_t[g * k * m + (c0 + c) * k + r0 + r] = tile[c][r];
+  }
+  if (threadIdx.x == 0) {
+    scales[(g * kb + bi) * mb + bj] = scale;
+    scales_t[(g * mb + bj) * kb + bi] = scale;
+  }
+}
+
+template <class T>
+__global__ void dequantize_weights_kernel(T* w, const uint8_t* q, const float* scales,
+                                          int64_t groups, int64_t k, int64_t m) {
+  const int64_t kb = (k + kFp8Block - 1) / kFp8Block, mb = (m + kFp8Block - 1) / kFp8Block;
+  XMOE_GRID_STRIDE(i, groups * k * m) {
+    const int64_t g = i / (k * m), r = (i / m) % k, c = i % m;
+    w[i] = from_float<T>(from_e4m3(q[i]) * scales[(g * kb + r / kFp8Block) * mb + c / kFp8Block]);
+  }
+}
+
+}  // namespace
+
+void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
+                       const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream) {
+  const RowGroups g = row_groups(group_sizes, groups, "quantize_rows_fp8");
+  const int64_t items = int64_t{g.start[groups]} * ((k + kFp8Block - 1) / kFp8Block);
+  if (items == 0) return;
+  dispatch_float(dt, "quantize_rows_fp8", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    quantize_rows_kernel<T>
+        <<<grid_for(items * 32), kBlock, 0, stream>>>(q, scales, static_cast<const T*>(x), g, k);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void dequantize_rows_fp8(void* x, DType dt, const uint8_t* q, const float* scales,
+                         const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream) {
+  const RowGroups g = row_groups(group_sizes, groups, "dequantize_rows_fp8");
+  const int64_t n = int64_t{g.start[groups]} * k;
+  if (n == 0) return;
+  dispatch_float(dt, "dequantize_rows_fp8", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dequantize_rows_kernel<T>
+        <<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(x), q, scales, g, k);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void quantize_weights_fp8(uint8_t* q, uint8_t* q_t, float* scales, float* scales_t, const void* w,
+                          DType dt, int64_t groups, int64_t k, int64_t m, Stream stream) {
+  if (groups * k * m == 0) return;
+  const dim3 grid(static_cast<unsigned>((m + kFp8Block - 1) / kFp8Block),
+                  static_cast<unsigned>((k + kFp8Block - 1) / kFp8Block),
+                  static_cast<unsigned>(groups));
+  dispatch_float(dt, "quantize_weights_fp8", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    quantize_weights_kernel<T>
+        <<<grid, kBlock, 0, stream>>>(q, q_t, scales, scales_t, static_cast<const T*>(w), k, m);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void dequantize_weights_fp8(void* w, DType dt, const uint8_t* q, const float* scales,
+                            int64_t groups, int64_t k, int64_t m, Stream stream) {
+  const int64_t n = groups * k * m;
+  if (n == 0) return;
+  dispatch_float(dt, "dequantize_weights_fp8", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dequantize_weights_kernel<T>
+        <<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(w), q, scales, groups, k, m);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace xmoe::cuda

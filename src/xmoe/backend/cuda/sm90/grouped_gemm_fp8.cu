@@ -1,0 +1,182 @@
+// The FP8 grouped GEMM of the expert layers (model.moe.expert_dtype = fp8, docs/fp8.md): CUTLASS
+// 3's ptr-array kernel with block-scaled accumulation (e4m3 operands, per 1 x 128 scales of the
+// rows and 128 x 128 of the weights applied to f32 partial sums at every 128-deep k-block), bf16
+// output. Both operands are K-major (WGMMA's rule for 8-bit types), so y_g = x_g @ w_g^T with
+// w_g stored [N, K]: the forward reads the transposed weight copy, the data gradient the plain.
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+#include <vector>
+
+#include "xmoe/backend/cuda/cuda_check.cuh"
+#include "xmoe/backend/cuda/sm90/grouped_gemm_impl.cuh"
+
+namespace xmoe::cuda::sm90 {
+
+namespace {
+
+struct Fp8Gemm {
+  using ElementAB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  // Scales: 1 x 128 (row, k-block) for A, 128 x 128 (n-block, k-block) for B, M/N-major.
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kFp8Block, kFp8Block>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  static constexpr int kAlignAB = 16;  // 16 bytes
+  static constexpr int kAlignD = 8;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor*, kAlignD,
+      ElementD, RowMajor*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB,
+      cute::tuple<RowMajor*, LayoutSFA*>, kAlignAB, ElementAB,
+      cute::tuple<ColumnMajor*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+
+  struct Arrays {
+    Shape3* shapes;
+    const ElementAB** a;
+    const ElementAB** b;
+    ElementD** d;
+    const float** sfa;
+    const float** sfb;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideD* stride_d;
+    LayoutSFA* layout_sfa;
+    LayoutSFB* layout_sfb;
+  };
+
+  static size_t align(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
+  static size_t arrays_bytes(int count) {
+    const auto n = static_cast<size_t>(count);
+    return align(n * sizeof(Shape3)) + 5 * align(n * sizeof(void*)) + align(n * sizeof(StrideA)) +
+           align(n * sizeof(StrideB)) + align(n * sizeof(StrideD)) + align(n * sizeof(LayoutSFA)) +
+           align(n * sizeof(LayoutSFB));
+  }
+  static Arrays carve(void* scratch, int count) {
+    const auto n = static_cast<size_t>(count);
+    auto* p = static_cast<char*>(scratch);
+    auto take = [&p](size_t bytes) {
+      char* here = p;
+      p += align(bytes);
+      return here;
+    };
+    Arrays r;
+    r.shapes = reinterpret_cast<Shape3*>(take(n * sizeof(Shape3)));
+    r.a = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
+    r.b = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
+    r.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
+    r.sfa = reinterpret_cast<const float**>(take(n * sizeof(void*)));
+    r.sfb = reinterpret_cast<const float**>(take(n * sizeof(void*)));
+    r.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
+    r.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
+    r.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
+    r.layout_sfa = reinterpret_cast<LayoutSFA*>(take(n * sizeof(LayoutSFA)));
+    r.layout_sfb = reinterpret_cast<LayoutSFB*>(take(n * sizeof(LayoutSFB)));
+    return r;
+  }
+
+  /// Group i's (M, N, K) = (rows, N, K).
+  static CUTLASS_HOST_DEVICE Shape3 shape_of(const ProblemList& list, int i) {
+    return Shape3{list.rows[i], static_cast<int>(list.m), static_cast<int>(list.k)};
+  }
+
+  static typename Gemm::Arguments arguments(const ProblemList& list, const Shape3* host_shapes,
+                                            const Arrays& arr, int device) {
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                  {list.count, arr.shapes, host_shapes},
+                                  {arr.a, arr.stride_a, arr.b, arr.stride_b, arr.sfa,
+                                   arr.layout_sfa, arr.sfb, arr.layout_sfb},
+                                  {{}, nullptr, nullptr, arr.d, arr.stride_d},
+                                  cutlass::KernelHardwareInfo{device, sm_count(device)}};
+    const TileOrder order = tile_order();
+    using Raster = decltype(args.scheduler.raster_order);
+    args.scheduler.raster_order = order.raster == 1 ? Raster::AlongN : Raster::AlongM;
+    args.scheduler.max_swizzle_size = order.swizzle;
+    args.epilogue.thread.alpha = 1.f;
+    args.epilogue.thread.beta = 0.f;
+    return args;
+  }
+
+  static std::vector<Shape3> host_shapes(const ProblemList& list) {
+    std::vector<Shape3> shapes(static_cast<size_t>(list.count));
+    for (int i = 0; i < list.count; ++i) shapes[static_cast<size_t>(i)] = shape_of(list, i);
+    return shapes;
+  }
+};
+
+/// Thread i writes group i's shape, operand and scale pointers, strides and scale layouts.
+__global__ void write_fp8_problems_kernel(const __grid_constant__ ProblemList list,
+                                          const __grid_constant__ Fp8Scales scales,
+                                          Fp8Gemm::Arrays arr) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= list.count) return;
+  const Shape3 shape = Fp8Gemm::shape_of(list, i);
+  const int gm = cute::get<0>(shape), gn = cute::get<1>(shape), gk = cute::get<2>(shape);
+  const int64_t start = list.row_start[i], group = list.group[i], k = list.k, n = list.m;
+  const int64_t kblocks = (k + kFp8Block - 1) / kFp8Block,
+                nblocks = (n + kFp8Block - 1) / kFp8Block;
+  arr.shapes[i] = shape;
+  arr.a[i] = static_cast<const Fp8Gemm::ElementAB*>(list.x) + start * k;
+  arr.b[i] = static_cast<const Fp8Gemm::ElementAB*>(list.w_or_dy) + group * n * k;
+  arr.d[i] = static_cast<Fp8Gemm::ElementD*>(list.out) + start * n;
+  arr.sfa[i] = static_cast<const float*>(scales.x) + start * kblocks;
+  arr.sfb[i] = static_cast<const float*>(scales.w) + group * kblocks * nblocks;
+  arr.stride_a[i] = cutlass::make_cute_packed_stride(Fp8Gemm::StrideA{}, {gm, gk, 1});
+  arr.stride_b[i] = cutlass::make_cute_packed_stride(Fp8Gemm::StrideB{}, {gn, gk, 1});
+  arr.stride_d[i] = cutlass::make_cute_packed_stride(Fp8Gemm::StrideD{}, {gm, gn, 1});
+  arr.layout_sfa[i] = Fp8Gemm::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(gm, gn, gk, 1));
+  arr.layout_sfb[i] = Fp8Gemm::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(gm, gn, gk, 1));
+}
+
+}  // namespace
+
+size_t fp8_scratch_bytes(const ProblemList& list) {
+  if (list.count <= 0 || list.count > kMaxProblems) return 0;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  const std::vector<Shape3> shapes = Fp8Gemm::host_shapes(list);
+  const auto args = Fp8Gemm::arguments(list, shapes.data(), Fp8Gemm::Arrays{}, device);
+  if (Fp8Gemm::Gemm::can_implement(args) != cutlass::Status::kSuccess) return 0;
+  return Fp8Gemm::arrays_bytes(list.count) + Fp8Gemm::Gemm::get_workspace_size(args);
+}
+
+void fp8_run(const ProblemList& list, const Fp8Scales& scales, void* scratch, Stream stream) {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  const Fp8Gemm::Arrays arr = Fp8Gemm::carve(scratch, list.count);
+  constexpr int kThreads = 128;
+  write_fp8_problems_kernel<<<(list.count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      list, scales, arr);
+  CUDA_CHECK_LAUNCH();
+  const std::vector<Shape3> shapes = Fp8Gemm::host_shapes(list);
+  const auto args = Fp8Gemm::arguments(list, shapes.data(), arr, device);
+  void* workspace = static_cast<char*>(scratch) + Fp8Gemm::arrays_bytes(list.count);
+  Fp8Gemm::Gemm gemm;
+  CUTLASS_STATUS_CHECK(gemm.initialize(args, workspace, stream));
+  CUTLASS_STATUS_CHECK(gemm.run(stream));
+}
+
+}  // namespace xmoe::cuda::sm90
