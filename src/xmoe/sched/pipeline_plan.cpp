@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "xmoe/core/error.h"
+#include "xmoe/moe/pipeline.h"
 
 namespace xmoe::sched {
 
@@ -51,7 +52,7 @@ PipelineChoice choose_pipeline(const Profile* profile, const PipelineShape& shap
   const int most = static_cast<int>(
       std::min<int64_t>(std::max(max_chunks, 1), std::max<int64_t>(shape.local_experts, 1)));
   if (!profile) {
-    c.forward = c.backward = shape.ep > 1 ? std::min(2, most) : 1;
+    c.forward = c.backward = std::min(moe::default_pipeline_chunks(shape.ep), most);
     c.source = "no profile: the default";
     return c;
   }
