@@ -259,7 +259,12 @@ TEST(PipelineChunks, NoneWithoutExpertParallelismOrWhenTheExchangeIsNegligible) 
     EXPECT_LE(c.layout.moe_chunks, 64 / c.layout.ep) << c.layout.str();  // a chunk holds an expert
     EXPECT_EQ(c.config.model.moe.pipeline,
               c.layout.moe_chunks > 1 ? std::to_string(c.layout.moe_chunks) : "off");
-    pipelined += c.layout.moe_chunks > 1;
+    if (c.layout.moe_chunks > 1 && pipelined++ == 0) {
+      // Its config as `xmoe plan --out` writes it: the chunk count, and the same config back.
+      const std::string yaml = chosen_yaml(c, p.cluster);
+      EXPECT_CONTAINS(yaml, fmt::format("pipeline: \"{}\"", c.layout.moe_chunks));
+      EXPECT_EQ(load_config_string(yaml, "chosen.yaml"), c.config);
+    }
   }
   EXPECT_GT(pipelined, 0);
   Config c = preset("moe-1b");
