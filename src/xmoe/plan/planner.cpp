@@ -169,13 +169,13 @@ std::string plan_table(const Plan& plan, int top) {
   std::string s = fmt::format("# {}\n", describe(cl));
   s += fmt::format("# {} layouts, {} fit in {:.0f}% of {} GiB per GPU\n", plan.layouts,
                    plan.fitting, 100 * cl.usable_memory, gib(cl.gpu_memory));
-  s += fmt::format("{:<4} {:<52} {:>9} {:>9} {:>10} {:>12} {:>6}\n", "rank", "layout", "mem GiB",
+  s += fmt::format("{:<4} {:<66} {:>9} {:>9} {:>10} {:>12} {:>6}\n", "rank", "layout", "mem GiB",
                    "host GiB", "step s", "tokens/s", "MFU");
   int shown = 0;
   for (const Candidate& c : plan.candidates) {
     if (!c.fits || shown >= top) break;
     ++shown;
-    s += fmt::format("{:<4} {:<52} {:>9} {:>9} {:>10.4g} {:>12.4g} {:>6}\n", shown, c.layout.str(),
+    s += fmt::format("{:<4} {:<66} {:>9} {:>9} {:>10.4g} {:>12.4g} {:>6}\n", shown, c.layout.str(),
                      gib(c.memory.peak_bytes),
                      c.memory.host_bytes > 0 ? gib(c.memory.host_bytes) : "-", c.time.total,
                      c.tokens_per_s, c.mfu > 0 ? fmt::format("{:.1f}%", 100 * c.mfu) : "-");
@@ -183,7 +183,7 @@ std::string plan_table(const Plan& plan, int top) {
   if (shown == 0) {
     s += "# no layout fits; the smallest peaks:\n";
     for (size_t i = 0; i < plan.candidates.size() && i < static_cast<size_t>(top); ++i)
-      s += fmt::format("     {:<52} {:>9}\n", plan.candidates[i].layout.str(),
+      s += fmt::format("     {:<66} {:>9}\n", plan.candidates[i].layout.str(),
                        gib(plan.candidates[i].memory.peak_bytes));
   }
   return s;
