@@ -1,9 +1,9 @@
 // `xmoe plan`'s predictions against measured runs (docs/plan.md, "How good are the
 // predictions"): under mpirun -np 1, 2 and 4 on this machine, a profile measured in the test
 // (sched::run_profile, quick, at the model's GEMM and attention shapes) gives the rates; each
-// layout (dp, ep, zero, tp with SSMB, recompute) is trained for a few steps and its measured
-// peak bytes (the allocator's, every rank) and step time (CPU seconds, see kStepTimeBound) are
-// compared with the planner's prediction for it.
+// layout (dp, ep, zero, tp with SSMB, recompute, the pipelined MoE layer) is trained for a few
+// steps and its measured peak bytes (the allocator's, every rank) and step time (CPU seconds, see
+// kStepTimeBound) are compared with the planner's prediction for it.
 #include <gtest/gtest.h>
 #include <time.h>
 
@@ -71,8 +71,10 @@ struct Case {
 };
 
 /// A layout of micro-batch 8 with everything else at its default.
-plan::PlanLayout layout(int tp, int ep, int zero, std::vector<std::string> recompute = {}) {
+plan::PlanLayout layout(int tp, int ep, int zero, std::vector<std::string> recompute = {},
+                        int moe_chunks = 1) {
   plan::PlanLayout l;
+  l.moe_chunks = moe_chunks;
   l.tp = tp;
   l.ep = ep;
   l.dispatch = ep > 1 ? "all_to_all" : "auto";
@@ -85,7 +87,9 @@ plan::PlanLayout layout(int tp, int ep, int zero, std::vector<std::string> recom
 std::vector<Case> cases(int n) {
   if (n == 1)
     return {{layout(1, 1, 0), "ep 1"}, {layout(1, 1, 0, {"moe", "router"}), "recompute moe"}};
-  if (n == 2) return {{layout(1, 2, 1), "ep 2 zero 1"}, {layout(1, 1, 2), "dp 2 zero 2"}};
+  // np 2 runs ep 2 pipelined (2 chunks each way); np 4 the unchunked ep layouts.
+  if (n == 2)
+    return {{layout(1, 2, 1, {}, 2), "ep 2 z1 pipeline 2"}, {layout(1, 1, 2), "dp 2 zero 2"}};
   return {{layout(1, 4, 1), "ep 4 zero 1"},
           {layout(1, 2, 0), "dp 2 ep 2"},
           {layout(2, 2, 0), "tp 2 ssmb ep 2"}};

@@ -1,6 +1,7 @@
 // The planner (src/xmoe/plan/): cluster descriptions and their file errors, group spans, the α-β
 // collective model against hand-computed times, the enumeration and ranking of layouts, the
-// chosen config round trip, and the largest-model search.
+// chosen config round trip, the largest-model search, the pipelined MoE layer's chunk count
+// (time and memory) and the overlap rules.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -137,7 +138,7 @@ TEST(StepTime, RbdCrossesFewerBytesBetweenNodes) {
   EXPECT_GT(term(a2a, "dispatch + combine"), 0);
   EXPECT_LT(term(rbd, "dispatch + combine"), term(a2a, "dispatch + combine"));
   EXPECT_EQ(term(rbd, "attention fwd+bwd"), term(a2a, "attention fwd+bwd"));
-  // The pipelined layer's seam: r chunks hide part of the dispatch.
+  // The pipelined layer: r chunks hide part of rbd's intra-node stage.
   const StepTime chunked = predict_step_time(c, m, r, {.world = 32, .moe_chunks = 4});
   EXPECT_LT(chunked.total, rbd.total);
   EXPECT_GT(chunked.hidden, 0);
@@ -214,4 +215,153 @@ TEST(Planner, LargestModelIsTheLargestThatFits) {
   c.gpu_memory = 1 << 20;
   EXPECT_CONTAINS(error_of([&] { largest_model(base, Rates(c), layers, experts, {}); }),
                   "[plan] no model of 4 layers x 3 experts choices fits");
+}
+
+namespace {
+
+/// The seconds of `t`'s term `name` (-1 when it has none).
+double term_of(const StepTime& t, const std::string& name) {
+  for (const TimeTerm& x : t.terms)
+    if (x.name == name) return x.seconds;
+  return -1;
+}
+
+/// moe-1b at ep 8 on one DGX H100 node whose NVLink runs at `intra_gbs`: the step with r chunks.
+Candidate moe_1b_ep8(double intra_gbs, int chunks) {
+  Cluster cl = builtin_cluster("dgx-h100");
+  cl.intra.bandwidth = intra_gbs * 1e9;
+  PlanLayout l;
+  l.ep = 8;
+  l.dispatch = "all_to_all";
+  l.micro_batch = 4;
+  l.moe_chunks = chunks;
+  return evaluate_layout(preset("moe-1b"), l, Rates(cl));
+}
+
+/// The r of {1, 2, 4, 8} with the most tokens/s.
+int fastest_chunks(double intra_gbs) {
+  int best = 1;
+  for (int r : {2, 4, 8})
+    if (moe_1b_ep8(intra_gbs, r).tokens_per_s > moe_1b_ep8(intra_gbs, best).tokens_per_s) best = r;
+  return best;
+}
+
+}  // namespace
+
+TEST(PipelineChunks, NoneWithoutExpertParallelismOrWhenTheExchangeIsNegligible) {
+  // ep 1: nothing to hide; the enumeration makes r only with ep > 1.
+  const Plan p = make_plan(preset("moe-1b"), Rates(builtin_cluster("dgx-h100")));
+  int pipelined = 0;
+  for (const Candidate& c : p.candidates) {
+    if (c.layout.ep == 1) {
+      EXPECT_EQ(c.layout.moe_chunks, 1) << c.layout.str();
+    }
+    EXPECT_LE(c.layout.moe_chunks, 64 / c.layout.ep) << c.layout.str();  // a chunk holds an expert
+    EXPECT_EQ(c.config.model.moe.pipeline,
+              c.layout.moe_chunks > 1 ? std::to_string(c.layout.moe_chunks) : "off");
+    if (c.layout.moe_chunks > 1 && pipelined++ == 0) {
+      // Its config as `xmoe plan --out` writes it: the chunk count, and the same config back.
+      const std::string yaml = chosen_yaml(c, p.cluster);
+      EXPECT_CONTAINS(yaml, fmt::format("pipeline: \"{}\"", c.layout.moe_chunks));
+      EXPECT_EQ(load_config_string(yaml, "chosen.yaml"), c.config);
+    }
+  }
+  EXPECT_GT(pipelined, 0);
+  Config c = preset("moe-1b");
+  c.train.batch_size = 4;
+  const train::MemoryModel m = train::predict_memory(c, {.world = 8});
+  const Rates r(builtin_cluster("dgx-h100"));
+  EXPECT_EQ(predict_step_time(c, m, r, {.world = 8, .moe_chunks = 4}).total,
+            predict_step_time(c, m, r, {.world = 8}).total);
+  // A link 1000x NVLink: the exchange is nothing to hide and r chunks only pay start-ups.
+  EXPECT_EQ(fastest_chunks(450e3), 1);
+  const Candidate fast = moe_1b_ep8(450e3, 4);
+  EXPECT_GT(term_of(fast.time, "MoE chunk start-ups"), 0);
+  EXPECT_LT(-term_of(fast.time, "hidden: MoE pipeline"), term_of(fast.time, "MoE chunk start-ups"));
+}
+
+TEST(PipelineChunks, SeveralWhenTheExchangeIsComparableToTheExperts) {
+  // At 200 GB/s the four all-to-alls of a layer take about as long as its experts' GEMMs.
+  const Candidate one = moe_1b_ep8(200, 1), four = moe_1b_ep8(200, 4);
+  const double exchange = term_of(one.time, "dispatch + combine");
+  const double experts = term_of(one.time, "MoE compute fwd+bwd");
+  EXPECT_GT(exchange, 0.3 * experts);
+  EXPECT_LT(exchange, 3 * experts);
+  EXPECT_GT(fastest_chunks(200), 1);
+  EXPECT_LT(four.time.total, one.time.total);
+  EXPECT_GT(four.time.hidden, 0);
+  EXPECT_NEAR(four.time.total,
+              four.time.compute + four.time.communication + four.time.optimizer - four.time.hidden,
+              1e-12);
+  EXPECT_CONTAINS(time_terms(four.time), "hidden: MoE pipeline");
+  EXPECT_EQ(time_terms(one.time).find("MoE pipeline"), std::string::npos);
+}
+
+TEST(PipelineChunks, MemoryFollowsWhatThePipelinedLayerAllocates) {
+  // ep 8: the pipelined backward makes d_rows [N, d] up front and moves one chunk's rows at a
+  // time: above the unchunked layer at r = 2, then falling with r.
+  Config c = preset("moe-1b");
+  c.parallel.ep = 8;
+  c.train.batch_size = 4;
+  auto peak = [&](const std::string& pipeline, int world) {
+    c.model.moe.pipeline = pipeline;
+    return train::predict_memory(c, {.world = world}).peak_bytes;
+  };
+  EXPECT_GT(peak("2", 8), peak("off", 8));
+  EXPECT_GT(peak("2", 8), peak("4", 8));
+  EXPECT_GT(peak("4", 8), peak("8", 8));
+  EXPECT_EQ(peak("auto", 8), peak("2", 8));  // auto counted as its default without a profile
+  EXPECT_EQ(peak("64", 8), peak("8", 8));    // at most E / ep = 8 chunks
+  // One process: a pipelined layer keeps its input rows [N, d] (no re-gather from x).
+  c.parallel.ep = 1;
+  const int64_t rows = int64_t{4} * c.train.seq_len * c.model.moe.top_k * c.model.d_model * 4;
+  EXPECT_GE(peak("2", 1) - peak("off", 1), rows);
+}
+
+TEST(Overlap, GradientSyncHidesInBackwardPerZeroLevel) {
+  Config c = preset("moe-1b");
+  c.train.batch_size = 4;
+  const Rates r(builtin_cluster("dgx-h100"));
+  for (int zero : {0, 1, 2})
+    for (bool overlap : {false, true}) {
+      c.parallel.zero = zero;
+      c.parallel.overlap_grad_sync = overlap;
+      const StepTime t =
+          predict_step_time(c, train::predict_memory(c, {.world = 8}), r, {.world = 8});
+      const double hidden = -term_of(t, "hidden: gradient sync in backward");
+      EXPECT_EQ(grad_sync_overlaps_backward(c), overlap && zero == 2);
+      if (grad_sync_overlaps_backward(c)) {
+        // All but the embedding's bucket, which backward finishes last.
+        EXPECT_GT(hidden, 0.5 * term_of(t, "gradient sync")) << zero;
+        EXPECT_LT(hidden, term_of(t, "gradient sync")) << zero;
+      } else {
+        EXPECT_EQ(hidden, 0) << zero << overlap;
+      }
+    }
+  // The rule: what is left after the tail, up to the budget.
+  EXPECT_DOUBLE_EQ(hidden_behind_backward(10, 2, 5), 5);
+  EXPECT_DOUBLE_EQ(hidden_behind_backward(10, 2, 50), 8);
+  EXPECT_DOUBLE_EQ(hidden_behind_backward(1, 2, 50), 0);
+  EXPECT_DOUBLE_EQ(hidden_behind_backward(10, 2, -1), 0);
+}
+
+TEST(Overlap, OffloadCopiesHideInBackwardOnOneProcess) {
+  Config c = preset("moe-1b");
+  c.train.batch_size = 4;
+  c.train.device = "cuda";
+  c.train.offload_optimizer = true;
+  Cluster one = builtin_cluster("dgx-h100");
+  one.gpus_per_node = 1;
+  const Rates r(one);
+  auto hidden = [&](bool overlap, int world) {
+    c.train.offload_overlap = overlap;
+    const StepTime t =
+        predict_step_time(c, train::predict_memory(c, {.world = world}), r, {.world = world});
+    return -term_of(t, "hidden: offload copies in backward");
+  };
+  EXPECT_GT(hidden(true, 1), 0);
+  EXPECT_EQ(hidden(false, 1), 0);
+  EXPECT_EQ(hidden(true, 8), 0);  // a sync follows backward: the copies start at the step
+  c.parallel.zero = 2;
+  EXPECT_FALSE(offload_copies_overlap_backward(c, 1));
 }

@@ -112,6 +112,13 @@ auto timed(const char* region, Device device, Body&& body) {
   return body();
 }
 
+/// model.moe.pipeline's chunk count for the memory formula; auto as it resolves without a
+/// profile.
+int64_t pipeline_chunks_for(const std::string& value, int ep) {
+  const int n = parse_pipeline_chunks(value, "model.moe.pipeline");
+  return n == 0 ? default_pipeline_chunks(ep) : n;
+}
+
 /// Moves a boundary's tensor out to the stage that reads it: the layer keeps no reference once
 /// that stage is done, so the tensor goes as soon as nothing else holds it.
 Tensor take(Tensor& t) {
@@ -335,9 +342,19 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   const int64_t x = tokens * d * cb, layout = 12 * n + 4 * pairs;
   const int64_t h = recv * 2 * f * cb, in_rows = recv * d * cb, out = n * d * cb;
   const int64_t shared_h = tokens * 2 * sf * cb;
+  // The pipelined layer (docs/pipeline.md, "Memory"), in the chunks even_chunks makes.
+  const int64_t local = std::max<int64_t>(1, c.num_experts / std::max(ep, 1));
+  const int64_t fwd_chunks = std::min<int64_t>(pipeline_chunks_for(c.pipeline, ep), local);
+  const int64_t bwd_chunks =
+      c.pipeline_backward == "same"
+          ? fwd_chunks
+          : std::min<int64_t>(pipeline_chunks_for(c.pipeline_backward, ep), local);
+  // The experts keep their input rows unless one rank's dispatch moved nothing and neither pass
+  // is chunked (then backward gathers them again from x).
+  const bool keeps_rows = ep > 1 || fwd_chunks > 1 || bwd_chunks > 1;
   ActivationBytes a;
   a.saved = x + gate_saved_bytes_for(c, tokens, rc.router) + layout + (recompute ? 0 : h) +
-            (ep > 1 ? in_rows : 0) + out + shared_h;
+            (keeps_rows ? in_rows : 0) + out + shared_h;
   // Chunks of the experts' [N, f] temporaries (Experts' auto rule: 4 where f > d and each chunk
   // keeps >= 2048 rows).
   const int64_t chunks =
@@ -349,7 +366,7 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   const int64_t d_cw = n * 4;  // the combine weights' gradient
   // experts: one chunk's a or da, and with recompute the re-gathered rows and h
   const int64_t expert_phase =
-      shared_dx + d_cw + recv * f / chunks * cb + (recompute ? h + (ep > 1 ? 0 : in_rows) : 0);
+      shared_dx + d_cw + recv * f / chunks * cb + (recompute ? h + (keeps_rows ? 0 : in_rows) : 0);
   // the gate/up weight gradient: the input rows in place of d_out; bf16 gradients of f32
   // activations go through an f32 [E_local, d, 2f] and its bf16 cast (ops
   // grouped_matmul_weight_grad)
@@ -359,13 +376,24 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   const int64_t weight_phase =
       shared_dx + d_cw + grad_temp + (recompute ? h : 0) - (ep > 1 ? out : 0);
   // dispatch back and order: d_rows [N, d] (and the received ones), dx [T, d]; h and out gone
-  const int64_t freed = (recompute ? 0 : h) + out + (ep > 1 ? in_rows : 0);
+  const int64_t freed = (recompute ? 0 : h) + out + (keeps_rows ? in_rows : 0);
   const int64_t order_phase =
       shared_dx + d_cw + out + (ep > 1 ? in_rows : 0) + dx + pairs * 4 - freed;
   // gate: its temporaries and dx beside the order's dx and the shared experts'
   const int64_t gate_phase =
       shared_dx + dx + pairs * 4 + gate_backward_bytes_for(c, tokens, rc.router) + dx - freed;
-  a.backward_extra = std::max({shared_phase, expert_phase, weight_phase, order_phase, gate_phase});
+  // combine's backward (ep > 1): the rows arrive and are permuted to expert order beside the
+  // incoming gradient (counted as out)
+  const int64_t combine_phase = ep > 1 && bwd_chunks == 1 ? shared_dx + d_cw + 2 * in_rows : 0;
+  // the pipelined backward's first chunk: the whole d_rows [N, d] made up front beside the
+  // incoming gradient, and the chunk's rows (with ep > 1: two arrival buffers in flight and the
+  // rows permuted to expert order), a falling share as the chunks grow
+  const int64_t pipeline_phase =
+      bwd_chunks > 1 ? shared_dx + d_cw + out + (ep > 1 ? 3 : 1) * in_rows / bwd_chunks +
+                           recv / bwd_chunks * f / chunks * cb + (recompute ? h / bwd_chunks : 0)
+                     : 0;
+  a.backward_extra = std::max({shared_phase, combine_phase, expert_phase, weight_phase, order_phase,
+                               gate_phase, pipeline_phase});
   return a;
 }
 

@@ -16,6 +16,10 @@ ChunkBounds even_chunks(int64_t local_experts, int chunks) {
   return b;
 }
 
+int default_pipeline_chunks(int ep) {
+  return ep > 1 ? 2 : 1;
+}
+
 Tensor run_pipeline(ChunkedPass& pass, const ChunkBounds& bounds,
                     const std::function<Tensor(int, Tensor)>& compute) {
   const int chunks = static_cast<int>(bounds.size()) - 1;

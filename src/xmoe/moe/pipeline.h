@@ -14,6 +14,10 @@ namespace xmoe::moe {
 /// r' = min(r, local_experts) (a chunk holds at least one expert).
 ChunkBounds even_chunks(int64_t local_experts, int chunks);
 
+/// The chunks model.moe.pipeline = auto takes without a profile (sched/pipeline_plan.h): 2 with
+/// ep > 1 (about half of the smaller of exchange and compute hidden, whatever they are), else 1.
+int default_pipeline_chunks(int ep);
+
 /// Runs `pass` over its chunks: the exchange in of chunk c + 1 starts before the compute of
 /// chunk c, whose exchange back starts right after it; returns pass.finish().
 /// compute(c, rows) -> the chunk's result rows.

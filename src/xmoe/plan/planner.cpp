@@ -83,6 +83,8 @@ Config PlanLayout::apply(Config c, const std::string& device) const {
   c.parallel.zero = zero;
   c.model.moe.dispatch = dispatch;
   c.model.moe.expert_grad_dtype = expert_grad_dtype;
+  c.model.moe.pipeline = moe_chunks > 1 ? std::to_string(moe_chunks) : "off";
+  c.model.moe.pipeline_backward = "same";
   c.model.recompute = recompute;
   c.train.offload_optimizer = offload;
   c.train.batch_size = micro_batch;
@@ -97,7 +99,8 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
   const int experts = base.model.moe.num_experts;
   Plan plan;
   plan.cluster = cl;
-  std::map<std::tuple<int, int, bool, int, bool, size_t, size_t, int>, train::MemoryModel> memories;
+  std::map<std::tuple<int, int, bool, int, bool, size_t, size_t, int, int>, train::MemoryModel>
+      memories;
   for (int tp : divisors(world)) {
     if (tp > 1 && (tp > g || g % tp != 0)) continue;  // a tp group stays inside a node
     for (bool ssmb : tp > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
@@ -108,6 +111,9 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
         std::vector<std::string> dispatches = {"auto"};
         if (ep > 1) dispatches = {"all_to_all"};
         if (ep > 1 && span.nodes > 1) dispatches.push_back("rbd");
+        std::vector<int> chunk_choices;
+        for (int r : o.moe_chunk_choices)
+          if (r == 1 || (ep > 1 && r <= experts / ep)) chunk_choices.push_back(r);
         for (int zero : o.zero_choices)
           for (bool offload : std::vector<bool>{false, true}) {
             if (offload && (!o.offload || cl.device != "cuda")) continue;
@@ -120,32 +126,35 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
                     if (o.global_batch % (data_ranks * mb) != 0) continue;
                     accum = o.global_batch / (data_ranks * mb);
                   }
-                  for (const std::string& dispatch : dispatches) {
-                    PlanLayout l{.tp = tp,
-                                 .ep = ep,
-                                 .ssmb = ssmb,
-                                 .dispatch = dispatch,
-                                 .zero = zero,
-                                 .offload = offload,
-                                 .expert_grad_dtype = o.expert_grad_choices[eg],
-                                 .recompute = o.recompute_choices[rc],
-                                 .micro_batch = mb,
-                                 .grad_accum = accum};
-                    // Memory depends on neither the dispatch nor the accumulation: model it once.
-                    const auto key = std::make_tuple(tp, ep, ssmb, zero, offload, rc, eg, mb);
-                    const auto it = memories.find(key);
-                    std::optional<Candidate> c;
-                    try {
-                      c = evaluate_layout(base, l, rates, o,
-                                          it == memories.end() ? nullptr : &it->second);
-                    } catch (const Error&) {
-                      continue;  // the config refuses the layout (validate, the memory model)
+                  for (const std::string& dispatch : dispatches)
+                    for (int chunks : chunk_choices) {
+                      PlanLayout l{.tp = tp,
+                                   .ep = ep,
+                                   .ssmb = ssmb,
+                                   .dispatch = dispatch,
+                                   .zero = zero,
+                                   .offload = offload,
+                                   .expert_grad_dtype = o.expert_grad_choices[eg],
+                                   .recompute = o.recompute_choices[rc],
+                                   .micro_batch = mb,
+                                   .grad_accum = accum,
+                                   .moe_chunks = chunks};
+                      // Memory depends on neither the dispatch nor the accumulation: model it once.
+                      const auto key =
+                          std::make_tuple(tp, ep, ssmb, zero, offload, rc, eg, mb, chunks);
+                      const auto it = memories.find(key);
+                      std::optional<Candidate> c;
+                      try {
+                        c = evaluate_layout(base, l, rates, o,
+                                            it == memories.end() ? nullptr : &it->second);
+                      } catch (const Error&) {
+                        continue;  // the config refuses the layout (validate, the memory model)
+                      }
+                      if (it == memories.end()) memories.emplace(key, c->memory);
+                      ++plan.layouts;
+                      plan.fitting += c->fits;
+                      plan.candidates.push_back(std::move(*c));
                     }
-                    if (it == memories.end()) memories.emplace(key, c->memory);
-                    ++plan.layouts;
-                    plan.fitting += c->fits;
-                    plan.candidates.push_back(std::move(*c));
-                  }
                 }
           }
       }
@@ -160,13 +169,13 @@ std::string plan_table(const Plan& plan, int top) {
   std::string s = fmt::format("# {}\n", describe(cl));
   s += fmt::format("# {} layouts, {} fit in {:.0f}% of {} GiB per GPU\n", plan.layouts,
                    plan.fitting, 100 * cl.usable_memory, gib(cl.gpu_memory));
-  s += fmt::format("{:<4} {:<52} {:>9} {:>9} {:>10} {:>12} {:>6}\n", "rank", "layout", "mem GiB",
+  s += fmt::format("{:<4} {:<66} {:>9} {:>9} {:>10} {:>12} {:>6}\n", "rank", "layout", "mem GiB",
                    "host GiB", "step s", "tokens/s", "MFU");
   int shown = 0;
   for (const Candidate& c : plan.candidates) {
     if (!c.fits || shown >= top) break;
     ++shown;
-    s += fmt::format("{:<4} {:<52} {:>9} {:>9} {:>10.4g} {:>12.4g} {:>6}\n", shown, c.layout.str(),
+    s += fmt::format("{:<4} {:<66} {:>9} {:>9} {:>10.4g} {:>12.4g} {:>6}\n", shown, c.layout.str(),
                      gib(c.memory.peak_bytes),
                      c.memory.host_bytes > 0 ? gib(c.memory.host_bytes) : "-", c.time.total,
                      c.tokens_per_s, c.mfu > 0 ? fmt::format("{:.1f}%", 100 * c.mfu) : "-");
@@ -174,7 +183,7 @@ std::string plan_table(const Plan& plan, int top) {
   if (shown == 0) {
     s += "# no layout fits; the smallest peaks:\n";
     for (size_t i = 0; i < plan.candidates.size() && i < static_cast<size_t>(top); ++i)
-      s += fmt::format("     {:<52} {:>9}\n", plan.candidates[i].layout.str(),
+      s += fmt::format("     {:<66} {:>9}\n", plan.candidates[i].layout.str(),
                        gib(plan.candidates[i].memory.peak_bytes));
   }
   return s;

@@ -24,8 +24,7 @@ struct PlanLayout {
   std::vector<std::string> recompute;
   int micro_batch = 1;  ///< train.batch_size: sequences per micro-batch of a tp group
   int grad_accum = 1;
-  /// MoE chunks r of the pipelined layer; 1 until that layer has a config key (issue 28): then
-  /// enumerate r here and set its key in apply().
+  /// MoE chunks r of the pipelined layer each way (model.moe.pipeline: off for 1, else r).
   int moe_chunks = 1;
 
   /// "tp 2 ssmb ep 4 a2a z1 rc:moe mb 2" (the table's first column).
@@ -57,6 +56,9 @@ struct PlanOptions {
   std::vector<int> zero_choices = {0, 1, 2};
   /// model.moe.expert_grad_dtype: bf16 halves the largest gradients (Megatron-Core's default).
   std::vector<std::string> expert_grad_choices = {"f32", "bf16"};
+  /// model.moe.pipeline with expert parallelism: r chunks each way, those up to E / ep (a chunk
+  /// holds at least one expert of each rank).
+  std::vector<int> moe_chunk_choices = {1, 2, 4, 8};
   bool offload = true;  ///< try train.offload_optimizer (CUDA clusters)
   double load_imbalance = 1.25;
 };

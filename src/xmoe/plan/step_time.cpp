@@ -7,6 +7,7 @@
 
 #include "xmoe/core/error.h"
 #include "xmoe/model/block.h"
+#include "xmoe/sched/pipeline_plan.h"
 
 namespace xmoe::plan {
 
@@ -31,6 +32,21 @@ constexpr double kHostUpdateBandwidth = 200e9;
 constexpr double kGemmLatency = 4e-6;
 
 }  // namespace
+
+bool grad_sync_overlaps_backward(const Config& c) {
+  // zero 2's reduce-scatters; zero 0 and 1 all-reduce after backward (parallel/grad_sync.h).
+  return c.parallel.overlap_grad_sync && c.parallel.zero == 2;
+}
+
+bool offload_copies_overlap_backward(const Config& c, int world) {
+  // AdamW::prefetch_grads, where GradientSync::grads_final_after_backward: no sync changes the
+  // gradients after backward.
+  return c.train.offload_optimizer && c.train.offload_overlap && world == 1 && c.parallel.zero < 2;
+}
+
+double hidden_behind_backward(double seconds, double tail, double budget) {
+  return std::clamp(seconds - tail, 0.0, std::max(0.0, budget));
+}
 
 GroupSpan group_span(int size, int stride, int ranks_per_node) {
   if (size <= 1) return {1, 1};
@@ -183,10 +199,11 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   const double moe_recompute = (rc.moe ? fwd(rows, d, 2 * f) : 0) + (rc.router ? router_f : 0);
   // Dispatch + combine, forward and backward: 4 all-to-alls of the routed rows.
   double a2a = 0;
+  const int per_node = ep_span.ranks / ep_span.nodes;
+  const bool rbd = moe.dispatch == "rbd" && ep_span.nodes > 1;
   if (ep > 1) {
     const double bytes = static_cast<double>(Tm * moe.top_k) * d * elem;
-    const int per_node = ep_span.ranks / ep_span.nodes;
-    if (moe.dispatch == "rbd" && ep_span.nodes > 1) {
+    if (rbd) {
       // Each token crosses to each remote node holding one of its experts once (stage 1),
       // then its replicas spread inside the node (stage 2).
       const double n = ep_span.nodes;
@@ -201,10 +218,38 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   }
   // Without SSMB the tp group gathers the MoE layer's input (forward) and its gradient.
   const double moe_tp = ssmb ? 0 : 2 * rates.collective(Task::all_gather, tp_span, T * d * elem);
-  // Overlap rule: the pipelined layer (r chunks) hides (r-1)/r of min(comm, expert compute).
-  const double expert_compute = experts_f + bwd(rows, d, 2 * f) + bwd(rows, f, d);
-  const double moe_hidden =
-      o.moe_chunks > 1 ? std::min(2 * a2a, expert_compute) * (o.moe_chunks - 1) / o.moe_chunks : 0;
+  // The pipelined layer (r chunks each way): FSMoE's formula (sched/pipeline_plan.h) on this
+  // cluster's rates, the exchange over the ep group's links (rbd: its intra-node stage 2 only;
+  // stage 1 runs whole). Its chunks' stages in series less t(r) is what the overlap hides; in
+  // series they pay each GEMM's and exchange's start-up r times (the start-ups term).
+  double moe_hidden_f = 0, moe_hidden_b = 0, chunk_startups = 0;
+  const int64_t local = moe.num_experts / ep;
+  const int chunks = static_cast<int>(std::min<int64_t>(o.moe_chunks, local));
+  if (ep > 1 && chunks > 1) {
+    const sched::PipelineShape shape{.rows = rows,
+                                     .d_model = d,
+                                     .expert_hidden = f,
+                                     .local_experts = local,
+                                     .ep = ep,
+                                     .elem_bytes = static_cast<int64_t>(elem)};
+    const sched::ChunkRates chunk_rates{
+        [&](Task kind, int64_t n, int64_t in, int64_t out) { return rates.gemm(kind, n, in, out); },
+        [&](double bytes) { return rates.stream(bytes); },
+        [&](double bytes) {
+          return rbd ? rates.all_to_all({per_node, 1}, bytes * (per_node - 1) / per_node, 0)
+                     : rates.collective(Task::all_to_all_v, ep_span, bytes);
+        }};
+    for (const bool backward : {false, true}) {
+      const auto serial = [](const sched::ChunkTimes& t) {
+        return t.dispatch + t.experts + t.combine;
+      };
+      const sched::ChunkTimes one = sched::predict_chunk(chunk_rates, shape, 1, backward);
+      const sched::ChunkTimes each = sched::predict_chunk(chunk_rates, shape, chunks, backward);
+      const double hidden = chunks * serial(each) - sched::predict_pipelined(each, chunks);
+      (backward ? moe_hidden_b : moe_hidden_f) = hidden;
+      chunk_startups += chunks * serial(each) - serial(one);
+    }
+  }
 
   // Embedding, final norm, LM head and cross-entropy on this rank's Tr tokens.
   const double head_f = fwd(Tr, d, V) + rates.stream(3.0 * Tr * V * 4 + 4.0 * Tr * d * 4);
@@ -222,7 +267,16 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   const double tp_comm =
       micro * (2 * tp_pair * (m.num_layers + dense_layers) + moe_layers * moe_tp);
   const double dispatch = micro * moe_layers * 2 * a2a;
-  const double hidden = micro * moe_layers * moe_hidden;
+  const double startups = micro * moe_layers * chunk_startups;
+  const double moe_hidden = micro * moe_layers * (moe_hidden_f + moe_hidden_b);
+  // What backward's compute can still hide (its last micro-batch: the sync and the copies start
+  // there), less what the pipelined layers hide in it already.
+  const double backward_budget = (backward + recompute) / micro - moe_layers * moe_hidden_b;
+  // Backward finishes the embedding's gradient last: the bucket holding it (or that gradient,
+  // when larger than a bucket) cannot start before backward ends.
+  const double last_gradient_bytes =
+      std::min<double>(mem.dense_gradient_bytes,
+                       std::max<double>(int64_t{c.parallel.bucket_kib} << 10, 4.0 * V * d));
 
   // Gradient sync after backward: each group's gradients all-reduced (zero 2: reduce-scattered);
   // zero >= 1 then all-gathers the updated f32 parameters over the same groups.
@@ -233,6 +287,11 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   const double sync = rates.collective(sync_task, world_span, mem.dense_gradient_bytes) +
                       rates.collective(sync_task, expert_dp, mem.expert_gradient_bytes) +
                       rates.collective(sync_task, tp_replicas, mem.tensor_gradient_bytes);
+  const double sync_hidden =
+      grad_sync_overlaps_backward(c)
+          ? hidden_behind_backward(
+                sync, rates.collective(sync_task, world_span, last_gradient_bytes), backward_budget)
+          : 0;
   double gather = 0;
   if (mem.zero >= 1) {
     // The f32 parameters of each group (expert gradients may be bf16: 2 bytes an element).
@@ -249,19 +308,24 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   // come back.
   const double owned = static_cast<double>(mem.owned_parameters);
   const double grad_pass = rates.stream(3.0 * mem.whole_gradient_bytes);
-  double optimizer = 0;
+  double optimizer = 0, offload_hidden = 0;
   if (mem.offload && mem.cuda) {
+    const double host_link = rates.cluster().host_bandwidth;
     optimizer = grad_pass + 28 * owned / (kHostUpdateBandwidth / std::max(1, g)) +
-                (owned * 4 + mem.compute_copy_bytes) / rates.cluster().host_bandwidth;
+                (owned * 4 + mem.compute_copy_bytes) / host_link;
+    // The gradients' copies to the host start as their modules finish backward.
+    if (offload_copies_overlap_backward(c, o.world))
+      offload_hidden =
+          hidden_behind_backward(owned * 4 / host_link, 4.0 * V * d / host_link, backward_budget);
   } else {
     optimizer = grad_pass + rates.adamw(mem.owned_parameters);
   }
 
   StepTime t;
   t.compute = forward + backward + recompute;
-  t.communication = tp_comm + dispatch + sync + gather;
+  t.communication = tp_comm + dispatch + startups + sync + gather;
   t.optimizer = optimizer;
-  t.hidden = hidden;
+  t.hidden = moe_hidden + sync_hidden + offload_hidden;
   t.total = t.compute + t.communication + t.optimizer - t.hidden;
   t.terms = {{"attention fwd+bwd", micro * m.num_layers * (attn_f + attn_b)},
              {"dense FFN fwd+bwd", micro * dense_layers * (dense_f + dense_b)},
@@ -270,10 +334,13 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
              {"recompute", recompute},
              {"tp collectives", tp_comm},
              {"dispatch + combine", dispatch},
+             {"MoE chunk start-ups", startups},
              {"gradient sync", sync},
              {"zero parameter gather", gather},
              {"optimizer", optimizer},
-             {"hidden by overlap", -hidden}};
+             {"hidden: MoE pipeline", -moe_hidden},
+             {"hidden: gradient sync in backward", -sync_hidden},
+             {"hidden: offload copies in backward", -offload_hidden}};
   return t;
 }
 

@@ -3,10 +3,21 @@
 // the layers' shapes (GEMMs through the fitted GEMM models or the cluster's FLOP rate,
 // attention scores as GEMMs, elementwise work as bytes streamed), communication from α-β
 // models per link class (the profile's, else the cluster's links), the gradient sync, the
-// parameter gathers of zero and the optimizer. Overlap rule: nothing overlaps in today's step
-// (the trainer syncs gradients after backward; dispatch and combine wait for their rows); with
-// MoE chunks r > 1 (the pipelined layer) each MoE layer hides (r - 1)/r of the smaller of its
-// communication and its expert compute.
+// parameter gathers of zero and the optimizer.
+//
+// Overlap rules (each a "hidden: ..." term of the breakdown):
+// - MoE pipeline (model.moe.pipeline = r > 1, ep > 1): each MoE layer's Dispatch, Expert and
+//   Combine take FSMoE's t(r) (sched/pipeline_plan.h, on these rates) instead of their chunks'
+//   stages in series; the difference is hidden, and the chunks' extra start-ups (r GEMMs and
+//   exchanges of N/r rows for one of N) are a term of their own.
+// - Gradient sync in backward (grad_sync_overlaps_backward: parallel.overlap_grad_sync, today
+//   zero 2's reduce-scatters): the last micro-batch's backward hides the sync except the bucket
+//   holding the embedding, whose gradient backward finishes last, up to that backward's compute
+//   less what the MoE pipeline hides in it.
+// - Offload copies in backward (offload_copies_overlap_backward: train.offload_overlap where no
+//   sync follows backward): the same rule for the gradients' copies to the host.
+// Nothing else overlaps: dispatch and combine wait for their rows, zero's parameter gather and
+// the optimizer follow the sync.
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,6 +36,16 @@ struct GroupSpan {
 /// The span of a group of `size` members placed `stride` world ranks apart, ranks filling
 /// nodes of `ranks_per_node` in order (the layout of parallel/layout.h).
 GroupSpan group_span(int size, int stride, int ranks_per_node);
+
+/// Whether `config`'s gradient sync starts during backward (parallel.overlap_grad_sync): the one
+/// place where the zero levels that overlap are named (today 2).
+bool grad_sync_overlaps_backward(const Config& config);
+/// Whether the offloaded optimizer's gradient copies start during backward
+/// (train.offload_overlap): one process, parallel.zero < 2 (no sync changes them after it).
+bool offload_copies_overlap_backward(const Config& config, int world);
+/// Communication of `seconds` that starts piece by piece as backward finishes gradients: all but
+/// its `tail` (what backward finishes last) hides, up to `budget` seconds of backward compute.
+double hidden_behind_backward(double seconds, double tail, double budget);
 
 /// The rates a step is timed with: a profile's fitted models where given (GEMMs, streaming
 /// bytes, collectives per link class), else the cluster's declared rates.
@@ -69,7 +90,7 @@ struct StepTime {
   double compute = 0;        ///< forward + backward + recompute, all micro-batches
   double communication = 0;  ///< tp collectives, dispatch/combine, gradient sync, zero gathers
   double optimizer = 0;      ///< AdamW, clipping, offload transfers
-  double hidden = 0;         ///< communication hidden behind compute (overlap rule)
+  double hidden = 0;         ///< communication hidden behind compute (the overlap rules)
   double total = 0;
   std::vector<TimeTerm> terms;
 };
@@ -78,7 +99,8 @@ struct StepTimeOptions {
   int world = 1;
   /// The busiest rank's expert rows over the mean (as train::MemoryModelOptions).
   double load_imbalance = 1.25;
-  /// MoE chunks r of the pipelined layer (1: not pipelined). The seam for issue 28's layer.
+  /// MoE chunks r of the pipelined layer each way (1: not pipelined; at most E / ep are made),
+  /// as model.moe.pipeline sets them.
   int moe_chunks = 1;
 };
 

@@ -6,30 +6,44 @@
 #include <filesystem>
 
 #include "xmoe/core/error.h"
+#include "xmoe/moe/pipeline.h"
 
 namespace xmoe::sched {
 
-ChunkTimes predict_chunk(const Profile& p, const PipelineShape& s, int chunks, bool backward) {
+ChunkRates profile_chunk_rates(const Profile& p, comm::LinkClass link) {
+  return {[&p](Task kind, int64_t rows, int64_t in, int64_t out) {
+            return p.predict_gemm(kind, rows, in, out);
+          },
+          [&p](double bytes) { return p.predict_rows(Task::gather_rows, bytes); },
+          [&p, link](double bytes) { return p.predict_dispatch(bytes, link); }};
+}
+
+ChunkTimes predict_chunk(const ChunkRates& rates, const PipelineShape& s, int chunks,
+                         bool backward) {
   XMOE_CHECK(chunks >= 1, "[pipeline] {} chunks", chunks);
   const int64_t n = std::max<int64_t>(1, s.rows / chunks);
   const int64_t d = s.d_model, f = s.expert_hidden;
   const double bytes = static_cast<double>(n * d * s.elem_bytes);
-  const double permute = p.predict_rows(Task::gather_rows, bytes);
-  const double a2a = s.ep > 1 ? p.predict_dispatch(bytes, s.link) : 0.0;
+  const double permute = rates.permute(bytes);
+  const double a2a = s.ep > 1 ? rates.exchange(bytes) : 0.0;
   ChunkTimes t;
   t.dispatch = t.combine = a2a;
   // The permutations into and out of expert order run beside the GEMMs (compute).
   t.experts = 2 * permute;
   if (!backward) {
-    t.experts += p.predict_gemm(Task::gemm_forward, n, d, 2 * f) +
-                 p.predict_gemm(Task::gemm_forward, n, f, d);
+    t.experts +=
+        rates.gemm(Task::gemm_forward, n, d, 2 * f) + rates.gemm(Task::gemm_forward, n, f, d);
   } else {
-    t.experts += p.predict_gemm(Task::gemm_backward_weight, n, f, d) +
-                 p.predict_gemm(Task::gemm_backward_data, n, f, d) +
-                 p.predict_gemm(Task::gemm_backward_weight, n, d, 2 * f) +
-                 p.predict_gemm(Task::gemm_backward_data, n, d, 2 * f);
+    t.experts += rates.gemm(Task::gemm_backward_weight, n, f, d) +
+                 rates.gemm(Task::gemm_backward_data, n, f, d) +
+                 rates.gemm(Task::gemm_backward_weight, n, d, 2 * f) +
+                 rates.gemm(Task::gemm_backward_data, n, d, 2 * f);
   }
   return t;
+}
+
+ChunkTimes predict_chunk(const Profile& p, const PipelineShape& s, int chunks, bool backward) {
+  return predict_chunk(profile_chunk_rates(p, s.link), s, chunks, backward);
 }
 
 double predict_pipelined(const ChunkTimes& t, int chunks) {
@@ -51,7 +65,7 @@ PipelineChoice choose_pipeline(const Profile* profile, const PipelineShape& shap
   const int most = static_cast<int>(
       std::min<int64_t>(std::max(max_chunks, 1), std::max<int64_t>(shape.local_experts, 1)));
   if (!profile) {
-    c.forward = c.backward = shape.ep > 1 ? std::min(2, most) : 1;
+    c.forward = c.backward = std::min(moe::default_pipeline_chunks(shape.ep), most);
     c.source = "no profile: the default";
     return c;
   }

@@ -14,6 +14,7 @@
 //   t(r) = d + e + c + (r - 1) · max(d + c, e)
 // (r (d + c) + e when communication bounds it, d + r e + c when compute does). r = 1 is the
 // unpipelined layer; the choice is the r in [1, max_chunks] with the least t(r).
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,8 +40,26 @@ struct ChunkTimes {
   double dispatch = 0, experts = 0, combine = 0;
 };
 
+/// What the stages are timed with: the profile's fitted models (the trainer's auto), or a
+/// planner's rates (plan/step_time.h: a cluster's declared rates, and its links for an ep group
+/// placed over nodes).
+struct ChunkRates {
+  /// One GEMM (Task::gemm_* kinds) of x[rows, in] @ w[in, out].
+  std::function<double(Task, int64_t rows, int64_t in, int64_t out)> gemm;
+  /// A permutation of rows (gather_rows) moving `bytes`.
+  std::function<double(double bytes)> permute;
+  /// One all_to_all_v over the ep group of `bytes` a rank.
+  std::function<double(double bytes)> exchange;
+};
+/// The profile's models, the exchange over `link` (predict_dispatch). Each throws naming a
+/// missing model when called.
+ChunkRates profile_chunk_rates(const Profile& profile, comm::LinkClass link);
+
 /// Per-chunk stage times for r chunks, forward or backward. With ep = 1 there is no exchange
-/// (d = c = 0). Throws naming the missing model.
+/// (d = c = 0).
+ChunkTimes predict_chunk(const ChunkRates& rates, const PipelineShape& shape, int chunks,
+                         bool backward);
+/// The same from a profile (throws naming the missing model).
 ChunkTimes predict_chunk(const Profile& profile, const PipelineShape& shape, int chunks,
                          bool backward);
 /// t(r) of the formula above.
