@@ -508,8 +508,11 @@ class Run {
         for (size_t e = 0; e < tpe.size() && e < load.size(); ++e) load[e] += tpe[e];
       }
     }
+    Timer sync_timer;
     grad_sync_->sync();
+    const double grad_sync_seconds = sync_timer.seconds();
     StepMetrics m;
+    m.grad_sync_seconds = grad_sync_seconds;
     m.step = step;
     m.loss = world_mean(*layout_.world, loss);
     m.aux_loss = aux;
