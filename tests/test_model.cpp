@@ -152,7 +152,9 @@ TEST(Model, ForwardShapesAndLoss) {
 // gradient partition's pieces rely on it), every parameter once; tied embeddings: no LM head.
 TEST(Model, BackwardModulesAreTheOrderBackwardReports) {
   for (bool tied : {false, true}) {
-    model::Transformer m(micro_config(tied), 1);
+    ModelConfig c = micro_config(/*moe=*/true);
+    c.tie_embeddings = tied;
+    model::Transformer m(c, 1);
     std::vector<std::vector<Parameter*>> reported;
     m.set_grads_ready([&](const std::vector<Parameter*>& ps) { reported.push_back(ps); });
     m.forward_loss(make_ids(2, 5, 11, 0), make_ids(2, 5, 11, 1));
