@@ -18,10 +18,20 @@
 //
 //   mpirun -np 4 bench_pipeline [--profile p.json] [--max-chunks 4] [--iters 3] [--quick]
 //   mpirun -np 8 bench_pipeline --device cuda
+//
+// --grad-sync: instead, a small MoE model trained on the ranks (ep = W, parallel.zero 0, f32 on
+// the CPU) three ways: gradient sync after backward (parallel.overlap_grad_sync = false),
+// overlapped with backward, and overlapped with parallel.grad_partition = auto from the profile.
+// One "grad_sync" JSON line each (rank 0): the median over the steps after the first two of
+// the exposed sync (StepMetrics::grad_sync_seconds, the slowest rank's) and of the step.
+//   mpirun -np 4 bench_pipeline --grad-sync [--profile p.json] [--corpus DIR] [--steps 12]
+#include <fmt/format.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
@@ -30,6 +40,7 @@
 
 #include "xmoe/comm/group.h"
 #include "xmoe/comm/nccl/nccl_group.h"
+#include "xmoe/config/config.h"
 #include "xmoe/core/device_api.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
@@ -39,6 +50,7 @@
 #include "xmoe/ops/ops.h"
 #include "xmoe/sched/pipeline_plan.h"
 #include "xmoe/sched/profiler.h"
+#include "xmoe/train/trainer.h"
 
 using namespace xmoe;
 
@@ -172,6 +184,63 @@ double geomean(const std::vector<double>& v) {
   return v.empty() ? 0 : std::exp(s / static_cast<double>(v.size()));
 }
 
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+/// --grad-sync: the exposed gradient sync per step with overlap off, on, and partitioned.
+void bench_grad_sync(const std::shared_ptr<comm::Group>& g, const std::string& profile_path,
+                     const std::string& corpus, int steps) {
+  const int W = g->size();
+  const std::string root =
+      (std::filesystem::temp_directory_path() / fmt::format("xmoe-bench-grad-sync-{}", W)).string();
+  Config c = preset("tiny");
+  c.model.d_model = 128;
+  c.model.num_layers = 4;
+  c.model.num_heads = 4;
+  c.model.num_kv_heads = 4;
+  c.model.max_seq_len = 64;
+  c.model.moe.num_experts = 8;
+  c.model.moe.expert_hidden = 64;
+  c.data.corpus = corpus;
+  c.data.dir = root + "/data";
+  c.train.steps = steps;
+  c.train.batch_size = 4;
+  c.train.seq_len = 64;
+  c.train.eval_every = 0;
+  c.train.save_every = 0;
+  c.train.log_every = 1000;
+  c.parallel.ep = W;
+  c.model.moe.pipeline_profile = profile_path;
+  validate(c);
+  for (const std::string mode : {"after_backward", "overlapped", "partitioned"}) {
+    c.parallel.overlap_grad_sync = mode != "after_backward";
+    c.parallel.grad_partition = mode == "partitioned" ? "auto" : "off";
+    c.train.out_dir = root + "/" + mode;
+    train::TrainOptions o;
+    o.progress = false;
+    o.overwrite = true;
+    o.world = g;
+    const train::TrainResult r = train::train(c, o);
+    std::vector<double> sync, step;
+    for (size_t i = 2; i < r.steps.size(); ++i) {
+      sync.push_back(slowest(*g, r.steps[i].grad_sync_seconds));
+      step.push_back(slowest(*g, r.steps[i].seconds));
+    }
+    if (g->rank() != 0) continue;
+    nlohmann::ordered_json j;
+    j["bench"] = "grad_sync";
+    j["ranks"] = W;
+    j["mode"] = mode;
+    j["steps"] = sync.size();
+    j["median_exposed_sync_ms"] = median_of(sync) * 1e3;
+    j["median_step_ms"] = median_of(step) * 1e3;
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -187,6 +256,12 @@ int main(int argc, char** argv) {
   app.add_option("--iters", iters, "timed repetitions per r (after one warm-up)")
       ->check(CLI::Range(1, 1000));
   app.add_flag("--quick", quick, "a few small shapes (seconds)");
+  bool grad_sync = false;
+  std::string corpus = "/usr/share/games/fortunes";
+  int steps = 12;
+  app.add_flag("--grad-sync", grad_sync, "the exposed gradient sync per step (see above)");
+  app.add_option("--corpus", corpus, "--grad-sync: the text to train on");
+  app.add_option("--steps", steps, "--grad-sync: steps per mode")->check(CLI::Range(3, 100000));
   CLI11_PARSE(app, argc, argv);
 
   const bool gpu = device == "cuda";
@@ -209,6 +284,7 @@ int main(int argc, char** argv) {
             for (int64_t k : {2, 4}) shapes.push_back({T, d, f, E, k});
   }
   std::erase_if(shapes, [&](const LayerShape& s) { return s.E % W != 0; });
+  if (grad_sync) shapes = {{256, 128, 64, 8, 2}};  // the model's MoE layer (GEMM shapes to profile)
 
   sched::Profile profile;
   if (!profile_path.empty()) {
@@ -222,6 +298,19 @@ int main(int argc, char** argv) {
       for (auto io : {std::pair{s.d, 2 * s.f}, std::pair{s.f, s.d}})
         if (seen.insert(io).second) o.gemm_shapes.push_back({io.first, io.second});
     profile = sched::run_profile(g, g->device(), o);
+  }
+  if (grad_sync) {
+    if (profile_path.empty()) {
+      profile_path = (std::filesystem::temp_directory_path() /
+                      fmt::format("xmoe-bench-grad-sync-profile-{}.json", W))
+                         .string();
+      if (g->rank() == 0) sched::save_profile(profile, profile_path);
+      g->barrier();
+    }
+    bench_grad_sync(g, profile_path, corpus, steps);
+    g.reset();
+    comm::finalize();
+    return 0;
   }
 
   std::vector<std::vector<double>> fwd_all, bwd_all;

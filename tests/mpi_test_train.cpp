@@ -12,6 +12,7 @@
 #include "xmoe/config/config.h"
 #include "xmoe/data/prepare.h"
 #include "xmoe/io/file.h"
+#include "xmoe/sched/perf_model.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/run_folder.h"
 #include "xmoe/train/trainer.h"
@@ -180,6 +181,77 @@ TEST(DistributedTraining, ZeroTwoOverlappedWithBackwardTrainsBitForBitAndPeaksLo
             static_cast<long long>(after.peak_step_bytes),
             static_cast<long long>(during.peak_step_bytes), mean_step(z1), mean_step(after),
             mean_step(during));
+    }
+  }
+  world()->barrier();
+}
+
+// parallel.overlap_grad_sync at every zero level: each bucket's all-reduce (zero 2: reduce-
+// scatter) starting during backward trains with the bits of the run that starts them all after
+// backward; and parallel.grad_partition = auto (dense buckets along backward's modules, without a
+// profile and from one) with the bits of off at zero 0 and 1 (the in-place all-reduce sums each
+// element in the same order wherever it sits in a bucket), within 1e-6 at zero 2 (other shards,
+// so the norm adds its pieces in another order).
+TEST(DistributedTraining, OverlappedAndPartitionedGradientSyncTrainBitForBit) {
+  const fs::path root = shared_root();
+  const int n = world()->size();
+  Config c = zero_config(root);
+  c.train.steps = 10;
+  c.train.eval_every = 5;
+  c.parallel.bucket_kib = 4;
+  // A profile whose all-reduce start-up makes pieces of several modules (sched/grad_partition.h).
+  sched::Profile profile;
+  profile.machine.world_size = n;
+  profile.measurement = {.statistic = "median", .warmup = 1, .repetitions = 3};
+  auto model = [](sched::Task task, double alpha, double beta) {
+    sched::TaskModel m;
+    m.task = task;
+    m.dtype = "f32";
+    m.ranks = sched::is_collective(task) ? 2 : 1;
+    m.in = m.out = m.groups = sched::is_gemm(task) ? 64 : 0;
+    m.width = task == sched::Task::gather_rows || task == sched::Task::scatter_rows ? 64 : 0;
+    m.x = {1024, 4096};
+    for (double x : m.x) m.t.push_back(alpha + beta * x);
+    m.fit = sched::fit_linear(m.x, m.t, std::string(sched::task_unit(task)));
+    return m;
+  };
+  profile.models = {
+      model(sched::Task::all_reduce, 2e-4, 1e-9), model(sched::Task::all_to_all_v, 2e-5, 1e-9),
+      model(sched::Task::gather_rows, 1e-6, 1e-10), model(sched::Task::scatter_rows, 1e-6, 1e-10)};
+  for (sched::Task t : {sched::Task::gemm_forward, sched::Task::gemm_backward_data,
+                        sched::Task::gemm_backward_weight})
+    profile.models.push_back(model(t, 5e-6, 1e-10));
+  const std::string profile_path = (root / "partition-profile.json").string();
+  if (world()->rank() == 0) sched::save_profile(profile, profile_path);
+  world()->barrier();
+  for (int ep : {1, n}) {
+    c.parallel.ep = ep;
+    for (int zero : {0, 1, 2}) {
+      c.parallel.zero = zero;
+      c.parallel.grad_partition = "off";
+      c.model.moe.pipeline_profile = "";
+      const std::string base = fmt::format("sync-ep{}-z{}", ep, zero);
+      c.parallel.overlap_grad_sync = false;
+      const auto after = run_training(c, (root / (base + "-after")).string(), world());
+      c.parallel.overlap_grad_sync = true;
+      const auto during = run_training(c, (root / (base + "-during")).string(), world());
+      EXPECT_TRUE(expect_zero_equal(after, during, 0, base, 0.0)) << base << ": not bitwise";
+      ASSERT_EQ(after.evals.size(), during.evals.size());
+      for (size_t i = 0; i < after.evals.size(); ++i)
+        EXPECT_EQ(after.evals[i].val_loss, during.evals[i].val_loss) << base;
+      c.parallel.grad_partition = "auto";  // no profile: one piece per module
+      const auto modules = run_training(c, (root / (base + "-modules")).string(), world());
+      c.model.moe.pipeline_profile = profile_path;
+      const auto fitted = run_training(c, (root / (base + "-fitted")).string(), world());
+      const double tol = zero == 2 ? 1e-6 : 0.0;
+      EXPECT_TRUE(expect_zero_equal(after, modules, 0, base + "-modules", tol) || zero == 2);
+      const bool bitwise = expect_zero_equal(after, fitted, 0, base + "-fitted", tol);
+      EXPECT_TRUE(bitwise || zero == 2) << base << ": not bitwise";
+      if (world()->rank() == 0)
+        std::printf(
+            "[grad sync] np %d ep %d zero %d: overlapped bitwise equal; partitioned (per module, "
+            "fitted) %s\n",
+            n, ep, zero, bitwise ? "bitwise equal" : "within 1e-6");
     }
   }
   world()->barrier();

@@ -148,6 +148,30 @@ TEST(Model, ForwardShapesAndLoss) {
   EXPECT_THROW(m.backward(), Error);  // released: nothing to backpropagate
 }
 
+// backward_modules() lists the modules in the order backward reports them to grads_ready (the
+// gradient partition's pieces rely on it), every parameter once; tied embeddings: no LM head.
+TEST(Model, BackwardModulesAreTheOrderBackwardReports) {
+  for (bool tied : {false, true}) {
+    ModelConfig c = micro_config(/*moe=*/true);
+    c.tie_embeddings = tied;
+    model::Transformer m(c, 1);
+    std::vector<std::vector<Parameter*>> reported;
+    m.set_grads_ready([&](const std::vector<Parameter*>& ps) { reported.push_back(ps); });
+    m.forward_loss(make_ids(2, 5, 11, 0), make_ids(2, 5, 11, 1));
+    m.backward();
+    const auto modules = m.backward_modules();
+    ASSERT_EQ(modules.size(), reported.size());
+    size_t params = 0;
+    for (size_t i = 0; i < modules.size(); ++i) {
+      EXPECT_EQ(modules[i].params, reported[i]) << modules[i].name;
+      params += modules[i].params.size();
+    }
+    EXPECT_EQ(params, m.parameters().size());
+    EXPECT_EQ(modules.front().name, tied ? "final_norm" : "lm_head");
+    EXPECT_EQ(modules.back().name, "embedding");
+  }
+}
+
 TEST(Model, DenseGradientsMatchFiniteDifferences) {
   model::Transformer m(micro_config(false), 3);
   Tensor ids = make_ids(2, 5, 11, 2);

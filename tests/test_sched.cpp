@@ -1,5 +1,6 @@
 // The performance models (sched/): the least-squares fit, the profile file and its checks, the
-// predictions, and a quick one-process profile.
+// predictions, a quick one-process profile, the pipelined layer's chunks and the gradient
+// partition.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -9,6 +10,7 @@
 
 #include "testing.h"
 #include "xmoe/comm/group.h"
+#include "xmoe/sched/grad_partition.h"
 #include "xmoe/sched/linear_model.h"
 #include "xmoe/sched/perf_model.h"
 #include "xmoe/sched/pipeline_plan.h"
@@ -404,4 +406,178 @@ TEST(PipelinePlan, ResolvesTheConfigKeys) {
     EXPECT_NE(std::string(e.what()).find("model.moe.pipeline = 'three'"), std::string::npos)
         << e.what();
   }
+}
+
+// parallel.grad_partition: the pieces from given all-reduce and backward times.
+namespace {
+
+/// t = alpha + beta * bytes.
+LinearModel all_reduce_model(double alpha, double beta) {
+  LinearModel m;
+  m.alpha = alpha;
+  m.beta = beta;
+  m.unit = "byte";
+  return m;
+}
+
+/// `n` modules of `idle` seconds and `bytes` gradient bytes each.
+std::vector<GradModule> uniform_modules(int n, double idle, int64_t bytes) {
+  std::vector<GradModule> out;
+  for (int i = 0; i < n; ++i) {
+    std::string name = "m";
+    name += std::to_string(i);
+    out.push_back({name, idle, bytes});
+  }
+  return out;
+}
+
+/// The pieces cover the modules with gradients in order, without gaps, and carry their bytes.
+void expect_contiguous(const GradPartition& g, std::span<const GradModule> modules) {
+  int64_t total = 0, covered = 0;
+  for (const GradModule& m : modules) total += m.grad_bytes;
+  int next = 0;
+  for (const GradPiece& p : g.pieces) {
+    EXPECT_EQ(p.first, next);
+    EXPECT_LE(p.first, p.last);
+    int64_t bytes = 0;
+    for (int m = p.first; m <= p.last; ++m) bytes += modules[static_cast<size_t>(m)].grad_bytes;
+    EXPECT_EQ(p.bytes, bytes);
+    EXPECT_GT(p.bytes, 0);
+    covered += p.bytes;
+    next = p.last + 1;
+  }
+  EXPECT_EQ(covered, total);
+  for (size_t i = 1; i < g.pieces.size(); ++i) {
+    EXPECT_GE(g.pieces[i].start, g.pieces[i - 1].end);  // one channel, in order
+    EXPECT_GE(g.pieces[i].start, g.pieces[i - 1].start);
+  }
+}
+
+}  // namespace
+
+TEST(GradPartition, PiecesHideInTheBackwardThatFollows) {
+  // 8 modules of 1 ms compute and 1 MB each at 2 GB/s and 0.1 ms start-up: a module's
+  // all-reduce (0.6 ms) fits the next module's compute, and only what the last module finishes
+  // is left after backward.
+  const auto modules = uniform_modules(8, 1e-3, 1000000);
+  const LinearModel ar = all_reduce_model(1e-4, 5e-10);
+  const GradPartition g = partition_gradients(modules, ar);
+  expect_contiguous(g, modules);
+  EXPECT_NEAR(g.backward_seconds, 8e-3, 1e-12);
+  ASSERT_GE(g.pieces.size(), 2u);
+  EXPECT_EQ(g.pieces.back().last, 7);
+  // The least possible: the last module's gradients cannot start before backward ends.
+  EXPECT_NEAR(g.exposed_seconds, ar.predict(1e6), 1e-9);
+  EXPECT_NEAR(g.exposed_unpartitioned, ar.predict(8e6), 1e-12);
+  // Every piece but the last ends inside backward.
+  for (size_t i = 0; i + 1 < g.pieces.size(); ++i) EXPECT_LE(g.pieces[i].end, g.backward_seconds);
+  // No other partition of these modules ends earlier: compare against every split of 8
+  // modules (2^7), predicted the same way.
+  double best = 1e9;
+  for (int mask = 0; mask < 128; ++mask) {
+    GradPartition other;
+    int first = 0;
+    for (int m = 0; m < 8; ++m) {
+      if (m == 7 || (mask >> m & 1)) {
+        other.pieces.push_back({first, m, int64_t{1000000} * (m - first + 1)});
+        first = m + 1;
+      }
+    }
+    predict_pieces(other, modules, ar);
+    best = std::min(best, other.exposed_seconds);
+  }
+  EXPECT_NEAR(g.exposed_seconds, best, 1e-12);
+  EXPECT_NE(g.summary(modules).find("m0"), std::string::npos) << g.summary(modules);
+}
+
+TEST(GradPartition, SlowLinksMergeAndFastOnesSplit) {
+  const auto modules = uniform_modules(6, 1e-3, 1000000);
+  // Start-ups that dwarf compute: one all-reduce is cheapest (any split pays alpha again).
+  const GradPartition slow = partition_gradients(modules, all_reduce_model(1.0, 1e-12));
+  ASSERT_EQ(slow.pieces.size(), 1u);
+  expect_contiguous(slow, modules);
+  // Infinite bandwidth, no start-up: nothing is exposed (and one piece suffices).
+  const GradPartition free = partition_gradients(modules, all_reduce_model(0, 0));
+  EXPECT_EQ(free.exposed_seconds, 0.0);
+  EXPECT_EQ(free.pieces.size(), 1u);
+  // A tiny start-up and a transfer of half a window: pieces of up to two modules, the last alone.
+  const GradPartition fast = partition_gradients(modules, all_reduce_model(1e-7, 5e-10));
+  EXPECT_GT(fast.pieces.size(), 2u);
+  EXPECT_EQ(fast.pieces.back().first, 5);
+  EXPECT_NEAR(fast.exposed_seconds, 1e-7 + 5e-10 * 1e6, 1e-12);
+  for (const GradPiece& p : fast.pieces) EXPECT_LE(p.last - p.first, 1);
+  // Tiny gradients: everything the earlier modules make in one piece hidden in the last
+  // module's backward, and the last module's alone after it.
+  const GradPartition tiny =
+      partition_gradients(uniform_modules(6, 1e-3, 16), all_reduce_model(1e-4, 1e-9));
+  ASSERT_EQ(tiny.pieces.size(), 2u);
+  EXPECT_EQ(tiny.pieces[0].last, 4);
+}
+
+TEST(GradPartition, DegenerateModules) {
+  const LinearModel ar = all_reduce_model(1e-5, 1e-9);
+  // No module, or no gradients: no piece, nothing exposed.
+  EXPECT_TRUE(partition_gradients({}, ar).pieces.empty());
+  const auto none = uniform_modules(3, 1e-3, 0);
+  EXPECT_TRUE(partition_gradients(none, ar).pieces.empty());
+  EXPECT_EQ(partition_gradients(none, ar).exposed_seconds, 0.0);
+  // Modules without gradients (a norm-free block) go into the next piece.
+  std::vector<GradModule> gaps = uniform_modules(5, 1e-3, 1000000);
+  gaps[0].grad_bytes = gaps[2].grad_bytes = 0;
+  const GradPartition g = partition_gradients(gaps, ar);
+  expect_contiguous(g, gaps);
+  EXPECT_EQ(g.pieces.front().first, 0);
+  // No compute to hide behind (no MoE layer, nothing timed): everything after backward, in
+  // one piece.
+  const GradPartition flat = partition_gradients(uniform_modules(4, 0, 1000), ar);
+  EXPECT_EQ(flat.pieces.size(), 1u);
+  EXPECT_NEAR(flat.exposed_seconds, ar.predict(4000), 1e-15);
+  // The default without a profile: one piece per module with gradients.
+  const GradPartition d = partition_per_module(gaps);
+  EXPECT_EQ(d.pieces.size(), 3u);
+  expect_contiguous(d, gaps);
+  EXPECT_NE(error_of([&] { partition_gradients(gaps, all_reduce_model(-1, 0)); }).find("alpha"),
+            std::string::npos);
+}
+
+TEST(GradPartition, ResolvesFromTheRunsProfile) {
+  TempDir dir;
+  Config c;
+  c.train.out_dir = dir.str();
+  c.model.num_layers = 3;
+  c.model.first_dense_layers = 1;
+  c.model.moe.num_experts = 8;
+  std::vector<GradModule> modules;
+  for (const char* name : {"lm_head", "final_norm", "block 2", "block 1", "block 0", "embedding"})
+    modules.push_back({name, 0, 100000});
+  const BackwardShape shape{.batch = 8, .seq_len = 64, .ep = 2};
+  // No profile: one piece per module.
+  GradPartition g = resolve_grad_partition(c, modules, shape, comm::LinkClass::intra_node);
+  EXPECT_EQ(g.pieces.size(), modules.size());
+  EXPECT_NE(g.source.find("no profile"), std::string::npos) << g.source;
+  // A profile without an all-reduce model: the default, saying what is missing.
+  Profile p = pipeline_profile(2e-9, 3e-11);
+  TaskModel scatter = model_of(Task::scatter_rows, 1e-6, 1e-10);
+  scatter.width = 64;
+  p.models.push_back(scatter);
+  save_profile(p, dir / "profile.json");
+  g = resolve_grad_partition(c, modules, shape, comm::LinkClass::intra_node);
+  EXPECT_NE(g.source.find("all_reduce"), std::string::npos) << g.source;
+  EXPECT_EQ(g.pieces.size(), modules.size());
+  // With one: timed modules, partitioned by the model.
+  TaskModel ar = model_of(Task::all_reduce, 1e-3, 1e-9);
+  ar.ranks = 2;
+  p.models.push_back(ar);
+  save_profile(p, dir / "profile.json");
+  g = resolve_grad_partition(c, modules, shape, comm::LinkClass::intra_node);
+  EXPECT_NE(g.source.find("profile.json"), std::string::npos) << g.source;
+  EXPECT_GT(g.backward_seconds, 0);
+  expect_contiguous(g, modules);
+  const std::vector<double> idle = predict_backward_idle(p, c.model, shape);
+  ASSERT_EQ(idle.size(), modules.size());
+  for (double t : idle) EXPECT_GT(t, 0);
+  EXPECT_NE(g.summary(modules).find("exposed sync"), std::string::npos) << g.summary(modules);
+  // Tied embeddings: no LM head module.
+  c.model.tie_embeddings = true;
+  EXPECT_EQ(predict_backward_idle(p, c.model, shape).size(), modules.size() - 1);
 }

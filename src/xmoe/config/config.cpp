@@ -232,9 +232,14 @@ const std::vector<Key>& table() {
                "(zero 2: reduce-scattered) in buckets of one parameter kind, filled in parameter "
                "order"),
       XMOE_KEY(parallel.overlap_grad_sync, any(), {},
-               "parallel.zero = 2: start each bucket's reduce-scatter during backward, as soon "
-               "as its gradients are final, and free them there (false: all after backward; "
-               "the same bits)"),
+               "start each bucket's all-reduce (parallel.zero = 2: reduce-scatter, freeing the "
+               "gradients) during backward, as soon as its gradients are final (false: all "
+               "after backward; the same bits)"),
+      XMOE_KEY(parallel.grad_partition, any(), {"off", "auto"},
+               "dense gradients' buckets: off (filled to bucket_kib in parameter order) or auto "
+               "(FSMoE's adaptive partitioning: pieces along backward sized from the profile's "
+               "all-reduce and backward-compute models to hide inside backward; without a "
+               "profile one piece per module; docs/pipeline.md)"),
       XMOE_KEY(parallel.collective_timeout_s, at_least(0), {},
                "seconds a collective may wait for the other ranks before every rank ends "
                "(naming the collective); 0 = no watchdog"),

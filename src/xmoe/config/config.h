@@ -138,7 +138,8 @@ struct ParallelConfig {
   int placement_batches = 8;              ///< batches recorded to choose the affinity placement
   int zero = 0;  ///< 0 | 1 (AdamW moments sharded over dp) | 2 (also gradients reduce-scattered)
   int bucket_kib = 32 << 10;      ///< gradient bucket size (KiB of f32 gradients)
-  bool overlap_grad_sync = true;  ///< zero 2: each bucket's reduce-scatter starts in backward
+  bool overlap_grad_sync = true;  ///< each bucket's all-reduce (reduce-scatter) starts in backward
+  std::string grad_partition = "off";  ///< off | auto: dense buckets sized to hide in backward
   /// A collective in flight longer than this ends the job (comm/watchdog.h); 0 = no watchdog.
   float collective_timeout_s = 600;
 

@@ -172,6 +172,16 @@ void Transformer::backward_logits(const Tensor& dlogits) {
   backward_of(embed_->parameters(), [&] { embed_->backward(dx); });
 }
 
+std::vector<Transformer::BackwardModule> Transformer::backward_modules() {
+  std::vector<BackwardModule> out;
+  if (lm_head_) out.push_back({"lm_head", {lm_head_.get()}});
+  out.push_back({"final_norm", final_norm_->parameters()});
+  for (size_t i = blocks_.size(); i-- > 0;)
+    out.push_back({"block " + std::to_string(i), blocks_[i]->parameters()});
+  out.push_back({"embedding", embed_->parameters()});
+  return out;
+}
+
 float Transformer::aux_loss() const {
   float s = 0.f;
   for (const auto& b : blocks_) s += b->ffn().aux_loss();

@@ -58,6 +58,14 @@ class Transformer : public Module {
   /// start their gradient sync while the layers below run backward. Empty: none.
   using GradsReady = std::function<void(const std::vector<Parameter*>&)>;
   void set_grads_ready(GradsReady fn) { grads_ready_ = std::move(fn); }
+  /// A module as backward reports it to grads_ready: its name ("lm_head", "final_norm",
+  /// "block 3", "embedding") and parameters.
+  struct BackwardModule {
+    std::string name;
+    std::vector<Parameter*> params;
+  };
+  /// The modules in the order backward finishes them (and reports them to grads_ready).
+  std::vector<BackwardModule> backward_modules();
 
   /// Sum of the MoE layers' weighted auxiliary losses of the last forward.
   float aux_loss() const;

@@ -28,7 +28,8 @@ Tensor flat(const Tensor& t) {
 }  // namespace
 
 GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
-                           int64_t bucket_bytes, int zero)
+                           int64_t bucket_bytes, int zero,
+                           const std::vector<std::vector<Parameter*>>& dense_buckets)
     : params_(std::move(params)), layout_(layout), zero_(zero) {
   XMOE_CHECK(zero >= 0 && zero <= 2, "[grad_sync] parallel.zero = {} is not 0, 1 or 2", zero);
   std::vector<int64_t> numels;
@@ -37,7 +38,35 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     numels.push_back(p->grad.numel());
     kinds.push_back(p->kind);
   }
-  for (const std::vector<size_t>& members : bucket_plan(numels, kinds, bucket_bytes)) {
+  std::vector<std::vector<size_t>> plan = bucket_plan(numels, kinds, bucket_bytes);
+  if (!dense_buckets.empty()) {
+    // The given dense buckets first (in their order), then the planned buckets of other kinds.
+    std::unordered_map<const Parameter*, size_t> index;
+    for (size_t i = 0; i < params_.size(); ++i) index[params_[i]] = i;
+    std::vector<std::vector<size_t>> given;
+    std::vector<bool> placed(params_.size(), false);
+    for (const std::vector<Parameter*>& bucket : dense_buckets) {
+      std::vector<size_t> members;
+      for (const Parameter* p : bucket) {
+        const auto it = index.find(p);
+        XMOE_CHECK(it != index.end() && p->kind == ParamKind::dense && !placed[it->second],
+                   "[grad_sync] dense bucket member {} is not a dense parameter synchronised "
+                   "here, or is in two buckets",
+                   p->name);
+        placed[it->second] = true;
+        members.push_back(it->second);
+      }
+      if (!members.empty()) given.push_back(std::move(members));
+    }
+    for (size_t i = 0; i < params_.size(); ++i)
+      XMOE_CHECK(placed[i] || kinds[i] != ParamKind::dense,
+                 "[grad_sync] dense parameter {} is in none of the given buckets",
+                 params_[i]->name);
+    for (std::vector<size_t>& b : plan)
+      if (kinds[b.front()] != ParamKind::dense) given.push_back(std::move(b));
+    plan = std::move(given);
+  }
+  for (const std::vector<size_t>& members : plan) {
     Bucket b;
     b.kind = kinds[members.front()];
     for (size_t i : members) {
@@ -98,38 +127,63 @@ bool GradientSync::replicated_over_tp(ParamKind kind) const {
          (kind == ParamKind::expert && layout_.experts_replicated_over_tp());
 }
 
-void GradientSync::reduce(Bucket& b) {
+void GradientSync::start_all_reduce(size_t bucket) {
+  Bucket& b = buckets_[bucket];
+  XMOE_CHECK(!b.started, "[grad_sync] bucket {} ({}...) started twice in one step", bucket,
+             b.params[0]->name);
+  b.started = true;
+  settle_grads(b.params);
   comm::Group& group = group_of(b);
   // Pack the bucket's gradients into one f32 buffer (bf16 gradients are widened, so the sum is
-  // f32 whatever they are; CUDA: one multi-tensor copy), all-reduce it where the group's tensors
-  // live (NCCL: on this device; MPI: on the host, CUDA buffers staged through it), and unpack
-  // with the 1/world scale (bf16 rounded once). Nothing waits for the device except staging.
-  const Device d = b.params[0]->grad.device();
-  const float scale = 1.0f / static_cast<float>(layout_.world_size);
-  Tensor flat = Tensor::empty({b.numel}, DType::f32, d);
+  // f32 whatever they are; CUDA: one multi-tensor copy) and start its all-reduce where the
+  // group's tensors live (NCCL: on this device; MPI: on the host, CUDA buffers staged through
+  // it). finish_all_reduce unpacks. The gradients stay allocated: they receive the average.
+  const Device d = b.device = b.params[0]->grad.device();
+  b.packed = Tensor::empty({b.numel}, DType::f32, d);
   std::vector<Tensor> grads, views;
   int64_t offset = 0;
   for (Parameter* p : b.params) {
     XMOE_CHECK(p->grad.device() == d, "[grad_sync] {} has its grad on {} but {} on {}", p->name,
                p->grad.device().str(), b.params[0]->name, d.str());
     grads.push_back(p->grad);
-    views.push_back(flat.rows(offset, offset + p->grad.numel()));
+    views.push_back(b.packed.rows(offset, offset + p->grad.numel()));
     offset += p->grad.numel();
   }
   ops::multi_copy_scaled(views, grads, 1.0f);
   if (group.size() > 1) {
     if (group.device() == d) {
-      group.all_reduce(flat);
+      b.work = group.all_reduce_async(b.packed);
     } else {
       XMOE_CHECK(group.device().is_cpu(),
                  "[grad_sync] gradients on {} but the group's tensors live on {}", d.str(),
                  group.device().str());
-      Tensor host = flat.to(Device::cpu());
-      group.all_reduce(host);
-      flat.copy_from(host);
+      b.summed = b.packed.to(Device::cpu());
+      b.work = group.all_reduce_async(b.summed);
     }
   }
-  ops::multi_copy_scaled(grads, views, scale);
+  all_reducing_.push_back(bucket);
+}
+
+void GradientSync::finish_all_reduce() {
+  const float scale = 1.0f / static_cast<float>(layout_.world_size);
+  for (size_t bucket : all_reducing_) {
+    Bucket& b = buckets_[bucket];
+    if (b.work) b.work->wait();
+    if (b.summed.defined()) b.packed.copy_from(b.summed);
+    // Unpack with the 1/world scale (bf16 rounded once).
+    std::vector<Tensor> grads, views;
+    int64_t offset = 0;
+    for (Parameter* p : b.params) {
+      grads.push_back(p->grad);
+      views.push_back(b.packed.rows(offset, offset + p->grad.numel()));
+      offset += p->grad.numel();
+    }
+    ops::multi_copy_scaled(grads, views, scale);
+    b.work.reset();
+    b.packed = Tensor();
+    b.summed = Tensor();
+  }
+  all_reducing_.clear();
 }
 
 void GradientSync::start_reduce_scatter(size_t bucket) {
@@ -191,7 +245,7 @@ void GradientSync::finish_reduce_scatter() {
 }
 
 void GradientSync::grads_ready(const std::vector<Parameter*>& params) {
-  if (zero_ < 2) return;
+  if (zero_ < 2 && layout_.world_size == 1) return;
   for (const Parameter* p : params) {
     const auto it = bucket_of_.find(p);
     XMOE_CHECK(it != bucket_of_.end(), "[grad_sync] grads_ready: {} is not synchronised here",
@@ -199,8 +253,18 @@ void GradientSync::grads_ready(const std::vector<Parameter*>& params) {
     Bucket& b = buckets_[it->second];
     XMOE_CHECK(b.ready < b.params.size(),
                "[grad_sync] grads_ready: {} reported finished twice in one step", p->name);
-    if (++b.ready == b.params.size()) start_reduce_scatter(it->second);
+    if (++b.ready < b.params.size()) continue;
+    if (zero_ == 2)
+      start_reduce_scatter(it->second);
+    else
+      start_all_reduce(it->second);
   }
+}
+
+std::vector<std::vector<Parameter*>> GradientSync::buckets() const {
+  std::vector<std::vector<Parameter*>> out;
+  for (const Bucket& b : buckets_) out.push_back(b.params);
+  return out;
 }
 
 int64_t GradientSync::gradient_bytes() const {
@@ -225,8 +289,18 @@ void GradientSync::sync() {
     return;
   }
   if (layout_.world_size == 1) return;
-  settle_grads(params_);
-  for (Bucket& b : buckets_) reduce(b);
+  // The buckets grads_ready() started are in flight; the others start here, in order, each
+  // finished before the next (one packed bucket at a time).
+  finish_all_reduce();
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    if (buckets_[i].started) continue;
+    start_all_reduce(i);
+    finish_all_reduce();
+  }
+  for (Bucket& b : buckets_) {
+    b.started = false;
+    b.ready = 0;
+  }
 }
 
 double GradientSync::global_grad_sum_squares() const {

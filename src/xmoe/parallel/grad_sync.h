@@ -18,11 +18,14 @@
 // rank's optimizer updates only its shard (owned_pieces()); gather_params() then all-gathers the
 // updated parameters. With zero 2 the buckets are reduce-scattered instead of all-reduced: this
 // rank keeps only its shard of the averaged gradient (a flat f32 buffer per bucket, from the
-// sync to the update), which the pieces' grad views read. The reduce-scatter of a bucket may start
-// during backward (grads_ready(), parallel.overlap_grad_sync): as soon as backward has finished all
-// its gradients, which are packed and freed at once, so that whole gradients live only from their
-// module's backward to their bucket's start; a bucket's operations are the same either way,
-// and so are the bits.
+// sync to the update), which the pieces' grad views read.
+//
+// A bucket's collective may start during backward (grads_ready(), parallel.overlap_grad_sync), as
+// soon as backward has finished all its gradients: zero 0 and 1 start its all-reduce (several
+// may be in flight; sync() waits for them in order and unpacks), zero 2 its reduce-scatter (its
+// gradients packed and freed at once, one bucket in flight). A bucket's operations are the same
+// either way, and so are the bits. The dense buckets may be given (sched/grad_partition.h:
+// pieces sized to hide in backward) instead of filled to bucket_bytes.
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -47,20 +50,23 @@ struct OwnedPiece {
 
 class GradientSync {
  public:
-  /// `zero`: parallel.zero (0, 1 or 2).
+  /// `zero`: parallel.zero (0, 1 or 2). `dense_buckets`: the dense parameters' buckets, each
+  /// dense parameter in exactly one (empty: filled to bucket_bytes like the other kinds).
   GradientSync(std::vector<Parameter*> params, const Layout& layout,
-               int64_t bucket_bytes = 32 << 20, int zero = 0);
+               int64_t bucket_bytes = 32 << 20, int zero = 0,
+               const std::vector<std::vector<Parameter*>>& dense_buckets = {});
 
   /// Averages every gradient as described above (a no-op for one process without zero 2);
   /// zero 2: reduce-scatters into this rank's gradient shards instead and frees every
   /// param->grad (Parameter::release_grad) until the next zero_grad().
   void sync();
-  /// zero 2: backward has finished these parameters' gradients for this step (model::
+  /// Backward has finished these parameters' gradients for this step (model::
   /// Transformer::set_grads_ready, on the last micro-batch): every bucket whose parameters are
-  /// all finished now is packed, its whole gradients freed and its reduce-scatter started (non-
-  /// blocking: MPI's, or NCCL's on its stream), after the one in flight, if any, is waited for
-  /// and unpacked. sync() then does the buckets left. Collective, in the same order on every
-  /// rank (backward's). A no-op below zero 2.
+  /// all finished now is packed and its collective started (non-blocking: MPI's, or NCCL's on
+  /// its stream). zero 0, 1: its all-reduce, beside those in flight; zero 2: its whole
+  /// gradients freed and its reduce-scatter started after the one in flight, if any, is waited
+  /// for and unpacked. sync() then does the buckets left and waits for all. Collective, in the
+  /// same order on every rank (backward's). A no-op for one process below zero 2.
   void grads_ready(const std::vector<Parameter*>& params);
   /// zero 2, after sync(): the averaged gradient of each owned piece, a [count] f32 view of its
   /// bucket's shard, in owned_pieces() order (for AdamW::set_piece_grads).
@@ -71,6 +77,8 @@ class GradientSync {
   /// Gradient bytes this rank holds now: the per-parameter gradients still allocated and, with
   /// zero 2, the shards.
   int64_t gradient_bytes() const;
+  /// The buckets' parameters, in the order sync() first considers them (for logs and tests).
+  std::vector<std::vector<Parameter*>> buckets() const;
   /// Global gradient norm² after sync: every element of the whole model counted once (dense
   /// once, each expert and tensor-parallel shard once; zero 2: the world's sum of every rank's
   /// gradient shards, the copies replicated over the tp group divided by tp).
@@ -110,8 +118,9 @@ class GradientSync {
     /// zero 2, from its reduce-scatter to release_shards(): f32 [shards.shard], this rank's
     /// averaged gradient
     Tensor grad_shard;
-    // zero 2, while its reduce-scatter runs: the packed gradients [padded], this rank's sum
-    // [shard] (on the group's device) and the collective; `started`: this step.
+    // While its collective runs: the packed gradients (zero 2: [padded]; else [numel]), zero 2:
+    // this rank's sum [shard] (on the group's device), else the host copy the MPI all-reduce
+    // sums when the gradients are on a GPU; the collective; `started`: this step.
     Tensor packed, summed;
     Device device;  ///< the gradients
     std::unique_ptr<comm::Work> work;
@@ -121,7 +130,10 @@ class GradientSync {
   comm::Group& group_of(const Bucket& b) const;
   /// Whether the tp ranks of a group hold the same copy of a kind's parameters.
   bool replicated_over_tp(ParamKind kind) const;
-  void reduce(Bucket& b);
+  /// zero 0, 1: packs the bucket and starts its all-reduce (beside those in flight).
+  void start_all_reduce(size_t bucket);
+  /// zero 0, 1: waits for every all-reduce in flight, in order, and unpacks each averaged.
+  void finish_all_reduce();
   /// zero 2: packs the bucket's gradients, frees them and starts the reduce-scatter, after
   /// finishing the one in flight.
   void start_reduce_scatter(size_t bucket);
@@ -136,7 +148,8 @@ class GradientSync {
   std::vector<Bucket> buckets_;
   std::unordered_map<const Parameter*, size_t> bucket_of_;
   static constexpr size_t kNone = static_cast<size_t>(-1);
-  size_t in_flight_ = kNone;  ///< zero 2: the bucket whose reduce-scatter runs
+  size_t in_flight_ = kNone;          ///< zero 2: the bucket whose reduce-scatter runs
+  std::vector<size_t> all_reducing_;  ///< zero 0, 1: the buckets in flight, in start order
 };
 
 }  // namespace xmoe::parallel

@@ -92,6 +92,12 @@ std::string PipelineChoice::summary() const {
   return s;
 }
 
+std::string run_profile_path(const Config& config) {
+  if (!config.model.moe.pipeline_profile.empty()) return config.model.moe.pipeline_profile;
+  const std::filesystem::path in_run = std::filesystem::path(config.train.out_dir) / "profile.json";
+  return std::filesystem::exists(in_run) ? in_run.string() : std::string();
+}
+
 PipelineChoice resolve_pipeline(const Config& config, int64_t tokens, int ep, int ep_nodes,
                                 int64_t elem_bytes) {
   const MoeConfig& m = config.model.moe;
@@ -113,12 +119,7 @@ PipelineChoice resolve_pipeline(const Config& config, int64_t tokens, int ep, in
   shape.ep = ep;
   shape.elem_bytes = elem_bytes;
   shape.link = ep_nodes > 1 ? comm::LinkClass::inter_node : comm::LinkClass::intra_node;
-  std::string path = m.pipeline_profile;
-  if (path.empty()) {
-    const std::filesystem::path in_run =
-        std::filesystem::path(config.train.out_dir) / "profile.json";
-    if (std::filesystem::exists(in_run)) path = in_run.string();
-  }
+  const std::string path = run_profile_path(config);
   PipelineChoice chosen;
   if (path.empty()) {
     chosen = choose_pipeline(nullptr, shape);

@@ -78,6 +78,10 @@ struct PipelineChoice {
 PipelineChoice choose_pipeline(const Profile* profile, const PipelineShape& shape,
                                int max_chunks = 8);
 
+/// The profile a run's schedule reads: model.moe.pipeline_profile, else
+/// <train.out_dir>/profile.json when it exists, else "" (none).
+std::string run_profile_path(const Config& config);
+
 /// model.moe.pipeline and pipeline_backward resolved for a run: fixed counts as given, auto from
 /// the profile (model.moe.pipeline_profile, else <train.out_dir>/profile.json when it exists,
 /// else the default). tokens: per rank at the MoE layer; ep_nodes: nodes the ep group spans.

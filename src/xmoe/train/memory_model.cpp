@@ -188,6 +188,9 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     parallel::BucketShards plan;
   };
   std::vector<ZeroBucket> zero_buckets;
+  // zero 0, 1 overlapped: each bucket's packed f32 copy, from its start (after the stage that
+  // finishes it) to the sync after backward.
+  std::vector<std::pair<int, int64_t>> all_reduce_starts;
   int64_t owned = 0;
   const bool syncs = o.world > 1;
   const int64_t bucket_bytes = int64_t{config.parallel.bucket_kib} << 10;
@@ -209,6 +212,11 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
       }
     }
     if (r.zero == 2) zero_buckets.push_back({members, group, plan});
+    if (syncs && r.zero < 2 && config.parallel.overlap_grad_sync) {
+      int ready = 0;
+      for (size_t i : members) ready = std::max(ready, params[i].ready);
+      all_reduce_starts.emplace_back(ready, 4 * bucket_numel);
+    }
     // zero 0, 1: the all-reduce's packed f32 bucket (zero 2: below, in the walk)
     int64_t buffers = syncs && r.zero < 2 ? 4 * bucket_numel : 0;
     if (r.zero >= 1)  // gather_params: this rank's shard packed, then every rank's
@@ -310,20 +318,29 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     }
     return most;
   };
+  // Bytes of the zero 0, 1 buckets in flight while `stage` runs.
+  auto packed_before = [&](int stage) {
+    int64_t bytes = 0;
+    for (const auto& [ready, packed] : all_reduce_starts)
+      if (ready < stage) bytes += packed;
+    return bytes;
+  };
   const int64_t carry = batch * seq / r.tp * m.d_model * 4;
-  int64_t peak = saved + ends.backward_extra + (zero2 ? zero2_grads(1, 0) : 0);
+  int64_t peak = saved + ends.backward_extra + (zero2 ? zero2_grads(1, 0) : packed_before(1));
   int64_t held = saved - ends.saved + ends.kept;
-  peak = std::max(peak, start_buckets_after(1, held + carry));
+  peak = std::max({peak, start_buckets_after(1, held + carry), held + carry + packed_before(2)});
   int stage = 2;
   for (auto it = blocks.rbegin(); it != blocks.rend(); ++it, ++stage) {
-    peak = std::max(peak,
-                    held + carry + it->backward_extra + (zero2 ? zero2_grads(stage, started) : 0));
+    peak = std::max(peak, held + carry + it->backward_extra +
+                              (zero2 ? zero2_grads(stage, started) : packed_before(stage)));
     held -= it->saved;
-    peak = std::max(peak, start_buckets_after(stage, held + carry));
+    peak = std::max(
+        {peak, start_buckets_after(stage, held + carry), held + carry + packed_before(stage + 1)});
   }
   // The embedding's backward, then the buckets left (the sync after backward).
-  peak = std::max(peak, held + carry + (zero2 ? zero2_grads(stage, started) : 0));
-  peak = std::max(peak, start_buckets_after(stage, held));
+  peak =
+      std::max(peak, held + carry + (zero2 ? zero2_grads(stage, started) : packed_before(stage)));
+  peak = std::max({peak, start_buckets_after(stage, held), held + packed_before(stage + 1)});
   r.activation_peak_bytes = peak;  // zero 2: with the gradients
   int64_t shards = 0;
   for (const ZeroBucket& b : zero_buckets) shards += 4 * b.plan.shard;

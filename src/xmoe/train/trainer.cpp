@@ -28,6 +28,7 @@
 #include "xmoe/optim/schedule.h"
 #include "xmoe/parallel/grad_sync.h"
 #include "xmoe/parallel/layout.h"
+#include "xmoe/sched/grad_partition.h"
 #include "xmoe/sched/pipeline_plan.h"
 #include "xmoe/train/checkpoint.h"
 #include "xmoe/train/checkpoint_writer.h"
@@ -353,7 +354,8 @@ class Run {
     // parallel.zero >= 1: AdamW holds moments only for the pieces of the buckets' shards this
     // rank owns (zero 0: every parameter whole, one piece each).
     grad_sync_ = std::make_unique<parallel::GradientSync>(
-        params_, layout_, int64_t{config_.parallel.bucket_kib} << 10, config_.parallel.zero);
+        params_, layout_, int64_t{config_.parallel.bucket_kib} << 10, config_.parallel.zero,
+        dense_grad_pieces());
     std::vector<optim::AdamWPiece> pieces;
     for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
       pieces.emplace_back(p.param, p.offset, p.count, Tensor(), p.shard_grad);
@@ -380,7 +382,45 @@ class Run {
     const sched::PipelineChoice p =
         sched::resolve_pipeline(config_, tokens, layout_.ep, ep_nodes, bytes);
     for (moe::MoELayer* l : moe_layers_) l->set_pipeline(p.forward, p.backward);
+    pipeline_backward_ = p.backward;
     if (leader_ && config_.model.moe.pipeline != "off") spdlog::info("{}", p.summary());
+  }
+
+  /// parallel.grad_partition = auto (several ranks): the dense gradients' buckets, one per piece
+  /// of backward's modules (sched/grad_partition.h), logged; else none (fixed-size buckets).
+  std::vector<std::vector<Parameter*>> dense_grad_pieces() {
+    if (config_.parallel.grad_partition != "auto" || layout_.world_size == 1) return {};
+    const std::vector<model::Transformer::BackwardModule> modules = model_->backward_modules();
+    std::vector<sched::GradModule> sizes;
+    for (const auto& m : modules) {
+      sched::GradModule g{m.name, 0.0, 0};
+      for (const Parameter* p : m.params)
+        if (p->kind == ParamKind::dense) g.grad_bytes += 4 * p->value.numel();
+      sizes.push_back(g);
+    }
+    sched::BackwardShape shape;
+    shape.batch = tc_.batch_size;
+    shape.seq_len = tc_.seq_len;
+    shape.ep = layout_.ep;
+    shape.tp = layout_.tp;
+    shape.ssmb = layout_.ssmb;
+    shape.elem_bytes = static_cast<int64_t>(dtype_size(compute_dtype(tc_, device_)));
+    shape.pipeline_backward = pipeline_backward_;
+    const bool ep_nodes = layout_.ep_group && layout_.ep_group->topology().num_nodes() > 1;
+    shape.ep_link = ep_nodes ? comm::LinkClass::inter_node : comm::LinkClass::intra_node;
+    const comm::LinkClass world_link = layout_.world->topology().num_nodes() > 1
+                                           ? comm::LinkClass::inter_node
+                                           : comm::LinkClass::intra_node;
+    const sched::GradPartition g = sched::resolve_grad_partition(config_, sizes, shape, world_link);
+    if (leader_) spdlog::info("{}", g.summary(sizes));
+    std::vector<std::vector<Parameter*>> buckets;
+    for (const sched::GradPiece& piece : g.pieces) {
+      buckets.emplace_back();
+      for (int m = piece.first; m <= piece.last; ++m)
+        for (Parameter* p : modules[static_cast<size_t>(m)].params)
+          if (p->kind == ParamKind::dense) buckets.back().push_back(p);
+    }
+    return buckets;
   }
 
   /// --resume: restores the latest checkpoint; returns its step.
@@ -448,11 +488,12 @@ class Run {
       const data::Batch b = on_device(train_loader_->next(), device_);
       loss += model_->forward_loss(b.inputs, b.targets) / tc_.grad_accum;
       aux += model_->aux_loss() / tc_.grad_accum;
-      // The last micro-batch's backward hands on each module's finished gradients: zero 2,
-      // overlapped, starts their buckets' reduce-scatters (and frees them); the offloaded
-      // optimizer starts copying them to the host where no sync follows.
+      // The last micro-batch's backward hands on each module's finished gradients: overlapped,
+      // the gradient sync starts their buckets' all-reduces (zero 2: reduce-scatters, freeing
+      // them); the offloaded optimizer starts copying them to the host where no sync follows.
       const bool last = micro + 1 == tc_.grad_accum;
-      const bool reduce = last && config_.parallel.zero == 2 && config_.parallel.overlap_grad_sync;
+      const bool reduce = last && config_.parallel.overlap_grad_sync &&
+                          (config_.parallel.zero == 2 || layout_.world_size > 1);
       const bool prefetch = last && tc_.offload_optimizer && tc_.offload_overlap &&
                             grad_sync_->grads_final_after_backward();
       model_->set_grads_ready(
@@ -467,8 +508,11 @@ class Run {
         for (size_t e = 0; e < tpe.size() && e < load.size(); ++e) load[e] += tpe[e];
       }
     }
+    Timer sync_timer;
     grad_sync_->sync();
+    const double grad_sync_seconds = sync_timer.seconds();
     StepMetrics m;
+    m.grad_sync_seconds = grad_sync_seconds;
     m.step = step;
     m.loss = world_mean(*layout_.world, loss);
     m.aux_loss = aux;
@@ -704,6 +748,7 @@ class Run {
   std::unique_ptr<optim::AdamW> opt_;
   std::optional<optim::LrSchedule> schedule_;
   std::unique_ptr<parallel::GradientSync> grad_sync_;
+  int pipeline_backward_ = 1;  ///< the MoE layers' backward chunks (configure_pipeline)
   std::optional<io::AppendFile> metrics_;
   std::shared_ptr<comm::Group> save_group_;
   int64_t tokens_per_step_ = 0;

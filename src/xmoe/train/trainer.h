@@ -22,7 +22,11 @@ struct StepMetrics {
   double lr = 0;
   double grad_norm = 0;  ///< global norm before clipping
   double tokens_per_s = 0;
-  double seconds = 0;           ///< wall time of this step
+  double seconds = 0;  ///< wall time of this step
+  /// Seconds the step waited after backward for the gradient sync (the exposed sync: what
+  /// parallel.overlap_grad_sync and parallel.grad_partition hide is not in it). Host time: on
+  /// CPU ranks the wait itself; on CUDA what the host spent queueing and staging
+  double grad_sync_seconds = 0;
   double mfu = 0;               ///< model FLOPs utilisation on CUDA (train/flops.h); 0 on the CPU
   int64_t max_expert_load = 0;  ///< over all MoE layers, tokens routed to the busiest expert
   int64_t min_expert_load = 0;
