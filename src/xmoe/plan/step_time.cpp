@@ -34,8 +34,9 @@ constexpr double kGemmLatency = 4e-6;
 }  // namespace
 
 bool grad_sync_overlaps_backward(const Config& c) {
-  // zero 2's reduce-scatters; zero 0 and 1 all-reduce after backward (parallel/grad_sync.h).
-  return c.parallel.overlap_grad_sync && c.parallel.zero == 2;
+  // Every zero level starts each bucket's all-reduce or reduce-scatter in backward
+  // (parallel/grad_sync.h).
+  return c.parallel.overlap_grad_sync;
 }
 
 bool offload_copies_overlap_backward(const Config& c, int world) {

@@ -10,8 +10,8 @@
 //   Combine take FSMoE's t(r) (sched/pipeline_plan.h, on these rates) instead of their chunks'
 //   stages in series; the difference is hidden, and the chunks' extra start-ups (r GEMMs and
 //   exchanges of N/r rows for one of N) are a term of their own.
-// - Gradient sync in backward (grad_sync_overlaps_backward: parallel.overlap_grad_sync, today
-//   zero 2's reduce-scatters): the last micro-batch's backward hides the sync except the bucket
+// - Gradient sync in backward (grad_sync_overlaps_backward: parallel.overlap_grad_sync, every
+//   zero level): the last micro-batch's backward hides the sync except the bucket
 //   holding the embedding, whose gradient backward finishes last, up to that backward's compute
 //   less what the MoE pipeline hides in it.
 // - Offload copies in backward (offload_copies_overlap_backward: train.offload_overlap where no
