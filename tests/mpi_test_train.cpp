@@ -3,8 +3,11 @@
 // runs the one-process reference (batch = world × B) itself. f32 throughout.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <string>
+#include <utility>
 
 #include "testing.h"
 #include "training_fixture.h"
@@ -63,6 +66,21 @@ bool expect_zero_equal(const train::TrainResult& ref, const train::TrainResult& 
         << what << " grad norm, step " << b.step;
   }
   return bitwise;
+}
+
+/// The run `c` with the gradient sync after backward and during it
+/// (parallel.overlap_grad_sync): expected bitwise equal, validation losses included.
+std::pair<train::TrainResult, train::TrainResult> train_sync_after_and_during_backward(
+    Config c, const std::filesystem::path& root, const std::string& base) {
+  c.parallel.overlap_grad_sync = false;
+  auto after = run_training(c, (root / (base + "-after")).string(), world());
+  c.parallel.overlap_grad_sync = true;
+  auto during = run_training(c, (root / (base + "-during")).string(), world());
+  EXPECT_TRUE(expect_zero_equal(after, during, 0, base, 0.0)) << base << ": not bitwise";
+  EXPECT_EQ(after.evals.size(), during.evals.size()) << base;
+  for (size_t i = 0; i < std::min(after.evals.size(), during.evals.size()); ++i)
+    EXPECT_EQ(after.evals[i].val_loss, during.evals[i].val_loss) << base;
+  return {std::move(after), std::move(during)};
 }
 
 /// The micro run for 20 steps (checkpoints every 4).
@@ -150,14 +168,7 @@ TEST(DistributedTraining, ZeroTwoOverlappedWithBackwardTrainsBitForBitAndPeaksLo
       c.parallel.zero = 1;
       const auto z1 = run_training(c, (root / (base + "-z1")).string(), world());
       c.parallel.zero = 2;
-      c.parallel.overlap_grad_sync = false;
-      const auto after = run_training(c, (root / (base + "-after")).string(), world());
-      c.parallel.overlap_grad_sync = true;
-      const auto during = run_training(c, (root / (base + "-during")).string(), world());
-      EXPECT_TRUE(expect_zero_equal(after, during, 0, base, 0.0)) << base << ": not bitwise";
-      ASSERT_EQ(after.evals.size(), during.evals.size());
-      for (size_t i = 0; i < after.evals.size(); ++i)
-        EXPECT_EQ(after.evals[i].val_loss, during.evals[i].val_loss) << base;
+      const auto [after, during] = train_sync_after_and_during_backward(c, root, base);
       EXPECT_EQ(after.gradient_bytes, during.gradient_bytes) << base;
       // Whole gradients exist from their module's backward on (accumulation: to the last
       // micro-batch's), and no longer than to their bucket's start, where a packed copy of
@@ -231,14 +242,7 @@ TEST(DistributedTraining, OverlappedAndPartitionedGradientSyncTrainBitForBit) {
       c.parallel.grad_partition = "off";
       c.model.moe.pipeline_profile = "";
       const std::string base = fmt::format("sync-ep{}-z{}", ep, zero);
-      c.parallel.overlap_grad_sync = false;
-      const auto after = run_training(c, (root / (base + "-after")).string(), world());
-      c.parallel.overlap_grad_sync = true;
-      const auto during = run_training(c, (root / (base + "-during")).string(), world());
-      EXPECT_TRUE(expect_zero_equal(after, during, 0, base, 0.0)) << base << ": not bitwise";
-      ASSERT_EQ(after.evals.size(), during.evals.size());
-      for (size_t i = 0; i < after.evals.size(); ++i)
-        EXPECT_EQ(after.evals[i].val_loss, during.evals[i].val_loss) << base;
+      const auto [after, during] = train_sync_after_and_during_backward(c, root, base);
       c.parallel.grad_partition = "auto";  // no profile: one piece per module
       const auto modules = run_training(c, (root / (base + "-modules")).string(), world());
       c.model.moe.pipeline_profile = profile_path;

@@ -48,6 +48,14 @@ TEST_F(MemoryModelTest, MoEVariants) {
   expect_predicted(c, "padded, capacity 1.25");
 }
 
+TEST_F(MemoryModelTest, Fp8Experts) {
+  // model.moe.expert_dtype = fp8: each layer's quantised weights live from its forward to its
+  // backward, the quantised rows for one GEMM each.
+  Config c = tiny();
+  c.model.moe.expert_dtype = "fp8";
+  expect_predicted(c, "tiny, fp8 experts");
+}
+
 TEST_F(MemoryModelTest, OffloadedOptimizerStagingOnTheCpu) {
   // On the CPU the offloaded AdamW runs the same code: the state is host memory already, and
   // the host buffers the gradients travel through are the staging term.

@@ -352,9 +352,21 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   // The experts keep their input rows unless one rank's dispatch moved nothing and neither pass
   // is chunked (then backward gathers them again from x).
   const bool keeps_rows = ep > 1 || fwd_chunks > 1 || bwd_chunks > 1;
+  // expert_dtype = fp8 (docs/fp8.md): the quantised weights, both layouts, from forward to
+  // backward; each GEMM's quantised rows for its duration (the largest: dh, [N, 2f]).
+  const bool fp8 = c.expert_dtype == "fp8";
+  const auto blocks = [](int64_t v) { return (v + 127) / 128; };
+  const int64_t fp8_weights = fp8 ? local * (2 * d * 2 * f + 8 * blocks(d) * blocks(2 * f)) +
+                                        local * (2 * f * d + 8 * blocks(f) * blocks(d))
+                                  : 0;
+  // Where the FP8 kernel does not run (f32 compute: the CPU), each GEMM dequantises its operands
+  // into the compute dtype first.
+  const int64_t fp8_dequantised =
+      fp8 && dtype == DType::f32 ? recv * 2 * f * 4 + local * d * 2 * f * 4 : 0;
+  const int64_t fp8_rows = fp8 ? recv * (2 * f + 4 * blocks(2 * f)) + fp8_dequantised : 0;
   ActivationBytes a;
   a.saved = x + gate_saved_bytes_for(c, tokens, rc.router) + layout + (recompute ? 0 : h) +
-            (keeps_rows ? in_rows : 0) + out + shared_h;
+            (keeps_rows ? in_rows : 0) + out + shared_h + fp8_weights;
   // Chunks of the experts' [N, f] temporaries (Experts' auto rule: 4 where f > d and each chunk
   // keeps >= 2048 rows).
   const int64_t chunks =
@@ -392,8 +404,10 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
       bwd_chunks > 1 ? shared_dx + d_cw + out + (ep > 1 ? 3 : 1) * in_rows / bwd_chunks +
                            recv / bwd_chunks * f / chunks * cb + (recompute ? h / bwd_chunks : 0)
                      : 0;
+  // fp8: the gate/up data gradient, dh's quantised copy beside d_rows being made
+  const int64_t fp8_phase = fp8 ? shared_dx + d_cw + fp8_rows + recv * d * cb : 0;
   a.backward_extra = std::max({shared_phase, combine_phase, expert_phase, weight_phase, order_phase,
-                               gate_phase, pipeline_phase});
+                               gate_phase, pipeline_phase, fp8_phase});
   return a;
 }
 

@@ -68,34 +68,21 @@ struct Fp8Gemm {
     LayoutSFB* layout_sfb;
   };
 
-  static size_t align(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
   static size_t arrays_bytes(int count) {
     const auto n = static_cast<size_t>(count);
-    return align(n * sizeof(Shape3)) + 5 * align(n * sizeof(void*)) + align(n * sizeof(StrideA)) +
-           align(n * sizeof(StrideB)) + align(n * sizeof(StrideD)) + align(n * sizeof(LayoutSFA)) +
-           align(n * sizeof(LayoutSFB));
+    using C = ScratchCarver;
+    return C::align(n * sizeof(Shape3)) + 5 * C::align(n * sizeof(void*)) +
+           C::align(n * sizeof(StrideA)) + C::align(n * sizeof(StrideB)) +
+           C::align(n * sizeof(StrideD)) + C::align(n * sizeof(LayoutSFA)) +
+           C::align(n * sizeof(LayoutSFB));
   }
   static Arrays carve(void* scratch, int count) {
     const auto n = static_cast<size_t>(count);
-    auto* p = static_cast<char*>(scratch);
-    auto take = [&p](size_t bytes) {
-      char* here = p;
-      p += align(bytes);
-      return here;
-    };
-    Arrays r;
-    r.shapes = reinterpret_cast<Shape3*>(take(n * sizeof(Shape3)));
-    r.a = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
-    r.b = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
-    r.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
-    r.sfa = reinterpret_cast<const float**>(take(n * sizeof(void*)));
-    r.sfb = reinterpret_cast<const float**>(take(n * sizeof(void*)));
-    r.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
-    r.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
-    r.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
-    r.layout_sfa = reinterpret_cast<LayoutSFA*>(take(n * sizeof(LayoutSFA)));
-    r.layout_sfb = reinterpret_cast<LayoutSFB*>(take(n * sizeof(LayoutSFB)));
-    return r;
+    ScratchCarver c{static_cast<char*>(scratch)};
+    return {c.take<Shape3>(n),    c.take<const ElementAB*>(n), c.take<const ElementAB*>(n),
+            c.take<ElementD*>(n), c.take<const float*>(n),     c.take<const float*>(n),
+            c.take<StrideA>(n),   c.take<StrideB>(n),          c.take<StrideD>(n),
+            c.take<LayoutSFA>(n), c.take<LayoutSFB>(n)};
   }
 
   /// Group i's (M, N, K) = (rows, N, K).

@@ -32,6 +32,18 @@ namespace xmoe::cuda::sm90 {
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 using Shape3 = ProblemShape::UnderlyingProblemShape;  // (M, N, K) of one group
 
+/// Carves 256-byte-aligned arrays, one after another, from the front of a scratch block.
+struct ScratchCarver {
+  char* next;
+  static size_t align(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
+  template <class T>
+  T* take(size_t count) {
+    char* here = next;
+    next += align(count * sizeof(T));
+    return reinterpret_cast<T*>(here);
+  }
+};
+
 /// Tile shape and schedules of one instantiation.
 template <class TileShape_, class ClusterShape_, bool kPingpong>
 struct TileConfig {
@@ -91,28 +103,24 @@ struct GroupedGemm {
     StrideD* stride_d;
   };
 
-  static size_t align(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
   static size_t arrays_bytes(int count) {
     const auto n = static_cast<size_t>(count);
-    return align(n * sizeof(Shape3)) + 3 * align(n * sizeof(void*)) + align(n * sizeof(StrideA)) +
-           align(n * sizeof(StrideB)) + align(n * sizeof(StrideD));
+    using C = ScratchCarver;
+    return C::align(n * sizeof(Shape3)) + 3 * C::align(n * sizeof(void*)) +
+           C::align(n * sizeof(StrideA)) + C::align(n * sizeof(StrideB)) +
+           C::align(n * sizeof(StrideD));
   }
   static Arrays carve(void* scratch, int count) {
     const auto n = static_cast<size_t>(count);
-    auto* p = static_cast<char*>(scratch);
-    auto take = [&p](size_t bytes) {
-      char* here = p;
-      p += align(bytes);
-      return here;
-    };
+    ScratchCarver c{static_cast<char*>(scratch)};
     Arrays r;
-    r.shapes = reinterpret_cast<Shape3*>(take(n * sizeof(Shape3)));
-    r.a = reinterpret_cast<const Element**>(take(n * sizeof(void*)));
-    r.b = reinterpret_cast<const Element**>(take(n * sizeof(void*)));
-    r.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
-    r.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
-    r.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
-    r.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
+    r.shapes = c.take<Shape3>(n);
+    r.a = c.take<const Element*>(n);
+    r.b = c.take<const Element*>(n);
+    r.d = c.take<ElementD*>(n);
+    r.stride_a = c.take<StrideA>(n);
+    r.stride_b = c.take<StrideB>(n);
+    r.stride_d = c.take<StrideD>(n);
     return r;
   }
 
