@@ -18,6 +18,7 @@
 #include "xmoe/config/config.h"
 #include "xmoe/core/device_api.h"
 #include "xmoe/moe/layer.h"
+#include "torch_group.h"
 
 namespace py = pybind11;
 
@@ -91,15 +92,19 @@ struct ForwardStats {
   int64_t pass_id = 0;
 };
 
-/// One MoELayer whose parameters live in torch tensors; one process (expert parallelism through
-/// a torch.distributed group is the next step, docs/pytorch.md).
+/// One MoELayer whose parameters (and the sigmoid gate's routing bias) live in torch tensors.
+/// With an ep group it holds experts [r E/ep, (r + 1) E/ep) of ep rank r and moves rows over
+/// it; the aux statistics and the sigmoid gate's load are summed over the world group (null:
+/// this process alone).
 class TorchMoE {
  public:
   TorchMoE(int64_t d_model, const std::vector<std::pair<std::string, std::string>>& options,
-           uint64_t seed, float init_std) {
+           uint64_t seed, float init_std, std::shared_ptr<TorchProcessGroup> ep,
+           std::shared_ptr<TorchProcessGroup> world) {
     Config config;
     for (const auto& [key, value] : options) config_set(config, "model.moe." + key, value);
-    layer_ = std::make_unique<moe::MoELayer>(config.model.moe, d_model, "moe", seed, init_std);
+    layer_ = std::make_unique<moe::MoELayer>(config.model.moe, d_model, "moe", seed, init_std,
+                                             std::nullopt, moe::LayerGroups{world, ep});
     params_ = layer_->parameters();
     for (Parameter* p : params_) {
       shapes_.push_back(p->value.shape());
@@ -121,6 +126,9 @@ class TorchMoE {
     return out;
   }
 
+  /// The sigmoid gate's routing bias [E] lives in a torch buffer (true), else none.
+  bool has_routing_bias() { return layer_->gate().routing_bias() != nullptr; }
+
   /// Copies xmoe's initial values (counter-based, docs/architecture.md) into f32 CPU tensors,
   /// and frees them here: from now on the layer computes with the torch tensors only.
   void copy_initial_values(const std::vector<uintptr_t>& dst) {
@@ -136,10 +144,12 @@ class TorchMoE {
   ForwardStats forward(uintptr_t x_ptr, const Shape& x_shape, const std::string& dtype,
                        const std::string& device_type, int device_index, uintptr_t stream,
                        int64_t seq_len, const std::vector<uintptr_t>& param_ptrs,
-                       const std::string& param_dtype, uintptr_t y_ptr, bool need_backward) {
+                       const std::string& param_dtype, uintptr_t routing_bias_ptr, uintptr_t y_ptr,
+                       bool need_backward) {
     const Device device = make_device(device_type, device_index);
     StreamScope scope(device, stream);
     bind_values(param_ptrs, param_dtype, device);
+    bind_routing_bias(routing_bias_ptr, device);
     const Tensor x = view(x_ptr, x_shape, dtype, device);
     Tensor y = layer_->forward(x, seq_len);
     copy_out(y_ptr, y, x);  // torch's y: empty_like(x)
@@ -189,9 +199,16 @@ class TorchMoE {
     unbind();
   }
 
-  /// The sigmoid gate's aux-loss-free bias step from the load since the last call (no-op for
-  /// other gates); call after the optimizer step.
-  void update_routing_bias() { layer_->update_routing_bias(); }
+  /// The sigmoid gate's aux-loss-free bias step from the load since the last call, in place on
+  /// the torch buffer at routing_bias_ptr (no-op for other gates); call after the optimizer
+  /// step. Collective over the world group.
+  void update_routing_bias(uintptr_t routing_bias_ptr, const std::string& device_type,
+                           int device_index, uintptr_t stream) {
+    const Device device = make_device(device_type, device_index);
+    StreamScope scope(device, stream);
+    bind_routing_bias(routing_bias_ptr, device);
+    layer_->update_routing_bias();
+  }
 
  private:
   void check_count(const std::vector<uintptr_t>& ptrs, const char* what) const {
@@ -204,6 +221,15 @@ class TorchMoE {
     check_count(ptrs, "parameters");
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i]->value = view(ptrs[i], shapes_[i], dtype, device);
+  }
+
+  /// Views the torch buffer of the sigmoid gate's routing bias [E] f32 (0: the gate has none).
+  void bind_routing_bias(uintptr_t ptr, Device device) {
+    Tensor* bias = layer_->gate().routing_bias();
+    XMOE_CHECK((bias != nullptr) == (ptr != 0),
+               "[xmoe.torch] routing bias: the gate {} one, but {} was passed",
+               bias ? "has" : "has no", ptr ? "one" : "none");
+    if (bias) *bias = view(ptr, {layer_->config().num_experts}, "float32", device);
   }
 
   /// Drops the gradient views (the values stay viewed: the saved activations may hold a cast of
@@ -227,6 +253,7 @@ class TorchMoE {
 PYBIND11_MODULE(_C, m) {
   using xmoe::torch_ext::ForwardStats;
   using xmoe::torch_ext::TorchMoE;
+  using xmoe::torch_ext::TorchProcessGroup;
   m.doc() = "xmoe's MoE layer on memory PyTorch owns (see xmoe.torch)";
   py::register_exception<xmoe::Error>(m, "Error", PyExc_ValueError);
   py::class_<ForwardStats>(m, "ForwardStats")
@@ -236,10 +263,28 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("expert_load", &ForwardStats::expert_load)
       .def_readonly("dropped", &ForwardStats::dropped)
       .def_readonly("pass_id", &ForwardStats::pass_id);
+  // A torch.distributed process group as xmoe's comm::Group (torch_group.h).
+  py::class_<TorchProcessGroup, std::shared_ptr<TorchProcessGroup>>(m, "ProcessGroup")
+      .def(py::init([](py::object ops, int rank, int size, const std::string& device_type,
+                       int device_index) {
+             return std::make_shared<TorchProcessGroup>(
+                 std::move(ops), rank, size,
+                 xmoe::torch_ext::make_device(device_type, device_index));
+           }),
+           py::arg("ops"), py::arg("rank"), py::arg("size"), py::arg("device_type"),
+           py::arg("device_index"))
+      .def("rank", &TorchProcessGroup::rank)
+      .def("size", &TorchProcessGroup::size)
+      .def("all_to_all_bytes", [](const TorchProcessGroup& g) {
+        return g.counters().of(xmoe::comm::ByteCounters::all_to_all, xmoe::comm::LinkClass::intra_node);
+      });
   py::class_<TorchMoE>(m, "MoELayer")
       .def(py::init<int64_t, const std::vector<std::pair<std::string, std::string>>&, uint64_t,
-                    float>(),
-           py::arg("d_model"), py::arg("options"), py::arg("seed"), py::arg("init_std"))
+                    float, std::shared_ptr<TorchProcessGroup>,
+                    std::shared_ptr<TorchProcessGroup>>(),
+           py::arg("d_model"), py::arg("options"), py::arg("seed"), py::arg("init_std"),
+           py::arg("ep_group"), py::arg("world_group"))
+      .def("has_routing_bias", &TorchMoE::has_routing_bias)
       .def("parameter_info", &TorchMoE::parameter_info)
       .def("copy_initial_values", &TorchMoE::copy_initial_values)
       .def("forward", &TorchMoE::forward, py::call_guard<py::gil_scoped_release>())

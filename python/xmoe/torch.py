@@ -4,20 +4,24 @@
 two torch custom ops (`xmoe::moe_forward`, `xmoe::moe_backward`, with fake kernels, so
 torch.compile traces through them) that run xmoe's C++ (or CUDA, on torch's current stream)
 layer on those tensors' memory: the weights and the input are viewed, not copied.
-`replace_moe_layer(model)` swaps the sparse MoE blocks of a Hugging Face Mixtral or Qwen2-MoE
-model for `MoE` layers carrying their weights.
+With `ep_group` (a torch.distributed process group) the layer holds a slice of the experts and
+exchanges token rows over that group (xmoe._process_group). `replace_moe_layer(model)` swaps the
+sparse MoE blocks of a Hugging Face Mixtral, Qwen2-MoE or DeepSeek-V2/V3 model for `MoE` layers
+carrying their weights.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from xmoe import _C
+from xmoe._process_group import ProcessGroupOps
 
 __all__ = ["MoE", "MoEOutput", "replace_moe_layer", "memory_stats", "reset_peak_memory"]
 
@@ -56,19 +60,42 @@ class MoE(nn.Module):
     ``routed_scaling=2.5``, ``aux_loss_weight=0.01``, ``z_loss_weight=1e-3``,
     ``capacity_factor=1.25``, ``router_dim=16``, ``expert_grad_dtype="bf16"``. ``device``: where
     the parameters go once initialised (on the CPU).
+
+    Expert parallelism: ``ep_group`` (a torch.distributed process group of ep ranks, gloo on the
+    CPU, NCCL on CUDA) makes ep rank r hold experts [r E/ep, (r + 1) E/ep) (``experts_*`` are
+    that slice) and move the token rows over the group. ``world_group`` (default: the default
+    process group when ``ep_group`` is given, else this process alone) is where the aux-loss
+    statistics and the sigmoid gate's load are summed, so the aux loss and the routing bias are
+    those of one process of the global batch. Gradients follow xmoe's convention (docs/pytorch.md):
+    the dense parameters' are this rank's share (average them over the world, as DDP does); the
+    experts' gather every rank's tokens and must be divided by the world size
+    (``expert_parameters()``). Every forward, backward and update_routing_bias is collective.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, expert_hidden: int,
                  gate: str = "softmax_topk", shared_experts: int = 0, impl: str = "pft",
-                 seed: int = 1234, init_std: float = 0.02, device=None, **options):
+                 seed: int = 1234, init_std: float = 0.02, device=None,
+                 ep_group: Optional[dist.ProcessGroup] = None,
+                 world_group: Optional[dist.ProcessGroup] = None, **options):
         super().__init__()
         settings = {"num_experts": num_experts, "top_k": top_k, "expert_hidden": expert_hidden,
                     "gate": gate, "num_shared_experts": shared_experts, "impl": impl,
-                    "dispatch": "local", **options}
+                    "dispatch": "local" if ep_group is None else "all_to_all", **options}
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.expert_hidden, self.gate, self.impl = expert_hidden, gate, impl
+        if ep_group is not None and world_group is None:
+            world_group = dist.group.WORLD
+        ep, world = _process_group(ep_group), _process_group(world_group)
+        self.ep_size, self.ep_rank = (ep.size(), ep.rank()) if ep is not None else (1, 0)
+        self.world_size = world.size() if world is not None else 1
+        if num_experts % self.ep_size != 0:
+            raise ValueError(f"[xmoe.torch] num_experts = {num_experts} is not divisible by the "
+                             f"ep group's {self.ep_size} ranks")
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.num_local_experts
+        self._ep, self._world = ep, world  # the C++ layer holds them too
         self._layer = _C.MoELayer(d_model, [(k, _option_text(v)) for k, v in settings.items()],
-                                  seed, init_std)
+                                  seed, init_std, ep, world)
         self._names: List[str] = []
         self._grad_dtypes: List[torch.dtype] = []
         self._written_whole: List[bool] = []
@@ -80,6 +107,11 @@ class MoE(nn.Module):
             self._grad_dtypes.append(getattr(torch, grad_dtype))
             self._written_whole.append(whole)
         self._layer.copy_initial_values([p.data_ptr() for p in self._params()])  # host memory
+        # sigmoid gate: the selection bias [E] (a buffer: saved by state_dict, moved by .to(),
+        # updated in place by update_routing_bias, not by the optimizer).
+        self.routing_bias: Optional[Tensor]
+        self.register_buffer("routing_bias", torch.zeros(num_experts, dtype=torch.float32)
+                             if self._layer.has_routing_bias() else None)
         if device is not None:
             self.to(device)
         self.layer_id = next(_next_id)
@@ -87,6 +119,12 @@ class MoE(nn.Module):
 
     def _params(self) -> List[Tensor]:
         return [getattr(self, n) for n in self._names]
+
+    def expert_parameters(self) -> List[nn.Parameter]:
+        """The routed experts' weights (this rank's slice with an ep group): under data
+        parallelism their gradients are summed over the ranks that hold the same experts and
+        divided by the world size, not averaged like the others (docs/pytorch.md)."""
+        return [getattr(self, n) for n in self._names if n.startswith("experts_")]
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "
@@ -102,13 +140,29 @@ class MoE(nn.Module):
         need_backward = torch.is_grad_enabled() and (
             x.requires_grad or any(p.requires_grad for p in params))
         y, aux, terms, counts, dropped, _pass = torch.ops.xmoe.moe_forward(
-            x.reshape(-1, self.d_model), params, self.layer_id, seq_len, need_backward)
+            x.reshape(-1, self.d_model), params, self.routing_bias, self.layer_id, seq_len,
+            need_backward)
         return MoEOutput(y.view(x.shape), aux, terms, counts, dropped)
 
     def update_routing_bias(self) -> None:
         """gate="sigmoid": the aux-loss-free balancing step from the load since the last call
-        (call after the optimizer step); a no-op for other gates."""
-        self._layer.update_routing_bias()
+        (call after the optimizer step); a no-op for other gates. Collective over the world
+        group."""
+        b = self.routing_bias
+        if b is None:
+            return
+        if b.dtype != torch.float32 or not b.is_contiguous():
+            raise ValueError(f"[xmoe.torch] routing_bias must be contiguous float32, got {b.dtype}")
+        self._layer.update_routing_bias(b.data_ptr(), b.device.type, b.device.index or 0,
+                                        _stream(b))
+
+
+def _process_group(group: Optional[dist.ProcessGroup]):
+    """xmoe's view of a torch.distributed process group (None: none)."""
+    if group is None:
+        return None
+    ops = ProcessGroupOps(group)
+    return _C.ProcessGroup(ops, ops.rank, ops.size, ops.device.type, ops.device.index or 0)
 
 
 def memory_stats(device="cpu") -> dict:
@@ -136,8 +190,8 @@ def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
-def _check(x: Tensor, params: List[Tensor]) -> None:
-    for p in params:
+def _check(x: Tensor, params: List[Tensor], routing_bias: Optional[Tensor]) -> None:
+    for p in params + ([routing_bias] if routing_bias is not None else []):
         if p.device != x.device or p.dtype != torch.float32 or not p.is_contiguous():
             raise ValueError(
                 f"[xmoe.torch] parameters must be contiguous float32 on the input's device "
@@ -147,16 +201,18 @@ def _check(x: Tensor, params: List[Tensor]) -> None:
 
 
 @torch.library.custom_op("xmoe::moe_forward", mutates_args=())
-def _moe_forward(x: Tensor, params: List[Tensor], layer_id: int, seq_len: int,
-                 need_backward: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _moe_forward(x: Tensor, params: List[Tensor], routing_bias: Optional[Tensor], layer_id: int,
+                 seq_len: int, need_backward: bool
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     x = x.contiguous()
-    _check(x, params)
+    _check(x, params, routing_bias)
     layer = _layer(layer_id)
     y = torch.empty_like(x)
     s = layer._layer.forward(x.data_ptr(), list(x.shape), str(x.dtype).removeprefix("torch."),
                              x.device.type, x.device.index or 0, _stream(x), seq_len,
-                             [p.data_ptr() for p in params], "float32", y.data_ptr(),
-                             need_backward)
+                             [p.data_ptr() for p in params], "float32",
+                             routing_bias.data_ptr() if routing_bias is not None else 0,
+                             y.data_ptr(), need_backward)
     return (y, torch.tensor(s.aux_loss, dtype=torch.float32).to(x.device),
             torch.tensor(s.aux_terms, dtype=torch.float64),
             torch.tensor(s.tokens_per_expert, dtype=torch.int64),
@@ -164,7 +220,7 @@ def _moe_forward(x: Tensor, params: List[Tensor], layer_id: int, seq_len: int,
 
 
 @_moe_forward.register_fake
-def _moe_forward_fake(x, params, layer_id, seq_len, need_backward):
+def _moe_forward_fake(x, params, routing_bias, layer_id, seq_len, need_backward):
     E = _layer(layer_id).num_experts
     return (torch.empty_like(x), x.new_empty((), dtype=torch.float32),
             torch.empty(3, dtype=torch.float64, device="cpu"),
@@ -198,7 +254,7 @@ def _moe_backward_fake(dy, d_aux, x, params, layer_id, pass_id):
 
 
 def _setup_context(ctx, inputs, output):
-    x, params, layer_id, _seq_len, _need_backward = inputs
+    x, params, _routing_bias, layer_id, _seq_len, _need_backward = inputs
     ctx.layer_id = layer_id
     ctx.save_for_backward(x, output[5], *params)
 
@@ -210,7 +266,7 @@ def _backward(ctx, dy, d_aux, *_stats):
     if d_aux is None:
         d_aux = torch.zeros((), dtype=torch.float32)
     dx, grads = torch.ops.xmoe.moe_backward(dy, d_aux, x, params, ctx.layer_id, pass_id)
-    return dx, list(grads), None, None, None
+    return dx, list(grads), None, None, None, None
 
 
 torch.library.register_autograd("xmoe::moe_forward", _backward, setup_context=_setup_context)
