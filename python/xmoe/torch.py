@@ -276,9 +276,9 @@ torch.library.register_autograd("xmoe::moe_forward", _backward, setup_context=_s
 
 class HFMoEBlock(nn.Module):
     """What `replace_moe_layer` puts in place of a Hugging Face sparse MoE block: xmoe's routed
-    experts, plus the block's own gated shared expert (Qwen2-MoE), which stays in PyTorch. Takes
-    and returns hidden states [batch, seq, d] as the block did; the last forward's aux loss and
-    routing are in `aux_loss` and `tokens_per_expert`."""
+    (and, for DeepSeek, shared) experts, plus the block's own gated shared expert (Qwen2-MoE),
+    which stays in PyTorch. Takes and returns hidden states [batch, seq, d] as the block did;
+    the last forward's aux loss and routing are in `aux_loss` and `tokens_per_expert`."""
 
     def __init__(self, moe: MoE, shared_expert: nn.Module | None = None,
                  shared_expert_gate: nn.Module | None = None):
@@ -299,45 +299,119 @@ class HFMoEBlock(nn.Module):
         return y
 
 
-def _from_hf_block(block: nn.Module, config) -> HFMoEBlock:
-    """A Mixtral / Qwen2-MoE block (router `gate.weight` [E, d]; fused experts
-    `experts.gate_up_proj` [E, 2f, d] (gate | up) and `experts.down_proj` [E, d, f]) as xmoe's."""
-    router, ex = block.gate, block.experts
+_HF_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "DeepseekV2Moe", "DeepseekV3MoE")
+
+
+def _refuse(block: nn.Module, what: str) -> ValueError:
+    return ValueError(f"[xmoe.torch] replace_moe_layer: {type(block).__name__} {what}")
+
+
+def _is_silu(act) -> bool:
+    return type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def _expert_hidden(block: nn.Module, E: int, d: int) -> int:
+    """f of the fused routed experts (transformers 5: `gate_up_proj` [E, 2f, d] (gate | up),
+    `down_proj` [E, d, f]), checked to be SwiGLU."""
+    ex = block.experts
     if not hasattr(ex, "gate_up_proj"):
-        raise ValueError(f"[xmoe.torch] {type(block).__name__} keeps one module per expert "
-                         "(transformers 4); replace_moe_layer reads transformers 5's fused experts")
-    E, d = router.weight.shape
+        raise _refuse(block, "keeps one module per expert (transformers 4); replace_moe_layer "
+                      "reads transformers 5's fused experts")
     f = ex.down_proj.shape[-1]
     if tuple(ex.gate_up_proj.shape) != (E, 2 * f, d) or tuple(ex.down_proj.shape) != (E, d, f):
-        raise ValueError(f"[xmoe.torch] {type(block).__name__}: unexpected expert shapes "
-                         f"{tuple(ex.gate_up_proj.shape)}, {tuple(ex.down_proj.shape)}")
-    if getattr(ex.act_fn, "__class__", None).__name__ not in ("SiLU", "SiLUActivation"):
-        raise ValueError(f"[xmoe.torch] {type(block).__name__}: experts use {ex.act_fn}; xmoe's "
-                         "experts are SwiGLU (silu)")
-    renormalize = getattr(router, "norm_topk_prob", True)  # Mixtral always renormalises
-    moe = MoE(d, E, router.top_k, f, gate="softmax_topk", renormalize=renormalize,
-              aux_loss_weight=getattr(config, "router_aux_loss_coef", 0.01))
+        raise _refuse(block, f"has unexpected expert shapes {tuple(ex.gate_up_proj.shape)}, "
+                      f"{tuple(ex.down_proj.shape)}")
+    if not _is_silu(ex.act_fn):
+        raise _refuse(block, f"experts use {ex.act_fn}; xmoe's experts are SwiGLU (silu)")
+    return f
+
+
+def _deepseek_gate(block: nn.Module, config) -> dict:
+    """xmoe's gate options for a DeepSeek-V2 (softmax, greedy) or V3 (sigmoid, group-limited,
+    e_score_correction_bias) router; what has no xmoe equivalent is refused by name."""
+    router = block.gate
+    E, scaling = router.weight.shape[0], float(router.routed_scaling_factor)
+    groups = router.num_group or 1
+    topk_groups = router.topk_group or groups
+    if type(block).__name__ == "DeepseekV3MoE":
+        if not router.norm_topk_prob:
+            raise _refuse(block, "has norm_topk_prob = False; xmoe's sigmoid gate always "
+                          "normalises the k weights")
+        return dict(gate="sigmoid", num_groups=groups, topk_groups=topk_groups,
+                    routed_scaling=scaling, aux_loss_weight=0.0)
+    method = router.topk_method
+    if method == "group_limited_greedy" and topk_groups < groups:
+        raise _refuse(block, f"has topk_method = 'group_limited_greedy' (n_group = {groups}, "
+                      f"topk_group = {topk_groups}): its group score (the best softmax "
+                      "probability) has no xmoe gate; xmoe groups the sigmoid gate only")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise _refuse(block, f"has topk_method = {method!r}; xmoe reads 'greedy'")
+    if scaling != 1.0:
+        raise _refuse(block, f"has routed_scaling_factor = {scaling} with the softmax gate; "
+                      "xmoe's softmax_topk gate does not scale its weights")
+    # DeepSeek-V2's router uses the top-k softmax probabilities as they are (never renormalised).
+    return dict(gate="softmax_topk", softmax_before_topk=True, renormalize=False,
+                aux_loss_weight=0.0)
+
+
+def _from_hf_block(block: nn.Module, config, ep_group, options: dict) -> HFMoEBlock:
+    """One Hugging Face sparse MoE block (router `gate.weight` [E, d], fused experts) as xmoe's;
+    with ep_group this rank's slice of the experts."""
+    router, ex = block.gate, block.experts
+    E, d = router.weight.shape
+    f = _expert_hidden(block, E, d)
+    deepseek = type(block).__name__.startswith("Deepseek")
+    shared = 0
+    if deepseek:
+        gate = _deepseek_gate(block, config)
+        mlp = block.shared_experts
+        shared = mlp.gate_proj.weight.shape[0] // f  # n_shared_experts (0: a width-0 MLP)
+        if shared * f != mlp.gate_proj.weight.shape[0]:
+            raise _refuse(block, f"has shared experts of width {mlp.gate_proj.weight.shape[0]}, "
+                          f"not a multiple of moe_intermediate_size = {f}")
+        if any(getattr(m, "bias", None) is not None
+               for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            raise _refuse(block, "has shared experts with biases (mlp_bias); xmoe's have none")
+        if not _is_silu(mlp.act_fn):
+            raise _refuse(block, f"has shared experts using {mlp.act_fn}; xmoe's are SwiGLU")
+    else:  # Mixtral renormalises always; Qwen2-MoE as norm_topk_prob says
+        gate = dict(gate="softmax_topk", renormalize=getattr(router, "norm_topk_prob", True),
+                    aux_loss_weight=getattr(config, "router_aux_loss_coef", 0.01))
+    moe = MoE(d, E, router.top_k, f, shared_experts=shared, ep_group=ep_group,
+              **{**gate, **options})
+    mine = slice(moe.first_expert, moe.first_expert + moe.num_local_experts)
     with torch.no_grad():
         moe.router_weight.copy_(router.weight.t())
-        moe.experts_gate_up.copy_(ex.gate_up_proj.transpose(1, 2))
-        moe.experts_down.copy_(ex.down_proj.transpose(1, 2))
+        moe.experts_gate_up.copy_(ex.gate_up_proj[mine].transpose(1, 2))
+        moe.experts_down.copy_(ex.down_proj[mine].transpose(1, 2))
+        if moe.routing_bias is not None and hasattr(router, "e_score_correction_bias"):
+            moe.routing_bias.copy_(router.e_score_correction_bias)
+        if shared:
+            mlp = block.shared_experts
+            moe.shared_gate_up.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t())
+            moe.shared_down.copy_(mlp.down_proj.weight.t())
     moe.to(router.weight.device)
+    if deepseek:
+        return HFMoEBlock(moe)
     return HFMoEBlock(moe, getattr(block, "shared_expert", None),
                       getattr(block, "shared_expert_gate", None))
 
 
-def replace_moe_layer(model: nn.Module) -> nn.Module:
-    """Swaps every Mixtral / Qwen2-MoE sparse MoE block of a Hugging Face model (transformers 5:
-    fused 3-d expert weights) for xmoe's layer (weights copied once into xmoe's f32 layout,
-    HFMoEBlock); returns the model. Raises when the model has none."""
+def replace_moe_layer(model: nn.Module, ep_group: Optional[dist.ProcessGroup] = None,
+                      **options) -> nn.Module:
+    """Swaps every Mixtral / Qwen2-MoE / DeepSeek-V2 / DeepSeek-V3 sparse MoE block of a Hugging
+    Face model (transformers 5: fused 3-d expert weights) for xmoe's layer (weights copied once
+    into xmoe's f32 layout, HFMoEBlock); returns the model. ep_group: each rank keeps its slice
+    of the experts (MoE's ep_group). options: MoE options that override the block's (e.g.
+    aux_loss_weight, bias_update_rate, impl). Raises when the model has none, or for a block
+    feature xmoe has no equivalent of (named)."""
     config = getattr(model, "config", None)
-    found = [(name, m) for name, m in model.named_modules()
-             if type(m).__name__ in ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")]
+    found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _HF_BLOCKS]
     if not found:
-        raise ValueError(f"[xmoe.torch] replace_moe_layer: no Mixtral or Qwen2-MoE sparse MoE "
-                         f"block in {type(model).__name__}")
+        raise ValueError(f"[xmoe.torch] replace_moe_layer: no Mixtral, Qwen2-MoE or DeepSeek-V2/V3 "
+                         f"sparse MoE block in {type(model).__name__}")
     for name, block in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _from_hf_block(block, config))
+        setattr(parent, child, _from_hf_block(block, config, ep_group, options))
     return model
