@@ -14,11 +14,11 @@
 #include <utility>
 #include <vector>
 
+#include "torch_group.h"
 #include "xmoe/backend/cuda/runtime.h"
 #include "xmoe/config/config.h"
 #include "xmoe/core/device_api.h"
 #include "xmoe/moe/layer.h"
-#include "torch_group.h"
 
 namespace py = pybind11;
 
@@ -276,14 +276,15 @@ PYBIND11_MODULE(_C, m) {
       .def("rank", &TorchProcessGroup::rank)
       .def("size", &TorchProcessGroup::size)
       .def("all_to_all_bytes", [](const TorchProcessGroup& g) {
-        return g.counters().of(xmoe::comm::ByteCounters::all_to_all, xmoe::comm::LinkClass::intra_node);
+        return g.counters().of(xmoe::comm::ByteCounters::all_to_all,
+                               xmoe::comm::LinkClass::intra_node);
       });
   py::class_<TorchMoE>(m, "MoELayer")
-      .def(py::init<int64_t, const std::vector<std::pair<std::string, std::string>>&, uint64_t,
-                    float, std::shared_ptr<TorchProcessGroup>,
-                    std::shared_ptr<TorchProcessGroup>>(),
-           py::arg("d_model"), py::arg("options"), py::arg("seed"), py::arg("init_std"),
-           py::arg("ep_group"), py::arg("world_group"))
+      .def(
+          py::init<int64_t, const std::vector<std::pair<std::string, std::string>>&, uint64_t,
+                   float, std::shared_ptr<TorchProcessGroup>, std::shared_ptr<TorchProcessGroup>>(),
+          py::arg("d_model"), py::arg("options"), py::arg("seed"), py::arg("init_std"),
+          py::arg("ep_group"), py::arg("world_group"))
       .def("has_routing_bias", &TorchMoE::has_routing_bias)
       .def("parameter_info", &TorchMoE::parameter_info)
       .def("copy_initial_values", &TorchMoE::copy_initial_values)

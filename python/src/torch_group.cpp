@@ -51,7 +51,9 @@ const char* reduce_name(comm::ReduceOp op) {
   return "?";
 }
 
-std::vector<int64_t> to_vector(std::span<const int64_t> s) { return {s.begin(), s.end()}; }
+std::vector<int64_t> to_vector(std::span<const int64_t> s) {
+  return {s.begin(), s.end()};
+}
 
 }  // namespace
 
@@ -133,6 +135,8 @@ void TorchProcessGroup::do_broadcast(Tensor& t, int root) {
   call("broadcast", describe_rows(t, row_bytes(t)), root);
 }
 
-void TorchProcessGroup::do_barrier() { call("barrier"); }
+void TorchProcessGroup::do_barrier() {
+  call("barrier");
+}
 
 }  // namespace xmoe::torch_ext
