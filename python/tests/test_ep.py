@@ -130,3 +130,31 @@ def bad_split_worker(rank, port):
             MoE(D, 7, K, F_, ep_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
+
+
+def test_replace_moe_layer_with_an_ep_group():
+    pytest.importorskip("transformers", minversion="5.0")
+    mp.spawn(replace_worker, args=(free_port(),), nprocs=2, join=True)
+
+
+def replace_worker(rank, port):
+    """A tiny DeepSeek-V3 (sigmoid gate, routing bias, shared experts) swapped with ep 2: each
+    rank keeps half the experts, and its logits (its own token ids) are the HF model's."""
+    from test_models import _deepseek  # the same tiny model on both ranks (seeded)
+    from xmoe.torch import HFMoEBlock, replace_moe_layer
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        model = _deepseek(3)
+        ids = torch.randint(0, 64, (2, 2, 12), generator=torch.Generator().manual_seed(1))[rank]
+        with torch.no_grad():
+            before = model(ids).logits
+        replace_moe_layer(model, ep_group=dist.group.WORLD)
+        blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+        assert len(blocks) == 2 and all(b.moe.num_local_experts == 4 for b in blocks)
+        with torch.no_grad():
+            after = model(ids).logits
+        assert (after - before).abs().max() <= 1e-4 * before.abs().max()
+    finally:
+        dist.destroy_process_group()
