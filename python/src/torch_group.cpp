@@ -98,9 +98,8 @@ void TorchProcessGroup::check_tensor(const Tensor& t, const char* op) const {
 
 std::shared_ptr<comm::Group> TorchProcessGroup::do_split(int, int) {
   throw Error(fmt::format(
-      "[xmoe.torch process group] split: a torch.distributed group is not split by xmoe (e.g. "
-      "moe.dispatch = 'rbd' needs node groups); make sub-groups with torch.distributed.new_group "
-      "and use moe.dispatch = 'all_to_all'"));
+      "[xmoe.torch process group] split: a torch.distributed group is not split by xmoe; make "
+      "sub-groups with torch.distributed.new_group and pass them"));
 }
 
 std::unique_ptr<comm::Work> TorchProcessGroup::do_all_reduce(Tensor& t, comm::ReduceOp op) {

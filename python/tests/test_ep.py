@@ -118,7 +118,7 @@ def test_ep_layer_equals_the_one_process_layer(world, ep):
     mp.spawn(worker, args=(world, ep, free_port()), nprocs=world, join=True)
 
 
-def test_ep_group_must_divide_the_experts():
+def test_ep_errors_name_the_problem():
     mp.spawn(bad_split_worker, args=(free_port(),), nprocs=2, join=True)
 
 
