@@ -28,8 +28,9 @@ TEST(CudaProfile, QuickProfileFitsTheComputeTasksInBf16) {
   const Profile p = run_profile(comm::make_single_group(), xmoe::testing::kCuda, o);
   EXPECT_EQ(p.machine.device, "cuda");
   EXPECT_FALSE(p.machine.device_name.empty());
-  // GEMM forward / data grad / weight grad, row gather, AdamW, attention forward / backward.
-  ASSERT_EQ(p.models.size(), 7u);
+  // GEMM forward / data grad / weight grad, row gather / scatter, AdamW, attention forward /
+  // backward.
+  ASSERT_EQ(p.models.size(), 8u);
   for (const TaskModel& m : p.models) {
     EXPECT_EQ(m.dtype, "bf16") << task_name(m.task);
     EXPECT_TRUE(std::isfinite(m.fit.alpha) && m.fit.alpha >= 0) << task_name(m.task);

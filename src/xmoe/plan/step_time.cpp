@@ -168,12 +168,12 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   // Attention on T tokens (gathered over tp), 1/tp of the heads.
   const double attn_proj_f = fwd(T, d, q) + 2 * fwd(T, d, kv) + fwd(T, q, d);
   const double attn_proj_b = bwd(T, d, q) + 2 * bwd(T, d, kv) + bwd(T, q, d);
-  const int64_t score_rows = B * heads * S;
-  const double core_f = fwd(score_rows, hd, S) + fwd(score_rows, S, hd);
-  const double core_b = 2 * core_f;
-  // f32 scores: softmax reads and writes them; rope, norm and residual pass the activations.
-  const double attn_stream_f =
-      rates.stream(3.0 * score_rows * S * 4 + 2.0 * T * (q + 2 * kv) * elem + 4.0 * Tr * d * 4);
+  // The attention kernels (ops::attention: fused, no scores in memory) on B x heads sequences,
+  // timed by the profile's attention models; rope, norm and residual pass the activations.
+  const int64_t pairs = B * heads;
+  const double core_f = rates.attention(Task::attention_forward, pairs, hd, S);
+  const double core_b = rates.attention(Task::attention_backward, pairs, hd, S);
+  const double attn_stream_f = rates.stream(2.0 * T * (q + 2 * kv) * elem + 4.0 * Tr * d * 4);
   const double attn_f = attn_proj_f + core_f + attn_stream_f;
   const double attn_b = attn_proj_b + core_b + 2 * attn_stream_f;
   const double attn_recompute = rc.attention ? attn_f : rc.attention_core ? core_f : 0;

@@ -29,6 +29,17 @@ __device__ __forceinline__ void block_scale(float amax, float& scale, float& inv
   }
 }
 
+__device__ __forceinline__ void load4(float (&v)[4], const bf16_t* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+  const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+__device__ __forceinline__ void load4(float (&v)[4], const float* p) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+}
+
 /// The first row of every group (and the total last), passed by value.
 struct RowGroups {
   int count = 0;
@@ -82,19 +93,34 @@ __global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x,
     const int64_t c0 = j * kFp8Block, c1 = min(k, c0 + kFp8Block);
     float v[kFp8Block / 32];
     float amax = 0.f;
+    // A whole block with 4-aligned rows: each lane's 4 consecutive elements in one load and one
+    // 4-byte store; otherwise element by element.
+    const bool whole = c1 - c0 == kFp8Block && k % 4 == 0;
+    if (whole) {
+      load4(v, x + r * k + c0 + 4 * lane);
+    } else {
 #pragma unroll
-    for (int t = 0; t < kFp8Block / 32; ++t) {
-      const int64_t c = c0 + lane + 32 * t;
-      v[t] = c < c1 ? to_float(x[r * k + c]) : 0.f;
-      amax = fmaxf(amax, fabsf(v[t]));
+      for (int t = 0; t < kFp8Block / 32; ++t) {
+        const int64_t c = c0 + lane + 32 * t;
+        v[t] = c < c1 ? to_float(x[r * k + c]) : 0.f;
+      }
     }
+#pragma unroll
+    for (int t = 0; t < kFp8Block / 32; ++t) amax = fmaxf(amax, fabsf(v[t]));
     amax = warp_max(amax);
     float scale, inverse;
     block_scale(amax, scale, inverse);
+    if (whole) {
+      uint32_t packed = 0;
 #pragma unroll
-    for (int t = 0; t < kFp8Block / 32; ++t) {
-      const int64_t c = c0 + lane + 32 * t;
-      if (c < c1) q[r * k + c] = to_e4m3(v[t] * inverse);
+      for (int t = 0; t < 4; ++t) packed |= uint32_t{to_e4m3(v[t] * inverse)} << (8 * t);
+      *reinterpret_cast<uint32_t*>(q + r * k + c0 + 4 * lane) = packed;
+    } else {
+#pragma unroll
+      for (int t = 0; t < kFp8Block / 32; ++t) {
+        const int64_t c = c0 + lane + 32 * t;
+        if (c < c1) q[r * k + c] = to_e4m3(v[t] * inverse);
+      }
     }
     if (lane == 0) scales[row_scale_index(groups, r, kb, j)] = scale;
   }
@@ -114,7 +140,7 @@ __global__ void dequantize_rows_kernel(T* x, const uint8_t* q, const float* scal
 template <class T>
 __global__ void quantize_weights_kernel(uint8_t* q, uint8_t* q_t, float* scales, float* scales_t,
                                         const T* w, int64_t k, int64_t m) {
-  __shared__ uint8_t tile[kFp8Block][kFp8Block + 4];  // [m][k]: read back along k
+  __shared__ alignas(8) uint8_t tile[kFp8Block][kFp8Block + 8];  // [m][k]: read back along k
   __shared__ float scratch[32];
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, mb = (m + kFp8Block - 1) / kFp8Block;
   const int64_t bj = blockIdx.x, bi = blockIdx.y, g = blockIdx.z;
@@ -122,6 +148,49 @@ __global__ void quantize_weights_kernel(uint8_t* q, uint8_t* q_t, float* scales,
   const int rn = static_cast<int>(min(int64_t{kFp8Block}, k - r0));
   const int cn = static_cast<int>(min(int64_t{kFp8Block}, m - c0));
   const T* wg = w + g * k * m;
+  if (rn == kFp8Block && cn == kFp8Block && k % 8 == 0 && m % 8 == 0) {
+    // A whole tile: thread t holds rows t / 16 + 16 i (i < 8), columns 8 (t % 16) + [0, 8) in
+    // registers (one 16- or 32-byte load each), so the tile is read once.
+    constexpr int kRowsPerPass = 16;
+    const int col = 8 * (threadIdx.x % 16), row = threadIdx.x / 16;
+    float v[8][8];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      load8(v[i], wg + (r0 + row + kRowsPerPass * i) * m + c0 + col);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
+    }
+    amax = block_max(amax, scratch);
+    float scale, inverse;
+    block_scale(amax, scale, inverse);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = row + kRowsPerPass * i;
+      uint2 packed{0, 0};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const uint8_t b = to_e4m3(v[i][e] * inverse);
+        (e < 4 ? packed.x : packed.y) |= uint32_t{b} << (8 * (e % 4));
+        tile[col + e][r] = b;
+      }
+      *reinterpret_cast<uint2*>(q + g * k * m + (r0 + r) * m + c0 + col) = packed;
+    }
+    __syncthreads();
+    // The transpose, 8 bytes a thread along k.
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int idx = threadIdx.x + kBlock * i, c = idx / 16, r = 8 * (idx % 16);
+      uint2 packed;
+      memcpy(&packed, &tile[c][r], 8);
+      *reinterpret_cast<uint2*>(q_t + g * k * m + (c0 + c) * k + r0 + r) = packed;
+    }
+    if (threadIdx.x == 0) {
+      scales[(g * kb + bi) * mb + bj] = scale;
+      scales_t[(g * mb + bj) * kb + bi] = scale;
+    }
+    return;
+  }
   float amax = 0.f;
   for (int i = threadIdx.x; i < rn * kFp8Block; i += blockDim.x) {
     const int r = i / kFp8Block, c = i % kFp8Block;
