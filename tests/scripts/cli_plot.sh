@@ -38,6 +38,13 @@ done
 "$xmoe" plot "$work/run" --out "$work/elsewhere" >/dev/null || fail "plot --out failed"
 [[ -s "$work/elsewhere/overview.png" ]] || fail "--out wrote no overview.png"
 
+# --compare: every run's loss on one axis; a compared folder without metrics is named.
+cp -r "$work/run" "$work/other"
+out=$("$xmoe" plot "$work/run" --out "$work/cmp" --compare "$work/other" 2>&1) || fail "compare failed: $out"
+[[ -s "$work/cmp/compare_loss.png" && $out == *compare_loss.png* ]] || fail "no compare_loss.png ($out)"
+out=$("$xmoe" plot "$work/run" --compare "$work/missing" 2>&1) && fail "compare with a missing run succeeded"
+[[ $out == *"missing has no metrics.jsonl"* ]] || fail "message: $out"
+
 # A line that is not JSON is named with its line number.
 echo "{not json" >>"$work/run/metrics.jsonl"
 out=$("$xmoe" plot "$work/run" 2>&1) && fail "plot of a broken metrics.jsonl succeeded"

@@ -8,7 +8,7 @@
 //   xmoe profile   [--out FILE] [--device cpu|cuda] [--quick] [--ranks-per-node N]
 //   xmoe export    --checkpoint DIR --format hf --out DIR [--dtype f32|bf16]
 //   xmoe import    --hf DIR --out RUN_DIR [--set key=value ...]
-//   xmoe plot      RUN_DIR [--out DIR]
+//   xmoe plot      RUN_DIR [--out DIR] [--compare RUN_DIR...]
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
@@ -347,11 +347,15 @@ int main(int argc, char** argv) {
       "  xmoe train --resume --set train.out_dir=runs/from-hf --set train.steps=200");
 
   std::string plot_dir, plot_out;
+  std::vector<std::string> plot_compare;
   auto* plot_cmd =
       app.add_subcommand("plot", "PNG plots of a run's metrics.jsonl (needs python3, matplotlib)");
   plot_cmd->add_option("run", plot_dir, "Run folder (train.out_dir)")->required();
   plot_cmd->add_option("--out", plot_out, "Folder for the PNGs (default RUN/plots)");
-  plot_cmd->footer("Example:\n  xmoe plot runs/default");
+  plot_cmd->add_option("--compare", plot_compare,
+                       "Other run folders: compare_loss.png draws every run's loss on one axis");
+  plot_cmd->footer(
+      "Example:\n  xmoe plot runs/default\n  xmoe plot runs/bf16 --compare runs/fp8 --out plots");
 
   try {
     app.parse(argc, argv);
@@ -403,7 +407,8 @@ int main(int argc, char** argv) {
           "[--set data.dir=... --set train.steps=...]\n",
           import_hf_dir.c_str(), r.architecture.c_str(), r.checkpoint.c_str(), import_out.c_str());
     } else if (*plot_cmd) {
-      for (const std::string& f : cli::plot_run(plot_dir, plot_out)) std::printf("%s\n", f.c_str());
+      for (const std::string& f : cli::plot_run(plot_dir, plot_out, plot_compare))
+        std::printf("%s\n", f.c_str());
     } else if (profile_cmd.chosen()) {
       profile_cmd.run();
     } else if (plan_cmd.chosen()) {

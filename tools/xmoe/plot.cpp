@@ -71,15 +71,25 @@ std::string trimmed(std::string s) {
 
 }  // namespace
 
-std::vector<std::string> plot_run(const std::string& run_dir, std::string out_dir) {
-  const fs::path metrics = fs::path(run_dir) / "metrics.jsonl";
-  XMOE_CHECK(fs::is_regular_file(metrics),
-             "[plot] {} has no metrics.jsonl: give the run folder of xmoe train (its "
-             "train.out_dir)",
-             run_dir);
+std::vector<std::string> plot_run(const std::string& run_dir, std::string out_dir,
+                                  const std::vector<std::string>& compare_dirs) {
+  const auto metrics_of = [](const std::string& dir) {
+    const fs::path metrics = fs::path(dir) / "metrics.jsonl";
+    XMOE_CHECK(fs::is_regular_file(metrics),
+               "[plot] {} has no metrics.jsonl: give the run folder of xmoe train (its "
+               "train.out_dir)",
+               dir);
+    return metrics.string();
+  };
+  const std::string metrics = metrics_of(run_dir);
   if (out_dir.empty()) out_dir = (fs::path(run_dir) / "plots").string();
-  const ChildResult r = run_child(
-      {"python3", io::find_helper_script(kHelper, "plot", "plotting"), metrics.string(), out_dir});
+  std::vector<std::string> args{"python3", io::find_helper_script(kHelper, "plot", "plotting"),
+                                metrics, out_dir};
+  if (!compare_dirs.empty()) {
+    args.push_back("--compare");
+    for (const std::string& dir : compare_dirs) args.push_back(metrics_of(dir));
+  }
+  const ChildResult r = run_child(args);
   XMOE_CHECK(r.status != kNoInterpreter,
              "[plot] python3 was not found on PATH; xmoe plot needs Python 3 with matplotlib "
              "(bash scripts/install-deps.sh installs both)");

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """PNG plots of a run's metrics.jsonl; `xmoe plot RUN_DIR [--out DIR]` runs this helper.
 
-Usage: xmoe_plot.py METRICS_JSONL OUT_DIR
+Usage: xmoe_plot.py METRICS_JSONL OUT_DIR [--compare METRICS_JSONL ...]
 Writes loss.png (training and validation loss), lr.png, grad_norm.png, tokens_per_s.png,
 expert_load.png (the busiest and the idlest expert's load),
 expert_load_spread.png (their ratio), mfu.png (CUDA runs) and
-overview.png (all panels), and prints one line per file written.
+overview.png (all panels), and prints one line per file written. With --compare, also
+compare_loss.png: every run's training loss (mean over 20-step windows) and validation loss on
+one axis, each run named by its folder.
 Exit status: 0 done, 2 bad input (the message says what), 3 matplotlib missing.
 """
 import json
@@ -88,10 +90,50 @@ def draw(ax, title, ylabel, curves, log_y):
         ax.legend()
 
 
+def run_name(metrics):
+    return os.path.basename(os.path.dirname(os.path.abspath(metrics)))
+
+
+def windowed(xs, ys, width=20):
+    """Means over consecutive windows of `width` steps (a readable training curve)."""
+    out_x, out_y = [], []
+    for i in range(0, len(xs) - width + 1, width):
+        out_x.append(xs[i + width - 1])
+        out_y.append(sum(ys[i:i + width]) / width)
+    return (out_x, out_y) if out_x else (xs, ys)
+
+
+def draw_comparison(plt, runs, path):
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=100)
+    for metrics, steps, evals in runs:
+        name = run_name(metrics)
+        line, = ax.plot(*windowed(*series(steps, "loss")), linewidth=1.2,
+                        label=f"{name} training (20-step mean)")
+        xs, ys = series(evals, "val_loss")
+        if xs:
+            ax.plot(xs, ys, marker="o", linestyle="--", color=line.get_color(), linewidth=1,
+                    label=f"{name} validation")
+    ax.set_title("Loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats/token")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv):
-    if len(argv) != 3:
-        fail("usage: xmoe_plot.py METRICS_JSONL OUT_DIR")
-    metrics, out_dir = argv[1], argv[2]
+    args = argv[1:]
+    compare = []
+    if "--compare" in args:
+        at = args.index("--compare")
+        compare, args = args[at + 1:], args[:at]
+        if not compare:
+            fail("--compare needs at least one metrics.jsonl")
+    if len(args) != 2:
+        fail("usage: xmoe_plot.py METRICS_JSONL OUT_DIR [--compare METRICS_JSONL ...]")
+    metrics, out_dir = args
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display needed
@@ -129,6 +171,18 @@ def main(argv):
     fig.savefig(path)
     plt.close(fig)
     written.append(path)
+    if compare:
+        runs = [(metrics, steps, evals)]
+        for other in compare:
+            if not os.path.isfile(other):
+                fail(f"{other}: no such file (is the folder a run folder of xmoe train?)")
+            other_steps, other_evals = read_metrics(other)
+            if not other_steps:
+                fail(f"{other} holds no training step yet")
+            runs.append((other, other_steps, other_evals))
+        path = os.path.join(out_dir, "compare_loss.png")
+        draw_comparison(plt, runs, path)
+        written.append(path)
     for path in written:
         print(path)
 
