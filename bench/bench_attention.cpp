@@ -6,7 +6,6 @@
 //   bench_attention [--shapes B,S,H,Hkv,hd;...] [--iters N] [--dtype bf16|f32]
 //                   [--backends cudnn,native]
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -14,10 +13,10 @@
 #include <tuple>
 #include <vector>
 
+#include "timing.h"
 #include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/core/device_api.h"
 #include "xmoe/core/rng.h"
-#include "xmoe/core/timer.h"
 #include "xmoe/ops/model_ops.h"
 
 using namespace xmoe;
@@ -40,21 +39,6 @@ std::vector<AttnShape> parse_shapes(const std::string& text) {
     out.push_back(s);
   }
   return out;
-}
-
-template <class F>
-double median_ms(F&& f, int iters, Device device) {
-  f();  // warm-up: module load, allocator
-  backend::synchronize(device);
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    Timer t;
-    f();
-    backend::synchronize(device);
-    ms.push_back(t.millis());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 Tensor random_tensor(std::vector<int64_t> shape, uint64_t seed, DType dtype, Device device) {
@@ -98,9 +82,11 @@ int main(int argc, char** argv) {
         cuda::set_attention_backend(backend);
         const std::string impl = cuda::attention_impl(dt, s.b, s.s, s.h, s.hkv, s.hd, true);
         ops::AttentionResult f = ops::attention(q, k, v, true);
-        const double fwd = median_ms([&] { f = ops::attention(q, k, v, true); }, iters, dev);
-        const double bwd = median_ms(
-            [&] { ops::attention_backward(q, k, v, f.out, f.lse, dout, true); }, iters, dev);
+        const double fwd =
+            1e3 * bench::median_seconds(dev, iters, [&] { f = ops::attention(q, k, v, true); });
+        const double bwd = 1e3 * bench::median_seconds(dev, iters, [&] {
+                             ops::attention_backward(q, k, v, f.out, f.lse, dout, true);
+                           });
         for (auto [pass, ms, flops] :
              {std::tuple{"forward", fwd, fwd_flops}, std::tuple{"backward", bwd, 2.5 * fwd_flops},
               std::tuple{"forward+backward", fwd + bwd, 3.5 * fwd_flops}}) {

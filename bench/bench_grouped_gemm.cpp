@@ -8,18 +8,15 @@
 // (GEMMs) or GB/s (quantisers: bytes read and written). On the CPU the compute dtype is f32 and
 // the FP8 GEMM is the emulation (dequantise, then f32).
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <cstdio>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "xmoe/core/device_api.h"
+#include "timing.h"
 #include "xmoe/core/rng.h"
-#include "xmoe/core/timer.h"
 #include "xmoe/ops/fp8.h"
 #include "xmoe/ops/ops.h"
 
@@ -44,21 +41,6 @@ std::vector<GemmShape> parse_shapes(const std::string& text) {
     out.push_back(s);
   }
   return out;
-}
-
-/// Median seconds of `iters` runs of `op` after one warm-up, the device synchronised around each.
-double median_seconds(Device device, int iters, const std::function<void()>& op) {
-  op();
-  backend::synchronize(device);
-  std::vector<double> t;
-  for (int i = 0; i < iters; ++i) {
-    Timer timer;
-    op();
-    backend::synchronize(device);
-    t.push_back(timer.seconds());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
 }
 
 }  // namespace
@@ -106,19 +88,20 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       };
       line(dtype_name(dtype),  // the compute dtype
-           median_seconds(device, iters, [&] { ops::grouped_matmul_into(y, x, w, sizes); }), flops,
-           "tflops");
-      line("fp8", median_seconds(device, iters, [&] { ops::grouped_matmul_fp8_into(y, xq, wq); }),
+           bench::median_seconds(device, iters, [&] { ops::grouped_matmul_into(y, x, w, sizes); }),
+           flops, "tflops");
+      line("fp8",
+           bench::median_seconds(device, iters, [&] { ops::grouped_matmul_fp8_into(y, xq, wq); }),
            flops, "tflops");
       const double es = static_cast<double>(dtype_size(dtype));
       const double row_bytes = static_cast<double>(s.rows * s.k) * (es + 1);
       line("quantize_rows_fp8",
-           median_seconds(device, iters, [&] { (void)ops::quantize_rows_fp8(x, sizes); }),
+           bench::median_seconds(device, iters, [&] { (void)ops::quantize_rows_fp8(x, sizes); }),
            row_bytes, "gb_per_s");
       const double weight_bytes = static_cast<double>(s.groups * s.k * s.m) * (es + 2);
       line("quantize_weights_fp8",
-           median_seconds(device, iters, [&] { (void)ops::quantize_weights_fp8(w); }), weight_bytes,
-           "gb_per_s");
+           bench::median_seconds(device, iters, [&] { (void)ops::quantize_weights_fp8(w); }),
+           weight_bytes, "gb_per_s");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_grouped_gemm: %s\n", e.what());

@@ -20,6 +20,26 @@ Tensor grad_sum_squares(const std::vector<Parameter*>& params) {
   return ops::multi_sum_squares(grads);
 }
 
+/// The parameters' gradients and their views of `packed`: consecutive rows, in order, every
+/// gradient on `device`. multi_copy_scaled(views, grads) packs (bf16 widened to f32), the reverse
+/// unpacks.
+struct PackedViews {
+  std::vector<Tensor> grads, views;
+};
+PackedViews packed_views(const std::vector<Parameter*>& params, const Tensor& packed,
+                         Device device) {
+  PackedViews v;
+  int64_t offset = 0;
+  for (const Parameter* p : params) {
+    XMOE_CHECK(p->grad.device() == device, "[grad_sync] {} has its grad on {} but {} on {}",
+               p->name, p->grad.device().str(), params[0]->name, device.str());
+    v.grads.push_back(p->grad);
+    v.views.push_back(packed.rows(offset, offset + p->grad.numel()));
+    offset += p->grad.numel();
+  }
+  return v;
+}
+
 /// t as one flat [numel] view.
 Tensor flat(const Tensor& t) {
   return t.reshape({t.numel()});
@@ -140,16 +160,10 @@ void GradientSync::start_all_reduce(size_t bucket) {
   // it). finish_all_reduce unpacks. The gradients stay allocated: they receive the average.
   const Device d = b.device = b.params[0]->grad.device();
   b.packed = Tensor::empty({b.numel}, DType::f32, d);
-  std::vector<Tensor> grads, views;
-  int64_t offset = 0;
-  for (Parameter* p : b.params) {
-    XMOE_CHECK(p->grad.device() == d, "[grad_sync] {} has its grad on {} but {} on {}", p->name,
-               p->grad.device().str(), b.params[0]->name, d.str());
-    grads.push_back(p->grad);
-    views.push_back(b.packed.rows(offset, offset + p->grad.numel()));
-    offset += p->grad.numel();
+  {
+    PackedViews v = packed_views(b.params, b.packed, d);
+    ops::multi_copy_scaled(v.views, v.grads, 1.0f);
   }
-  ops::multi_copy_scaled(views, grads, 1.0f);
   if (group.size() > 1) {
     if (group.device() == d) {
       b.work = group.all_reduce_async(b.packed);
@@ -171,14 +185,8 @@ void GradientSync::finish_all_reduce() {
     if (b.work) b.work->wait();
     if (b.summed.defined()) b.packed.copy_from(b.summed);
     // Unpack with the 1/world scale (bf16 rounded once).
-    std::vector<Tensor> grads, views;
-    int64_t offset = 0;
-    for (Parameter* p : b.params) {
-      grads.push_back(p->grad);
-      views.push_back(b.packed.rows(offset, offset + p->grad.numel()));
-      offset += p->grad.numel();
-    }
-    ops::multi_copy_scaled(grads, views, scale);
+    PackedViews v = packed_views(b.params, b.packed, b.device);
+    ops::multi_copy_scaled(v.grads, v.views, scale);
     b.work.reset();
     b.packed = Tensor();
     b.summed = Tensor();
@@ -200,18 +208,11 @@ void GradientSync::start_reduce_scatter(size_t bucket) {
   const Device d = b.device = b.params[0]->grad.device();
   b.packed = Tensor::empty({b.shards.padded}, DType::f32, d);
   if (b.shards.padded > b.numel) b.packed.rows(b.numel, b.shards.padded).zero_();
-  std::vector<Tensor> grads, views;
-  int64_t offset = 0;
-  for (Parameter* p : b.params) {
-    XMOE_CHECK(p->grad.device() == d, "[grad_sync] {} has its grad on {} but {} on {}", p->name,
-               p->grad.device().str(), b.params[0]->name, d.str());
-    grads.push_back(p->grad);
-    views.push_back(b.packed.rows(offset, offset + p->grad.numel()));
-    offset += p->grad.numel();
-  }
-  ops::multi_copy_scaled(views, grads, 1.0f);
+  {
+    PackedViews v = packed_views(b.params, b.packed, d);
+    ops::multi_copy_scaled(v.views, v.grads, 1.0f);
+  }  // the views' references to the gradients go before the gradients are freed
   for (Parameter* p : b.params) p->release_grad();
-  grads.clear();
   if (group.size() == 1) {
     b.summed = std::move(b.packed);
   } else {

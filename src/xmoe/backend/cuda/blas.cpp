@@ -22,6 +22,7 @@
 #include "xmoe/backend/cuda/sm90/grouped_gemm.h"
 #include "xmoe/core/device_api.h"
 #include "xmoe/core/env.h"
+#include "xmoe/core/fp8.h"
 
 /// CUBLAS_CHECK(cublasGemmEx(...)): throws xmoe::Error naming the call and the status.
 #define CUBLAS_CHECK(call)                                                             \
@@ -266,6 +267,50 @@ void count_call(GroupedGemmKind kind, bool sm90) {
       1, std::memory_order_relaxed);
 }
 
+/// An empty problem list of a call: the layer's K and M, its operands and output.
+void start_list(sm90::ProblemList& list, int64_t k, int64_t m, const void* x, const void* w_or_dy,
+                void* out) {
+  list.count = 0;
+  list.k = k;
+  list.m = m;
+  list.x = x;
+  list.w_or_dy = w_or_dy;
+  list.out = out;
+  list.partials = nullptr;
+}
+
+/// The problems of a call: one per non-empty group, or, with piece > 0, groups longer than that
+/// cut into pieces of `piece` rows, each after a group's first writing a partial output
+/// (counted in `partials`; `sums` says which to add where; it may be null when piece is 0).
+/// False where they do not fit the list (kMaxProblems, int rows).
+bool fill_problems(sm90::ProblemList& list, sm90::PartialSums* sums, int64_t& partials,
+                   const int64_t* group_sizes, int64_t groups, int64_t piece) {
+  if (sums) sums->count = 0;
+  partials = 0;
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = group_sizes[g];
+    if (row + rows > INT_MAX) return false;
+    const int64_t step = piece > 0 && rows > piece ? piece : std::max<int64_t>(rows, 1);
+    for (int64_t start = 0; start < rows; start += step) {
+      if (list.count == sm90::kMaxProblems) return false;
+      const int i = list.count++;
+      list.group[i] = static_cast<int32_t>(g);
+      list.rows[i] = static_cast<int32_t>(std::min(step, rows - start));
+      list.row_start[i] = static_cast<int32_t>(row + start);
+      list.partial[i] = start == 0 ? -1 : static_cast<int32_t>(partials++);
+    }
+    if (rows > step) {
+      const int j = sums->count++;
+      sums->group[j] = static_cast<int32_t>(g);
+      sums->pieces[j] = static_cast<int32_t>((rows + step - 1) / step - 1);
+      sums->first[j] = static_cast<int32_t>(partials) - sums->pieces[j];
+    }
+    row += rows;
+  }
+  return true;
+}
+
 /// One sm90 grouped GEMM over the non-empty groups of bf16 rows (weight gradients: over their
 /// pieces, see weight_grad_piece_rows). Returns false, having queued nothing, where it does not
 /// apply (no sm90 device, K or M not a multiple of 8, unaligned bases, more than kMaxProblems
@@ -290,38 +335,10 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
   int64_t partials = 0;  // pieces after a group's first: each a [K, M] partial output
   // Fills list (and sums); false if the problems do not fit.
   auto build = [&] {
-    list.count = 0;
-    list.k = k;
-    list.m = m;
-    list.x = x;
-    list.w_or_dy = w_or_dy;
-    list.out = out;
-    list.partials = nullptr;
-    sums.count = 0;
-    partials = 0;
-    int64_t row = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t rows = group_sizes[g];
-      if (row + rows > INT_MAX) return false;
-      const int64_t step = piece > 0 && rows > piece ? piece : std::max<int64_t>(rows, 1);
-      for (int64_t start = 0; start < rows; start += step) {
-        if (list.count == sm90::kMaxProblems) return false;
-        const int i = list.count++;
-        list.group[i] = static_cast<int32_t>(g);
-        list.rows[i] = static_cast<int32_t>(std::min(step, rows - start));
-        list.row_start[i] = static_cast<int32_t>(row + start);
-        list.partial[i] = start == 0 ? -1 : static_cast<int32_t>(partials++);
-      }
-      if (rows > step) {
-        const int j = sums.count++;
-        sums.group[j] = static_cast<int32_t>(g);
-        sums.pieces[j] = static_cast<int32_t>((rows + step - 1) / step - 1);
-        sums.first[j] = static_cast<int32_t>(partials) - sums.pieces[j];
-      }
-      row += rows;
-    }
-    return static_cast<size_t>(partials) * static_cast<size_t>(k * m) * partial_size <=
-           kMaxPartialBytes;
+    start_list(list, k, m, x, w_or_dy, out);
+    return fill_problems(list, &sums, partials, group_sizes, groups, piece) &&
+           static_cast<size_t>(partials) * static_cast<size_t>(k * m) * partial_size <=
+               kMaxPartialBytes;
   };
   if (!build()) {
     if (piece == 0) return false;
@@ -364,6 +381,9 @@ bool sm90_grouped(sm90::GroupedKind kind, void* out, const void* x, const void* 
 
 }  // namespace
 
+// The FP8 kernel's scale blocks are the quantisers' (fp8.cu, cpu/fp8.cpp).
+static_assert(sm90::kFp8Block == fp8::kBlock);
+
 bool grouped_gemm_fp8(void* y, const uint8_t* x, const float* x_scales, const uint8_t* w,
                       const float* w_scales, const int64_t* group_sizes, int64_t groups, int64_t k,
                       int64_t n, Stream stream) {
@@ -378,26 +398,9 @@ bool grouped_gemm_fp8(void* y, const uint8_t* x, const float* x_scales, const ui
   CUDA_CHECK(cudaGetDevice(&device));
   if (!sm90::supported(device)) return decline();
   thread_local sm90::ProblemList list;
-  list.count = 0;
-  list.k = k;
-  list.m = n;
-  list.x = x;
-  list.w_or_dy = w;
-  list.out = y;
-  list.partials = nullptr;
-  int64_t row = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t rows = group_sizes[g];
-    if (rows > 0) {
-      if (list.count == sm90::kMaxProblems || row + rows > INT_MAX) return decline();
-      const int i = list.count++;
-      list.group[i] = static_cast<int32_t>(g);
-      list.rows[i] = static_cast<int32_t>(rows);
-      list.row_start[i] = static_cast<int32_t>(row);
-      list.partial[i] = -1;
-    }
-    row += rows;
-  }
+  start_list(list, k, n, x, w, y);
+  int64_t partials = 0;  // none: no group is cut
+  if (!fill_problems(list, nullptr, partials, group_sizes, groups, 0)) return decline();
   if (list.count == 0) return true;  // no rows: nothing to write
   const size_t bytes = sm90::fp8_scratch_bytes(list);
   if (bytes == 0) {
