@@ -12,7 +12,10 @@
 // before the offload and with the optimizer built, and the pinned host bytes; the gradients
 // start for the host during backward unless --set train.offload_overlap=false.
 // --set takes config keys (e.g. train.batch_size=4, model.num_layers=2); --dense makes every
-// block a dense FFN (model.first_dense_layers = model.num_layers).
+// block a dense FFN (model.first_dense_layers = model.num_layers). --set train.grad_accum=G
+// makes a step G micro-batches' forward and backward, then one update, as the trainer does
+// (with offload, the gradients start for the host during the last backward only): the
+// optimizer's cost per token falls by G (bench/largest_model.sh).
 // --breakdown: after the timed steps, 2 more steps with the region profiler on
 // (core/profile.h): one "train_step_breakdown" line per region (path, calls and ms per step,
 // share of the profiled step, the highest device bytes live inside it) and a
@@ -91,15 +94,15 @@ void run_preset(const std::string& preset_name, const Options& o) {
                           : DType::bf16;
   const TrainConfig& tc = config.train;
   const int64_t batch = tc.batch_size, seq = tc.seq_len, vocab = config.model.vocab_size;
-  const int64_t tokens = batch * seq;
+  const int64_t accum = tc.grad_accum;
+  const int64_t tokens = batch * seq * accum;
 
   model::Transformer model(config.model, tc.seed);
-  model.to(device);
-  model.set_compute_dtype(dtype);
-  // --set train.offload_optimizer=true: master weights and moments to pinned host memory; the
-  // device bytes before and after show what left the GPU.
+  // --set train.offload_optimizer=true: master weights and moments to pinned host memory,
+  // parameter by parameter (as the trainer does); the device bytes with the optimizer built show
+  // what stayed on the GPU.
   const int64_t live_before = memory_stats(device).live_bytes;
-  if (tc.offload_optimizer) model.offload_master_weights();
+  model.place(device, dtype, tc.offload_optimizer);
   const auto params = model.parameters();
   optim::AdamW opt(params, optim::AdamWConfig::from(tc));
   const int64_t live_after = memory_stats(device).live_bytes;
@@ -113,15 +116,25 @@ void run_preset(const std::string& preset_name, const Options& o) {
   };
   // train.offload_overlap (the trainer's default with offload): each module's gradients start
   // for the host during backward.
-  if (tc.offload_optimizer && tc.offload_overlap)
-    model.set_grads_ready([&](const std::vector<Parameter*>& ps) { opt.prefetch_grads(ps); });
+  const bool prefetch = tc.offload_optimizer && tc.offload_overlap;
+  // One step: `accum` micro-batches (ids, targets: [accum * batch, seq]), the update.
   auto train_step = [&](const Tensor& ids, const Tensor& targets) {
     {
       ProfileScope scope("zero_grad", device);
       model.zero_grad();
     }
-    const float loss = model.forward_loss(ids, targets);
-    model.backward(1.0f);
+    float loss = 0;
+    for (int64_t micro = 0; micro < accum; ++micro) {
+      const bool last = micro + 1 == accum;
+      model.set_grads_ready(
+          prefetch && last ? model::Transformer::GradsReady(
+                                 [&](const std::vector<Parameter*>& ps) { opt.prefetch_grads(ps); })
+                           : model::Transformer::GradsReady{});
+      loss += model.forward_loss(ids.rows(micro * batch, (micro + 1) * batch),
+                                 targets.rows(micro * batch, (micro + 1) * batch)) /
+              static_cast<float>(accum);
+      model.backward(1.0f / static_cast<float>(accum));
+    }
     const double norm = optim::grad_norm(params);  // the host has waited for backward here
     Timer update;
     opt.step(tc.lr, optim::clip_factor(norm, tc.grad_clip));
@@ -133,8 +146,8 @@ void run_preset(const std::string& preset_name, const Options& o) {
   profiling::enable(false);  // timed steps: no synchronisation at region boundaries
   std::vector<double> ms, opt_ms;
   for (int step = 0; step < warmup + steps; ++step) {
-    const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
-    const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
+    const Tensor ids = random_tokens(accum * batch, seq, vocab, rng, device);
+    const Tensor targets = random_tokens(accum * batch, seq, vocab, rng, device);
     if (step == warmup) reset_peak_memory(device);
     Timer t;
     const auto [loss, norm, optimizer_ms] = train_step(ids, targets);
@@ -170,6 +183,7 @@ void run_preset(const std::string& preset_name, const Options& o) {
   j["device"] = device.str();
   j["dtype"] = std::string(dtype_name(dtype));
   j["batch_size"] = batch;
+  j["grad_accum"] = accum;
   j["seq_len"] = seq;
   j["tokens_per_step"] = tokens;
   j["params_total"] = pc.total;
@@ -187,10 +201,8 @@ void run_preset(const std::string& preset_name, const Options& o) {
   j["peak_live_bytes"] = memory_stats(device).peak_bytes;
   j["offload_optimizer"] = tc.offload_optimizer;
   j["median_optimizer_ms"] = opt_ms[opt_ms.size() / 2];
-  // The model (and, where it stays on the device, its master weights) before the offload,
-  // and with the optimizer built after it.
-  j["device_live_bytes_before_offload"] = live_before;
-  j["device_live_bytes_with_optimizer"] = live_after;
+  // The model (with its master weights where they stay on the device) and its optimizer.
+  j["device_live_bytes_with_optimizer"] = live_after - live_before;
   j["optimizer_state_bytes"] = opt.state_bytes();
   j["offload_staging_bytes"] = opt.staging_bytes();
   if (device.is_cuda() && tc.offload_optimizer)
@@ -204,8 +216,8 @@ void run_preset(const std::string& preset_name, const Options& o) {
     profiling::reset();
     profiling::enable(true);
     for (int step = 0; step < kProfiledSteps; ++step) {
-      const Tensor ids = random_tokens(batch, seq, vocab, rng, device);
-      const Tensor targets = random_tokens(batch, seq, vocab, rng, device);
+      const Tensor ids = random_tokens(accum * batch, seq, vocab, rng, device);
+      const Tensor targets = random_tokens(accum * batch, seq, vocab, rng, device);
       ProfileScope scope("step", device);
       train_step(ids, targets);
     }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -33,6 +34,13 @@ inline Tensor host_f32(const Tensor& t) {
 
 /// ||got - ref|| / ||ref|| (absolute when ref is all zero), in double. Non-finite entries
 /// must match exactly (the same infinity, or NaN in both); any other mismatch is infinite.
+/// The same shape, dtype and bytes, wherever each tensor lives.
+inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  const Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
+  return a.nbytes() == 0 || std::memcmp(ha.raw(), hb.raw(), a.nbytes()) == 0;
+}
+
 inline double normalised_error(const Tensor& got, const Tensor& ref) {
   const std::vector<float> a = host_f32(got).to_vector<float>();
   const std::vector<float> b = host_f32(ref).to_vector<float>();

@@ -47,6 +47,7 @@
 
 namespace {
 
+using xmoe::testing::bitwise_equal;
 using xmoe::testing::host_f32;
 using xmoe::testing::kCuda;
 using xmoe::testing::normalised_error;
@@ -390,6 +391,52 @@ TEST(CudaModel, OffloadFreesTheMastersAndMomentsOnTheDevice) {
                 static_cast<long long>(saving));
     EXPECT_GE(plain - off, saving);
     EXPECT_GT(saving, 0);
+  }
+}
+
+// place(): to(), set_compute_dtype() and offload_master_weights() parameter by parameter give the
+// three calls' bits (the bf16 copies, the host masters, the device's f32 copies) while the device
+// peaks at the part that stays plus one parameter's f32 master, not the whole f32 model.
+TEST(CudaModel, PlaceOffloadsParameterByParameterWithTheSameBits) {
+  XMOE_REQUIRE_CUDA();
+  for (DType dtype : {DType::bf16, DType::f32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    model::Transformer a(moe_micro(), 7), b(moe_micro(), 7);
+    a.to(kCuda);
+    a.set_compute_dtype(dtype);
+    a.offload_master_weights();
+    backend::synchronize(kCuda);
+    const int64_t base = memory_stats(kCuda).live_bytes;
+    reset_peak_memory(kCuda);
+    b.place(kCuda, dtype, true);
+    backend::synchronize(kCuda);
+    const int64_t peak = memory_stats(kCuda).peak_bytes - base;
+    const int64_t kept = memory_stats(kCuda).live_bytes - base;
+    ASSERT_TRUE(b.master_offloaded());
+    EXPECT_EQ(b.compute_dtype(), dtype);
+    const auto pa = a.parameters(), pb = b.parameters();
+    ASSERT_EQ(pa.size(), pb.size());
+    int64_t largest_master = 0, masters = 0;
+    for (size_t i = 0; i < pa.size(); ++i) {
+      SCOPED_TRACE(pb[i]->name);
+      EXPECT_TRUE(pb[i]->value.is_cpu());
+      EXPECT_TRUE(bitwise_equal(pa[i]->value, pb[i]->value));
+      ASSERT_EQ(pa[i]->compute_copy.defined(), pb[i]->compute_copy.defined());
+      if (pb[i]->compute_copy.defined()) {
+        EXPECT_TRUE(bitwise_equal(pa[i]->compute_copy, pb[i]->compute_copy));
+      }
+      ASSERT_EQ(pa[i]->device_f32.defined(), pb[i]->device_f32.defined());
+      if (pb[i]->device_f32.defined()) {
+        EXPECT_TRUE(bitwise_equal(pa[i]->device_f32, pb[i]->device_f32));
+      }
+      const auto bytes = static_cast<int64_t>(pb[i]->value.nbytes());
+      largest_master = std::max(largest_master, bytes);
+      masters += bytes;
+    }
+    std::printf("[place] %s: device kept %lld bytes, peak %lld, f32 masters %lld\n",
+                std::string(dtype_name(dtype)).c_str(), static_cast<long long>(kept),
+                static_cast<long long>(peak), static_cast<long long>(masters));
+    EXPECT_LE(peak, kept + largest_master);
   }
 }
 

@@ -143,6 +143,13 @@ TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
     return ps;
   };
   std::vector<Parameter> a = make(), b = make();
+  // bf16 compute copies on p0, p1, p3 (the offloaded update sends them back through two slots of
+  // the largest group's copies, 3 + 5: three groups, so the first slot is used again).
+  for (std::vector<Parameter>* ps : {&a, &b})
+    for (int i : {0, 1, 3}) {
+      Parameter& p = (*ps)[static_cast<size_t>(i)];
+      p.compute_copy = Tensor::zeros(p.value.shape(), DType::bf16);
+    }
   // p3's own gradients: a bf16 [7] shard of its 15 elements, as parallel.zero = 2 hands over.
   const Tensor shard_a = Tensor::zeros({7}, DType::bf16), shard_b = Tensor::zeros({7}, DType::bf16);
   auto pieces = [](std::vector<Parameter>& ps, const Tensor& shard) {
@@ -157,7 +164,8 @@ TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
   AdamW plain(pieces(a, shard_a), plain_cfg), off(pieces(b, shard_b), off_cfg);
   EXPECT_TRUE(off.offloaded());
   EXPECT_EQ(plain.staging_bytes(), 0);
-  EXPECT_EQ(off.staging_bytes(), (3 + 5 + 11) * 4 + 7 * 2);
+  EXPECT_EQ(off.staging_bytes(),
+            (3 + 5 + 11) * 4 + 7 * 2 + optim::AdamW::kOffloadBf16Slots * 8 * 2);
   for (int step = 1; step <= 5; ++step) {
     for (size_t i = 0; i < a.size(); ++i) {
       std::vector<float> g(static_cast<size_t>(a[i].grad.numel()));
@@ -186,7 +194,14 @@ TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
     EXPECT_EQ(a[i].value.to_vector<float>(), b[i].value.to_vector<float>()) << a[i].name;
     EXPECT_EQ(plain.m(i).to_vector<float>(), off.m(i).to_vector<float>()) << a[i].name;
     EXPECT_EQ(plain.v(i).to_vector<float>(), off.v(i).to_vector<float>()) << a[i].name;
+    if (i == 2) continue;
+    EXPECT_EQ(a[i].compute_copy.to(DType::f32).to_vector<float>(),
+              b[i].compute_copy.to(DType::f32).to_vector<float>())
+        << a[i].name;
   }
+  // p1's copy: only its piece [2, 7) was updated (the rest stays as it was, zero).
+  EXPECT_EQ(b[1].compute_copy.to(DType::f32).to_vector<float>()[0], 0.0f);
+  EXPECT_NE(b[1].compute_copy.to(DType::f32).to_vector<float>()[2], 0.0f);
   EXPECT_NE(a[0].value.to_vector<float>(), make()[0].value.to_vector<float>());  // it did move
 }
 

@@ -398,6 +398,12 @@ def main():
     ap.add_argument("--eval-batches", type=int, default=8, help="--data: batches per eval")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the preset's)")
     ap.add_argument("--metrics", help="--data: write xmoe-style metrics.jsonl lines here")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer "
+                    "(default: the preset's; bench/largest_model.sh scales it)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--memory-gib", type=float, default=None, help="cap torch's allocator at "
+                    "this many GiB (an H100's 80 on an H200); out of memory is reported as a "
+                    "JSON line with status out_of_memory, exit 0")
     ap.add_argument("--moe", choices=("grouped_mm", "xmoe"), default="grouped_mm",
                     help="the MoE layers: torch._grouped_mm (the peer) or xmoe's (xmoe.torch)")
     args = ap.parse_args()
@@ -408,6 +414,8 @@ def main():
         c["layers"] = args.layers
     if args.vocab is not None:
         c["vocab"] = args.vocab
+    if args.experts is not None:
+        c["E"] = args.experts
     batch, seq = args.batch or c["batch"], args.seq or c["seq"]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -415,7 +423,28 @@ def main():
     torch.manual_seed(args.seed)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # only the f32 router/loss matmuls
+        if args.memory_gib is not None:
+            total_bytes = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, args.memory_gib * 2**30 / total_bytes), device)
+    try:
+        run(args, c, batch, seq, device, cuda, backend)
+    except torch.OutOfMemoryError as e:
+        # Like xmoe's benchmarks: a model that does not fit is a result, not a failure.
+        line = {"bench": "train_step_peer_summary", "preset": args.preset, "moe": args.moe,
+                "device": str(device), "status": "out_of_memory", "experts": c["E"],
+                "batch_size": batch, "seq_len": seq, "params_total": count_parameters(c)[0],
+                "params_active": count_parameters(c)[1], "error": str(e).split("\n")[0][:300]}
+        if cuda:
+            free, total_bytes = torch.cuda.mem_get_info(device)
+            line.update({"bytes_free": free, "bytes_total": total_bytes,
+                         "memory_gib": args.memory_gib,
+                         "peak_bytes": torch.cuda.max_memory_allocated(device)})
+        print(json.dumps(line), flush=True)
 
+
+def run(args, c, batch, seq, device, cuda, backend):
+    """Builds the model and optimizer, then times steps (or trains on --data)."""
     with torch.device(device):  # initialise on the device (fast; the values differ from xmoe's)
         model = Transformer(c, seq)
     if args.init:
@@ -461,7 +490,7 @@ def main():
         train_on_tokens(args, c, model, opt, params, autocast, batch, seq, device)
         return
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    times = []
+    times, opt_times = [], []
     step = 0
     while step < args.warmup + args.steps:
         ids = torch.randint(0, c["vocab"], (batch, seq), device=device, generator=gen)
@@ -476,13 +505,18 @@ def main():
         t0 = time.perf_counter()
         try:
             opt.zero_grad(set_to_none=True)
-            with autocast:
-                loss, ce = step_fn(ids, targets)
-            loss.backward()
+            for micro in range(args.grad_accum):  # the same tokens: the same work per micro
+                with autocast:
+                    loss, ce = step_fn(ids, targets)
+                (loss / args.grad_accum).backward()
+            if cuda:  # the update's own time (clip + AdamW), as bench_train_step reports it
+                torch.cuda.synchronize(device)
+            t_opt = time.perf_counter()
             norm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP, foreach=True)
             opt.step()
             if cuda:
                 torch.cuda.synchronize(device)
+            opt_ms = (time.perf_counter() - t_opt) * 1e3
         except Exception as e:  # noqa: BLE001
             if not compiled:
                 raise
@@ -499,7 +533,8 @@ def main():
         if step <= args.warmup:
             continue
         times.append(ms)
-        tps = batch * seq / (ms / 1e3)
+        opt_times.append(opt_ms)
+        tps = batch * seq * args.grad_accum / (ms / 1e3)
         line = {"bench": "train_step_peer", "preset": args.preset, "moe": args.moe,
                 "device": str(device),
                 "step": step - args.warmup, "loss": round(loss.item(), 5),
@@ -510,13 +545,15 @@ def main():
         print(json.dumps(line), flush=True)
 
     median = statistics.median(times)
-    tps = batch * seq / (median / 1e3)
+    tps = batch * seq * args.grad_accum / (median / 1e3)
     summary = {"bench": "train_step_peer_summary", "preset": args.preset, "moe": args.moe,
                "device": str(device),
                "dtype": "bf16-autocast", "compiled": compiled, "batch_size": batch,
-               "seq_len": seq, "tokens_per_step": batch * seq, "params_total": total,
+               "grad_accum": args.grad_accum, "experts": c["E"], "status": "ok",
+               "seq_len": seq, "tokens_per_step": batch * seq * args.grad_accum, "params_total": total,
                "params_active": active, "flops_per_token": fpt, "steps": args.steps,
                "median_step_ms": round(median, 2), "tokens_per_s": round(tps),
+               "median_optimizer_ms": round(statistics.median(opt_times), 2),
                "tflops_per_s": round(fpt * tps / 1e12, 2), "torch": torch.__version__}
     if cuda:
         summary.update({"mfu": round(fpt * tps / PEAK_FLOPS, 5), "peak_flops": PEAK_FLOPS,

@@ -278,6 +278,35 @@ void Transformer::offload_master_weights() {
   offloaded_ = true;
 }
 
+void Transformer::place(Device device, DType dtype, bool offload_master) {
+  if (!offload_master || device.is_cpu()) {  // nothing to offload on the CPU
+    to(device);
+    set_compute_dtype(dtype);
+    return;
+  }
+  XMOE_CHECK(dtype == DType::f32 || dtype == DType::bf16,
+             "[transformer] compute dtype {} is not f32 or bf16", dtype_name(dtype));
+  XMOE_CHECK(device_.is_cpu() && !offloaded_,
+             "[transformer] place() with offloaded master weights moves a model from the host "
+             "(it is on {}{})",
+             device_.str(), offloaded_ ? ", offloaded" : "");
+  release();
+  compute_ = dtype;
+  for (auto& b : blocks_) b->set_compute_dtype(dtype);
+  const Parameter& embed = embed_->weight();
+  for (Parameter* p : parameters()) {
+    p->to(device);
+    // Cast on the device, as set_compute_dtype does: the same bf16 bits.
+    p->compute_copy = dtype == DType::bf16 && needs_compute_copy(*p, embed, !lm_head_)
+                          ? ops::cast(p->value, DType::bf16)
+                          : Tensor();
+    p->offload_master();  // frees the device's f32 master unless forward reads it
+  }
+  *rope_ = ops::rope_tables(rope_->max_seq_len, rope_->head_dim, rope_->theta, device);
+  device_ = device;
+  offloaded_ = true;
+}
+
 void Transformer::refresh_compute_weights() {
   for (Parameter* p : parameters()) {
     if (p->device_f32.defined()) p->device_f32.copy_from(p->value);

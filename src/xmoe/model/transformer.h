@@ -109,6 +109,11 @@ class Transformer : public Module {
   /// compute: every parameter). After to() and set_compute_dtype(), which it then refuses. A
   /// no-op on the CPU.
   void offload_master_weights();
+  /// to(device), set_compute_dtype(dtype) and, with `offload_master`, offload_master_weights()
+  /// in one pass, parameter by parameter (the same bits): the device never holds more than one
+  /// parameter's f32 master beyond what stays there, where the three calls would hold the whole
+  /// f32 model for a moment (the model that fits only because of the offload would not).
+  void place(Device device, DType dtype, bool offload_master);
   bool master_offloaded() const { return offloaded_; }
   /// Re-casts the bf16 copies (and, offloaded, the device's f32 copies) from the f32 master
   /// weights: after anything other than AdamW wrote parameter values (checkpoint load, expert

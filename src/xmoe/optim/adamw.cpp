@@ -96,19 +96,25 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
                                                   : p->grad.dtype();
     grad_host_.push_back(pinned ? Tensor::empty_pinned({piece.count}, grad_dtype)
                                 : Tensor::empty({piece.count}, grad_dtype));
-    bf16_host_.push_back(!p->compute_copy.defined() ? Tensor()
-                         : pinned ? Tensor::empty_pinned({piece.count}, DType::bf16)
-                                  : Tensor::empty({piece.count}, DType::bf16));
   }
   if (!cfg.offload) return;
-  for (size_t i = 0, numel = 0; i < pieces_.size(); ++i) {
-    if (groups_.empty() || numel >= static_cast<size_t>(cfg.offload_group_numel)) {
-      groups_.emplace_back(i, i);
-      numel = 0;
+  std::vector<int64_t> counts;
+  for (const AdamWPiece& piece : pieces_) counts.push_back(piece.count);
+  groups_ = offload_groups(counts, cfg.offload_group_numel);
+  bf16_at_.assign(pieces_.size(), -1);
+  int64_t slot_numel = 0;
+  for (const auto& [begin, end] : groups_) {
+    int64_t at = 0;
+    for (size_t i = begin; i < end; ++i) {
+      if (!pieces_[i].param->compute_copy.defined()) continue;
+      bf16_at_[i] = at;
+      at += pieces_[i].count;
     }
-    groups_.back().second = i + 1;
-    numel += static_cast<size_t>(pieces_[i].count);
+    slot_numel = std::max(slot_numel, at);
   }
+  for (int k = 0; slot_numel > 0 && k < kOffloadBf16Slots; ++k)
+    bf16_slots_.push_back(pinned ? Tensor::empty_pinned({slot_numel}, DType::bf16)
+                                 : Tensor::empty({slot_numel}, DType::bf16));
   prefetched_.assign(pieces_.size(), 0);
   to_host_ = std::make_unique<CopyQueue>(compute_device_);
   to_device_ = std::make_unique<CopyQueue>(compute_device_);
@@ -123,9 +129,23 @@ int64_t AdamW::state_bytes() const {
 
 int64_t AdamW::staging_bytes() const {
   int64_t bytes = 0;
-  for (size_t i = 0; i < grad_host_.size(); ++i)
-    bytes += static_cast<int64_t>(grad_host_[i].nbytes() + bf16_host_[i].nbytes());
+  for (const Tensor& t : grad_host_) bytes += static_cast<int64_t>(t.nbytes());
+  for (const Tensor& t : bf16_slots_) bytes += static_cast<int64_t>(t.nbytes());
   return bytes;
+}
+
+std::vector<std::pair<size_t, size_t>> AdamW::offload_groups(std::span<const int64_t> counts,
+                                                             int64_t group_numel) {
+  std::vector<std::pair<size_t, size_t>> groups;
+  for (size_t i = 0, numel = 0; i < counts.size(); ++i) {
+    if (groups.empty() || numel >= static_cast<size_t>(group_numel)) {
+      groups.emplace_back(i, i);
+      numel = 0;
+    }
+    groups.back().second = i + 1;
+    numel += static_cast<size_t>(counts[i]);
+  }
+  return groups;
 }
 
 void AdamW::check_piece_grad(const AdamWPiece& piece, const Tensor& grad) const {
@@ -259,24 +279,32 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
       if (!prefetched_[i]) to_host_->copy(grad_host_[i], flat(piece_grad(i)));
     return to_host_->mark();
   };
-  std::vector<int> arrived(groups_.size());
+  std::vector<int> arrived(groups_.size()), returned(groups_.size());
   if (!groups_.empty()) arrived[0] = send_grads(0);
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (g + 1 < groups_.size()) arrived[g + 1] = send_grads(g + 1);
     to_host_->host_wait(arrived[g]);
+    // The bf16 slot this group writes: free once the copies of the group before that used it
+    // have left (long done: a group's update takes longer than its copy back).
+    if (g >= kOffloadBf16Slots) to_device_->host_wait(returned[g - kOffloadBf16Slots]);
+    const Tensor slot = bf16_slots_.empty() ? Tensor() : bf16_slots_[g % kOffloadBf16Slots];
+    auto bf16_of = [&](size_t i) {
+      return bf16_at_[i] < 0 ? Tensor() : slot.rows(bf16_at_[i], bf16_at_[i] + pieces_[i].count);
+    };
     const auto [begin, end] = groups_[g];
     std::vector<ops::AdamWTensors> list;
     for (size_t i = begin; i < end; ++i)
-      list.push_back(piece_tensors(i, grad_host_[i], bf16_host_[i]));
+      list.push_back(piece_tensors(i, grad_host_[i], bf16_of(i)));
     ops::adamw_step(list, s);  // host tensors: the CPU kernel, OpenMP over each tensor
     for (size_t i = begin; i < end; ++i) {
       const AdamWPiece& piece = pieces_[i];
       const Parameter& p = *piece.param;
       const int64_t a = piece.offset, b = piece.offset + piece.count;
-      if (bf16_host_[i].defined()) to_device_->copy(flat(p.compute_copy).rows(a, b), bf16_host_[i]);
+      if (bf16_at_[i] >= 0) to_device_->copy(flat(p.compute_copy).rows(a, b), bf16_of(i));
       if (p.device_f32.defined())
         to_device_->copy(flat(p.device_f32).rows(a, b), flat(p.value).rows(a, b));
     }
+    returned[g] = to_device_->mark();
   }
   to_device_->compute_waits();
   forget_prefetched();

@@ -115,6 +115,15 @@ class AdamW {
   bool offloaded() const { return cfg_.offload; }
   /// Offload: bytes of the host buffers the gradients and bf16 copies travel through.
   int64_t staging_bytes() const;
+  /// Offload: the groups of the update's pipeline over pieces of `counts` elements, in order,
+  /// as [begin, end) piece ranges; a group closes once it holds group_numel elements or more.
+  static std::vector<std::pair<size_t, size_t>> offload_groups(std::span<const int64_t> counts,
+                                                               int64_t group_numel);
+  /// Offload: the updated bf16 copies travel back through this many host buffers, each of the
+  /// largest group's bf16 elements; group g uses buffer g % kOffloadBf16Slots once the copies of
+  /// group g - kOffloadBf16Slots have left it (the gradients need whole-size buffers: they
+  /// start during backward).
+  static constexpr int kOffloadBf16Slots = 2;
   /// First / second moment of piece i.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
@@ -148,10 +157,12 @@ class AdamW {
   std::vector<Tensor> m_, v_;
   int64_t step_ = 0;
   // Offload: the device of the gradients, groups of pieces [begin, end), per piece the host
-  // buffers of its gradient and of its bf16 copy (undefined without one), the two copy queues.
+  // buffer of its gradient and its offset in its group's bf16 slot (-1: no bf16 copy), the
+  // slots, the two copy queues.
   Device compute_device_ = Device::cpu();
   std::vector<std::pair<size_t, size_t>> groups_;
-  std::vector<Tensor> grad_host_, bf16_host_;
+  std::vector<Tensor> grad_host_, bf16_slots_;
+  std::vector<int64_t> bf16_at_;
   std::vector<char> prefetched_;  // per piece: its gradient is on its way to grad_host_
   bool any_prefetched_ = false;
   std::unique_ptr<CopyQueue> to_host_, to_device_;

@@ -12,6 +12,7 @@
 #include "xmoe/model/block.h"
 #include "xmoe/model/transformer.h"
 #include "xmoe/ops/ops.h"
+#include "xmoe/optim/adamw.h"
 #include "xmoe/parallel/grad_sync.h"
 #include "xmoe/parallel/zero.h"
 
@@ -174,12 +175,14 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     }
     return {data_ranks, data_rank};
   };
-  // Offload: AdamW's host buffers for each piece it owns, its gradient (the f32 shard with
-  // zero 2) and its bf16 copy.
+  // Offload: AdamW's host buffer for each piece it owns, its gradient (the f32 shard with
+  // zero 2); the bf16 copies' slots come after the walk, from the pieces in AdamW's order.
+  std::vector<int64_t> piece_counts, piece_copies;
   auto staging = [&](const ParamSpec& p, int64_t count) {
     if (!r.offload) return int64_t{0};
-    const int64_t grad = r.zero == 2 ? 4 : p.grad_bytes;
-    return count * (grad + (r.bf16_compute && p.compute_copy ? 2 : 0));
+    piece_counts.push_back(count);
+    piece_copies.push_back(r.bf16_compute && p.compute_copy ? count : 0);
+    return count * (r.zero == 2 ? 4 : p.grad_bytes);
   };
   // zero 2's buckets as backward reaches them: members, group size, shard plan.
   struct ZeroBucket {
@@ -222,6 +225,15 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     if (r.zero >= 1)  // gather_params: this rank's shard packed, then every rank's
       buffers = std::max(buffers, 4 * plan.shard + (group > 1 ? 4 * plan.padded : 0));
     r.comm_bytes = std::max(r.comm_bytes, buffers);
+  }
+  if (r.offload) {  // the bf16 copies' slots, sized by the trainer's update groups
+    int64_t slot = 0;
+    for (const auto& [begin, end] : optim::AdamW::offload_groups(
+             piece_counts, optim::AdamWConfig::from(config.train).offload_group_numel))
+      slot = std::max(
+          slot, std::accumulate(piece_copies.begin() + static_cast<int64_t>(begin),
+                                piece_copies.begin() + static_cast<int64_t>(end), int64_t{0}));
+    r.staging_bytes += optim::AdamW::kOffloadBf16Slots * 2 * slot;
   }
   r.optimizer_bytes = 8 * owned;
   r.owned_parameters = owned;

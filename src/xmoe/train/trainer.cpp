@@ -343,11 +343,10 @@ class Run {
 
     // Built and initialised on the host (the same weights on any device), then moved.
     model_ = std::make_unique<model::Transformer>(config_.model, tc_.seed, &layout_);
-    model_->to(device_);
-    model_->set_compute_dtype(compute_dtype(tc_, device_));
     // train.offload_optimizer: the master weights go to pinned host memory (on the CPU they are
-    // there already); AdamWConfig::from(tc_) makes the optimizer update them on the host.
-    if (tc_.offload_optimizer) model_->offload_master_weights();
+    // there already), parameter by parameter; AdamWConfig::from(tc_) makes the optimizer update
+    // them on the host.
+    model_->place(device_, compute_dtype(tc_, device_), tc_.offload_optimizer);
     params_ = model_->parameters();
     moe_layers_ = model_->moe_layers();
     configure_pipeline();

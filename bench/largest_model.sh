@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# The largest DeepSeek-style model that trains on one GPU (issue 35), with each of xmoe's
+# one-GPU levers, against the largest that the PyTorch peer (bench/peers/train_torch.py, f32
+# master weights, bf16 autocast, fused AdamW) trains on the same GPU.
+#
+# The family is moe-1b scaled in routed experts per MoE layer (16 layers, d 1024, experts 256
+# wide, top-6 of E plus one shared expert): the active parameters stay 0.24 B while the total
+# grows 12.6 M per expert. Every run is micro-batch MB x SEQ tokens, GA micro-batches per
+# optimizer step (the same global batch for every model and both systems), so tokens/s is
+# comparable and the optimizer's cost is spread as in real training.
+#
+# xmoe: for each lever, the memory model (`xmoe config show`, checked against the allocator in
+# test_cuda_memory_model) picks the largest grid size whose predicted device peak fits MEM_GIB
+# and whose pinned host bytes (offload) fit HOST_FRACTION of the host's memory; bench_train_step
+# runs it under XMOE_MEMORY_LIMIT = MEM_GIB, stepping down the grid on out of memory.
+# The peer walks the grid up from PEER_FROM under torch's allocator cap until out of memory.
+# Zero needs several ranks and is not a one-GPU lever.
+#
+#   bash bench/largest_model.sh            # BIN: bench_train_step and xmoe (build/cuda/bin)
+#   LEVERS="offload" PEER=0 bash bench/largest_model.sh
+#
+# Knobs: BIN, OUT (/tmp), PYTHON, MEM_GIB (78: an H100 80 GB less the CUDA context; also caps an
+# H200), HOST_FRACTION (0.85), MB (4), SEQ (2048), GA (16), STEPS (2), WARMUP (1), GRID (256 to
+# 1024 by 32), PEER_FROM (256), PROJECT_TOKENS (1048576), LEVERS (none eg16 eg16-recompute offload), PEER (1).
+# The update's time does not shrink with the batch: the table also projects each run's tokens/s
+# to PROJECT_TOKENS-token global batches (1M) from its measured micro-batch and update times.
+# Output: JSON lines in $OUT/largest.jsonl ("largest_model" per run, "largest_model_summary"),
+# every run's output in $OUT/largest.log, and a table on stdout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-build/cuda/bin}
+OUT_DIR=${OUT:-/tmp}
+PY=${PYTHON:-python3}
+MEM_GIB=${MEM_GIB:-78} HOST_FRACTION=${HOST_FRACTION:-0.85}
+MB=${MB:-4} SEQ=${SEQ:-2048} GA=${GA:-16} STEPS=${STEPS:-2} WARMUP=${WARMUP:-1}
+GRID=${GRID:-$(seq -s ' ' 256 32 1024)}
+PEER_FROM=${PEER_FROM:-256} PEER=${PEER:-1} PROJECT_TOKENS=${PROJECT_TOKENS:-1048576}
+LEVERS=${LEVERS:-none eg16 eg16-recompute offload}
+JSONL="$OUT_DIR/largest.jsonl" LOG="$OUT_DIR/largest.log"
+mkdir -p "$OUT_DIR"
+: >"$JSONL"
+: >"$LOG"
+mem_bytes=$(${PY} -c "print(int($MEM_GIB * 2**30))")
+host_bytes=$(awk '/MemTotal/ { print $2 * 1024 }' /proc/meminfo)
+export PYTHONUNBUFFERED=1
+
+lever_sets() {
+  case $1 in
+    none) echo "" ;;
+    eg16) echo "model.moe.expert_grad_dtype=bf16" ;;
+    eg16-recompute) echo "model.moe.expert_grad_dtype=bf16 model.recompute=attention,moe,router" ;;
+    offload) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true" ;;
+    *) echo "largest_model.sh: unknown lever $1" >&2; exit 2 ;;
+  esac
+}
+common_sets="train.device=cuda train.batch_size=$MB train.seq_len=$SEQ train.grad_accum=$GA"
+
+# predicted_fit E SETS...: 0 when the memory model puts E's device peak under MEM_GIB and its
+# pinned host bytes under HOST_FRACTION of the host.
+predicted_fit() {
+  local e=$1; shift
+  local args=(--preset moe-1b --set "model.moe.num_experts=$e")
+  for s in $common_sets "$@"; do args+=(--set "$s"); done
+  "$BIN/xmoe" config show "${args[@]}" 2>/dev/null | ${PY} -c '
+import re, sys
+units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+dev = host = 0
+for line in sys.stdin:
+    m = re.match(r"#\s+= (peak of a step[^0-9]*|pinned host memory[^0-9]*)\s+([0-9.]+) (\w+)", line)
+    if not m: continue
+    b = float(m.group(2)) * units[m.group(3)]
+    if m.group(1).startswith("peak"): dev = b
+    else: host = b
+sys.exit(0 if 0 < dev <= float(sys.argv[1]) and host <= float(sys.argv[2]) else 1)
+' "$mem_bytes" "$(${PY} -c "print($host_bytes * $HOST_FRACTION)")"
+}
+
+grid_desc=$(tr ' ' '\n' <<<"$GRID" | sort -n -r | tr '\n' ' ')
+for lever in $LEVERS; do
+  sets=$(lever_sets "$lever")
+  tried_any=0
+  for e in $grid_desc; do
+    # shellcheck disable=SC2086
+    predicted_fit "$e" $sets || continue
+    tried_any=1
+    args=(--preset moe-1b --device cuda --steps "$STEPS" --warmup "$WARMUP" --set "model.moe.num_experts=$e")
+    for s in $common_sets $sets; do args+=(--set "$s"); done
+    echo "[largest] xmoe $lever: $e experts (the memory model's largest under $MEM_GIB GiB)" >&2
+    line=$(XMOE_MEMORY_LIMIT=$mem_bytes timeout 400 "$BIN/bench_train_step" "${args[@]}" 2>&1 |
+      tee -a "$LOG" | grep '"train_step_summary"' | tail -1)
+    [[ -n $line ]] || line='{"status": "error", "log": "'"$LOG"'"}'
+    ${PY} -c 'import json, sys
+j = json.loads(sys.argv[1]); j.update(bench="largest_model", system="xmoe", lever=sys.argv[2],
+    experts=int(sys.argv[3]), memory_gib=float(sys.argv[4])); print(json.dumps(j))' \
+      "$line" "$lever" "$e" "$MEM_GIB" | tee -a "$JSONL"
+    grep -q '"status": *"ok"' <<<"$line" && break
+    grep -q '"status": *"out_of_memory"' <<<"$line" || break  # an error: stop this lever
+  done
+  ((tried_any)) || echo "{\"bench\": \"largest_model\", \"system\": \"xmoe\", \"lever\": \"$lever\", \"status\": \"none_predicted_to_fit\"}" | tee -a "$JSONL"
+done
+
+if ((PEER)); then
+  for e in $GRID; do
+    ((e >= PEER_FROM)) || continue
+    echo "[largest] PyTorch: $e experts" >&2
+    line=$(timeout 400 ${PY} bench/peers/train_torch.py --preset moe-1b --device cuda --experts "$e" \
+      --batch "$MB" --seq "$SEQ" --grad-accum "$GA" --steps "$STEPS" --warmup "$WARMUP" \
+      --memory-gib "$MEM_GIB" 2>&1 | tee -a "$LOG" | grep '"train_step_peer_summary"' | tail -1)
+    [[ -n $line ]] || line='{"status": "error", "log": "'"$LOG"'"}'
+    ${PY} -c 'import json, sys
+j = json.loads(sys.argv[1]); j.update(bench="largest_model", system="pytorch", lever="none",
+    experts=int(sys.argv[2]), memory_gib=float(sys.argv[3])); print(json.dumps(j))' \
+      "$line" "$e" "$MEM_GIB" | tee -a "$JSONL"
+    grep -q '"status": *"ok"' <<<"$line" || break
+  done
+fi
+
+${PY} - "$JSONL" "$PROJECT_TOKENS" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+project = int(sys.argv[2])
+
+def projected(r):
+    """tokens/s at a global batch of `project` tokens, from the measured step: GA micro-batches
+    (each (step - update) / GA) and one update."""
+    micro_tokens = r["tokens_per_step"] / r["grad_accum"]
+    micro_ms = (r["median_step_ms"] - r["median_optimizer_ms"]) / r["grad_accum"]
+    ga = max(1, round(project / micro_tokens))
+    return ga * micro_tokens / ((ga * micro_ms + r["median_optimizer_ms"]) / 1e3)
+best = {}
+for r in rows:
+    if r.get("status") == "ok":
+        key = (r["system"], r["lever"])
+        if key not in best or r["params_total"] > best[key]["params_total"]:
+            best[key] = r
+peer = best.get(("pytorch", "none"))
+print(f"| system | lever | experts | parameters | parameters vs PyTorch | tokens/s | per active parameter vs PyTorch | update ms | tokens/s at {project / 2**20:g}M-token batches (projected) | vs PyTorch | peak GiB |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for (system, lever), r in best.items():
+    peak = r.get("peak_live_bytes", r.get("peak_bytes", 0)) / 2**30
+    per_active = lambda x, tps: tps * x["params_active"]
+    rel_t = rel_p = rel_big = "-"
+    if peer:
+        rel_t = "%.2fx" % (per_active(r, r["tokens_per_s"]) / per_active(peer, peer["tokens_per_s"]))
+        rel_p = "%.2fx" % (r["params_total"] / peer["params_total"])
+        rel_big = "%.2fx" % (per_active(r, projected(r)) / per_active(peer, projected(peer)))
+    print(f"| {system} | {lever} | {r['experts']} | {r['params_total']/1e9:.2f} B | {rel_p} | "
+          f"{r['tokens_per_s']:.0f} | {rel_t} | {r['median_optimizer_ms']:.0f} | "
+          f"{projected(r):.0f} | {rel_big} | {peak:.1f} |")
+    s = dict(bench="largest_model_summary", system=system, lever=lever, experts=r["experts"],
+             params_total=r["params_total"], params_active=r["params_active"],
+             tokens_per_step=r["tokens_per_step"], tokens_per_s=r["tokens_per_s"],
+             update_ms=r["median_optimizer_ms"], projected_batch_tokens=project,
+             projected_tokens_per_s=projected(r))
+    if peer:
+        s.update(params_vs_peer=r["params_total"] / peer["params_total"],
+                 throughput_per_active_param_vs_peer=per_active(r, r["tokens_per_s"]) /
+                 per_active(peer, peer["tokens_per_s"]),
+                 projected_throughput_per_active_param_vs_peer=per_active(r, projected(r)) /
+                 per_active(peer, projected(peer)))
+    with open(sys.argv[1], "a") as f:
+        f.write(json.dumps(s) + "\n")
+PY
