@@ -2,6 +2,7 @@
 // quantisers write the CPU's bytes and scales, the sm90 block-scaled grouped GEMM (and the
 // dequantising fallback) computes the CPU's products to bf16 rounding, and an MoE layer with FP8
 // experts on the GPU follows the same layer on the CPU.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -32,14 +33,20 @@ Tensor bf16_on_gpu(const Tensor& x) {
 TEST(CudaFp8, QuantisersWriteTheCpuBytesAndScales) {
   XMOE_REQUIRE_CUDA();
   const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
-  const Tensor x = bf16_on_gpu(randn({467, 200}, 1));
-  const ops::Fp8Rows g = ops::quantize_rows_fp8(x, sizes);
-  const ops::Fp8Rows c = ops::quantize_rows_fp8(host_f32(x), sizes);
-  EXPECT_EQ(g.data.to(Device::cpu()).to_vector<uint8_t>(), c.data.to_vector<uint8_t>());
-  EXPECT_EQ(g.scales.to(Device::cpu()).to_vector<float>(), c.scales.to_vector<float>());
-  EXPECT_EQ(normalised_error(ops::dequantize_rows_fp8(g, DType::f32),
-                             ops::dequantize_rows_fp8(c, DType::f32)),
-            0.0);
+  // k = 200: partial blocks (the one-block-per-warp kernel); 1408 (11 blocks: a half-empty last
+  // pair) and 256: whole blocks (the wide kernel); bf16 and f32 rows.
+  for (const int64_t k : {200, 1408, 256})
+    for (DType dt : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE(fmt::format("k {} {}", k, dtype_name(dt)));
+      const Tensor x = ops::cast(randn({467, k}, 1).to(kCuda), dt);
+      const ops::Fp8Rows g = ops::quantize_rows_fp8(x, sizes);
+      const ops::Fp8Rows c = ops::quantize_rows_fp8(host_f32(x), sizes);
+      EXPECT_EQ(g.data.to(Device::cpu()).to_vector<uint8_t>(), c.data.to_vector<uint8_t>());
+      EXPECT_EQ(g.scales.to(Device::cpu()).to_vector<float>(), c.scales.to_vector<float>());
+      EXPECT_EQ(normalised_error(ops::dequantize_rows_fp8(g, DType::f32),
+                                 ops::dequantize_rows_fp8(c, DType::f32)),
+                0.0);
+    }
   for (DType dt : {DType::bf16, DType::f32}) {
     const Tensor w = ops::cast(randn({3, 200, 300}, 2, 0.02f).to(kCuda), dt);
     const ops::Fp8Weights gw = ops::quantize_weights_fp8(w),
