@@ -12,16 +12,18 @@
 # xmoe: for each lever, the memory model (`xmoe config show`, checked against the allocator in
 # test_cuda_memory_model) picks the largest grid size whose predicted device peak fits MEM_GIB
 # and whose pinned host bytes (offload) fit HOST_FRACTION of the host's memory; bench_train_step
-# runs it under XMOE_MEMORY_LIMIT = MEM_GIB, stepping down the grid on out of memory.
-# The peer walks the grid up from PEER_FROM under torch's allocator cap until out of memory.
-# Zero needs several ranks and is not a one-GPU lever.
+# runs it, stepping down the grid on out of memory (the device's, or the host's: a run the
+# kernel kills). The peer starts at PEER_FROM and walks the grid up until out of memory (down
+# while it does not fit). On a GPU larger than MEM_GIB (an H200), a ballast process holds the
+# rest of its memory, so both systems see an H100's 80 GB, CUDA context and fragmentation
+# included. Zero needs several ranks and is not a one-GPU lever.
 #
 #   bash bench/largest_model.sh            # BIN: bench_train_step and xmoe (build/cuda/bin)
 #   LEVERS="offload" PEER=0 bash bench/largest_model.sh
 #
-# Knobs: BIN, OUT (/tmp), PYTHON, MEM_GIB (78: an H100 80 GB less the CUDA context; also caps an
-# H200), HOST_FRACTION (0.85), MB (4), SEQ (2048), GA (16), STEPS (2), WARMUP (1), GRID (256 to
-# 1024 by 32), PEER_FROM (256), PROJECT_TOKENS (1048576), LEVERS (none eg16 eg16-recompute offload), PEER (1).
+# Knobs: BIN, OUT (/tmp), PYTHON, MEM_GIB (79.5: an H100 80 GB's memory as the driver reports it),
+# HOST_FRACTION (0.9), MB (4), SEQ (2048), GA (16), STEPS (2), WARMUP (1), GRID (256 to
+# 1024 by 32), PEER_FROM (320), PROJECT_TOKENS (1048576), LEVERS (offload eg16 none eg16-recompute), PEER (1: first).
 # The update's time does not shrink with the batch: the table also projects each run's tokens/s
 # to PROJECT_TOKENS-token global batches (1M) from its measured micro-batch and update times.
 # Output: JSON lines in $OUT/largest.jsonl ("largest_model" per run, "largest_model_summary"),
@@ -31,11 +33,11 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-build/cuda/bin}
 OUT_DIR=${OUT:-/tmp}
 PY=${PYTHON:-python3}
-MEM_GIB=${MEM_GIB:-78} HOST_FRACTION=${HOST_FRACTION:-0.85}
+MEM_GIB=${MEM_GIB:-79.5} HOST_FRACTION=${HOST_FRACTION:-0.9}
 MB=${MB:-4} SEQ=${SEQ:-2048} GA=${GA:-16} STEPS=${STEPS:-2} WARMUP=${WARMUP:-1}
 GRID=${GRID:-$(seq -s ' ' 256 32 1024)}
-PEER_FROM=${PEER_FROM:-256} PEER=${PEER:-1} PROJECT_TOKENS=${PROJECT_TOKENS:-1048576}
-LEVERS=${LEVERS:-none eg16 eg16-recompute offload}
+PEER_FROM=${PEER_FROM:-320} PEER=${PEER:-1} PROJECT_TOKENS=${PROJECT_TOKENS:-1048576}
+LEVERS=${LEVERS:-offload eg16 none eg16-recompute}
 JSONL="$OUT_DIR/largest.jsonl" LOG="$OUT_DIR/largest.log"
 mkdir -p "$OUT_DIR"
 : >"$JSONL"
@@ -43,6 +45,23 @@ mkdir -p "$OUT_DIR"
 mem_bytes=$(${PY} -c "print(int($MEM_GIB * 2**30))")
 host_bytes=$(awk '/MemTotal/ { print $2 * 1024 }' /proc/meminfo)
 export PYTHONUNBUFFERED=1
+
+# A ballast on a GPU larger than MEM_GIB: another process holds the difference.
+ballast_pid=
+total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if [[ -n $total_mib ]] && ${PY} -c "import sys; sys.exit(0 if $total_mib / 1024 > $MEM_GIB + 1 else 1)"; then
+  ${PY} -c '
+import sys, time, torch
+free, total = torch.cuda.mem_get_info()
+keep = float(sys.argv[1]) * 2**30
+hold = torch.empty(int(free - keep), dtype=torch.uint8, device="cuda")
+print(f"[largest] ballast: holding {hold.numel() / 2**30:.1f} GiB of {total / 2**30:.1f}; "
+      f"{torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB free", file=sys.stderr, flush=True)
+time.sleep(86400)' "$MEM_GIB" &
+  ballast_pid=$!
+  trap '[[ -n $ballast_pid ]] && kill $ballast_pid 2>/dev/null' EXIT
+  sleep 15
+fi
 
 lever_sets() {
   case $1 in
@@ -76,6 +95,30 @@ sys.exit(0 if 0 < dev <= float(sys.argv[1]) and host <= float(sys.argv[2]) else 
 }
 
 grid_desc=$(tr ' ' '\n' <<<"$GRID" | sort -n -r | tr '\n' ' ')
+
+# peer_run E: one run of the peer; prints its status.
+peer_run() {
+  echo "[largest] PyTorch: $1 experts" >&2
+  local line
+  line=$(timeout 400 ${PY} bench/peers/train_torch.py --preset moe-1b --device cuda --experts "$1" \
+    --batch "$MB" --seq "$SEQ" --grad-accum "$GA" --steps "$STEPS" --warmup "$WARMUP" 2>&1 |
+    tee -a "$LOG" | grep '"train_step_peer_summary"' | tail -1)
+  [[ -n $line ]] || line='{"status": "error", "log": "'"$LOG"'"}'
+  ${PY} -c 'import json, sys
+j = json.loads(sys.argv[1]); j.update(bench="largest_model", system="pytorch", lever="none",
+    experts=int(sys.argv[2]), memory_gib=float(sys.argv[3])); print(json.dumps(j))' \
+    "$line" "$1" "$MEM_GIB" >>"$JSONL"
+  ${PY} -c 'import json, sys; print(json.loads(sys.argv[1]).get("status", "error"))' "$line"
+}
+if ((PEER)); then
+  first=$(peer_run "$PEER_FROM")
+  if [[ $first == ok ]]; then
+    for e in $GRID; do ((e > PEER_FROM)) || continue; [[ $(peer_run "$e") == ok ]] || break; done
+  elif [[ $first == out_of_memory ]]; then
+    for e in $grid_desc; do ((e < PEER_FROM)) || continue; [[ $(peer_run "$e") == ok ]] && break; done
+  fi
+fi
+
 for lever in $LEVERS; do
   sets=$(lever_sets "$lever")
   tried_any=0
@@ -86,9 +129,11 @@ for lever in $LEVERS; do
     args=(--preset moe-1b --device cuda --steps "$STEPS" --warmup "$WARMUP" --set "model.moe.num_experts=$e")
     for s in $common_sets $sets; do args+=(--set "$s"); done
     echo "[largest] xmoe $lever: $e experts (the memory model's largest under $MEM_GIB GiB)" >&2
-    line=$(XMOE_MEMORY_LIMIT=$mem_bytes timeout 400 "$BIN/bench_train_step" "${args[@]}" 2>&1 |
+    line=$(timeout 400 "$BIN/bench_train_step" "${args[@]}" 2>&1 |
       tee -a "$LOG" | grep '"train_step_summary"' | tail -1)
-    [[ -n $line ]] || line='{"status": "error", "log": "'"$LOG"'"}'
+    rc=${PIPESTATUS[0]}
+    # Killed by the kernel (137): the host's memory ran out.
+    [[ -n $line ]] || line='{"status": "'$([[ $rc == 137 ]] && echo out_of_memory || echo error)'", "exit_code": '$rc', "log": "'"$LOG"'"}'
     ${PY} -c 'import json, sys
 j = json.loads(sys.argv[1]); j.update(bench="largest_model", system="xmoe", lever=sys.argv[2],
     experts=int(sys.argv[3]), memory_gib=float(sys.argv[4])); print(json.dumps(j))' \
@@ -98,22 +143,6 @@ j = json.loads(sys.argv[1]); j.update(bench="largest_model", system="xmoe", leve
   done
   ((tried_any)) || echo "{\"bench\": \"largest_model\", \"system\": \"xmoe\", \"lever\": \"$lever\", \"status\": \"none_predicted_to_fit\"}" | tee -a "$JSONL"
 done
-
-if ((PEER)); then
-  for e in $GRID; do
-    ((e >= PEER_FROM)) || continue
-    echo "[largest] PyTorch: $e experts" >&2
-    line=$(timeout 400 ${PY} bench/peers/train_torch.py --preset moe-1b --device cuda --experts "$e" \
-      --batch "$MB" --seq "$SEQ" --grad-accum "$GA" --steps "$STEPS" --warmup "$WARMUP" \
-      --memory-gib "$MEM_GIB" 2>&1 | tee -a "$LOG" | grep '"train_step_peer_summary"' | tail -1)
-    [[ -n $line ]] || line='{"status": "error", "log": "'"$LOG"'"}'
-    ${PY} -c 'import json, sys
-j = json.loads(sys.argv[1]); j.update(bench="largest_model", system="pytorch", lever="none",
-    experts=int(sys.argv[2]), memory_gib=float(sys.argv[3])); print(json.dumps(j))' \
-      "$line" "$e" "$MEM_GIB" | tee -a "$JSONL"
-    grep -q '"status": *"ok"' <<<"$line" || break
-  done
-fi
 
 ${PY} - "$JSONL" "$PROJECT_TOKENS" <<'PY'
 import json, sys

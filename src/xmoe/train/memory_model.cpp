@@ -176,7 +176,8 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     return {data_ranks, data_rank};
   };
   // Offload: AdamW's host buffer for each piece it owns, its gradient (the f32 shard with
-  // zero 2); the bf16 copies' slots come after the walk, from the pieces in AdamW's order.
+  // zero 2); the bf16 copies' slots come after the walk, from the pieces in AdamW's order (the
+  // buckets' shards in bucket order; zero 0: the parameters in the model's order).
   std::vector<int64_t> piece_counts, piece_copies;
   auto staging = [&](const ParamSpec& p, int64_t count) {
     if (!r.offload) return int64_t{0};
@@ -227,6 +228,12 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     r.comm_bytes = std::max(r.comm_bytes, buffers);
   }
   if (r.offload) {  // the bf16 copies' slots, sized by the trainer's update groups
+    if (r.zero == 0) {  // AdamW's pieces: the parameters whole, in the model's order
+      piece_counts.assign(numels.begin(), numels.end());
+      piece_copies.clear();
+      for (size_t i = 0; i < params.size(); ++i)
+        piece_copies.push_back(r.bf16_compute && params[i].compute_copy ? numels[i] : 0);
+    }
     int64_t slot = 0;
     for (const auto& [begin, end] : optim::AdamW::offload_groups(
              piece_counts, optim::AdamWConfig::from(config.train).offload_group_numel))
