@@ -90,14 +90,14 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
                              : Tensor::zeros(shape, DType::f32, device_));
     master_.emplace_back();
     if (piece.master) {
-      XMOE_CHECK(!p->master_sharded && p->compute_copy.defined() &&
-                     p->compute_copy.dtype() == DType::bf16,
-                 "[adamw] {}: a piece that holds the master weights needs the parameter's f32 "
-                 "value and a bf16 compute copy (its master weights already sharded: {})",
-                 p->name, p->master_sharded);
+      XMOE_CHECK(
+          !p->master_sharded && p->compute_copy.defined() && p->compute_copy.dtype() == DType::bf16,
+          "[adamw] {}: a piece that holds the master weights needs the parameter's f32 "
+          "value and a bf16 compute copy (its master weights already sharded: {})",
+          p->name, p->master_sharded);
       // A copy of the range (on the host when offloaded), made before the owner frees value.
-      master_.back() = cfg.offload ? host_zeros(shape, DType::f32)
-                                   : Tensor::empty(shape, DType::f32, device_);
+      master_.back() =
+          cfg.offload ? host_zeros(shape, DType::f32) : Tensor::empty(shape, DType::f32, device_);
       master_.back().copy_from(flat(p->value).rows(piece.offset, piece.offset + piece.count));
     }
     if (!cfg.offload) continue;
@@ -187,9 +187,10 @@ ops::AdamWTensors AdamW::piece_tensors(size_t i, const Tensor& grad,
                                        const Tensor& param_bf16) const {
   const AdamWPiece& piece = pieces_[i];
   const Parameter& p = *piece.param;
-  const Tensor value = piece.master  ? master_[i]
-                       : piece.whole() ? p.value
-                                       : flat(p.value).rows(piece.offset, piece.offset + piece.count);
+  const Tensor value = piece.master ? master_[i]
+                       : piece.whole()
+                           ? p.value
+                           : flat(p.value).rows(piece.offset, piece.offset + piece.count);
   return {value, grad, m_[i], v_[i], param_bf16, p.weight_decay};
 }
 

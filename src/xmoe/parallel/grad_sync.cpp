@@ -426,8 +426,8 @@ void GradientSync::gather_params() {
       const LanePiece* first = nullptr;
       for (const LanePiece& l : b.lanes)
         if (l.bf16 == bf16 && !first) first = &l;
-      Tensor mine = Tensor::zeros({lane}, bf16 ? DType::bf16 : DType::f32,
-                                  weights(*first).device());
+      Tensor mine =
+          Tensor::zeros({lane}, bf16 ? DType::bf16 : DType::f32, weights(*first).device());
       std::vector<Tensor> dst, src;
       for (const LanePiece& l : b.lanes) {
         if (l.bf16 != bf16 || l.rank != rank) continue;
@@ -460,7 +460,7 @@ std::vector<Tensor> GradientSync::gather_pieces(std::span<const Tensor> pieces) 
   XMOE_CHECK(zero_ >= 1, "[grad_sync] gather_pieces needs parallel.zero >= 1");
   std::vector<Tensor> out(params_.size());
   // Where the pieces live (the host for an offloaded optimizer).
-  const Device device = !pieces.empty()    ? pieces[0].device()
+  const Device device = !pieces.empty()   ? pieces[0].device()
                         : params_.empty() ? Device::cpu()
                                           : params_[0]->device();
   size_t k = 0;

@@ -124,11 +124,11 @@ class GradientSync {
   /// One rank's run of a bucket's parameter in gather_params()'s lanes.
   struct LanePiece {
     int rank = 0;
-    size_t param = 0;      ///< in the bucket
-    int64_t offset = 0;    ///< first element in the parameter
-    int64_t count = 0;     ///< elements
-    bool bf16 = false;     ///< the bf16 lane (a master-sharded parameter), else the f32 one
-    int64_t lane_at = 0;   ///< first element in its rank's lane
+    size_t param = 0;     ///< in the bucket
+    int64_t offset = 0;   ///< first element in the parameter
+    int64_t count = 0;    ///< elements
+    bool bf16 = false;    ///< the bf16 lane (a master-sharded parameter), else the f32 one
+    int64_t lane_at = 0;  ///< first element in its rank's lane
   };
   struct Bucket {
     std::vector<Parameter*> params;
