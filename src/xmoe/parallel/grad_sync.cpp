@@ -102,27 +102,15 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     std::vector<int64_t> numels;
     for (const Parameter* p : b.params) numels.push_back(p->value.numel());
     b.shards = BucketShards::plan(numels, group.size(), group.rank());
-    plan_lanes(b, numels, group.size());
+    std::vector<char> bf16;
+    for (const Parameter* p : b.params) bf16.push_back(shards_master(*p, zero_));
+    b.lanes = GatherLanes::plan(numels, bf16, group.size());
   }
 }
 
 bool GradientSync::shards_master(const Parameter& p, int zero) {
   return zero >= 1 && p.compute_copy.defined() && p.compute_copy.dtype() == DType::bf16 &&
          !p.reads_f32;
-}
-
-void GradientSync::plan_lanes(Bucket& b, std::span<const int64_t> numels, int size) const {
-  for (int r = 0; r < size; ++r) {
-    int64_t at_bf16 = 0, at_f32 = 0;
-    for (const ShardPiece& s : BucketShards::plan(numels, size, r).pieces) {
-      const bool bf16 = shards_master(*b.params[s.param], zero_);
-      int64_t& at = bf16 ? at_bf16 : at_f32;
-      b.lanes.push_back({r, s.param, s.offset, s.count, bf16, at});
-      at += s.count;
-    }
-    b.lane_bf16 = std::max(b.lane_bf16, at_bf16);
-    b.lane_f32 = std::max(b.lane_f32, at_f32);
-  }
 }
 
 std::vector<std::vector<size_t>> GradientSync::bucket_plan(std::span<const int64_t> numels,
@@ -417,19 +405,19 @@ void GradientSync::gather_params() {
     // of the others; each rank packs its updated elements (padding zero), gathers every rank's
     // and unpacks the other ranks' pieces (its own are in place: AdamW wrote them).
     for (const bool bf16 : {true, false}) {
-      const int64_t lane = bf16 ? b.lane_bf16 : b.lane_f32;
+      const int64_t lane = bf16 ? b.lanes.bf16 : b.lanes.f32;
       if (lane == 0) continue;
       auto weights = [&](const LanePiece& l) {
         const Parameter& p = *b.params[l.param];
         return flat(bf16 ? p.compute_copy : p.value).rows(l.offset, l.offset + l.count);
       };
       const LanePiece* first = nullptr;
-      for (const LanePiece& l : b.lanes)
+      for (const LanePiece& l : b.lanes.pieces)
         if (l.bf16 == bf16 && !first) first = &l;
       Tensor mine =
           Tensor::zeros({lane}, bf16 ? DType::bf16 : DType::f32, weights(*first).device());
       std::vector<Tensor> dst, src;
-      for (const LanePiece& l : b.lanes) {
+      for (const LanePiece& l : b.lanes.pieces) {
         if (l.bf16 != bf16 || l.rank != rank) continue;
         dst.push_back(mine.rows(l.lane_at, l.lane_at + l.count));
         src.push_back(weights(l));
@@ -439,7 +427,7 @@ void GradientSync::gather_params() {
       dst.clear();
       src.clear();
       std::vector<Tensor> copies, copy_src;
-      for (const LanePiece& l : b.lanes) {
+      for (const LanePiece& l : b.lanes.pieces) {
         if (l.bf16 != bf16 || l.rank == rank) continue;
         const int64_t at = l.rank * lane + l.lane_at;
         dst.push_back(weights(l));

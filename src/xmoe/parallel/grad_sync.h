@@ -121,23 +121,12 @@ class GradientSync {
                                                       int64_t bucket_bytes);
 
  private:
-  /// One rank's run of a bucket's parameter in gather_params()'s lanes.
-  struct LanePiece {
-    int rank = 0;
-    size_t param = 0;     ///< in the bucket
-    int64_t offset = 0;   ///< first element in the parameter
-    int64_t count = 0;    ///< elements
-    bool bf16 = false;    ///< the bf16 lane (a master-sharded parameter), else the f32 one
-    int64_t lane_at = 0;  ///< first element in its rank's lane
-  };
   struct Bucket {
     std::vector<Parameter*> params;
     int64_t numel = 0;
     ParamKind kind = ParamKind::dense;
     BucketShards shards;  ///< zero >= 1
-    /// zero >= 1: every rank's pieces of gather_params(), and the lanes' padded lengths
-    std::vector<LanePiece> lanes;
-    int64_t lane_bf16 = 0, lane_f32 = 0;
+    GatherLanes lanes;    ///< zero >= 1: how gather_params() moves every rank's shard
     /// zero 2, from its reduce-scatter to release_shards(): f32 [shards.shard], this rank's
     /// averaged gradient
     Tensor grad_shard;
@@ -164,8 +153,6 @@ class GradientSync {
   void finish_reduce_scatter();
   /// The bucket's elements [padded] gathered from every rank's `shard` [shard].
   Tensor all_gather(const Bucket& b, const Tensor& shard) const;
-  /// zero >= 1: plans b.lanes from every rank's shard of the bucket.
-  void plan_lanes(Bucket& b, std::span<const int64_t> numels, int size) const;
 
   std::vector<Parameter*> params_;
   const Layout& layout_;

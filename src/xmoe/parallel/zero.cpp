@@ -28,4 +28,23 @@ BucketShards BucketShards::plan(std::span<const int64_t> numels, int size, int r
   return b;
 }
 
+GatherLanes GatherLanes::plan(std::span<const int64_t> numels, std::span<const char> bf16,
+                              int size) {
+  XMOE_CHECK(bf16.size() == numels.size(), "[zero] {} lane flags for {} parameters", bf16.size(),
+             numels.size());
+  GatherLanes g;
+  for (int r = 0; r < size; ++r) {
+    int64_t at_bf16 = 0, at_f32 = 0;
+    for (const ShardPiece& s : BucketShards::plan(numels, size, r).pieces) {
+      const bool half = bf16[s.param] != 0;
+      int64_t& at = half ? at_bf16 : at_f32;
+      g.pieces.push_back({r, s.param, s.offset, s.count, half, at});
+      at += s.count;
+    }
+    g.bf16 = std::max(g.bf16, at_bf16);
+    g.f32 = std::max(g.f32, at_f32);
+  }
+  return g;
+}
+
 }  // namespace xmoe::parallel
