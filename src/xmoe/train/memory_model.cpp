@@ -160,6 +160,11 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     (p.kind == ParamKind::dense    ? r.dense_gradient_bytes
      : p.kind == ParamKind::expert ? r.expert_gradient_bytes
                                    : r.tensor_gradient_bytes) += p.grad_bytes * p.numel;
+    if (r.zero >= 1)
+      (p.kind == ParamKind::dense    ? r.dense_gather_bytes
+       : p.kind == ParamKind::expert ? r.expert_gather_bytes
+                                     : r.tensor_gather_bytes) +=
+          (master_sharded(p) ? 2 : 4) * p.numel;
     numels.push_back(p.numel);
     kinds.push_back(p.kind);
   }

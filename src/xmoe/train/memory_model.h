@@ -70,6 +70,9 @@ struct MemoryModel {
   /// over the world, the experts' over their dp group, tensor-parallel ones over the
   /// tp-replica group.
   int64_t dense_gradient_bytes = 0, expert_gradient_bytes = 0, tensor_gradient_bytes = 0;
+  /// zero >= 1: the parameter bytes the all-gather after the update assembles, by group (4 an
+  /// element, 2 for the bf16 copies of master-sharded parameters); 0 at zero 0
+  int64_t dense_gather_bytes = 0, expert_gather_bytes = 0, tensor_gather_bytes = 0;
   /// Parameter elements whose AdamW update this rank runs (its zero shards, else all it holds).
   int64_t owned_parameters = 0;
   int64_t optimizer_bytes = 0;        ///< AdamW m and v (on the host with offload)

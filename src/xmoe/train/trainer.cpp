@@ -370,7 +370,7 @@ class Run {
     if (config_.parallel.zero == 2)
       for (Parameter* p : params_) p->release_grad();
     result.optimizer_bytes = opt_->state_bytes();
-    result.master_bytes = opt_->master_bytes();
+    result.master_bytes = result.sharded_master_bytes = opt_->master_bytes();
     for (const Parameter* p : params_)
       if (!p->master_sharded) result.master_bytes += 4 * p->value.numel();
     result.offload_staging_bytes = opt_->staging_bytes();
