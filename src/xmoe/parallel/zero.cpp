@@ -47,4 +47,29 @@ GatherLanes GatherLanes::plan(std::span<const int64_t> numels, std::span<const c
   return g;
 }
 
+std::pair<int64_t, int64_t> GatherLanes::lengths(std::span<const int64_t> numels,
+                                                 std::span<const char> bf16, int size) {
+  XMOE_CHECK(bf16.size() == numels.size(), "[zero] {} lane flags for {} parameters", bf16.size(),
+             numels.size());
+  const BucketShards b = BucketShards::plan(numels, size, 0);
+  // bf16 elements of the bucket before position x (x never decreases: one pass).
+  size_t i = 0;
+  int64_t start = 0, before = 0;
+  auto bf16_before = [&](int64_t x) {
+    for (; i < numels.size() && start + numels[i] <= x; start += numels[i++])
+      if (bf16[i]) before += numels[i];
+    return before + (i < numels.size() && bf16[i] ? std::max<int64_t>(0, x - start) : 0);
+  };
+  int64_t max_bf16 = 0, max_f32 = 0, prev = 0;
+  for (int r = 0; r < size; ++r) {
+    const int64_t begin = std::min(r * b.shard, b.numel),
+                  end = std::min((r + 1) * b.shard, b.numel);
+    const int64_t now = bf16_before(end);
+    max_bf16 = std::max(max_bf16, now - prev);
+    max_f32 = std::max(max_f32, end - begin - (now - prev));
+    prev = now;
+  }
+  return {max_bf16, max_f32};
+}
+
 }  // namespace xmoe::parallel

@@ -6,6 +6,7 @@
 // element at all (numel < N: the tail shards are all padding).
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace xmoe::parallel {
@@ -50,6 +51,10 @@ struct GatherLanes {
   /// The lanes of a bucket whose parameters have `numels` elements over `size` ranks;
   /// `bf16[i]`: parameter i travels as bf16.
   static GatherLanes plan(std::span<const int64_t> numels, std::span<const char> bf16, int size);
+  /// plan()'s lane lengths {bf16, f32} alone, in one pass over the parameters and the ranks
+  /// (the memory model asks it for every bucket of layouts of thousands of ranks).
+  static std::pair<int64_t, int64_t> lengths(std::span<const int64_t> numels,
+                                             std::span<const char> bf16, int size);
 };
 
 }  // namespace xmoe::parallel

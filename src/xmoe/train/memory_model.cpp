@@ -233,8 +233,8 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     if (r.zero >= 1) {  // gather_params: per lane, this rank's packed, then every rank's
       std::vector<char> bf16;
       for (size_t i : members) bf16.push_back(master_sharded(params[i]));
-      const parallel::GatherLanes lanes = parallel::GatherLanes::plan(sizes, bf16, group);
-      for (const auto& [lane, bytes] : {std::pair{lanes.bf16, 2}, std::pair{lanes.f32, 4}})
+      const auto [lane_bf16, lane_f32] = parallel::GatherLanes::lengths(sizes, bf16, group);
+      for (const auto& [lane, bytes] : {std::pair{lane_bf16, 2}, std::pair{lane_f32, 4}})
         buffers = std::max(buffers, bytes * lane * (group > 1 ? 1 + group : 1));
     }
     r.comm_bytes = std::max(r.comm_bytes, buffers);
