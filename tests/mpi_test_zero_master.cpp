@@ -120,6 +120,8 @@ void expect_equal(std::vector<Parameter>& ps, const Sharded& s, const Reference&
   const train::TensorMap ckpt = train::checkpoint_tensors(pointers(ps), state, {}, layout);
   std::map<std::string, Tensor> ref_state;
   ref.opt.export_state(ref_state);
+  ASSERT_TRUE(state.count(optim::AdamW::kStepKey));
+  EXPECT_TRUE(same_bits(state.at(optim::AdamW::kStepKey), ref_state.at(optim::AdamW::kStepKey)));
   for (size_t i = 0; i < ps.size(); ++i) {
     const Parameter &p = ps[i], &r = ref.params[i];
     SCOPED_TRACE(p.name + " after step " + std::to_string(step));

@@ -95,6 +95,7 @@ TensorMap optimizer_state(const optim::AdamW& opt, const parallel::GradientSync&
     out[sync.parameters()[i]->name + ".adam_m"] = m[i];
     out[sync.parameters()[i]->name + ".adam_v"] = v[i];
   }
+  out[optim::AdamW::kStepKey] = Tensor::from_vector<int64_t>({opt.step_count()}, {1});
   // The master weights of the parameters that hold only their bf16 copies, gathered like the
   // moments (the other pieces give their value's range; only the sharded ones are kept).
   bool any_sharded = false;
@@ -111,7 +112,6 @@ TensorMap optimizer_state(const optim::AdamW& opt, const parallel::GradientSync&
   const std::vector<Tensor> w = sync.gather_pieces(masters);
   for (size_t i = 0; i < sync.parameters().size(); ++i)
     if (sync.parameters()[i]->master_sharded) out[sync.parameters()[i]->name] = w[i];
-  out[optim::AdamW::kStepKey] = Tensor::from_vector<int64_t>({opt.step_count()}, {1});
   return out;
 }
 
