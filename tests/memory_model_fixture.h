@@ -58,6 +58,7 @@ class MemoryModelTest : public MicroCorpusTest {
     EXPECT_EQ(m.optimizer_bytes, r.optimizer_bytes) << what;
     EXPECT_EQ(m.gradient_bytes, r.gradient_bytes) << what;
     EXPECT_EQ(m.staging_bytes, r.offload_staging_bytes) << what;
+    EXPECT_EQ(m.parameter_bytes, r.master_bytes) << what;
     if (pinned) {
       // The master weights, moments and staging are the only pinned tensors of a run.
       const int64_t host = backend::pinned_host_allocator().stats().peak_bytes - pinned_base;

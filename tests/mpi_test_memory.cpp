@@ -2,9 +2,9 @@
 // parallel.zero 0, 1, 2, and for tensor parallelism (tp 2 and 4, with and without SSMB, with
 // ep, zero and optimizer offload), each rank's predicted AdamW moment bytes, gradient bytes
 // between steps and offload staging bytes equal what its trainer holds (TrainResult::
-// optimizer_bytes, gradient_bytes, offload_staging_bytes), and its live bytes between steps and
-// its peak inside a step are those the allocator measured; and the pipelined MoE layer's peak
-// over its chunk count.
+// optimizer_bytes, gradient_bytes, offload_staging_bytes, master_bytes), and its live bytes
+// between steps and its peak inside a step are those the allocator measured; and the pipelined
+// MoE layer's peak over its chunk count.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -46,6 +46,7 @@ void expect_predicted(const Config& c, const fs::path& out, const std::string& w
   EXPECT_EQ(m.optimizer_bytes, r.optimizer_bytes) << tag;
   EXPECT_EQ(m.gradient_bytes, r.gradient_bytes) << tag;
   EXPECT_EQ(m.staging_bytes, r.offload_staging_bytes) << tag;
+  EXPECT_EQ(m.parameter_bytes, r.master_bytes) << tag;
   const double steady =
       static_cast<double>(m.steady_bytes - r.steady_bytes) / static_cast<double>(r.steady_bytes);
   const double peak = static_cast<double>(m.peak_bytes - r.peak_step_bytes) /

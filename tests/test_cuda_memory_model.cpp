@@ -2,7 +2,8 @@
 // bf16 compute (f32 master weights, gradients and moments, bf16 compute copies), the peak inside
 // a step within 10% and the bytes live between steps within 1% of the prediction; with the
 // optimizer offloaded, the device's bytes without the masters and moments, and the pinned host
-// memory within 1%.
+// memory within 1%; zero 1 and 2 (the masters of bf16-copied parameters in the optimizer's
+// pieces), the master bytes exactly.
 #include <gtest/gtest.h>
 
 #include "cuda_testing.h"
@@ -19,6 +20,14 @@ TEST_F(CudaMemoryModelTest, TinyPresetOnTheGpu) {
   c.model.recompute = {"attention", "moe"};
   c.train.out_dir = (root_ / "run-recompute").string();
   expect_predicted(c, "tiny, cuda bf16, recompute");
+  // zero 1 and 2 on one GPU: the matrices' f32 masters move into the optimizer's pieces (the
+  // one shard is the whole) and the parameters keep their bf16 copies.
+  c.model.recompute = {};
+  for (int zero : {1, 2}) {
+    c.parallel.zero = zero;
+    c.train.out_dir = (root_ / fmt::format("run-zero{}", zero)).string();
+    expect_predicted(c, fmt::format("tiny, cuda bf16, zero {}", zero));
+  }
 }
 
 TEST_F(CudaMemoryModelTest, MoE1bShapeOnTheGpu) {
@@ -36,6 +45,11 @@ TEST_F(CudaMemoryModelTest, OffloadedOptimizerOnTheGpu) {
   c.train.device = "cuda";
   c.train.offload_optimizer = true;
   expect_predicted(c, "tiny, cuda bf16, offload");
+  // zero 1: the pinned host holds the optimizer pieces' masters, not the parameters' values.
+  c.parallel.zero = 1;
+  c.train.out_dir = (root_ / "run-offload-zero1").string();
+  expect_predicted(c, "tiny, cuda bf16, offload, zero 1");
+  c.parallel.zero = 0;
   // f32 compute: the device keeps an f32 copy of every weight.
   c.train.dtype = "f32";
   c.train.out_dir = (root_ / "run-f32").string();

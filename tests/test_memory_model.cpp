@@ -125,6 +125,16 @@ TEST(MemoryModel, ZeroDividesTheOptimizerState) {
   EXPECT_LT(z1.optimizer_bytes * 4, z0.optimizer_bytes + 8 * 8 * 8);
   EXPECT_GT(z1.optimizer_bytes * 8, z0.optimizer_bytes - 8 * 8 * 8);
   EXPECT_EQ(z1.gradient_bytes, z0.gradient_bytes);
+  // With bf16 compute the f32 masters of the matrices shard like their moments (4 of the 8
+  // bytes per owned element); the embedding table (read in f32) and the norms stay whole.
+  const int64_t embedding = 4 * c.model.vocab_size * c.model.d_model;
+  EXPECT_GT(z1.parameter_bytes, embedding);
+  EXPECT_LT(z1.parameter_bytes - embedding, z1.optimizer_bytes / 2);
+  EXPECT_GT(z1.parameter_bytes - embedding, z1.optimizer_bytes / 2 - embedding / 8 - 8 * 8 * 8);
+  EXPECT_EQ(z2.parameter_bytes, z1.parameter_bytes);
+  EXPECT_EQ(z1.steady_bytes + (z0.parameter_bytes - z1.parameter_bytes) +
+                (z0.optimizer_bytes - z1.optimizer_bytes),
+            z0.steady_bytes);
   // zero 2 holds no gradient between steps, and its whole gradients only from their module's
   // backward to their bucket's reduce-scatter: its peak is below zero 1's.
   EXPECT_EQ(z2.gradient_bytes, 0);

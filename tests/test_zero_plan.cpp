@@ -94,6 +94,40 @@ TEST(ZeroPlan, EmptyShardsWhenFewerElementsThanRanks) {
   EXPECT_THROW(BucketShards::plan(std::vector<int64_t>{2}, 2, 2), Error);
 }
 
+TEST(ZeroPlan, GatherLanesSplitEachShardByWeightKind) {
+  // bf16 (master-sharded) and f32 parameters mixed, over 1 to 9 ranks: each rank's lanes hold
+  // exactly its shard's elements of each kind, packed from 0; the lengths are the longest
+  // rank's, and lengths() computes them without the pieces.
+  const std::vector<int64_t> numels = {5, 3, 0, 7, 1, 4};
+  const std::vector<char> bf16 = {1, 0, 1, 1, 0, 1};
+  for (int size = 1; size <= 9; ++size) {
+    SCOPED_TRACE("size " + std::to_string(size));
+    const parallel::GatherLanes g = parallel::GatherLanes::plan(numels, bf16, size);
+    int64_t longest[2] = {0, 0};
+    for (int r = 0; r < size; ++r) {
+      const BucketShards b = BucketShards::plan(numels, size, r);
+      int64_t at[2] = {0, 0};
+      size_t k = 0;
+      for (const parallel::LanePiece& l : g.pieces) {
+        if (l.rank != r) continue;
+        ASSERT_LT(k, b.pieces.size());
+        const parallel::ShardPiece& s = b.pieces[k++];
+        EXPECT_EQ(l.param, s.param);
+        EXPECT_EQ(l.offset, s.offset);
+        EXPECT_EQ(l.count, s.count);
+        EXPECT_EQ(l.bf16, bf16[s.param] != 0);
+        EXPECT_EQ(l.lane_at, at[l.bf16]);
+        at[l.bf16] += l.count;
+      }
+      EXPECT_EQ(k, b.pieces.size());
+      for (int j = 0; j < 2; ++j) longest[j] = std::max(longest[j], at[j]);
+    }
+    EXPECT_EQ(g.f32, longest[0]);
+    EXPECT_EQ(g.bf16, longest[1]);
+    EXPECT_EQ(parallel::GatherLanes::lengths(numels, bf16, size), std::make_pair(g.bf16, g.f32));
+  }
+}
+
 TEST(ZeroPlan, AdamWOnPiecesEqualsWholeBitwise) {
   // Two parameters packed as one bucket of 7 elements over 3 "ranks" (shards of 3): each
   // rank's AdamW updates its pieces; the assembled result equals one AdamW on the whole

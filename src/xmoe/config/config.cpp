@@ -225,8 +225,10 @@ const std::vector<Key>& table() {
       XMOE_KEY(parallel.zero, {0, 2}, {},
                "optimizer-state sharding over data-parallel replicas: 0: every rank holds the "
                "whole optimizer state; 1: AdamW moments sharded over each parameter's "
-               "data-parallel group; 2: also gradients reduce-scattered, each rank keeps its "
-               "shard (MPI on CPU ranks, NCCL on GPUs; the f32 master weights stay whole)"),
+               "data-parallel group, and with bf16 compute the f32 master weights of the "
+               "parameters read through bf16 copies (the update all-gathers the copies); 2: "
+               "also gradients reduce-scattered, each rank keeps its shard (MPI on CPU ranks, "
+               "NCCL on GPUs)"),
       XMOE_KEY(parallel.bucket_kib, at_least(1), {},
                "size of a gradient bucket (KiB of f32 gradients): the gradients are all-reduced "
                "(zero 2: reduce-scattered) in buckets of one parameter kind, filled in parameter "

@@ -17,6 +17,10 @@ Parameter Parameter::make(std::string name, Shape shape, ParamKind kind, bool we
 }
 
 void Parameter::to(Device device) {
+  XMOE_CHECK(!master_sharded,
+             "[parameter] {}: its master weights are sharded over ranks (parallel.zero); it "
+             "cannot move to {}",
+             name, device.str());
   XMOE_CHECK(!offloaded(),
              "[parameter] {}: its master weights are offloaded to the host; it cannot move to {}",
              name, device.str());
@@ -43,7 +47,22 @@ void Parameter::drop_master_weights(DType dtype) {
   compute_copy = Tensor();
 }
 
+void Parameter::shard_master_weights() {
+  if (master_sharded) return;
+  XMOE_CHECK(compute_copy.defined() && compute_copy.dtype() == DType::bf16 && !reads_f32 &&
+                 value.dtype() == DType::f32,
+             "[parameter] {}: sharding the master weights needs an f32 value, a bf16 compute "
+             "copy and no f32 reader (value {}, compute copy {}, reads_f32 {})",
+             name, value.str(), compute_copy.defined() ? compute_copy.str() : "none", reads_f32);
+  value = compute_copy;
+  device_f32 = Tensor();
+  master_sharded = true;
+}
+
 void Parameter::offload_master() {
+  XMOE_CHECK(!master_sharded,
+             "[parameter] {}: offload the master weights before sharding them (parallel.zero)",
+             name);
   if (value.is_cpu()) return;
   Tensor host = Tensor::empty_pinned(value.shape(), value.dtype());
   host.copy_from(value);

@@ -46,7 +46,9 @@ void place_shard(Tensor& whole, const ShardSpec& spec, const Tensor& shard);
 
 struct Parameter {
   std::string name;  ///< stable, hierarchical: "layers.3.moe.experts.gate_up"
-  Tensor value;      ///< f32 master weights (bf16 after drop_master_weights)
+  /// f32 master weights (bf16 after drop_master_weights; the bf16 compute copy itself after
+  /// shard_master_weights)
+  Tensor value;
   /// value's shape and device, f32 (bf16 for the routed experts' weights with
   /// model.moe.expert_grad_dtype = bf16); backward accumulates into it
   Tensor grad;
@@ -63,6 +65,9 @@ struct Parameter {
   /// Its module reads the f32 weights (weights_f32()) even where a bf16 compute copy exists
   /// (the embedding lookup of a tied table, the f32 routers).
   bool reads_f32 = false;
+  /// parallel.zero >= 1 (shard_master_weights()): value is compute_copy (one tensor) and the
+  /// f32 master weights exist only as the optimizer's shard pieces (optim::AdamW::master).
+  bool master_sharded = false;
   ParamKind kind = ParamKind::dense;
   bool weight_decay = true;  ///< false for norms, biases, temperatures
   /// Expert and tensor-parallel parameters: which part of the whole tensor this is.
@@ -128,11 +133,22 @@ struct Parameter {
   /// weight per element instead of 4 + 2. Only for passes that no optimizer follows (benchmarks,
   /// inference): AdamW refuses a parameter whose value is not f32.
   void drop_master_weights(DType dtype);
+  /// parallel.zero >= 1: the f32 master weights leave the parameter for the optimizer's shard
+  /// pieces (each rank holds only the elements its AdamW updates); value becomes the bf16
+  /// compute copy, which forward and backward read and which the update's all-gather refreshes.
+  /// Needs a bf16 compute copy and a module that never reads the f32 weights (!reads_f32).
+  void shard_master_weights();
   /// The weight as forward and backward use it: the bf16 copy when there is one, else value.
   const Tensor& compute() const { return compute_copy.defined() ? compute_copy : weights_f32(); }
   /// The f32 weights on the device forward and backward run on: device_f32 when value is
-  /// offloaded to the host, else value.
-  const Tensor& weights_f32() const { return device_f32.defined() ? device_f32 : value; }
+  /// offloaded to the host, else value. Refused once the master weights are sharded.
+  const Tensor& weights_f32() const {
+    XMOE_CHECK(!master_sharded,
+               "[parameter] {}: its f32 weights are sharded over the data-parallel ranks "
+               "(parallel.zero >= 1); only its bf16 compute copy is whole here",
+               name);
+    return device_f32.defined() ? device_f32 : value;
+  }
   /// The device forward and backward run on (value's, unless offloaded).
   Device device() const { return grad.defined() ? grad.device() : compute().device(); }
   /// True when value (the master weights) lives on the host while the parameter computes on a

@@ -264,6 +264,10 @@ void Transformer::set_compute_dtype(DType dtype) {
   for (auto& b : blocks_) b->set_compute_dtype(dtype);
   const Parameter& embed = embed_->weight();
   for (Parameter* p : parameters()) {
+    XMOE_CHECK(!p->master_sharded,
+               "[transformer] {}: set the compute dtype before sharding the master weights "
+               "(parallel.zero)",
+               p->name);
     if (dtype == DType::bf16 && needs_compute_copy(*p, embed, !lm_head_)) {
       p->compute_copy = ops::cast(p->value, DType::bf16);
     } else {
@@ -310,7 +314,8 @@ void Transformer::place(Device device, DType dtype, bool offload_master) {
 void Transformer::refresh_compute_weights() {
   for (Parameter* p : parameters()) {
     if (p->device_f32.defined()) p->device_f32.copy_from(p->value);
-    if (!p->compute_copy.defined()) continue;
+    // Sharded masters (parallel.zero): value is the copy, which whoever wrote it made current.
+    if (!p->compute_copy.defined() || p->master_sharded) continue;
     // Cast on the device, as without offload: the same bf16 bits.
     const Tensor& f32 =
         p->offloaded() && !p->device_f32.defined() ? p->value.to(device_) : p->weights_f32();

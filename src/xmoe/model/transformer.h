@@ -117,7 +117,9 @@ class Transformer : public Module {
   bool master_offloaded() const { return offloaded_; }
   /// Re-casts the bf16 copies (and, offloaded, the device's f32 copies) from the f32 master
   /// weights: after anything other than AdamW wrote parameter values (checkpoint load, expert
-  /// permutation). A no-op in f32 without offload.
+  /// permutation). A no-op in f32 without offload. Skips the parameters whose masters are
+  /// sharded (Parameter::master_sharded): their writer (a checkpoint load, the all-gather)
+  /// writes the bf16 copy itself.
   void refresh_compute_weights();
 
   const ModelConfig& config() const { return cfg_; }

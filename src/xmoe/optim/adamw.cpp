@@ -88,6 +88,18 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
                              : Tensor::zeros(shape, DType::f32, device_));
     v_.push_back(cfg.offload ? host_zeros(shape, DType::f32)
                              : Tensor::zeros(shape, DType::f32, device_));
+    master_.emplace_back();
+    if (piece.master) {
+      XMOE_CHECK(
+          !p->master_sharded && p->compute_copy.defined() && p->compute_copy.dtype() == DType::bf16,
+          "[adamw] {}: a piece that holds the master weights needs the parameter's f32 "
+          "value and a bf16 compute copy (its master weights already sharded: {})",
+          p->name, p->master_sharded);
+      // A copy of the range (on the host when offloaded), made before the owner frees value.
+      master_.back() =
+          cfg.offload ? host_zeros(shape, DType::f32) : Tensor::empty(shape, DType::f32, device_);
+      master_.back().copy_from(flat(p->value).rows(piece.offset, piece.offset + piece.count));
+    }
     if (!cfg.offload) continue;
     // The host buffers this piece's gradient and bf16 copy travel through.
     // (own gradients given later: the f32 shards of zero 2)
@@ -124,6 +136,13 @@ int64_t AdamW::state_bytes() const {
   int64_t bytes = 0;
   for (size_t i = 0; i < m_.size(); ++i)
     bytes += static_cast<int64_t>(m_[i].nbytes() + v_[i].nbytes());
+  return bytes;
+}
+
+int64_t AdamW::master_bytes() const {
+  int64_t bytes = 0;
+  for (const Tensor& t : master_)
+    if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
   return bytes;
 }
 
@@ -188,8 +207,10 @@ ops::AdamWTensors AdamW::piece_tensors(size_t i, const Tensor& grad,
                                        const Tensor& param_bf16) const {
   const AdamWPiece& piece = pieces_[i];
   const Parameter& p = *piece.param;
-  const Tensor value =
-      piece.whole() ? p.value : flat(p.value).rows(piece.offset, piece.offset + piece.count);
+  const Tensor value = piece.master ? master_[i]
+                       : piece.whole()
+                           ? p.value
+                           : flat(p.value).rows(piece.offset, piece.offset + piece.count);
   return {value, grad, m_[i], v_[i], param_bf16, p.weight_decay};
 }
 
@@ -209,11 +230,15 @@ void AdamW::step(float lr, float grad_scale) {
   s.grad_scale = grad_scale;
   for (const AdamWPiece& piece : pieces_) {
     const Parameter& p = *piece.param;
-    // A piece with its own gradient (a zero 2 shard) may have released the parameter's.
-    XMOE_CHECK(
-        p.value.device() == device_ && (!p.grad.defined() || p.grad.device() == compute_device_),
-        "[adamw] {} moved to {} after the optimizer was built on {}", p.name,
-        p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str());
+    // A piece with its own gradient (a zero 2 shard) may have released the parameter's; a
+    // piece holding the master weights updates its own f32 copy (value is the bf16 copy).
+    XMOE_CHECK((piece.master ? p.master_sharded && p.compute_copy.defined()
+                             : p.value.device() == device_) &&
+                   (!p.grad.defined() || p.grad.device() == compute_device_),
+               "[adamw] {} moved to {} after the optimizer was built on {}, or its master "
+               "weights were not sharded as its piece says (master: {})",
+               p.name, p.value.device().str(), device_.is_cpu() ? "the CPU" : device_.str(),
+               piece.master);
     if (p.compute_copy.defined())
       XMOE_CHECK(p.compute_copy.dtype() == DType::bf16 &&
                      p.compute_copy.device() == compute_device_ &&
@@ -321,6 +346,7 @@ void AdamW::export_state(std::map<std::string, Tensor>& out) const {
   for (size_t i = 0; i < params_.size(); ++i) {
     out[params_[i]->name + ".adam_m"] = m_[i];
     out[params_[i]->name + ".adam_v"] = v_[i];
+    if (master_[i].defined()) out[params_[i]->name] = master_[i];
   }
   out[kStepKey] = Tensor::from_vector<int64_t>({step_}, {1});
 }
@@ -337,10 +363,12 @@ void AdamW::import_state(const std::map<std::string, Tensor>& in) {
   };
   // Validate everything before changing anything.
   const Tensor& step = find(kStepKey, {1}, DType::i64);
-  std::vector<const Tensor*> ms, vs;
-  for (Parameter* p : params_) {
+  std::vector<const Tensor*> ms, vs, masters;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Parameter* p = params_[i];
     ms.push_back(&find(p->name + ".adam_m", p->value.shape(), DType::f32));
     vs.push_back(&find(p->name + ".adam_v", p->value.shape(), DType::f32));
+    masters.push_back(pieces_[i].master ? &find(p->name, p->value.shape(), DType::f32) : nullptr);
   }
   const int64_t s = step.to_vector<int64_t>()[0];
   XMOE_CHECK(s >= 0, "[adamw] state step = {} is negative", s);
@@ -348,6 +376,8 @@ void AdamW::import_state(const std::map<std::string, Tensor>& in) {
     const int64_t a = pieces_[i].offset, b = a + pieces_[i].count;
     m_[i].copy_from(flat(ms[i]->to(Device::cpu())).rows(a, b).reshape(m_[i].shape()));
     v_[i].copy_from(flat(vs[i]->to(Device::cpu())).rows(a, b).reshape(v_[i].shape()));
+    if (masters[i])
+      master_[i].copy_from(flat(masters[i]->to(Device::cpu())).rows(a, b).reshape(m_[i].shape()));
   }
   step_ = s;
 }

@@ -42,13 +42,15 @@ struct AdamWConfig {
 struct AdamWPiece {
   /// `own_grad` (implied by a defined `grad`): the piece's gradient is its own tensor, given
   /// with the piece or before each step (AdamW::set_piece_grads), not param->grad's range.
+  /// `master`: the optimizer keeps the range's f32 master weights (see `master`).
   explicit AdamWPiece(Parameter* p, int64_t offset_ = 0, int64_t count_ = -1, Tensor grad_ = {},
-                      bool own_grad_ = false)
+                      bool own_grad_ = false, bool master_ = false)
       : param(p),
         offset(offset_),
         count(count_),
         grad(std::move(grad_)),
-        own_grad(own_grad_ || grad.defined()) {}
+        own_grad(own_grad_ || grad.defined()),
+        master(master_) {}
 
   Parameter* param = nullptr;
   int64_t offset = 0;
@@ -57,6 +59,11 @@ struct AdamWPiece {
   /// undefined without own_grad: the range of param->grad, read at every step
   Tensor grad;
   bool own_grad = false;
+  /// ZeRO's master-weight sharding (parallel/grad_sync.h, GradientSync::shards_master): the
+  /// optimizer copies the range of the parameter's f32 value when it is built and from then on
+  /// updates that copy, writing the parameter's bf16 compute copy; the owner then frees the
+  /// whole f32 value (Parameter::shard_master_weights). The parameter needs a bf16 copy.
+  bool master = false;
 
   bool whole() const { return offset == 0 && count == param->value.numel() && !own_grad; }
 };
@@ -112,6 +119,8 @@ class AdamW {
   Device device() const { return device_; }
   /// Bytes of m and v held here (what ZeRO divides).
   int64_t state_bytes() const;
+  /// Bytes of the f32 master weights the pieces hold (AdamWPiece::master).
+  int64_t master_bytes() const;
   bool offloaded() const { return cfg_.offload; }
   /// Offload: bytes of the host buffers the gradients and bf16 copies travel through.
   int64_t staging_bytes() const;
@@ -127,17 +136,21 @@ class AdamW {
   /// First / second moment of piece i.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
+  /// The f32 master weights of piece i when it holds them (AdamWPiece::master; the shape of
+  /// m(i)), else undefined.
+  const Tensor& master(size_t i) const { return master_.at(i); }
 
   /// Name of the tensor holding the step count in exported state (i64 [1]).
   static constexpr const char* kStepKey = "optim.step";
   /// Adds "<param>.adam_m", "<param>.adam_v" (f32, the parameter's shape) and "optim.step"
-  /// (i64 [1]) to `out`, for checkpoints. The tensors share storage with the optimizer. Sharded
-  /// moments throw: whoever knows the shards gathers them (train/state.cpp).
+  /// (i64 [1]) to `out`, for checkpoints, and "<param>" (f32) for the pieces that hold master
+  /// weights. The tensors share storage with the optimizer. Sharded moments throw: whoever
+  /// knows the shards gathers them (train/state.cpp).
   void export_state(std::map<std::string, Tensor>& out) const;
-  /// Loads what export_state wrote (other tensors in `in`, e.g. parameters, are ignored): each
-  /// piece takes its range of its parameter's whole moments. Every parameter's moments must be
-  /// present with its shape; a missing or mis-shaped one throws "[adamw] ..." and leaves the
-  /// optimizer unchanged.
+  /// Loads what export_state wrote (other tensors in `in` are ignored): each piece takes its
+  /// range of its parameter's whole moments, and a piece holding master weights its range of
+  /// "<param>". Every such tensor must be present with the parameter's shape; a missing or
+  /// mis-shaped one throws "[adamw] ..." and leaves the optimizer unchanged.
   void import_state(const std::map<std::string, Tensor>& in);
 
  private:
@@ -155,6 +168,7 @@ class AdamW {
   AdamWConfig cfg_;
   Device device_ = Device::cpu();
   std::vector<Tensor> m_, v_;
+  std::vector<Tensor> master_;  // per piece: its f32 master weights (AdamWPiece::master)
   int64_t step_ = 0;
   // Offload: the device of the gradients, groups of pieces [begin, end), per piece the host
   // buffer of its gradient and its offset in its group's bf16 slot (-1: no bf16 copy), the

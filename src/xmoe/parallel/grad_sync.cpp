@@ -102,7 +102,15 @@ GradientSync::GradientSync(std::vector<Parameter*> params, const Layout& layout,
     std::vector<int64_t> numels;
     for (const Parameter* p : b.params) numels.push_back(p->value.numel());
     b.shards = BucketShards::plan(numels, group.size(), group.rank());
+    std::vector<char> bf16;
+    for (const Parameter* p : b.params) bf16.push_back(shards_master(*p, zero_));
+    b.lanes = GatherLanes::plan(numels, bf16, group.size());
   }
+}
+
+bool GradientSync::shards_master(const Parameter& p, int zero) {
+  return zero >= 1 && p.compute_copy.defined() && p.compute_copy.dtype() == DType::bf16 &&
+         !p.reads_f32;
 }
 
 std::vector<std::vector<size_t>> GradientSync::bucket_plan(std::span<const int64_t> numels,
@@ -357,12 +365,13 @@ double GradientSync::global_grad_sum_squares() const {
 std::vector<OwnedPiece> GradientSync::owned_pieces() const {
   std::vector<OwnedPiece> out;
   if (zero_ == 0) {
-    for (Parameter* p : params_) out.push_back({p, 0, p->value.numel(), {}});
+    for (Parameter* p : params_) out.push_back({p, 0, p->value.numel(), false, false});
     return out;
   }
   for (const Bucket& b : buckets_)
     for (const ShardPiece& s : b.shards.pieces)
-      out.push_back({b.params[s.param], s.offset, s.count, zero_ == 2});
+      out.push_back({b.params[s.param], s.offset, s.count, zero_ == 2,
+                     shards_master(*b.params[s.param], zero_)});
   return out;
 }
 
@@ -389,41 +398,62 @@ Tensor GradientSync::all_gather(const Bucket& b, const Tensor& shard) const {
 
 void GradientSync::gather_params() {
   if (zero_ == 0) return;
-  ProfileScope scope("optim.zero_gather",
-                     params_.empty() ? Device::cpu() : params_[0]->value.device());
+  ProfileScope scope("optim.zero_gather", params_.empty() ? Device::cpu() : params_[0]->device());
   for (const Bucket& b : buckets_) {
-    // Pack this rank's updated elements (padding zero), gather [padded], unpack every parameter.
-    Tensor shard = Tensor::zeros({b.shards.shard}, DType::f32, b.params[0]->value.device());
-    std::vector<Tensor> dst, src;
-    for (const ShardPiece& s : b.shards.pieces) {
-      dst.push_back(shard.rows(s.shard_offset, s.shard_offset + s.count));
-      src.push_back(flat(b.params[s.param]->value).rows(s.offset, s.offset + s.count));
-    }
-    ops::multi_copy_scaled(dst, src, 1.0f);
-    const Tensor all = all_gather(b, shard);
-    std::vector<Tensor> values, views, copies, copy_views;
-    int64_t offset = 0;
-    for (Parameter* p : b.params) {
-      const int64_t n = p->value.numel();
-      values.push_back(flat(p->value));
-      views.push_back(all.rows(offset, offset + n));
-      if (p->compute_copy.defined()) {
-        copies.push_back(flat(p->compute_copy));
-        copy_views.push_back(views.back());
+    const int rank = group_of(b).rank();
+    // One lane per kind of weight: the bf16 copies of master-sharded parameters, the f32 values
+    // of the others; each rank packs its updated elements (padding zero), gathers every rank's
+    // and unpacks the other ranks' pieces (its own are in place: AdamW wrote them).
+    for (const bool bf16 : {true, false}) {
+      const int64_t lane = bf16 ? b.lanes.bf16 : b.lanes.f32;
+      if (lane == 0) continue;
+      auto weights = [&](const LanePiece& l) {
+        const Parameter& p = *b.params[l.param];
+        return flat(bf16 ? p.compute_copy : p.value).rows(l.offset, l.offset + l.count);
+      };
+      const LanePiece* first = nullptr;
+      for (const LanePiece& l : b.lanes.pieces)
+        if (l.bf16 == bf16 && !first) first = &l;
+      Tensor mine =
+          Tensor::zeros({lane}, bf16 ? DType::bf16 : DType::f32, weights(*first).device());
+      std::vector<Tensor> dst, src;
+      for (const LanePiece& l : b.lanes.pieces) {
+        if (l.bf16 != bf16 || l.rank != rank) continue;
+        dst.push_back(mine.rows(l.lane_at, l.lane_at + l.count));
+        src.push_back(weights(l));
       }
-      offset += n;
+      ops::multi_copy_scaled(dst, src, 1.0f);
+      const Tensor all = all_gather(b, mine);
+      dst.clear();
+      src.clear();
+      std::vector<Tensor> copies, copy_src;
+      for (const LanePiece& l : b.lanes.pieces) {
+        if (l.bf16 != bf16 || l.rank == rank) continue;
+        const int64_t at = l.rank * lane + l.lane_at;
+        dst.push_back(weights(l));
+        src.push_back(all.rows(at, at + l.count));
+        const Parameter& p = *b.params[l.param];
+        if (!bf16 && p.compute_copy.defined()) {  // bf16(p), as AdamW writes it
+          copies.push_back(flat(p.compute_copy).rows(l.offset, l.offset + l.count));
+          copy_src.push_back(src.back());
+        }
+      }
+      ops::multi_copy_scaled(dst, src, 1.0f);
+      ops::multi_copy_scaled(copies, copy_src, 1.0f);
     }
-    ops::multi_copy_scaled(values, views, 1.0f);
-    ops::multi_copy_scaled(copies, copy_views, 1.0f);  // bf16(p), as AdamW writes it
   }
 }
 
 std::vector<Tensor> GradientSync::gather_pieces(std::span<const Tensor> pieces) const {
   XMOE_CHECK(zero_ >= 1, "[grad_sync] gather_pieces needs parallel.zero >= 1");
   std::vector<Tensor> out(params_.size());
+  // Where the pieces live (the host for an offloaded optimizer).
+  const Device device = !pieces.empty()   ? pieces[0].device()
+                        : params_.empty() ? Device::cpu()
+                                          : params_[0]->device();
   size_t k = 0;
   for (const Bucket& b : buckets_) {
-    Tensor shard = Tensor::zeros({b.shards.shard}, DType::f32, b.params[0]->value.device());
+    Tensor shard = Tensor::zeros({b.shards.shard}, DType::f32, device);
     std::vector<Tensor> dst, src;
     for (const ShardPiece& s : b.shards.pieces) {
       XMOE_CHECK(k < pieces.size() && pieces[k].numel() == s.count,

@@ -46,6 +46,9 @@ struct OwnedPiece {
   /// zero 2: the gradient is a [count] view of the bucket's shard, which exists only from
   /// sync() to release_shards() (shard_grads()); else param->grad's range
   bool shard_grad = false;
+  /// The optimizer holds the range's f32 master weights (GradientSync::shards_master): the
+  /// parameter keeps only its bf16 copy (Parameter::shard_master_weights)
+  bool master = false;
 };
 
 class GradientSync {
@@ -91,12 +94,20 @@ class GradientSync {
   /// What this rank's optimizer updates, bucket by bucket: zero 0 every parameter whole
   /// (offset 0, count numel, in the order given), else this rank's shard of each bucket.
   std::vector<OwnedPiece> owned_pieces() const;
+  /// Whether the f32 master weights of `p` are sharded at parallel.zero = `zero`: zero >= 1 and
+  /// a bf16 compute copy that its module reads instead of the f32 weights (!reads_f32). Such a
+  /// parameter's optimizer pieces hold its master, and gather_params() moves its bf16 copy.
+  static bool shards_master(const Parameter& p, int zero);
   /// zero >= 1, after the optimizer updated the owned pieces: all-gathers every bucket's
-  /// parameters (and rewrites their bf16 compute copies). A no-op for zero 0. Collective.
+  /// parameters: the bf16 compute copies of those whose masters are sharded (2 bytes per
+  /// element), the f32 values of the others (and their bf16 copies rewritten from them). Each
+  /// rank's shard of a bucket travels as two lanes, bf16 and f32, each padded to the longest
+  /// rank's. A no-op for zero 0. Collective.
   void gather_params();
   /// zero >= 1: every parameter's whole tensor (its shape, f32, on its device) assembled from
   /// every rank's `pieces` (one flat [count] tensor per owned piece, in owned_pieces() order),
-  /// e.g. the AdamW moments for a checkpoint. Result i belongs to parameters()[i]. Collective.
+  /// e.g. the AdamW moments or master weights for a checkpoint, on the pieces' device. Result i
+  /// belongs to parameters()[i]. Collective.
   std::vector<Tensor> gather_pieces(std::span<const Tensor> pieces) const;
   /// The parameters, in the order given.
   const std::vector<Parameter*>& parameters() const { return params_; }
@@ -115,6 +126,7 @@ class GradientSync {
     int64_t numel = 0;
     ParamKind kind = ParamKind::dense;
     BucketShards shards;  ///< zero >= 1
+    GatherLanes lanes;    ///< zero >= 1: how gather_params() moves every rank's shard
     /// zero 2, from its reduce-scatter to release_shards(): f32 [shards.shard], this rank's
     /// averaged gradient
     Tensor grad_shard;

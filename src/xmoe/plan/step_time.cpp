@@ -280,7 +280,7 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
                        std::max<double>(int64_t{c.parallel.bucket_kib} << 10, 4.0 * V * d));
 
   // Gradient sync after backward: each group's gradients all-reduced (zero 2: reduce-scattered);
-  // zero >= 1 then all-gathers the updated f32 parameters over the same groups.
+  // zero >= 1 then all-gathers the updated parameters over the same groups.
   const GroupSpan world_span = group_span(o.world, 1, g);
   const GroupSpan expert_dp = group_span(dp, ssmb ? ep : ep * tp, g);
   const GroupSpan tp_replicas = group_span(o.world / tp, tp, g);
@@ -293,15 +293,12 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
           ? hidden_behind_backward(
                 sync, rates.collective(sync_task, world_span, last_gradient_bytes), backward_budget)
           : 0;
-  double gather = 0;
-  if (mem.zero >= 1) {
-    // The f32 parameters of each group (expert gradients may be bf16: 2 bytes an element).
-    const double expert_grad = moe.expert_grad_dtype == "bf16" ? 2 : 4;
-    gather =
-        rates.collective(Task::all_gather, world_span, mem.dense_gradient_bytes) +
-        rates.collective(Task::all_gather, expert_dp, 4 * mem.expert_gradient_bytes / expert_grad) +
-        rates.collective(Task::all_gather, tp_replicas, mem.tensor_gradient_bytes);
-  }
+  // The parameters of each group: f32, or the bf16 copies of those whose masters are sharded.
+  const double gather =
+      mem.zero == 0 ? 0
+                    : rates.collective(Task::all_gather, world_span, mem.dense_gather_bytes) +
+                          rates.collective(Task::all_gather, expert_dp, mem.expert_gather_bytes) +
+                          rates.collective(Task::all_gather, tp_replicas, mem.tensor_gather_bytes);
 
   // AdamW over the elements this rank owns; the global norm reads the gradients and clipping
   // rewrites them. Offloaded, the update runs on the host's threads (28 bytes an element

@@ -146,16 +146,26 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   const std::vector<ParamSpec> params = parameter_specs(m, r.tp, r.ssmb, r.ep);
   std::vector<int64_t> numels;
   std::vector<ParamKind> kinds;
+  // zero >= 1: the f32 masters of a parameter read only through its bf16 copy are sharded
+  // (parallel::GradientSync::shards_master): counted below, per owned piece.
+  auto master_sharded = [&](const ParamSpec& p) {
+    return r.zero >= 1 && r.bf16_compute && p.compute_copy && !p.reads_f32;
+  };
   for (const ParamSpec& p : params) {
     const bool copy = r.bf16_compute && p.compute_copy;
     r.parameters += p.numel;
-    r.parameter_bytes += 4 * p.numel;
+    if (!master_sharded(p)) r.parameter_bytes += 4 * p.numel;
     if (copy) r.compute_copy_bytes += 2 * p.numel;
     if (on_host && (p.reads_f32 || !copy)) r.device_f32_bytes += 4 * p.numel;
     r.whole_gradient_bytes += p.grad_bytes * p.numel;
     (p.kind == ParamKind::dense    ? r.dense_gradient_bytes
      : p.kind == ParamKind::expert ? r.expert_gradient_bytes
                                    : r.tensor_gradient_bytes) += p.grad_bytes * p.numel;
+    if (r.zero >= 1)
+      (p.kind == ParamKind::dense    ? r.dense_gather_bytes
+       : p.kind == ParamKind::expert ? r.expert_gather_bytes
+                                     : r.tensor_gather_bytes) +=
+          (master_sharded(p) ? 2 : 4) * p.numel;
     numels.push_back(p.numel);
     kinds.push_back(p.kind);
   }
@@ -213,6 +223,7 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
       for (const parallel::ShardPiece& p : plan.pieces) {
         owned += p.count;
         r.staging_bytes += staging(params[members[p.param]], p.count);
+        if (master_sharded(params[members[p.param]])) r.parameter_bytes += 4 * p.count;
       }
     }
     if (r.zero == 2) zero_buckets.push_back({members, group, plan});
@@ -223,8 +234,13 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     }
     // zero 0, 1: the all-reduce's packed f32 bucket (zero 2: below, in the walk)
     int64_t buffers = syncs && r.zero < 2 ? 4 * bucket_numel : 0;
-    if (r.zero >= 1)  // gather_params: this rank's shard packed, then every rank's
-      buffers = std::max(buffers, 4 * plan.shard + (group > 1 ? 4 * plan.padded : 0));
+    if (r.zero >= 1) {  // gather_params: per lane, this rank's packed, then every rank's
+      std::vector<char> bf16;
+      for (size_t i : members) bf16.push_back(master_sharded(params[i]));
+      const auto [lane_bf16, lane_f32] = parallel::GatherLanes::lengths(sizes, bf16, group);
+      for (const auto& [lane, bytes] : {std::pair{lane_bf16, 2}, std::pair{lane_f32, 4}})
+        buffers = std::max(buffers, bytes * lane * (group > 1 ? 1 + group : 1));
+    }
     r.comm_bytes = std::max(r.comm_bytes, buffers);
   }
   if (r.offload) {  // the bf16 copies' slots, sized by the trainer's update groups
@@ -375,7 +391,9 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
 
   const std::string sharded = r.zero >= 1 ? fmt::format(", zero {} shards", r.zero) : "";
   r.terms = {
-      {"parameters (f32 master)", r.parameter_bytes, true, on_host},
+      // (with bf16 compute zero shards the masters of the parameters read through bf16 copies)
+      {"parameters (f32 master" + (r.bf16_compute ? sharded : "") + ")", r.parameter_bytes, true,
+       on_host},
       {"f32 copies forward reads (offload)", r.device_f32_bytes, true},
       {"compute copies (bf16)", r.compute_copy_bytes, true},
       {"gradients", r.gradient_bytes, true},

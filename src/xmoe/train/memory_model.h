@@ -3,8 +3,9 @@
 // what each byte a rank holds is for, predicted from the config alone (no model is built), so
 // that `xmoe config show` prints it and a planner can rank layouts that no machine here holds.
 //
-//   between steps: parameters (f32 master) + bf16 compute copies (CUDA bf16) + gradients (whole,
-//                  or zero 2's shards) + AdamW moments (whole, or zero 1/2's shards) + state
+//   between steps: parameters (f32 master; with bf16 copies zero 1/2's shards) + bf16 compute
+//                  copies (CUDA bf16) + gradients (whole, or zero 2's shards) + AdamW moments
+//                  (whole, or zero 1/2's shards) + state
 //   peak of a step: that + the whole gradients (zero 2 frees them after the sync) +
 //                  max(activations saved for backward + backward's largest working set,
 //                      the gradient sync's and zero's communication buffers)
@@ -55,7 +56,9 @@ struct MemoryModel {
   std::vector<MemoryTerm> terms;
   /// Saved activations of each layer (one micro-batch), index = layer.
   std::vector<int64_t> layer_saved;
-  int64_t parameter_bytes = 0;  ///< f32 master weights (on the host with offload on CUDA)
+  /// f32 master weights (on the host with offload on CUDA); zero >= 1 shards those of the
+  /// parameters read through bf16 copies (parallel::GradientSync::shards_master)
+  int64_t parameter_bytes = 0;
   int64_t compute_copy_bytes = 0;
   /// Offload on CUDA: the device's f32 copies of the weights forward reads in f32.
   int64_t device_f32_bytes = 0;
@@ -67,6 +70,9 @@ struct MemoryModel {
   /// over the world, the experts' over their dp group, tensor-parallel ones over the
   /// tp-replica group.
   int64_t dense_gradient_bytes = 0, expert_gradient_bytes = 0, tensor_gradient_bytes = 0;
+  /// zero >= 1: the parameter bytes the all-gather after the update assembles, by group (4 an
+  /// element, 2 for the bf16 copies of master-sharded parameters); 0 at zero 0
+  int64_t dense_gather_bytes = 0, expert_gather_bytes = 0, tensor_gather_bytes = 0;
   /// Parameter elements whose AdamW update this rank runs (its zero shards, else all it holds).
   int64_t owned_parameters = 0;
   int64_t optimizer_bytes = 0;        ///< AdamW m and v (on the host with offload)

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "xmoe/moe/layer.h"
+#include "xmoe/ops/ops.h"
 #include "xmoe/parallel/tensor_parallel.h"
 
 namespace xmoe::train {
@@ -95,6 +96,22 @@ TensorMap optimizer_state(const optim::AdamW& opt, const parallel::GradientSync&
     out[sync.parameters()[i]->name + ".adam_v"] = v[i];
   }
   out[optim::AdamW::kStepKey] = Tensor::from_vector<int64_t>({opt.step_count()}, {1});
+  // The master weights of the parameters that hold only their bf16 copies, gathered like the
+  // moments (the other pieces give their value's range; only the sharded ones are kept).
+  bool any_sharded = false;
+  for (const Parameter* p : sync.parameters()) any_sharded = any_sharded || p->master_sharded;
+  if (!any_sharded) return out;
+  std::vector<Tensor> masters;
+  for (size_t i = 0; i < n; ++i) {
+    const optim::AdamWPiece& piece = opt.pieces()[i];
+    masters.push_back(piece.master ? opt.master(i)
+                                   : piece.param->value.reshape({piece.param->value.numel()})
+                                         .rows(piece.offset, piece.offset + piece.count)
+                                         .to(opt.device()));
+  }
+  const std::vector<Tensor> w = sync.gather_pieces(masters);
+  for (size_t i = 0; i < sync.parameters().size(); ++i)
+    if (sync.parameters()[i]->master_sharded) out[sync.parameters()[i]->name] = w[i];
   return out;
 }
 
@@ -102,7 +119,22 @@ TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const Tensor
                              const std::vector<moe::MoELayer*>& moe_layers,
                              const parallel::Layout& layout) {
   TensorMap out;
+  // The f32 weights: value, or the gathered masters of a parameter that holds only bf16 ones.
+  auto weights_of = [&](const Parameter& p) -> const Tensor& {
+    if (!p.master_sharded) return p.value;
+    const auto it = opt_state.find(p.name);
+    XMOE_CHECK(it != opt_state.end(),
+               "[checkpoint] {}: its master weights are sharded but the optimizer state has no "
+               "'{}'",
+               p.name, p.name);
+    return it->second;
+  };
   const bool dense_writer = layout.world_rank == 0;
+  auto is_param = [&](const std::string& name) {
+    for (const Parameter* p : params)
+      if (p->name == name) return true;
+    return false;
+  };
   const bool expert_writer =
       layout.dp_rank == 0 && (layout.tp_rank == 0 || !layout.experts_replicated_over_tp());
   for (const Parameter* p : params) {
@@ -112,7 +144,7 @@ TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const Tensor
       auto whole = [&](const Tensor& t) {
         return parallel::gather_shards(*layout.tp_group, t, p->shard);
       };
-      const Tensor value = whole(p->value);
+      const Tensor value = whole(weights_of(*p));
       std::vector<Tensor> moments;
       for (const char* s : kAdamSuffixes) moments.push_back(whole(opt_state.at(p->name + s)));
       if (!dense_writer) continue;
@@ -121,18 +153,18 @@ TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const Tensor
         out.emplace(p->name + kAdamSuffixes[i], moments[i]);
     } else if (p->kind == ParamKind::expert) {
       if (!expert_writer) continue;
-      add_expert_slices(out, p->name, on_host(p->value), p->shard.offset);
+      add_expert_slices(out, p->name, on_host(weights_of(*p)), p->shard.offset);
       for (const char* s : kAdamSuffixes)
         add_expert_slices(out, p->name + s, on_host(opt_state.at(p->name + s)), p->shard.offset);
     } else if (dense_writer) {
-      out.emplace(p->name, on_host(p->value));
+      out.emplace(p->name, on_host(weights_of(*p)));
       for (const char* s : kAdamSuffixes)
         out.emplace(p->name + s, on_host(opt_state.at(p->name + s)));
     }
   }
   if (dense_writer) {
     for (auto& [name, t] : opt_state)
-      if (!out.count(name) && name.find(".adam_") == std::string::npos)
+      if (!out.count(name) && name.find(".adam_") == std::string::npos && !is_param(name))
         out.emplace(name, on_host(t));
     for (moe::MoELayer* layer : moe_layers)
       if (const Tensor* bias = layer->gate().routing_bias())
@@ -143,7 +175,13 @@ TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const Tensor
 
 void restore_parameters(const TensorMap& tensors, const std::vector<Parameter*>& params,
                         const std::string& dir) {
-  for (Parameter* p : params) p->value.copy_from(load_for(tensors, *p, p->name, dir));
+  for (Parameter* p : params) {
+    const Tensor whole = load_for(tensors, *p, p->name, dir);
+    if (p->master_sharded)  // cast on the parameter's device, as AdamW and the gather do
+      p->compute_copy.copy_from(ops::cast(whole.to(p->compute_copy.device()), DType::bf16));
+    else
+      p->value.copy_from(whole);
+  }
 }
 
 void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Parameter*>& params,
@@ -153,9 +191,11 @@ void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Para
   // The whole (local-shape) moments of the optimizer's parameters; it validates them and takes
   // its pieces' ranges.
   TensorMap local;
-  for (const Parameter* p : opt.parameters())
+  for (const Parameter* p : opt.parameters()) {
     for (const char* s : kAdamSuffixes)
       local[p->name + s] = load_for(tensors, *p, p->name + s, dir);
+    if (p->master_sharded) local[p->name] = load_for(tensors, *p, p->name, dir);
+  }
   local[optim::AdamW::kStepKey] = find_whole(tensors, optim::AdamW::kStepKey, {1}, dir);
   opt.import_state(local);
   restore_routing_biases(tensors, moe_layers, dir);

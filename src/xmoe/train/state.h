@@ -25,12 +25,15 @@ using TensorMap = std::map<std::string, Tensor>;
 std::string expert_slice_name(const std::string& name, int64_t global_expert);
 
 /// The optimizer's state as a checkpoint holds it, whatever parallel.zero: whole
-/// "<param>.adam_m" / ".adam_v" of every parameter (this rank's local shape) and "optim.step".
-/// Sharded moments (zero >= 1) are all-gathered per bucket by `sync`'s plan: collective.
+/// "<param>.adam_m" / ".adam_v" of every parameter (this rank's local shape) and "optim.step",
+/// and the f32 master weights "<param>" of the parameters whose masters the optimizer holds
+/// (Parameter::master_sharded). Sharded moments and masters (zero >= 1) are all-gathered per
+/// bucket by `sync`'s plan: collective.
 TensorMap optimizer_state(const optim::AdamW& opt, const parallel::GradientSync& sync);
 
-/// This rank's part of the checkpoint; `opt_state` as optimizer_state gives it. Tensor-parallel
-/// shards are gathered into whole tensors over the tp group (collective: every rank calls it).
+/// This rank's part of the checkpoint; `opt_state` as optimizer_state gives it (a parameter
+/// whose masters are sharded takes its f32 weights from there). Tensor-parallel shards are
+/// gathered into whole tensors over the tp group (collective: every rank calls it).
 TensorMap checkpoint_tensors(const std::vector<Parameter*>& params, const TensorMap& opt_state,
                              const std::vector<moe::MoELayer*>& moe_layers,
                              const parallel::Layout& layout);
@@ -45,6 +48,9 @@ void restore_checkpoint_tensors(const TensorMap& tensors, const std::vector<Para
                                 const std::string& dir);
 
 /// Parameters only (for generation and inspection): the whole model, any layout it was saved in.
+/// A parameter whose masters are sharded (Parameter::master_sharded) gets its bf16 copy cast
+/// from the whole f32 tensor, as every rank's all-gather would make it (its optimizer takes the
+/// f32 pieces: restore_checkpoint_tensors).
 void restore_parameters(const TensorMap& tensors, const std::vector<Parameter*>& params,
                         const std::string& dir);
 /// The sigmoid gate's selection biases ("<layer>.router.bias"), which choose the experts: a

@@ -357,13 +357,21 @@ class Run {
         dense_grad_pieces());
     std::vector<optim::AdamWPiece> pieces;
     for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
-      pieces.emplace_back(p.param, p.offset, p.count, Tensor(), p.shard_grad);
+      pieces.emplace_back(p.param, p.offset, p.count, Tensor(), p.shard_grad, p.master);
     opt_ = std::make_unique<optim::AdamW>(pieces, optim::AdamWConfig::from(tc_));
+    // zero >= 1 with bf16 copies: the optimizer copied its pieces' f32 master weights; the
+    // parameters keep only their bf16 copies (those of every rank, all-gathered each step).
+    for (Parameter* p : params_)
+      if (parallel::GradientSync::shards_master(*p, config_.parallel.zero))
+        p->shard_master_weights();
     // zero 2: whole gradients exist only from their module's backward to their bucket's
     // reduce-scatter, the first step's too.
     if (config_.parallel.zero == 2)
       for (Parameter* p : params_) p->release_grad();
     result.optimizer_bytes = opt_->state_bytes();
+    result.master_bytes = result.sharded_master_bytes = opt_->master_bytes();
+    for (const Parameter* p : params_)
+      if (!p->master_sharded) result.master_bytes += 4 * p->value.numel();
     result.offload_staging_bytes = opt_->staging_bytes();
     schedule_.emplace(optim::LrSchedule::from(tc_));
     tokens_per_step_ =

@@ -68,6 +68,10 @@ struct TrainResult {
   /// previous save and the final one (bench_checkpoint measures it).
   double save_seconds = 0;
   int64_t optimizer_bytes = 0;  ///< AdamW moment bytes held by this rank (parallel.zero divides)
+  /// f32 master weight bytes held by this rank (with bf16 copies parallel.zero divides them),
+  /// and of them those that the optimizer's pieces hold (Parameter::master_sharded: the
+  /// parameters themselves keep only their bf16 copies)
+  int64_t master_bytes = 0, sharded_master_bytes = 0;
   /// Gradient bytes this rank holds between steps, after the last one (zero 2: the shards)
   int64_t gradient_bytes = 0;
   /// The allocator's measure of the run on its device (train/memory_model.h predicts both):
