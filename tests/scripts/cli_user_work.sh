@@ -42,7 +42,7 @@ expect "config show names a tp that does not divide the world" "!0" \
   "parallel.tp = 2 does not divide 3 ranks" \
   "$xmoe" config show --preset moe-1b --set parallel.tp=2 --world 3
 expect "config show prints the offloaded optimizer's pinned host memory" 0 \
-  "= pinned host memory \(offload\) +16.13 GiB" \
+  "= pinned host memory \(offload\) +14.54 GiB" \
   "$xmoe" config show --preset moe-1b --set train.offload_optimizer=true
 expect "negative --stop-after is refused" "!0" "below the smallest allowed value, -1" \
   "$xmoe" train --stop-after -5

@@ -243,7 +243,7 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     }
     r.comm_bytes = std::max(r.comm_bytes, buffers);
   }
-  if (r.offload) {  // the bf16 copies' slots, sized by the trainer's update groups
+  if (r.offload) {      // the bf16 copies' slots, sized by the trainer's update groups
     if (r.zero == 0) {  // AdamW's pieces: the parameters whole, in the model's order
       piece_counts.assign(numels.begin(), numels.end());
       piece_copies.clear();
