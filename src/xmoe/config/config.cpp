@@ -173,6 +173,10 @@ const std::vector<Key>& table() {
       XMOE_KEY(train.beta1, half_open(0, 1), {}, "AdamW beta1"),
       XMOE_KEY(train.beta2, half_open(0, 1), {}, "AdamW beta2"),
       XMOE_KEY(train.adam_eps, positive(), {}, "AdamW epsilon"),
+      XMOE_KEY(train.adam_moments_dtype, any(), {"f32", "bf16"},
+               "storage of the AdamW moments m, v: bf16 halves them (8 -> 4 bytes per "
+               "parameter, DeepSeek-V3's choice); the update reads them as f32, computes in f32 "
+               "and stores them rounded to nearest even. Checkpoints hold them as f32 either way"),
       XMOE_KEY(train.grad_clip, at_least(0), {}, "global gradient-norm clip (0 = off)"),
       XMOE_KEY(train.eval_every, at_least(0), {}, "steps between evaluations (0 = never)"),
       XMOE_KEY(train.eval_batches, at_least(1), {}, "validation batches per evaluation"),
@@ -195,7 +199,8 @@ const std::vector<Key>& table() {
       XMOE_KEY(train.device, any(), {}, "device of this process", "cpu | cuda | cuda:N"),
       XMOE_KEY(train.dtype, any(), {"auto", "f32", "bf16"},
                "compute dtype of activations and matmuls: auto = bf16 on cuda, f32 on cpu; "
-               "master weights, gradients and AdamW state stay f32"),
+               "master weights and gradients stay f32 (but model.moe.expert_grad_dtype), AdamW "
+               "moments train.adam_moments_dtype"),
       XMOE_KEY(train.offload_optimizer, any(), {},
                "f32 master weights and AdamW moments in pinned host memory, the update on CPU "
                "threads overlapped with the copies; the GPU keeps gradients and the bf16 (or f32) "

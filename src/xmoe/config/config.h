@@ -104,6 +104,9 @@ struct TrainConfig {
   int warmup_steps = 50;
   float weight_decay = 0.1f;
   float beta1 = 0.9f, beta2 = 0.95f, adam_eps = 1e-8f;
+  /// f32 | bf16: storage of the AdamW moments m, v (computed in f32 either way;
+  /// docs/training.md, "AdamW moments in bf16").
+  std::string adam_moments_dtype = "f32";
   float grad_clip = 1.0f;
   int eval_every = 100;
   int eval_batches = 8;
@@ -118,7 +121,8 @@ struct TrainConfig {
   std::string out_dir = "runs/default";
   std::string device = "cpu";
   /// Compute dtype of activations and matmuls: auto (bf16 on cuda, f32 on cpu), f32, bf16.
-  /// Master weights, gradients and optimizer state are f32 whatever it is (docs/cuda.md).
+  /// Master weights, gradients and optimizer state are f32 whatever it is (docs/cuda.md), but
+  /// for train.adam_moments_dtype and model.moe.expert_grad_dtype.
   std::string dtype = "auto";
   /// Master weights and AdamW moments in (pinned) host memory, the update on CPU threads
   /// (docs/training.md, "Optimizer offload").

@@ -1,6 +1,7 @@
 #include "xmoe/ops/optim.h"
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "xmoe/backend/cpu/optim_kernels.h"
@@ -38,12 +39,15 @@ void adamw_step(std::span<const AdamWTensors> tensors, const AdamWStep& s) {
   const char* op = "adamw_step";
   if (tensors.empty()) return;
   const Tensor& first = tensors[0].param;
+  const Tensor& first_m = tensors[0].m;
+  XMOE_CHECK(first_m.defined() && detail::is_float(first_m.dtype()),
+             "[{}] m[0] is {}, expected f32 or bf16 moments", op, first_m.str());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const AdamWTensors& t = tensors[i];
     require_on(op, "param", t.param, DType::f32, "param[0]", first);
     require_same_device(op, "grad", t.grad, "param", t.param);
-    require_on(op, "m", t.m, DType::f32, "param", t.param);
-    require_on(op, "v", t.v, DType::f32, "param", t.param);
+    require_on(op, "m", t.m, first_m.dtype(), "param", t.param);  // all m[i], v[i] of m[0]'s dtype
+    require_on(op, "v", t.v, first_m.dtype(), "param", t.param);
     const int64_t n = t.param.numel();
     XMOE_CHECK(detail::is_float(t.grad.dtype()) && t.grad.numel() == n && t.m.numel() == n &&
                    t.v.numel() == n,
@@ -61,13 +65,22 @@ void adamw_step(std::span<const AdamWTensors> tensors, const AdamWStep& s) {
       float* w = t.param.data<float>();
       bf16* copy = t.param_bf16.defined() ? t.param_bf16.data<bf16>() : nullptr;
       const int64_t n = t.param.numel();
-      if (t.grad.dtype() == DType::bf16) {
-        cpu::adamw_update(w, t.grad.data<bf16>(), t.m.data<float>(), t.v.data<float>(), copy, n,
-                          s.lr, s.beta1, s.beta2, s.eps, s.bc1, s.bc2, decay, s.grad_scale);
-      } else {
-        cpu::adamw_update(w, t.grad.data<float>(), t.m.data<float>(), t.v.data<float>(), copy, n,
-                          s.lr, s.beta1, s.beta2, s.eps, s.bc1, s.bc2, decay, s.grad_scale);
-      }
+      // The kernel of this grad dtype and these moments' dtype.
+      auto update = [&](auto* moment) {
+        using M = std::remove_pointer_t<decltype(moment)>;
+        M* m = t.m.data<M>();
+        M* v = t.v.data<M>();
+        if (t.grad.dtype() == DType::bf16)
+          cpu::adamw_update(w, t.grad.data<bf16>(), m, v, copy, n, s.lr, s.beta1, s.beta2, s.eps,
+                            s.bc1, s.bc2, decay, s.grad_scale);
+        else
+          cpu::adamw_update(w, t.grad.data<float>(), m, v, copy, n, s.lr, s.beta1, s.beta2, s.eps,
+                            s.bc1, s.bc2, decay, s.grad_scale);
+      };
+      if (t.m.dtype() == DType::bf16)
+        update(static_cast<bf16*>(nullptr));
+      else
+        update(static_cast<float*>(nullptr));
     }
     return;
   }
@@ -91,8 +104,9 @@ void adamw_step(std::span<const AdamWTensors> tensors, const AdamWStep& s) {
     a.param = t.param.data<float>();
     a.grad = t.grad.raw();
     a.grad_bf16 = t.grad.dtype() == DType::bf16;
-    a.m = t.m.data<float>();
-    a.v = t.v.data<float>();
+    a.m = t.m.raw();
+    a.v = t.v.raw();
+    a.moments_bf16 = t.m.dtype() == DType::bf16;
     if (t.param_bf16.defined()) a.param_bf16 = t.param_bf16.raw();
     a.n = t.param.numel();
     a.decay = t.decay;

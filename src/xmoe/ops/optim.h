@@ -16,7 +16,8 @@ namespace xmoe::ops {
 struct AdamWTensors {
   Tensor param;        ///< f32 master weights, updated in place
   Tensor grad;         ///< f32 or bf16, param's numel
-  Tensor m, v;         ///< f32 moments, param's numel, updated in place
+  Tensor m, v;         ///< moments, param's numel, updated in place; f32 or bf16, one dtype
+                       ///< for the whole list
   Tensor param_bf16;   ///< bf16 copy of param rewritten from the update; or undefined
   bool decay = false;  ///< apply the decoupled weight decay
 };
@@ -32,7 +33,9 @@ struct AdamWStep {
 /// same formula on both devices):
 ///   g = float(grad) * grad_scale;  m = b1 m + (1 - b1) g;  v = b2 v + ((1 - b2) g) g
 ///   p = p * decay - (lr * (m / bc1)) / (sqrt(v / bc2) + eps);  param_bf16 = bf16(p)
-/// decay = 1 - lr * weight_decay where AdamWTensors::decay, else 1.
+/// decay = 1 - lr * weight_decay where AdamWTensors::decay, else 1. bf16 moments
+/// (train.adam_moments_dtype) are read widened, m and v computed in f32 as above and used for p
+/// unrounded, then stored rounded to nearest even.
 void adamw_step(std::span<const AdamWTensors> tensors, const AdamWStep& step);
 
 /// f64 [1] on the list's device (the CPU for an empty list): the sum over xs (f32 or bf16) of

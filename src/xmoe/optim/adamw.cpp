@@ -5,6 +5,7 @@
 #include <set>
 
 #include "xmoe/core/profile.h"
+#include "xmoe/ops/ops.h"
 #include "xmoe/ops/optim.h"
 
 namespace xmoe::optim {
@@ -16,6 +17,9 @@ AdamWConfig AdamWConfig::from(const TrainConfig& t) {
   c.eps = t.adam_eps;
   c.weight_decay = t.weight_decay;
   c.offload = t.offload_optimizer;
+  XMOE_CHECK(t.adam_moments_dtype == "f32" || t.adam_moments_dtype == "bf16",
+             "[adamw] train.adam_moments_dtype = \"{}\" is not f32 or bf16", t.adam_moments_dtype);
+  c.moments_dtype = t.adam_moments_dtype == "bf16" ? DType::bf16 : DType::f32;
   return c;
 }
 
@@ -42,6 +46,8 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
   XMOE_CHECK(cfg.beta2 >= 0 && cfg.beta2 < 1, "[adamw] beta2 = {} must be in [0, 1)", cfg.beta2);
   XMOE_CHECK(cfg.eps > 0, "[adamw] eps = {} must be positive", cfg.eps);
   XMOE_CHECK(cfg.weight_decay >= 0, "[adamw] weight_decay = {} must be >= 0", cfg.weight_decay);
+  XMOE_CHECK(cfg.moments_dtype == DType::f32 || cfg.moments_dtype == DType::bf16,
+             "[adamw] moments_dtype = {} must be f32 or bf16", dtype_name(cfg.moments_dtype));
   XMOE_CHECK(cfg.offload_group_numel > 0, "[adamw] offload_group_numel = {} must be positive",
              cfg.offload_group_numel);
   std::set<std::string> names;
@@ -84,10 +90,9 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
     // A whole piece keeps the parameter's shape (the exported state's); a part is flat.
     const Shape shape = piece.whole() ? p->value.shape() : Shape{piece.count};
     sharded_ = sharded_ || !piece.whole();
-    m_.push_back(cfg.offload ? host_zeros(shape, DType::f32)
-                             : Tensor::zeros(shape, DType::f32, device_));
-    v_.push_back(cfg.offload ? host_zeros(shape, DType::f32)
-                             : Tensor::zeros(shape, DType::f32, device_));
+    for (std::vector<Tensor>* moments : {&m_, &v_})
+      moments->push_back(cfg.offload ? host_zeros(shape, cfg.moments_dtype)
+                                     : Tensor::zeros(shape, cfg.moments_dtype, device_));
     master_.emplace_back();
     if (piece.master) {
       XMOE_CHECK(
@@ -339,13 +344,17 @@ void AdamW::zero_grad() {
   for (Parameter* p : params_) p->zero_grad();
 }
 
+Tensor AdamW::moment_f32(const Tensor& moment) {
+  return moment.dtype() == DType::f32 ? moment : ops::cast(moment, DType::f32);
+}
+
 void AdamW::export_state(std::map<std::string, Tensor>& out) const {
   XMOE_CHECK(!sharded_,
              "[adamw] export_state: the moments are sharded over ranks (parallel.zero >= 1); "
              "gather them into whole tensors first");
   for (size_t i = 0; i < params_.size(); ++i) {
-    out[params_[i]->name + ".adam_m"] = m_[i];
-    out[params_[i]->name + ".adam_v"] = v_[i];
+    out[params_[i]->name + ".adam_m"] = moment_f32(m_[i]);
+    out[params_[i]->name + ".adam_v"] = moment_f32(v_[i]);
     if (master_[i].defined()) out[params_[i]->name] = master_[i];
   }
   out[kStepKey] = Tensor::from_vector<int64_t>({step_}, {1});
@@ -372,10 +381,16 @@ void AdamW::import_state(const std::map<std::string, Tensor>& in) {
   }
   const int64_t s = step.to_vector<int64_t>()[0];
   XMOE_CHECK(s >= 0, "[adamw] state step = {} is negative", s);
+  // The piece's range of a whole f32 moment, in the moments' dtype (bf16: rounded).
+  auto range_of = [&](const Tensor& whole, size_t i) {
+    const int64_t a = pieces_[i].offset, b = a + pieces_[i].count;
+    const Tensor range = flat(whole.to(Device::cpu())).rows(a, b).reshape(m_[i].shape());
+    return cfg_.moments_dtype == DType::f32 ? range : range.to(cfg_.moments_dtype);
+  };
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const int64_t a = pieces_[i].offset, b = a + pieces_[i].count;
-    m_[i].copy_from(flat(ms[i]->to(Device::cpu())).rows(a, b).reshape(m_[i].shape()));
-    v_[i].copy_from(flat(vs[i]->to(Device::cpu())).rows(a, b).reshape(v_[i].shape()));
+    m_[i].copy_from(range_of(*ms[i], i));
+    v_[i].copy_from(range_of(*vs[i], i));
     if (masters[i])
       master_[i].copy_from(flat(masters[i]->to(Device::cpu())).rows(a, b).reshape(m_[i].shape()));
   }

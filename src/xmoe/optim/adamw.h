@@ -1,5 +1,6 @@
 #pragma once
-// AdamW (Loshchilov & Hutter 2019) with decoupled weight decay, on f32 master weights.
+// AdamW (Loshchilov & Hutter 2019) with decoupled weight decay, on f32 master weights; the
+// moments f32 or bf16 (AdamWConfig::moments_dtype).
 //   m <- b1 m + (1 - b1) g            v <- b2 v + (1 - b2) g^2
 //   p <- p - lr * wd * p              (only where Parameter::weight_decay)
 //   p <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
@@ -30,7 +31,11 @@ struct AdamWConfig {
   /// Offload: elements per group of the pipeline that copies gradients to the host, updates
   /// and copies the weights back (group i+1's gradients travel while group i updates).
   int64_t offload_group_numel = int64_t{16} << 20;
-  /// train.beta1, train.beta2, train.adam_eps, train.weight_decay, train.offload_optimizer.
+  /// train.adam_moments_dtype: f32 or bf16 storage of m and v (the update computes in f32 and
+  /// stores bf16 ones rounded to nearest even; ops::adamw_step).
+  DType moments_dtype = DType::f32;
+  /// train.beta1, train.beta2, train.adam_eps, train.weight_decay, train.offload_optimizer,
+  /// train.adam_moments_dtype.
   static AdamWConfig from(const TrainConfig& t);
 };
 
@@ -71,9 +76,10 @@ struct AdamWPiece {
 class AdamW {
  public:
   /// Keeps the pointers (the parameters must outlive the optimizer) and zeroed m, v per
-  /// parameter. Parameter names must be unique (they key the exported state).
+  /// parameter (of AdamWConfig::moments_dtype). Parameter names must be unique (they key the
+  /// exported state).
   AdamW(std::vector<Parameter*> params, AdamWConfig cfg);
-  /// m, v only for each piece's elements: [count] f32, or the parameter's shape for a whole
+  /// m, v only for each piece's elements: [count], or the parameter's shape for a whole
   /// piece. A parameter appears in at most one piece.
   AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg);
 
@@ -133,9 +139,12 @@ class AdamW {
   /// group g - kOffloadBf16Slots have left it (the gradients need whole-size buffers: they
   /// start during backward).
   static constexpr int kOffloadBf16Slots = 2;
-  /// First / second moment of piece i.
+  /// First / second moment of piece i, of AdamWConfig::moments_dtype.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
+  /// A moment (m(i) or v(i)) as f32, the dtype of exported state: itself when f32, else a
+  /// widened copy on its device (exact).
+  static Tensor moment_f32(const Tensor& moment);
   /// The f32 master weights of piece i when it holds them (AdamWPiece::master; the shape of
   /// m(i)), else undefined.
   const Tensor& master(size_t i) const { return master_.at(i); }
@@ -144,13 +153,15 @@ class AdamW {
   static constexpr const char* kStepKey = "optim.step";
   /// Adds "<param>.adam_m", "<param>.adam_v" (f32, the parameter's shape) and "optim.step"
   /// (i64 [1]) to `out`, for checkpoints, and "<param>" (f32) for the pieces that hold master
-  /// weights. The tensors share storage with the optimizer. Sharded moments throw: whoever
-  /// knows the shards gathers them (train/state.cpp).
+  /// weights. The tensors share storage with the optimizer, but bf16 moments, which are
+  /// exported widened (moment_f32): one checkpoint format for both moment dtypes. Sharded
+  /// moments throw: whoever knows the shards gathers them (train/state.cpp).
   void export_state(std::map<std::string, Tensor>& out) const;
   /// Loads what export_state wrote (other tensors in `in` are ignored): each piece takes its
   /// range of its parameter's whole moments, and a piece holding master weights its range of
-  /// "<param>". Every such tensor must be present with the parameter's shape; a missing or
-  /// mis-shaped one throws "[adamw] ..." and leaves the optimizer unchanged.
+  /// "<param>". Every such tensor must be present with the parameter's shape (f32); a missing or
+  /// mis-shaped one throws "[adamw] ..." and leaves the optimizer unchanged. bf16 moments take
+  /// the f32 ones rounded to nearest even.
   void import_state(const std::map<std::string, Tensor>& in);
 
  private:

@@ -258,7 +258,9 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
                                 piece_copies.begin() + static_cast<int64_t>(end), int64_t{0}));
     r.staging_bytes += optim::AdamW::kOffloadBf16Slots * 2 * slot;
   }
-  r.optimizer_bytes = 8 * owned;
+  // m and v per owned element: f32 or bf16 (train.adam_moments_dtype).
+  r.moments_bf16 = optim::AdamWConfig::from(config.train).moments_dtype == DType::bf16;
+  r.optimizer_bytes = (r.moments_bf16 ? 4 : 8) * owned;
   r.owned_parameters = owned;
   // zero 2 holds no gradient between steps (its shards live from the sync to the update).
   r.gradient_bytes = r.zero == 2 ? 0 : r.whole_gradient_bytes;
@@ -397,7 +399,8 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
       {"f32 copies forward reads (offload)", r.device_f32_bytes, true},
       {"compute copies (bf16)", r.compute_copy_bytes, true},
       {"gradients", r.gradient_bytes, true},
-      {"AdamW moments m, v" + sharded, r.optimizer_bytes, true, on_host},
+      {"AdamW moments m, v" + std::string(r.moments_bf16 ? " (bf16)" : "") + sharded,
+       r.optimizer_bytes, true, on_host},
       {"offload staging (gradients, bf16 copies)", r.staging_bytes, true, on_host},
       {"RoPE tables, gate bias", state, true},
       {"gradient shards from sync to update (zero 2, f32)", in_step_grads, false},

@@ -49,7 +49,8 @@ struct MemoryModel {
   bool ssmb = true;
   bool cuda = false;
   bool bf16_compute = false;
-  bool offload = false;  ///< train.offload_optimizer
+  bool offload = false;       ///< train.offload_optimizer
+  bool moments_bf16 = false;  ///< train.adam_moments_dtype = bf16
   /// Parameter elements this rank holds (dense ones, its tp shards and its ep share of the
   /// experts).
   int64_t parameters = 0;
@@ -75,7 +76,8 @@ struct MemoryModel {
   int64_t dense_gather_bytes = 0, expert_gather_bytes = 0, tensor_gather_bytes = 0;
   /// Parameter elements whose AdamW update this rank runs (its zero shards, else all it holds).
   int64_t owned_parameters = 0;
-  int64_t optimizer_bytes = 0;        ///< AdamW m and v (on the host with offload)
+  int64_t optimizer_bytes = 0;        ///< AdamW m and v, 8 or 4 (bf16) bytes per owned element
+                                      ///< (on the host with offload)
   int64_t activation_peak_bytes = 0;  ///< saved activations + backward's working set at its peak
   int64_t comm_bytes = 0;             ///< the largest gradient-sync / zero gather buffers
   int64_t steady_bytes = 0;           ///< live between steps (on the device)

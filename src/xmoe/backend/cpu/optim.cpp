@@ -24,32 +24,56 @@ inline uint16_t bf16_bits(float f) {
       (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-template <bool kCopy, class G>
-void adamw_update_impl(float* w, const G* g, float* m, float* v, uint16_t* copy, int64_t n,
-                       float lr, float b1, float b2, float eps, float bc1, float bc2, float decay,
+// A moment as f32: f32 storage, or bf16 bits widened (exact).
+inline float load_moment(const float* x, int64_t j) {
+  return x[j];
+}
+inline float load_moment(const uint16_t* x, int64_t j) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x[j]) << 16);
+}
+// Stores an updated moment: f32 as is, bf16 rounded to nearest even.
+inline void store_moment(float* x, int64_t j, float value) {
+  x[j] = value;
+}
+inline void store_moment(uint16_t* x, int64_t j, float value) {
+  x[j] = bf16_bits(value);
+}
+
+// M: float (f32 moments) or uint16_t (bf16 moments' bits). The update reads the moments as
+// f32, computes in f32 and uses the unrounded m, v for this step's weights; bf16 moments are
+// rounded only where they are stored.
+template <bool kCopy, class G, class M>
+void adamw_update_impl(float* w, const G* g, M* m, M* v, uint16_t* copy, int64_t n, float lr,
+                       float b1, float b2, float eps, float bc1, float bc2, float decay,
                        float grad_scale) {
 #pragma omp parallel for simd schedule(static) if (n > kParallelMin)
   for (int64_t j = 0; j < n; ++j) {
     const float gj = static_cast<float>(g[j]) * grad_scale;
-    m[j] = b1 * m[j] + (1.f - b1) * gj;
-    v[j] = b2 * v[j] + (1.f - b2) * gj * gj;
-    const float mhat = m[j] / bc1, vhat = v[j] / bc2;
+    const float mj = b1 * load_moment(m, j) + (1.f - b1) * gj;
+    const float vj = b2 * load_moment(v, j) + (1.f - b2) * gj * gj;
+    store_moment(m, j, mj);
+    store_moment(v, j, vj);
+    const float mhat = mj / bc1, vhat = vj / bc2;
     const float wj = w[j] * decay - lr * mhat / (std::sqrt(vhat) + eps);
     w[j] = wj;
     if constexpr (kCopy) copy[j] = bf16_bits(wj);
   }
 }
 
-template <class G>
-void adamw_update_any(float* w, const G* g, float* m, float* v, bf16* copy, int64_t n, float lr,
-                      float b1, float b2, float eps, float bc1, float bc2, float decay,
-                      float grad_scale) {
+template <class G, class M>
+void adamw_update_any(float* w, const G* g, M* m, M* v, bf16* copy, int64_t n, float lr, float b1,
+                      float b2, float eps, float bc1, float bc2, float decay, float grad_scale) {
   static_assert(sizeof(bf16) == sizeof(uint16_t));
   auto* bits = reinterpret_cast<uint16_t*>(copy);
   if (copy)
     adamw_update_impl<true>(w, g, m, v, bits, n, lr, b1, b2, eps, bc1, bc2, decay, grad_scale);
   else
     adamw_update_impl<false>(w, g, m, v, bits, n, lr, b1, b2, eps, bc1, bc2, decay, grad_scale);
+}
+
+/// bf16 moments as the bits the vectoriser takes (see bf16_bits).
+uint16_t* moment_bits(bf16* x) {
+  return reinterpret_cast<uint16_t*>(x);
 }
 
 template <class D, class S>
@@ -86,6 +110,20 @@ void adamw_update(float* param, const bf16* grad, float* m, float* v, bf16* para
                   float grad_scale) {
   adamw_update_any(param, grad, m, v, param_bf16, n, lr, beta1, beta2, eps, bc1, bc2, decay,
                    grad_scale);
+}
+
+void adamw_update(float* param, const float* grad, bf16* m, bf16* v, bf16* param_bf16, int64_t n,
+                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
+                  float grad_scale) {
+  adamw_update_any(param, grad, moment_bits(m), moment_bits(v), param_bf16, n, lr, beta1, beta2,
+                   eps, bc1, bc2, decay, grad_scale);
+}
+
+void adamw_update(float* param, const bf16* grad, bf16* m, bf16* v, bf16* param_bf16, int64_t n,
+                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
+                  float grad_scale) {
+  adamw_update_any(param, grad, moment_bits(m), moment_bits(v), param_bf16, n, lr, beta1, beta2,
+                   eps, bc1, bc2, decay, grad_scale);
 }
 
 void copy_scaled(void* dst, bool dst_bf16, const void* src, bool src_bf16, int64_t n, float s) {

@@ -1,6 +1,6 @@
 #pragma once
 // CPU kernels of the optimizer ops (ops/optim.h): plain functions on raw pointers, the reference
-// of backend/cuda/optim_kernels.h. Master weights and moments are f32; gradients f32 or bf16.
+// of backend/cuda/optim_kernels.h. Master weights are f32; gradients and moments f32 or bf16.
 #include <cstdint>
 
 #include "xmoe/core/dtype.h"
@@ -14,10 +14,18 @@ namespace xmoe::cpu {
 // `param_bf16` (may be null): also written with bf16(p), in the same pass. One pass over the
 // five arrays, vectorised (the file is built with -fno-math-errno: sqrt is the instruction, the
 // same correctly rounded result) and split over the OpenMP threads.
+// bf16 moments (train.adam_moments_dtype = bf16) are widened, m and v computed in f32 as above
+// and used unrounded for this step's p, then stored rounded to nearest even.
 void adamw_update(float* param, const float* grad, float* m, float* v, bf16* param_bf16, int64_t n,
                   float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
                   float grad_scale);
 void adamw_update(float* param, const bf16* grad, float* m, float* v, bf16* param_bf16, int64_t n,
+                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
+                  float grad_scale);
+void adamw_update(float* param, const float* grad, bf16* m, bf16* v, bf16* param_bf16, int64_t n,
+                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
+                  float grad_scale);
+void adamw_update(float* param, const bf16* grad, bf16* m, bf16* v, bf16* param_bf16, int64_t n,
                   float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
                   float grad_scale);
 

@@ -1,10 +1,10 @@
 // Multi-tensor kernels of the optimizer step. A launch covers up to kMultiTensorMax tensors,
 // whose pointers and sizes travel in the kernel's argument block (PyTorch's multi_tensor_apply
 // idea): each tensor is cut into chunks of kChunk elements, one block per chunk, and a block
-// finds its tensor by binary search over the tensors' first block. f32 storage (gradients and
-// copies may be bf16, a per-tensor flag; the block branches once, outside its loop); the AdamW
-// update uses explicit round-to-nearest intrinsics so that nvcc does not fuse a*b+c into an
-// FMA, which keeps the CPU's formula and operation order.
+// finds its tensor by binary search over the tensors' first block. f32 storage (gradients,
+// copies and AdamW moments may be bf16, a per-tensor flag; the block branches once, outside its
+// loop); the AdamW update uses explicit round-to-nearest intrinsics so that nvcc does not fuse
+// a*b+c into an FMA, which keeps the CPU's formula and operation order.
 #include <vector>
 
 #include "xmoe/backend/cuda/common.cuh"
@@ -26,14 +26,15 @@ struct TensorBatch {
   void* d[kMultiTensorMax];
   void* e[kMultiTensorMax];
   int64_t n[kMultiTensorMax];
-  uint8_t flag[kMultiTensorMax];             // kDecay, kABf16, kBBf16
+  uint8_t flag[kMultiTensorMax];             // kDecay, kABf16, kBBf16, kCDBf16
   int32_t first_block[kMultiTensorMax + 1];  // first_block[count] = blocks of the launch
   int32_t count;
 };
 
-constexpr uint8_t kDecay = 1;  // AdamW: apply the weight decay
-constexpr uint8_t kABf16 = 2;  // a[] holds bf16 elements
-constexpr uint8_t kBBf16 = 4;  // b[] holds bf16 elements
+constexpr uint8_t kDecay = 1;   // AdamW: apply the weight decay
+constexpr uint8_t kABf16 = 2;   // a[] holds bf16 elements
+constexpr uint8_t kBBf16 = 4;   // b[] holds bf16 elements
+constexpr uint8_t kCDBf16 = 8;  // c[] and d[] hold bf16 elements (AdamW's moments)
 
 int64_t chunks_of(int64_t n) {
   return (n + kChunk - 1) / kChunk;
@@ -95,26 +96,31 @@ __global__ void __launch_bounds__(kOptimBlock) adamw_kernel(TensorBatch t, AdamW
   const int64_t begin = (blockIdx.x - t.first_block[ti]) * kChunk;
   const int64_t end = begin + kChunk < n ? begin + kChunk : n;
   float* p = static_cast<float*>(t.a[ti]);
-  float* m = static_cast<float*>(t.c[ti]);
-  float* v = static_cast<float*>(t.d[ti]);
   bf16_t* copy = static_cast<bf16_t*>(t.e[ti]);
   const float decay = t.flag[ti] & kDecay ? s.decay : 1.0f;
-  by_flag(t.flag[ti] & kBBf16, [&](auto tag) {
-    using G = typename decltype(tag)::type;
-    const G* g = static_cast<const G*>(t.b[ti]);
-    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-      const float gj = __fmul_rn(to_float(g[j]), s.grad_scale);
-      const float mj = __fadd_rn(__fmul_rn(s.beta1, m[j]), __fmul_rn(s.one_minus_beta1, gj));
-      const float vj =
-          __fadd_rn(__fmul_rn(s.beta2, v[j]), __fmul_rn(__fmul_rn(s.one_minus_beta2, gj), gj));
-      m[j] = mj;
-      v[j] = vj;
-      const float mhat = __fdiv_rn(mj, s.bc1), vhat = __fdiv_rn(vj, s.bc2);
-      const float step = __fdiv_rn(__fmul_rn(s.lr, mhat), __fadd_rn(__fsqrt_rn(vhat), s.eps));
-      const float w = __fsub_rn(__fmul_rn(p[j], decay), step);
-      p[j] = w;
-      if (copy) copy[j] = from_float<bf16_t>(w);
-    }
+  by_flag(t.flag[ti] & kBBf16, [&](auto grad_tag) {
+    by_flag(t.flag[ti] & kCDBf16, [&](auto moment_tag) {
+      using G = typename decltype(grad_tag)::type;
+      using M = typename decltype(moment_tag)::type;
+      const G* g = static_cast<const G*>(t.b[ti]);
+      M* m = static_cast<M*>(t.c[ti]);
+      M* v = static_cast<M*>(t.d[ti]);
+      for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+        const float gj = __fmul_rn(to_float(g[j]), s.grad_scale);
+        const float mj =
+            __fadd_rn(__fmul_rn(s.beta1, to_float(m[j])), __fmul_rn(s.one_minus_beta1, gj));
+        const float vj = __fadd_rn(__fmul_rn(s.beta2, to_float(v[j])),
+                                   __fmul_rn(__fmul_rn(s.one_minus_beta2, gj), gj));
+        // bf16 moments: stored rounded to nearest even, used unrounded below (as the CPU).
+        m[j] = from_float<M>(mj);
+        v[j] = from_float<M>(vj);
+        const float mhat = __fdiv_rn(mj, s.bc1), vhat = __fdiv_rn(vj, s.bc2);
+        const float step = __fdiv_rn(__fmul_rn(s.lr, mhat), __fadd_rn(__fsqrt_rn(vhat), s.eps));
+        const float w = __fsub_rn(__fmul_rn(p[j], decay), step);
+        p[j] = w;
+        if (copy) copy[j] = from_float<bf16_t>(w);
+      }
+    });
   });
 }
 
@@ -188,7 +194,8 @@ void adamw_step(const AdamWTensor* tensors, int64_t count, const AdamWScalars& s
         b.c[slot] = t.m;
         b.d[slot] = t.v;
         b.e[slot] = t.param_bf16;
-        b.flag[slot] = static_cast<uint8_t>((t.decay ? kDecay : 0) | (t.grad_bf16 ? kBBf16 : 0));
+        b.flag[slot] = static_cast<uint8_t>((t.decay ? kDecay : 0) | (t.grad_bf16 ? kBBf16 : 0) |
+                                            (t.moments_bf16 ? kCDBf16 : 0));
       },
       [&](const TensorBatch& b, int64_t blocks, int64_t) {
         adamw_kernel<<<static_cast<unsigned>(blocks), kOptimBlock, 0, stream>>>(b, s);

@@ -23,13 +23,15 @@ struct FloatArray {
   bool bf16 = false;
 };
 
-/// One parameter of a multi-tensor AdamW step: device arrays of n elements, f32 but for grad.
+/// One parameter of a multi-tensor AdamW step: device arrays of n elements, f32 but for grad
+/// and the moments.
 struct AdamWTensor {
   float* param = nullptr;
   const void* grad = nullptr;
   bool grad_bf16 = false;
-  float* m = nullptr;
-  float* v = nullptr;
+  void* m = nullptr;
+  void* v = nullptr;
+  bool moments_bf16 = false;   ///< m and v bf16 (train.adam_moments_dtype), else f32
   void* param_bf16 = nullptr;  ///< bf16 copy of param, rewritten from the update; or null
   int64_t n = 0;
   bool decay = false;  ///< apply the decoupled weight decay
@@ -47,6 +49,7 @@ struct AdamWScalars {
 // Per element, in the CPU's operation order with IEEE round-to-nearest (no FMA contraction):
 //   g = float(grad) * grad_scale;  m = b1 m + (1 - b1) g;  v = b2 v + ((1 - b2) g) g
 //   p = p * decay - (lr * (m / bc1)) / (sqrt(v / bc2) + eps);  param_bf16 = bf16(p)
+// bf16 moments are widened, and stored rounded to nearest even after p used the f32 m, v.
 void adamw_step(const AdamWTensor* tensors, int64_t count, const AdamWScalars& s, Stream stream);
 
 /// Bytes of device workspace multi_sum_squares needs for these arrays.
