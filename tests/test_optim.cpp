@@ -131,8 +131,9 @@ TEST(AdamW, BadStateAndConfigThrow) {
 // AdamWConfig::offload on the CPU: the gradients are staged into host buffers group by group
 // (groups of 5 elements here: several groups, pieces that straddle none or several) and updated
 // by the same kernel; whole parameters, parts of parameters, pieces with their own gradients
-// (f32 and bf16) end with the same bits as the plain update, moments included.
-TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
+// (f32 and bf16) end with the same bits as the plain update, moments (f32 or bf16) included.
+void expect_offloaded_equals_plain(DType moments_dtype) {
+  SCOPED_TRACE(dtype_name(moments_dtype));
   auto make = [] {
     std::vector<Parameter> ps;
     for (int i = 0; i < 4; ++i) {
@@ -158,11 +159,15 @@ TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
         optim::AdamWPiece(&ps[3], 8, 7, shard)};
   };
   AdamWConfig plain_cfg{0.9f, 0.95f, 1e-8f, 0.1f};
+  plain_cfg.moments_dtype = moments_dtype;
   AdamWConfig off_cfg = plain_cfg;
   off_cfg.offload = true;
   off_cfg.offload_group_numel = 5;
   AdamW plain(pieces(a, shard_a), plain_cfg), off(pieces(b, shard_b), off_cfg);
   EXPECT_TRUE(off.offloaded());
+  // m and v of each piece's 3 + 5 + 11 + 7 elements
+  EXPECT_EQ(off.state_bytes(), 2 * 26 * static_cast<int64_t>(dtype_size(moments_dtype)));
+  EXPECT_EQ(plain.state_bytes(), off.state_bytes());
   EXPECT_EQ(plain.staging_bytes(), 0);
   EXPECT_EQ(off.staging_bytes(),
             (3 + 5 + 11) * 4 + 7 * 2 + optim::AdamW::kOffloadBf16Slots * 8 * 2);
@@ -192,8 +197,13 @@ TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
   }
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_EQ(a[i].value.to_vector<float>(), b[i].value.to_vector<float>()) << a[i].name;
-    EXPECT_EQ(plain.m(i).to_vector<float>(), off.m(i).to_vector<float>()) << a[i].name;
-    EXPECT_EQ(plain.v(i).to_vector<float>(), off.v(i).to_vector<float>()) << a[i].name;
+    EXPECT_EQ(off.m(i).dtype(), moments_dtype);
+    EXPECT_EQ(plain.m(i).to(DType::f32).to_vector<float>(),
+              off.m(i).to(DType::f32).to_vector<float>())
+        << a[i].name;
+    EXPECT_EQ(plain.v(i).to(DType::f32).to_vector<float>(),
+              off.v(i).to(DType::f32).to_vector<float>())
+        << a[i].name;
     if (i == 2) continue;
     EXPECT_EQ(a[i].compute_copy.to(DType::f32).to_vector<float>(),
               b[i].compute_copy.to(DType::f32).to_vector<float>())
@@ -205,9 +215,99 @@ TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
   EXPECT_NE(a[0].value.to_vector<float>(), make()[0].value.to_vector<float>());  // it did move
 }
 
+TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
+  expect_offloaded_equals_plain(DType::f32);
+  expect_offloaded_equals_plain(DType::bf16);
+}
+
+// train.adam_moments_dtype = bf16: the moments take half the bytes; export gives them as f32
+// (exactly widened), so a bf16-moment checkpoint loads into an f32-moment optimizer and back
+// (rounded to nearest even on load), and a bf16 optimizer resumed from its own state takes the
+// next step bit for bit.
+TEST(AdamW, Bf16MomentsExportAsF32AndLoadEitherWay) {
+  auto make = [] {
+    return std::vector<Parameter>{param("layers.0.w", {0.3f, -0.7f, 1.1f, 0.05f}),
+                                  param("n", {1.f, 0.5f}, false)};
+  };
+  auto grads = [](int s, std::vector<Parameter>& ps) {
+    set_grad(ps[0], {0.1f * s, -0.2f, 0.05f * s * s, 0.37f / s});
+    set_grad(ps[1], {0.01f * s, -0.3f});
+  };
+  AdamWConfig cfg16, cfg32;
+  cfg16.moments_dtype = DType::bf16;
+  std::vector<Parameter> a = make(), b = make(), c = make();
+  AdamW o16({&a[0], &a[1]}, cfg16), r16({&b[0], &b[1]}, cfg16), r32({&c[0], &c[1]}, cfg32);
+  EXPECT_EQ(o16.m(0).dtype(), DType::bf16);
+  EXPECT_EQ(o16.state_bytes(), 2 * 6 * 2);
+  EXPECT_EQ(r32.state_bytes(), 2 * 6 * 4);
+  for (int s = 1; s <= 3; ++s) {
+    grads(s, a);
+    o16.step(1e-2f);
+  }
+  std::map<std::string, Tensor> state;
+  o16.export_state(state);
+  const Tensor& m = state.at("layers.0.w.adam_m");
+  ASSERT_EQ(m.dtype(), DType::f32);
+  EXPECT_EQ(m.shape(), Shape{4});
+  EXPECT_EQ(m.to_vector<float>(), o16.m(0).to(DType::f32).to_vector<float>());
+  EXPECT_NE(m.to_vector<float>(), std::vector<float>(4, 0.0f));
+  for (std::vector<Parameter>* ps : {&b, &c})
+    for (size_t i = 0; i < 2; ++i) (*ps)[i].value.copy_from(a[i].value);
+  r16.import_state(state);
+  r32.import_state(state);
+  // The f32 optimizer holds the widened bf16 moments; the bf16 one the same bits as the source.
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(r32.m(i).to_vector<float>(), o16.m(i).to(DType::f32).to_vector<float>());
+    EXPECT_EQ(r32.v(i).to_vector<float>(), o16.v(i).to(DType::f32).to_vector<float>());
+    EXPECT_EQ(r16.v(i).to(DType::f32).to_vector<float>(),
+              o16.v(i).to(DType::f32).to_vector<float>());
+  }
+  grads(4, a);
+  grads(4, b);
+  o16.step(1e-2f);
+  r16.step(1e-2f);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(a[i].value.to_vector<float>(), b[i].value.to_vector<float>());
+    EXPECT_EQ(o16.m(i).to(DType::f32).to_vector<float>(),
+              r16.m(i).to(DType::f32).to_vector<float>());
+  }
+  // f32 state into bf16 moments: rounded to nearest even.
+  std::map<std::string, Tensor> f32_state;
+  r32.step(1e-2f);
+  r32.export_state(f32_state);
+  r16.import_state(f32_state);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(r16.m(i).to(DType::f32).to_vector<float>(),
+              r32.m(i).to(DType::bf16).to(DType::f32).to_vector<float>());
+    EXPECT_EQ(r16.v(i).to(DType::f32).to_vector<float>(),
+              r32.v(i).to(DType::bf16).to(DType::f32).to_vector<float>());
+  }
+  EXPECT_NE(r32.m(0).to_vector<float>(), r16.m(0).to(DType::f32).to_vector<float>());
+}
+
+TEST(AdamW, MomentsDtypeFromTheConfig) {
+  TrainConfig t;
+  EXPECT_EQ(AdamWConfig::from(t).moments_dtype, DType::f32);
+  t.adam_moments_dtype = "bf16";
+  EXPECT_EQ(AdamWConfig::from(t).moments_dtype, DType::bf16);
+  t.adam_moments_dtype = "f16";
+  try {
+    AdamWConfig::from(t);
+    FAIL() << "f16 moments accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train.adam_moments_dtype"), std::string::npos);
+  }
+  Parameter a = param("w", {1.f});
+  AdamWConfig bad;
+  bad.moments_dtype = DType::i32;
+  EXPECT_THROW(AdamW({&a}, bad), Error);
+}
+
 // The host kernel (vectorised, threaded, the bf16 copy written in the same pass) gives the bits of
-// the formula evaluated one element at a time in its order, for f32 and bf16 gradients and sizes
-// around the vector width and the threading threshold (docs/training.md, "Optimizer offload").
+// the formula evaluated one element at a time in its order, for f32 and bf16 gradients, f32 and
+// bf16 moments (train.adam_moments_dtype: the formula on the widened moments, the weights from
+// the unrounded m, v, the moments stored rounded to nearest even) and sizes around the vector
+// width and the threading threshold (docs/training.md, "Optimizer offload").
 TEST(AdamW, HostKernelEqualsTheScalarFormulaBitForBit) {
   ops::AdamWStep s;
   s.lr = 3e-3f;
@@ -218,39 +318,73 @@ TEST(AdamW, HostKernelEqualsTheScalarFormulaBitForBit) {
   s.beta1 = 0.9f;
   s.beta2 = 0.95f;
   s.eps = 1e-8f;
-  for (DType grad_dtype : {DType::f32, DType::bf16}) {
-    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{9}, int64_t{33}, int64_t{100003}}) {
-      std::vector<float> w0(n), g0(n), m0(n), v0(n);
-      for (int64_t i = 0; i < n; ++i) {
-        const float x = static_cast<float>(i % 97) - 48.0f;
-        w0[i] = 0.01f * x;
-        g0[i] = i % 5 == 0 ? 0.0f : 1e-3f * x * (i % 3 == 0 ? 1e3f : 1.0f);
-        m0[i] = 1e-4f * x;
-        v0[i] = 1e-6f * static_cast<float>(i % 13);
-      }
-      const Shape shape{n};
-      Tensor w = Tensor::from_vector<float>(w0, shape), m = Tensor::from_vector<float>(m0, shape),
-             v = Tensor::from_vector<float>(v0, shape), copy = Tensor::empty(shape, DType::bf16);
-      const Tensor g = Tensor::from_vector<float>(g0, shape).to(grad_dtype);
-      const std::vector<ops::AdamWTensors> list{{w, g, m, v, copy, true}};
-      ops::adamw_step(list, s);
-      const std::vector<float> gs = g.to(DType::f32).to_vector<float>();
-      const std::vector<float> w1 = w.to_vector<float>(), m1 = m.to_vector<float>(),
-                               v1 = v.to_vector<float>(),
-                               c1 = copy.to(DType::f32).to_vector<float>();
-      const float decay = 1.0f - s.lr * s.weight_decay;
-      for (int64_t i = 0; i < n; ++i) {
-        const float gj = gs[i] * s.grad_scale;
-        const float mj = s.beta1 * m0[i] + (1.f - s.beta1) * gj;
-        const float vj = s.beta2 * v0[i] + (1.f - s.beta2) * gj * gj;
-        const float wj = w0[i] * decay - s.lr * (mj / s.bc1) / (std::sqrt(vj / s.bc2) + s.eps);
-        ASSERT_EQ(m1[i], mj) << n << " " << i;
-        ASSERT_EQ(v1[i], vj) << n << " " << i;
-        ASSERT_EQ(w1[i], wj) << n << " " << i;
-        ASSERT_EQ(c1[i], static_cast<float>(bf16(wj))) << n << " " << i;
+  const std::vector<int64_t> sizes{1, 7, 8, 9, 16, 17, 33, 32768, 32769, 100003};
+  for (DType moment_dtype : {DType::f32, DType::bf16}) {
+    // What the moments' storage keeps of an f32 value.
+    auto stored = [&](float x) {
+      return moment_dtype == DType::bf16 ? static_cast<float>(bf16(x)) : x;
+    };
+    for (DType grad_dtype : {DType::f32, DType::bf16}) {
+      for (int64_t n : sizes) {
+        std::vector<float> w0(n), g0(n), m0(n), v0(n);
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = static_cast<float>(i % 97) - 48.0f;
+          w0[i] = 0.01f * x;
+          g0[i] = i % 5 == 0 ? 0.0f : 1e-3f * x * (i % 3 == 0 ? 1e3f : 1.0f);
+          m0[i] = stored(1e-4f * x);
+          v0[i] = stored(1e-6f * static_cast<float>(i % 13) + 3e-9f * static_cast<float>(i % 7));
+        }
+        const Shape shape{n};
+        Tensor w = Tensor::from_vector<float>(w0, shape),
+               m = Tensor::from_vector<float>(m0, shape).to(moment_dtype),
+               v = Tensor::from_vector<float>(v0, shape).to(moment_dtype),
+               copy = Tensor::empty(shape, DType::bf16);
+        const Tensor g = Tensor::from_vector<float>(g0, shape).to(grad_dtype);
+        const std::vector<ops::AdamWTensors> list{{w, g, m, v, copy, true}};
+        ops::adamw_step(list, s);
+        EXPECT_EQ(m.dtype(), moment_dtype);
+        const std::vector<float> gs = g.to(DType::f32).to_vector<float>();
+        const std::vector<float> w1 = w.to_vector<float>(),
+                                 m1 = m.to(DType::f32).to_vector<float>(),
+                                 v1 = v.to(DType::f32).to_vector<float>(),
+                                 c1 = copy.to(DType::f32).to_vector<float>();
+        const float decay = 1.0f - s.lr * s.weight_decay;
+        int64_t rounded = 0;  // moments bf16 changed: the test sees the rounding
+        for (int64_t i = 0; i < n; ++i) {
+          const float gj = gs[i] * s.grad_scale;
+          const float mj = s.beta1 * m0[i] + (1.f - s.beta1) * gj;
+          const float vj = s.beta2 * v0[i] + (1.f - s.beta2) * gj * gj;
+          const float wj = w0[i] * decay - s.lr * (mj / s.bc1) / (std::sqrt(vj / s.bc2) + s.eps);
+          ASSERT_EQ(m1[i], stored(mj)) << dtype_name(moment_dtype) << " " << n << " " << i;
+          ASSERT_EQ(v1[i], stored(vj)) << dtype_name(moment_dtype) << " " << n << " " << i;
+          ASSERT_EQ(w1[i], wj) << dtype_name(moment_dtype) << " " << n << " " << i;
+          ASSERT_EQ(c1[i], static_cast<float>(bf16(wj))) << n << " " << i;
+          rounded += m1[i] != mj;
+        }
+        if (moment_dtype == DType::bf16 && n > 100) {
+          EXPECT_GT(rounded, n / 2);
+        }
       }
     }
   }
+}
+
+// A list's moments are of one dtype, f32 or bf16, and the error names the operand.
+TEST(AdamW, HostKernelRejectsMixedMomentDtypes) {
+  ops::AdamWStep s;
+  s.lr = 1e-3f;
+  Tensor w = Tensor::zeros({4}), g = Tensor::zeros({4});
+  Tensor m32 = Tensor::zeros({4}), m16 = Tensor::zeros({4}, DType::bf16);
+  const std::vector<ops::AdamWTensors> mixed{{w, g, m16, m32, Tensor(), true}};
+  try {
+    ops::adamw_step(mixed, s);
+    FAIL() << "mixed moments accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[adamw_step] v"), std::string::npos) << e.what();
+  }
+  const std::vector<ops::AdamWTensors> ints{
+      {w, g, Tensor::zeros({4}, DType::i32), Tensor::zeros({4}, DType::i32), Tensor(), true}};
+  EXPECT_THROW(ops::adamw_step(ints, s), Error);
 }
 
 TEST(Schedule, WarmupThenCosineToMinLr) {
