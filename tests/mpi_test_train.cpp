@@ -288,6 +288,55 @@ TEST(DistributedTraining, OffloadWithZeroTrainsBitForBitLikeWithout) {
   world()->barrier();
 }
 
+// train.adam_moments_dtype = bf16 with parallel.zero: each rank's shard of the bf16 moments is
+// updated element by element as zero 0 updates the whole ones, so zero 1 and 2 train as zero 0
+// does (as with f32 moments: bitwise but for zero 2's order of sums, 1e-6), with half the
+// moment bytes of f32; offloaded, the bits of the same setting without offload. A zero 2
+// checkpoint (the shards gathered widened to f32) resumed with zero 0 repeats the straight run.
+TEST(DistributedTraining, Bf16MomentsShardAndResumeLikeZeroZero) {
+  const fs::path root = shared_root();
+  const int n = world()->size();
+  Config c = zero_config(root);
+  c.parallel.ep = 1;  // dp = world: every bucket sharded over all ranks
+  c.train.adam_moments_dtype = "bf16";
+  const auto z0 = run_training(c, (root / "m16-z0").string(), world());
+  c.train.adam_moments_dtype = "f32";
+  const auto f32 = run_training(c, (root / "m32-z0").string(), world());
+  EXPECT_EQ(2 * z0.optimizer_bytes, f32.optimizer_bytes);
+  EXPECT_NE(z0.steps.back().loss, f32.steps.back().loss);  // the bf16 moments did run
+  c.train.adam_moments_dtype = "bf16";
+  for (int zero : {1, 2}) {
+    c.parallel.zero = zero;
+    const std::string tag = "m16-z" + std::to_string(zero);
+    const auto got = run_training(c, (root / tag).string(), world());
+    const bool bitwise = expect_zero_equal(z0, got, 0, tag, zero == 1 ? 0.0 : 1e-6);
+    // Half of f32 zero 0's bytes split over the ranks, each bucket padded by less than one
+    // element (4 bytes of m + v) per rank.
+    EXPECT_GE(got.optimizer_bytes, z0.optimizer_bytes / n - 2 * 4 * n) << tag;
+    EXPECT_LE(got.optimizer_bytes, z0.optimizer_bytes / n + 2 * 4 * n) << tag;
+    c.train.offload_optimizer = true;
+    const auto off = run_training(c, (root / (tag + "-offload")).string(), world());
+    c.train.offload_optimizer = false;
+    EXPECT_TRUE(expect_zero_equal(got, off, 0, tag + " offloaded", 0.0)) << tag;
+    EXPECT_EQ(off.optimizer_bytes, got.optimizer_bytes) << tag;
+    if (world()->rank() == 0)
+      std::printf(
+          "[bf16 moments] np %d zero %d: AdamW moments %lld bytes/rank (zero 0: %lld, f32 zero "
+          "0: %lld); losses and norms %s zero 0's, offloaded bitwise equal\n",
+          n, zero, static_cast<long long>(got.optimizer_bytes),
+          static_cast<long long>(z0.optimizer_bytes), static_cast<long long>(f32.optimizer_bytes),
+          bitwise ? "bitwise equal to" : "within 1e-6 of");
+  }
+  c.parallel.zero = 2;
+  const std::string a = (root / "m16-z2-then-z0").string();
+  run_training(c, a, world(), false, 8);
+  c.parallel.zero = 0;
+  const auto rest = run_training(c, a, world(), true);
+  ASSERT_EQ(rest.first_step, 8);
+  expect_zero_equal(z0, rest, 8, "bf16 moments, zero 2 resumed with zero 0");
+  world()->barrier();
+}
+
 TEST(DistributedTraining, ZeroCheckpointsResumeAcrossZeroSettings) {
   const fs::path root = shared_root();
   const int n = world()->size();
