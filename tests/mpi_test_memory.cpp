@@ -104,6 +104,23 @@ TEST(DistributedMemory, PredictedBytesPerRankMatchTheRun) {
   if (world->rank() == 0) fs::remove_all(root);
 }
 
+// train.adam_moments_dtype = bf16: each rank's shard of the bf16 moments (zero 1, 2; offloaded
+// at zero 1) as predicted.
+TEST(DistributedMemory, Bf16MomentBytesPerRankMatchTheRun) {
+  auto world = comm::world();
+  const fs::path root = shared_root(*world);
+  Config c = measured_config(root);
+  c.train.adam_moments_dtype = "bf16";
+  for (int zero : {0, 1, 2}) {
+    c.parallel.zero = zero;
+    c.train.offload_optimizer = zero == 1;
+    expect_predicted(c, root / fmt::format("m16-z{}", zero),
+                     fmt::format("bf16 moments zero {}{}", zero, zero == 1 ? " offload" : ""));
+  }
+  world->barrier();
+  if (world->rank() == 0) fs::remove_all(root);
+}
+
 TEST(DistributedMemory, TensorParallelBytesPerRankMatchTheRun) {
   auto world = comm::world();
   const int n = world->size();

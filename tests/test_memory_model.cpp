@@ -68,6 +68,37 @@ TEST_F(MemoryModelTest, OffloadedOptimizerStagingOnTheCpu) {
   expect_predicted(c, "tiny, offload, bf16 grads");
 }
 
+TEST_F(MemoryModelTest, Bf16Moments) {
+  // train.adam_moments_dtype = bf16: m and v take 4 bytes per parameter, on the device and with
+  // the offloaded optimizer (host memory here).
+  Config c = tiny();
+  c.train.adam_moments_dtype = "bf16";
+  expect_predicted(c, "tiny, bf16 moments");
+  c.train.offload_optimizer = true;
+  c.train.out_dir = (root_ / "run-offload").string();
+  expect_predicted(c, "tiny, bf16 moments, offload");
+}
+
+// The lever's bytes per parameter (docs/training.md): bf16 moments take half of f32's 8, on the
+// device (and its table says so) and, offloaded, on the host.
+TEST(MemoryModel, Bf16MomentsHalveTheMomentBytes) {
+  Config c = preset("moe-1b");
+  const train::MemoryModel f32 = train::predict_memory(c);
+  c.train.adam_moments_dtype = "bf16";
+  const train::MemoryModel bf = train::predict_memory(c);
+  EXPECT_EQ(f32.optimizer_bytes, 8 * f32.owned_parameters);
+  EXPECT_EQ(bf.optimizer_bytes, 4 * bf.owned_parameters);
+  EXPECT_EQ(f32.steady_bytes - bf.steady_bytes, 4 * bf.owned_parameters);
+  EXPECT_NE(train::memory_table(bf).find("AdamW moments m, v (bf16)"), std::string::npos);
+  EXPECT_EQ(train::memory_table(f32).find("AdamW moments m, v (bf16)"), std::string::npos);
+  c.train.offload_optimizer = true;
+  const train::MemoryModel off = train::predict_memory(c);
+  c.train.adam_moments_dtype = "f32";
+  const train::MemoryModel off32 = train::predict_memory(c);
+  EXPECT_EQ(off32.host_bytes - off.host_bytes, 4 * off.owned_parameters);
+  EXPECT_EQ(off.steady_bytes, off32.steady_bytes);  // the device holds no moment
+}
+
 TEST(MemoryModel, OffloadMovesMasterAndMomentsToTheHost) {
   Config c = preset("moe-1b");
   const train::MemoryModel on_device = train::predict_memory(c);
