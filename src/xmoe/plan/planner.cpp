@@ -25,6 +25,13 @@ std::string gib(int64_t bytes) {
   return fmt::format("{:.1f}", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
 }
 
+/// The step's peak fits a GPU of `cl` and the offloaded state the hosts.
+bool memory_fits(const train::MemoryModel& m, const Cluster& cl) {
+  return static_cast<double>(m.peak_bytes) <=
+             cl.usable_memory * static_cast<double>(cl.gpu_memory) &&
+         m.host_bytes * cl.gpus_per_node <= cl.host_memory;
+}
+
 bool ranked_before(const Candidate& a, const Candidate& b) {
   if (a.fits != b.fits) return a.fits;
   if (a.fits) return a.tokens_per_s > b.tokens_per_s;
@@ -54,17 +61,16 @@ Candidate evaluate_layout(const Config& base, const PlanLayout& layout, const Ra
   if (cl.peak_flops > 0)
     c.mfu = train::training_flops_per_token(c.config.model, c.config.train.seq_len) *
             c.tokens_per_s / (cl.peak_flops * c.world);
-  const double limit = cl.usable_memory * static_cast<double>(cl.gpu_memory);
-  c.fits = static_cast<double>(c.memory.peak_bytes) <= limit &&
-           c.memory.host_bytes * cl.gpus_per_node <= cl.host_memory;
+  c.fits = memory_fits(c.memory, cl);
   return c;
 }
 
 std::string PlanLayout::str() const {
   std::string s = fmt::format("tp {}{} ep {}", tp, tp > 1 ? (ssmb ? " ssmb" : " rep") : "", ep);
   if (ep > 1) s += dispatch == "rbd" ? " rbd" : " a2a";
-  s += fmt::format(" z{}{}{}", zero, offload ? " off" : "",
-                   expert_grad_dtype == "bf16" ? " eg16" : "");
+  s += fmt::format(" z{}{}{}{}", zero, offload ? " off" : "",
+                   expert_grad_dtype == "bf16" ? " eg16" : "",
+                   adam_moments_dtype == "bf16" ? " m16" : "");
   if (!recompute.empty()) {
     std::string r;
     for (const std::string& n : recompute) r += (r.empty() ? "" : ",") + n;
@@ -83,6 +89,7 @@ Config PlanLayout::apply(Config c, const std::string& device) const {
   c.parallel.zero = zero;
   c.model.moe.dispatch = dispatch;
   c.model.moe.expert_grad_dtype = expert_grad_dtype;
+  c.train.adam_moments_dtype = adam_moments_dtype;
   c.model.moe.pipeline = moe_chunks > 1 ? std::to_string(moe_chunks) : "off";
   c.model.moe.pipeline_backward = "same";
   c.model.recompute = recompute;
@@ -99,8 +106,13 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
   const int experts = base.model.moe.num_experts;
   Plan plan;
   plan.cluster = cl;
-  std::map<std::tuple<int, int, bool, int, bool, size_t, size_t, int, int>, train::MemoryModel>
+  std::map<std::tuple<int, int, bool, int, bool, size_t, size_t, size_t, int, int>,
+           train::MemoryModel>
       memories;
+  // Index of "f32" among the moment choices (their count when absent).
+  const size_t f32_moments =
+      static_cast<size_t>(std::find(o.moments_choices.begin(), o.moments_choices.end(), "f32") -
+                          o.moments_choices.begin());
   for (int tp : divisors(world)) {
     if (tp > 1 && (tp > g || g % tp != 0)) continue;  // a tp group stays inside a node
     for (bool ssmb : tp > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
@@ -119,43 +131,54 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
             if (offload && (!o.offload || cl.device != "cuda")) continue;
             for (size_t rc = 0; rc < o.recompute_choices.size(); ++rc)
               for (size_t eg = 0; eg < o.expert_grad_choices.size(); ++eg)
-                for (int per_rank : o.micro_batches) {
-                  const int mb = per_rank * tp, data_ranks = world / tp;
-                  int accum = 1;
-                  if (o.global_batch > 0) {
-                    if (o.global_batch % (data_ranks * mb) != 0) continue;
-                    accum = o.global_batch / (data_ranks * mb);
-                  }
-                  for (const std::string& dispatch : dispatches)
-                    for (int chunks : chunk_choices) {
-                      PlanLayout l{.tp = tp,
-                                   .ep = ep,
-                                   .ssmb = ssmb,
-                                   .dispatch = dispatch,
-                                   .zero = zero,
-                                   .offload = offload,
-                                   .expert_grad_dtype = o.expert_grad_choices[eg],
-                                   .recompute = o.recompute_choices[rc],
-                                   .micro_batch = mb,
-                                   .grad_accum = accum,
-                                   .moe_chunks = chunks};
-                      // Memory depends on neither the dispatch nor the accumulation: model it once.
-                      const auto key =
-                          std::make_tuple(tp, ep, ssmb, zero, offload, rc, eg, mb, chunks);
-                      const auto it = memories.find(key);
-                      std::optional<Candidate> c;
-                      try {
-                        c = evaluate_layout(base, l, rates, o,
-                                            it == memories.end() ? nullptr : &it->second);
-                      } catch (const Error&) {
-                        continue;  // the config refuses the layout (validate, the memory model)
-                      }
-                      if (it == memories.end()) memories.emplace(key, c->memory);
-                      ++plan.layouts;
-                      plan.fitting += c->fits;
-                      plan.candidates.push_back(std::move(*c));
+                for (size_t mo = 0; mo < o.moments_choices.size(); ++mo)
+                  for (int per_rank : o.micro_batches) {
+                    const int mb = per_rank * tp, data_ranks = world / tp;
+                    int accum = 1;
+                    if (o.global_batch > 0) {
+                      if (o.global_batch % (data_ranks * mb) != 0) continue;
+                      accum = o.global_batch / (data_ranks * mb);
                     }
-                }
+                    for (const std::string& dispatch : dispatches)
+                      for (int chunks : chunk_choices) {
+                        PlanLayout l{.tp = tp,
+                                     .ep = ep,
+                                     .ssmb = ssmb,
+                                     .dispatch = dispatch,
+                                     .zero = zero,
+                                     .offload = offload,
+                                     .expert_grad_dtype = o.expert_grad_choices[eg],
+                                     .adam_moments_dtype = o.moments_choices[mo],
+                                     .recompute = o.recompute_choices[rc],
+                                     .micro_batch = mb,
+                                     .grad_accum = accum,
+                                     .moe_chunks = chunks};
+                        // Memory depends on neither the dispatch nor the accumulation: model it
+                        // once.
+                        const auto key =
+                            std::make_tuple(tp, ep, ssmb, zero, offload, rc, eg, mo, mb, chunks);
+                        // bf16 moments are a lever to fit, not to gain speed: tried only where
+                        // the same layout with f32 moments (enumerated before) does not fit.
+                        if (l.adam_moments_dtype == "bf16" && f32_moments < mo) {
+                          auto f32_key = key;
+                          std::get<7>(f32_key) = f32_moments;
+                          const auto f32_it = memories.find(f32_key);
+                          if (f32_it != memories.end() && memory_fits(f32_it->second, cl)) continue;
+                        }
+                        const auto it = memories.find(key);
+                        std::optional<Candidate> c;
+                        try {
+                          c = evaluate_layout(base, l, rates, o,
+                                              it == memories.end() ? nullptr : &it->second);
+                        } catch (const Error&) {
+                          continue;  // the config refuses the layout (validate, the memory model)
+                        }
+                        if (it == memories.end()) memories.emplace(key, c->memory);
+                        ++plan.layouts;
+                        plan.fitting += c->fits;
+                        plan.candidates.push_back(std::move(*c));
+                      }
+                  }
           }
       }
     }

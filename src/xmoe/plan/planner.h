@@ -20,14 +20,15 @@ struct PlanLayout {
   std::string dispatch = "auto";  ///< model.moe.dispatch: auto (ep = 1), all_to_all, rbd
   int zero = 0;
   bool offload = false;
-  std::string expert_grad_dtype = "f32";  ///< model.moe.expert_grad_dtype
+  std::string expert_grad_dtype = "f32";   ///< model.moe.expert_grad_dtype
+  std::string adam_moments_dtype = "f32";  ///< train.adam_moments_dtype
   std::vector<std::string> recompute;
   int micro_batch = 1;  ///< train.batch_size: sequences per micro-batch of a tp group
   int grad_accum = 1;
   /// MoE chunks r of the pipelined layer each way (model.moe.pipeline: off for 1, else r).
   int moe_chunks = 1;
 
-  /// "tp 2 ssmb ep 4 a2a z1 rc:moe mb 2" (the table's first column).
+  /// "tp 2 ssmb ep 4 a2a z1 eg16 m16 rc:moe mb 2" (the table's first column).
   std::string str() const;
   /// `base` with this layout's keys set.
   Config apply(Config base, const std::string& device) const;
@@ -56,6 +57,9 @@ struct PlanOptions {
   std::vector<int> zero_choices = {0, 1, 2};
   /// model.moe.expert_grad_dtype: bf16 halves the largest gradients (Megatron-Core's default).
   std::vector<std::string> expert_grad_choices = {"f32", "bf16"};
+  /// train.adam_moments_dtype: bf16 halves the moments (DeepSeek-V3's choice); a layout gets
+  /// bf16 moments only where it does not fit with f32 ones (listed before bf16).
+  std::vector<std::string> moments_choices = {"f32", "bf16"};
   /// model.moe.pipeline with expert parallelism: r chunks each way, those up to E / ep (a chunk
   /// holds at least one expert of each rank).
   std::vector<int> moe_chunk_choices = {1, 2, 4, 8};

@@ -82,10 +82,12 @@ double Rates::attention(Task kind, int64_t pairs, int64_t head_dim, int64_t seq_
                             (cluster_.peak_flops * cluster_.gemm_efficiency);
 }
 
-double Rates::adamw(int64_t elements) const {
+double Rates::adamw(int64_t elements, bool moments_bf16) const {
+  const double bytes = adamw_bytes_per_element(moments_bf16);
   if (profile_)
-    if (const auto t = profile_->predict_adamw(elements)) return *t;
-  return stream(28.0 * static_cast<double>(elements));
+    if (const auto t = profile_->predict_adamw(elements))
+      return *t * bytes / adamw_bytes_per_element(false);
+  return stream(bytes * static_cast<double>(elements));
 }
 
 Link Rates::link(Task task, comm::LinkClass link) const {
@@ -302,21 +304,23 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
 
   // AdamW over the elements this rank owns; the global norm reads the gradients and clipping
   // rewrites them. Offloaded, the update runs on the host's threads (28 bytes an element
-  // streamed from DRAM) after the gradients cross the host link and before the bf16 copies
-  // come back.
+  // streamed from DRAM, 20 with bf16 moments) after the gradients cross the host link and
+  // before the bf16 copies come back.
   const double owned = static_cast<double>(mem.owned_parameters);
   const double grad_pass = rates.stream(3.0 * mem.whole_gradient_bytes);
   double optimizer = 0, offload_hidden = 0;
   if (mem.offload && mem.cuda) {
     const double host_link = rates.cluster().host_bandwidth;
-    optimizer = grad_pass + 28 * owned / (kHostUpdateBandwidth / std::max(1, g)) +
+    optimizer = grad_pass +
+                Rates::adamw_bytes_per_element(mem.moments_bf16) * owned /
+                    (kHostUpdateBandwidth / std::max(1, g)) +
                 (owned * 4 + mem.compute_copy_bytes) / host_link;
     // The gradients' copies to the host start as their modules finish backward.
     if (offload_copies_overlap_backward(c, o.world))
       offload_hidden =
           hidden_behind_backward(owned * 4 / host_link, 4.0 * V * d / host_link, backward_budget);
   } else {
-    optimizer = grad_pass + rates.adamw(mem.owned_parameters);
+    optimizer = grad_pass + rates.adamw(mem.owned_parameters, mem.moments_bf16);
   }
 
   StepTime t;

@@ -58,13 +58,17 @@ class Rates {
   double gemm(sched::Task kind, int64_t rows, int64_t in, int64_t out) const;
   /// Elementwise work that reads and writes `bytes` in all.
   double stream(double bytes) const;
+  /// Bytes one AdamW element streams: the gradient read (4), the master weight read and written
+  /// (8), m and v read and written (16 f32, 8 bf16).
+  static double adamw_bytes_per_element(bool moments_bf16) { return moments_bf16 ? 20 : 28; }
   /// Causal attention (sched::Task attention kinds) of `pairs` (sequence, head) pairs: the
   /// profile's model, else the cluster's FLOP rate on the causal half of the square (backward:
   /// 2.5 times forward's FLOPs).
   double attention(sched::Task kind, int64_t pairs, int64_t head_dim, int64_t seq_len) const;
-  /// AdamW over `elements` f32 parameters: the profile's model, else streaming the 28 bytes an
-  /// element reads and writes.
-  double adamw(int64_t elements) const;
+  /// AdamW over `elements` f32 parameters: the profile's model, else streaming the bytes an
+  /// element reads and writes (adamw_bytes_per_element). bf16 moments (train.adam_moments_dtype)
+  /// scale the profile's f32-moment model by their share of the bytes.
+  double adamw(int64_t elements, bool moments_bf16 = false) const;
   /// One collective (bytes as sched::Task defines them) over `span`: on one node over the
   /// intra-node link; over several, the intra-node part then the inter-node part (all_reduce,
   /// all_gather, reduce_scatter: hierarchical), or both links at once (all_to_all_v).
