@@ -241,7 +241,7 @@ void random_grads(std::vector<Parameter>& ps, uint64_t seed) {
   }
 }
 
-void expect_adamw_matches_cpu(DType big_grad) {
+void expect_adamw_matches_cpu(DType big_grad, DType moments = DType::f32) {
   std::vector<Parameter> cpu = optimizer_params(5, big_grad), gpu = optimizer_params(5, big_grad);
   for (Parameter& p : gpu) p.to(kCuda);
   gpu[0].compute_copy = ops::cast(gpu[0].value, DType::bf16);  // rewritten by the step
@@ -249,8 +249,10 @@ void expect_adamw_matches_cpu(DType big_grad) {
   for (auto& p : cpu) pc.push_back(&p);
   for (auto& p : gpu) pg.push_back(&p);
   optim::AdamWConfig cfg{0.9f, 0.95f, 1e-8f, 0.1f};
+  cfg.moments_dtype = moments;
   optim::AdamW oc(pc, cfg), og(pg, cfg);
   EXPECT_EQ(og.device(), kCuda);
+  EXPECT_EQ(og.m(1).dtype(), moments);
   for (int step = 0; step < 5; ++step) {
     random_grads(cpu, 50 + step);
     random_grads(gpu, 50 + step);
@@ -295,7 +297,7 @@ TEST(CudaModel, AdamWMatchesCpu) {
 // 60,000 elements so that "big" spans several and the copies overlap the updates) agree within
 // the AdamW parity tolerance; the bf16 copy the device keeps is bf16 of the host master
 // exactly, and the f32 device copies (parameters without a bf16 copy) equal it.
-void expect_offloaded_adamw_matches_device(DType big_grad) {
+void expect_offloaded_adamw_matches_device(DType big_grad, DType moments = DType::f32) {
   std::vector<Parameter> dev = optimizer_params(5, big_grad), off = optimizer_params(5, big_grad);
   for (std::vector<Parameter>* ps : {&dev, &off})
     for (Parameter& p : *ps) {
@@ -310,6 +312,7 @@ void expect_offloaded_adamw_matches_device(DType big_grad) {
   for (auto& p : dev) pd.push_back(&p);
   for (auto& p : off) po.push_back(&p);
   optim::AdamWConfig cfg{0.9f, 0.95f, 1e-8f, 0.1f};
+  cfg.moments_dtype = moments;
   optim::AdamWConfig off_cfg = cfg;
   off_cfg.offload = true;
   off_cfg.offload_group_numel = 60000;
@@ -352,6 +355,19 @@ TEST(CudaModel, OffloadedAdamWMatchesTheDeviceOne) {
   for (DType big_grad : {DType::f32, DType::bf16}) {
     SCOPED_TRACE(dtype_name(big_grad));
     expect_offloaded_adamw_matches_device(big_grad);
+  }
+}
+
+// train.adam_moments_dtype = bf16: the multi-tensor kernel's bf16-moment variant against the
+// CPU kernel (the same f32 formula, the moments rounded to nearest even where stored: within the
+// AdamW tolerance above, moments compared as their bf16 values), the exported state's widened
+// moments back onto the device; and the offloaded bf16-moment update against the device one.
+TEST(CudaModel, Bf16MomentAdamWMatchesCpu) {
+  XMOE_REQUIRE_CUDA();
+  for (DType big_grad : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(big_grad));
+    expect_adamw_matches_cpu(big_grad, DType::bf16);
+    expect_offloaded_adamw_matches_device(big_grad, DType::bf16);
   }
 }
 

@@ -586,6 +586,38 @@ std::vector<OpCase> parity_cases() {
                  return Tensors{concat(p), concat(m), concat(v), concat(copy_error)};
                },
                adamw_kept(), 1e-6});
+  // AdamW with bf16 moments (train.adam_moments_dtype): the same inputs, m and v rounded to bf16
+  // before the first step and stored in bf16 by each; compared as f32 (the moments' bf16 values).
+  c.push_back({"adamw_step_bf16_moments",
+               [] {
+                 Tensors in = rand_list(100), g = rand_list(200), m = rand_list(300),
+                         v = rand_list(400, true);
+                 in.insert(in.end(), g.begin(), g.end());
+                 in.insert(in.end(), m.begin(), m.end());
+                 in.insert(in.end(), v.begin(), v.end());
+                 return in;
+               },
+               [](Tensors& in) {
+                 std::vector<ops::AdamWTensors> list;
+                 for (int64_t i = 0; i < kListLen; ++i)
+                   list.push_back(
+                       {in[i], in[kListLen + i], ops::cast(in[2 * kListLen + i], DType::bf16),
+                        ops::cast(in[3 * kListLen + i], DType::bf16), Tensor(), i % 2 == 0});
+                 ops::AdamWStep s{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.1f, 0.05f, 1.0f};
+                 ops::adamw_step(list, s);
+                 s.bc1 = 0.19f;
+                 s.bc2 = 0.0975f;
+                 s.grad_scale = 0.37f;
+                 ops::adamw_step(list, s);
+                 std::vector<Tensor> p, m, v;
+                 for (const ops::AdamWTensors& t : list) {
+                   p.push_back(t.param);
+                   m.push_back(ops::cast(t.m, DType::f32));
+                   v.push_back(ops::cast(t.v, DType::f32));
+                 }
+                 return Tensors{concat(p), concat(m), concat(v)};
+               },
+               adamw_kept(), 1e-6});
   // The gradient-list ops: sum of squares, scale, then the gradient sync's pack into one f32
   // buffer (kept f32) and scaled unpack. The bf16 run gives them bf16 tensors.
   c.push_back({"multi_tensor", [] { return rand_list(500); },
