@@ -2,7 +2,8 @@
 // over real training steps), for parallel.zero 0, 1, 2 on however many ranks mpirun starts:
 //   mpirun --oversubscribe -np 8 build/cpu/bin/bench_memory --ep 1
 //   mpirun --oversubscribe -np 4 build/cpu/bin/bench_memory --tp 2 --ssmb false
-// (`--offload true`: train.offload_optimizer, whose host staging counts here on the CPU).
+// (`--offload true`: train.offload_optimizer, whose host staging counts here on the CPU;
+// `--moments bf16`: train.adam_moments_dtype).
 // One JSON line per zero setting from rank 0, with the busiest rank's measurements (max over
 // ranks). A small MoE config by default (`--preset`, `--set key=value` change it); the tokens
 // are a generated corpus in a temporary folder.
@@ -60,12 +61,15 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   int ep = 1, tp = 1, steps = 2;
   bool ssmb = true, offload = false;
+  std::string moments = "f32";
   app.add_option("--preset", preset_name, "Model preset");
   app.add_option("--set", sets, "key=value overrides");
   app.add_option("--ep", ep, "parallel.ep");
   app.add_option("--tp", tp, "parallel.tp");
   app.add_option("--ssmb", ssmb, "parallel.ssmb");
   app.add_option("--offload", offload, "train.offload_optimizer");
+  app.add_option("--moments", moments, "train.adam_moments_dtype")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--steps", steps, "Training steps measured (the max over them)");
   CLI11_PARSE(app, argc, argv);
 
@@ -89,6 +93,7 @@ int main(int argc, char** argv) {
   c.parallel.tp = tp;
   c.parallel.ssmb = ssmb;
   c.train.offload_optimizer = offload;
+  c.train.adam_moments_dtype = moments;
   for (const std::string& s : sets) apply_override(c, s);
   validate(c);
   make_corpus(*world, root, c.data, 4 << 20);
@@ -123,6 +128,7 @@ int main(int argc, char** argv) {
     j["dp"] = m.dp;
     j["ep"] = m.ep;
     j["offload"] = m.offload;
+    j["moments"] = c.train.adam_moments_dtype;
     j["zero"] = zero;
     j["params_per_rank"] = m.parameters;
     j["tokens_per_rank"] = c.train.batch_size * c.train.seq_len / m.tp;
