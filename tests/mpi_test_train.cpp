@@ -83,6 +83,20 @@ std::pair<train::TrainResult, train::TrainResult> train_sync_after_and_during_ba
   return {std::move(after), std::move(during)};
 }
 
+/// `c` trained to its step-8 checkpoint in `dir` at parallel.zero `saved`, then resumed at
+/// `resumed` (and parallel.ep `resumed_ep` when nonzero): the resumed steps against `straight`'s.
+void expect_resumed_across_zero(Config c, const std::string& dir, int saved, int resumed,
+                                const train::TrainResult& straight, const std::string& what,
+                                double tol = 1e-6, int resumed_ep = 0) {
+  c.parallel.zero = saved;
+  run_training(c, dir, world(), false, 8);
+  c.parallel.zero = resumed;
+  if (resumed_ep) c.parallel.ep = resumed_ep;
+  const auto rest = run_training(c, dir, world(), true);
+  ASSERT_EQ(rest.first_step, 8) << what;
+  expect_zero_equal(straight, rest, 8, what, tol);
+}
+
 /// The micro run for 20 steps (checkpoints every 4).
 Config zero_config(const fs::path& root) {
   Config c = micro_config(root, "softmax_topk");
@@ -327,13 +341,8 @@ TEST(DistributedTraining, Bf16MomentsShardAndResumeLikeZeroZero) {
           static_cast<long long>(z0.optimizer_bytes), static_cast<long long>(f32.optimizer_bytes),
           bitwise ? "bitwise equal to" : "within 1e-6 of");
   }
-  c.parallel.zero = 2;
-  const std::string a = (root / "m16-z2-then-z0").string();
-  run_training(c, a, world(), false, 8);
-  c.parallel.zero = 0;
-  const auto rest = run_training(c, a, world(), true);
-  ASSERT_EQ(rest.first_step, 8);
-  expect_zero_equal(z0, rest, 8, "bf16 moments, zero 2 resumed with zero 0");
+  expect_resumed_across_zero(c, (root / "m16-z2-then-z0").string(), 2, 0, z0,
+                             "bf16 moments, zero 2 resumed with zero 0");
   world()->barrier();
 }
 
@@ -344,32 +353,16 @@ TEST(DistributedTraining, ZeroCheckpointsResumeAcrossZeroSettings) {
   c.parallel.ep = 1;  // dp = world: every bucket sharded over all ranks
   const auto straight = run_training(c, (root / "zero-straight").string(), world());
   // A zero 2 checkpoint (moments gathered to whole tensors) resumed with zero 0 ...
-  c.parallel.zero = 2;
-  const std::string a = (root / "zero-2-then-0").string();
-  run_training(c, a, world(), false, 8);
-  c.parallel.zero = 0;
-  const auto rest_a = run_training(c, a, world(), true);
-  ASSERT_EQ(rest_a.first_step, 8);
-  expect_zero_equal(straight, rest_a, 8, "zero 2 resumed with zero 0");
+  expect_resumed_across_zero(c, (root / "zero-2-then-0").string(), 2, 0, straight,
+                             "zero 2 resumed with zero 0");
   // ... and a zero 0 checkpoint resumed with zero 2 (each rank takes its shard).
-  const std::string b = (root / "zero-0-then-2").string();
-  run_training(c, b, world(), false, 8);
-  c.parallel.zero = 2;
-  const auto rest_b = run_training(c, b, world(), true);
-  ASSERT_EQ(rest_b.first_step, 8);
-  expect_zero_equal(straight, rest_b, 8, "zero 0 resumed with zero 2");
+  expect_resumed_across_zero(c, (root / "zero-0-then-2").string(), 0, 2, straight,
+                             "zero 0 resumed with zero 2");
   // A zero 2 checkpoint of dp = world resumed at dp = 1 (ep = world) with zero 1: another
   // layout, so the sums of the expert gradients run in another order (1e-5, as elsewhere).
-  if (n > 1) {
-    const std::string d = (root / "zero-2-then-ep").string();
-    c.parallel.zero = 2;
-    run_training(c, d, world(), false, 8);
-    c.parallel.ep = n;
-    c.parallel.zero = 1;
-    const auto rest_d = run_training(c, d, world(), true);
-    ASSERT_EQ(rest_d.first_step, 8);
-    expect_zero_equal(straight, rest_d, 8, "zero 2 dp=world resumed with zero 1 ep=world", 1e-5);
-  }
+  if (n > 1)
+    expect_resumed_across_zero(c, (root / "zero-2-then-ep").string(), 2, 1, straight,
+                               "zero 2 dp=world resumed with zero 1 ep=world", 1e-5, n);
   world()->barrier();
 }
 

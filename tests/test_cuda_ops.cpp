@@ -196,6 +196,25 @@ std::vector<int> list_indices(int first) {
   return v;
 }
 
+/// The AdamW cases' inputs: params, grads, m, v (kListLen each).
+Tensors adamw_inputs() {
+  Tensors in = rand_list(100), g = rand_list(200), m = rand_list(300), v = rand_list(400, true);
+  in.insert(in.end(), g.begin(), g.end());
+  in.insert(in.end(), m.begin(), m.end());
+  in.insert(in.end(), v.begin(), v.end());
+  return in;
+}
+
+/// Two AdamW steps of `list`, the second with a clip factor.
+void two_adamw_steps(const std::vector<ops::AdamWTensors>& list) {
+  ops::AdamWStep s{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.1f, 0.05f, 1.0f};
+  ops::adamw_step(list, s);
+  s.bc1 = 0.19f;
+  s.bc2 = 0.0975f;
+  s.grad_scale = 0.37f;
+  ops::adamw_step(list, s);
+}
+
 /// keep_f32 of the AdamW case: params, m and v stay f32 (the bf16 run gets bf16 gradients).
 std::vector<int> adamw_kept() {
   std::vector<int> v = list_indices(0), m = list_indices(2 * kListLen),
@@ -550,27 +569,14 @@ std::vector<OpCase> parity_cases() {
   // Optimizer ops. AdamW: inputs params, grads, m, v (50 each); two steps (the second with a
   // clip factor), weight decay on every other tensor, bf16 copies of the params rewritten. The
   // bf16 run gives it bf16 gradients.
-  c.push_back({"adamw_step",
-               [] {
-                 Tensors in = rand_list(100), g = rand_list(200), m = rand_list(300),
-                         v = rand_list(400, true);
-                 in.insert(in.end(), g.begin(), g.end());
-                 in.insert(in.end(), m.begin(), m.end());
-                 in.insert(in.end(), v.begin(), v.end());
-                 return in;
-               },
+  c.push_back({"adamw_step", adamw_inputs,
                [](Tensors& in) {
                  std::vector<ops::AdamWTensors> list;
                  for (int64_t i = 0; i < kListLen; ++i)
                    list.push_back({in[i], in[kListLen + i], in[2 * kListLen + i],
                                    in[3 * kListLen + i], ops::cast(in[i], DType::bf16),
                                    i % 2 == 0});
-                 ops::AdamWStep s{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.1f, 0.05f, 1.0f};
-                 ops::adamw_step(list, s);
-                 s.bc1 = 0.19f;
-                 s.bc2 = 0.0975f;
-                 s.grad_scale = 0.37f;
-                 ops::adamw_step(list, s);
+                 two_adamw_steps(list);
                  // The bf16 copy must be bf16(param) exactly, on each device (compared as
                  // copy - bf16(param), zero on both sides: the params themselves may differ by
                  // an f32 rounding, which can move a bf16 rounding by one bf16 ulp).
@@ -588,27 +594,14 @@ std::vector<OpCase> parity_cases() {
                adamw_kept(), 1e-6});
   // AdamW with bf16 moments (train.adam_moments_dtype): the same inputs, m and v rounded to bf16
   // before the first step and stored in bf16 by each; compared as f32 (the moments' bf16 values).
-  c.push_back({"adamw_step_bf16_moments",
-               [] {
-                 Tensors in = rand_list(100), g = rand_list(200), m = rand_list(300),
-                         v = rand_list(400, true);
-                 in.insert(in.end(), g.begin(), g.end());
-                 in.insert(in.end(), m.begin(), m.end());
-                 in.insert(in.end(), v.begin(), v.end());
-                 return in;
-               },
+  c.push_back({"adamw_step_bf16_moments", adamw_inputs,
                [](Tensors& in) {
                  std::vector<ops::AdamWTensors> list;
                  for (int64_t i = 0; i < kListLen; ++i)
                    list.push_back(
                        {in[i], in[kListLen + i], ops::cast(in[2 * kListLen + i], DType::bf16),
                         ops::cast(in[3 * kListLen + i], DType::bf16), Tensor(), i % 2 == 0});
-                 ops::AdamWStep s{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.1f, 0.05f, 1.0f};
-                 ops::adamw_step(list, s);
-                 s.bc1 = 0.19f;
-                 s.bc2 = 0.0975f;
-                 s.grad_scale = 0.37f;
-                 ops::adamw_step(list, s);
+                 two_adamw_steps(list);
                  std::vector<Tensor> p, m, v;
                  for (const ops::AdamWTensors& t : list) {
                    p.push_back(t.param);

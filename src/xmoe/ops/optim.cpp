@@ -1,7 +1,6 @@
 #include "xmoe/ops/optim.h"
 
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "xmoe/backend/cpu/optim_kernels.h"
@@ -65,22 +64,9 @@ void adamw_step(std::span<const AdamWTensors> tensors, const AdamWStep& s) {
       float* w = t.param.data<float>();
       bf16* copy = t.param_bf16.defined() ? t.param_bf16.data<bf16>() : nullptr;
       const int64_t n = t.param.numel();
-      // The kernel of this grad dtype and these moments' dtype.
-      auto update = [&](auto* moment) {
-        using M = std::remove_pointer_t<decltype(moment)>;
-        M* m = t.m.data<M>();
-        M* v = t.v.data<M>();
-        if (t.grad.dtype() == DType::bf16)
-          cpu::adamw_update(w, t.grad.data<bf16>(), m, v, copy, n, s.lr, s.beta1, s.beta2, s.eps,
-                            s.bc1, s.bc2, decay, s.grad_scale);
-        else
-          cpu::adamw_update(w, t.grad.data<float>(), m, v, copy, n, s.lr, s.beta1, s.beta2, s.eps,
-                            s.bc1, s.bc2, decay, s.grad_scale);
-      };
-      if (t.m.dtype() == DType::bf16)
-        update(static_cast<bf16*>(nullptr));
-      else
-        update(static_cast<float*>(nullptr));
+      cpu::adamw_update(w, t.grad.raw(), t.grad.dtype() == DType::bf16, t.m.raw(), t.v.raw(),
+                        t.m.dtype() == DType::bf16, copy, n, s.lr, s.beta1, s.beta2, s.eps, s.bc1,
+                        s.bc2, decay, s.grad_scale);
     }
     return;
   }

@@ -71,11 +71,6 @@ void adamw_update_any(float* w, const G* g, M* m, M* v, bf16* copy, int64_t n, f
     adamw_update_impl<false>(w, g, m, v, bits, n, lr, b1, b2, eps, bc1, bc2, decay, grad_scale);
 }
 
-/// bf16 moments as the bits the vectoriser takes (see bf16_bits).
-uint16_t* moment_bits(bf16* x) {
-  return reinterpret_cast<uint16_t*>(x);
-}
-
 template <class D, class S>
 void copy_scaled_impl(D* dst, const S* src, int64_t n, float s) {
   if constexpr (std::is_same_v<D, bf16>) {  // through the bits: see bf16_bits
@@ -98,32 +93,22 @@ void copy_scaled_impl(D* dst, const S* src, int64_t n, float s) {
 
 }  // namespace
 
-void adamw_update(float* param, const float* grad, float* m, float* v, bf16* param_bf16, int64_t n,
-                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
-                  float grad_scale) {
-  adamw_update_any(param, grad, m, v, param_bf16, n, lr, beta1, beta2, eps, bc1, bc2, decay,
-                   grad_scale);
-}
-
-void adamw_update(float* param, const bf16* grad, float* m, float* v, bf16* param_bf16, int64_t n,
-                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
-                  float grad_scale) {
-  adamw_update_any(param, grad, m, v, param_bf16, n, lr, beta1, beta2, eps, bc1, bc2, decay,
-                   grad_scale);
-}
-
-void adamw_update(float* param, const float* grad, bf16* m, bf16* v, bf16* param_bf16, int64_t n,
-                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
-                  float grad_scale) {
-  adamw_update_any(param, grad, moment_bits(m), moment_bits(v), param_bf16, n, lr, beta1, beta2,
-                   eps, bc1, bc2, decay, grad_scale);
-}
-
-void adamw_update(float* param, const bf16* grad, bf16* m, bf16* v, bf16* param_bf16, int64_t n,
-                  float lr, float beta1, float beta2, float eps, float bc1, float bc2, float decay,
-                  float grad_scale) {
-  adamw_update_any(param, grad, moment_bits(m), moment_bits(v), param_bf16, n, lr, beta1, beta2,
-                   eps, bc1, bc2, decay, grad_scale);
+void adamw_update(float* param, const void* grad, bool grad_bf16, void* m, void* v,
+                  bool moments_bf16, bf16* param_bf16, int64_t n, float lr, float beta1,
+                  float beta2, float eps, float bc1, float bc2, float decay, float grad_scale) {
+  // bf16 arrays as their bits, which the vectoriser takes (see bf16_bits).
+  auto with_moments = [&](const auto* g) {
+    if (moments_bf16)
+      adamw_update_any(param, g, static_cast<uint16_t*>(m), static_cast<uint16_t*>(v), param_bf16,
+                       n, lr, beta1, beta2, eps, bc1, bc2, decay, grad_scale);
+    else
+      adamw_update_any(param, g, static_cast<float*>(m), static_cast<float*>(v), param_bf16, n, lr,
+                       beta1, beta2, eps, bc1, bc2, decay, grad_scale);
+  };
+  if (grad_bf16)
+    with_moments(static_cast<const bf16*>(grad));
+  else
+    with_moments(static_cast<const float*>(grad));
 }
 
 void copy_scaled(void* dst, bool dst_bf16, const void* src, bool src_bf16, int64_t n, float s) {
