@@ -49,8 +49,13 @@ for attempt in $(seq 1 $((kills + 20))); do
   else
     break
   fi
-  # A kill before the first checkpoint leaves nothing to resume: start over.
-  if ls -d "$run"/step-* >/dev/null 2>&1; then resume=(--resume); else resume=(--overwrite); fi
+  # A kill before the first checkpoint leaves nothing to resume: start over. (A step-N.tmp-*
+  # folder, a save the kill interrupted, is no checkpoint.)
+  if ls -d "$run"/step-* 2>/dev/null | grep -qE '/step-[0-9]+$'; then
+    resume=(--resume)
+  else
+    resume=(--overwrite)
+  fi
 done
 if [[ $rc != 0 ]]; then
   echo "FAIL: the run did not finish after $killed kills"

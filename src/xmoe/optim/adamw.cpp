@@ -5,7 +5,6 @@
 #include <set>
 
 #include "xmoe/core/profile.h"
-#include "xmoe/ops/ops.h"
 #include "xmoe/ops/optim.h"
 
 namespace xmoe::optim {
@@ -29,6 +28,13 @@ std::vector<AdamWPiece> whole_pieces(const std::vector<Parameter*>& params) {
   std::vector<AdamWPiece> out;
   for (Parameter* p : params) out.emplace_back(p);
   return out;
+}
+
+/// A moment as exported: itself when f32; bf16 widened (exactly) on the host, so that the
+/// device holds no f32 copy of it.
+Tensor moment_f32(const Tensor& moment) {
+  if (moment.dtype() == DType::f32) return moment;
+  return (moment.is_cpu() ? moment : moment.to(Device::cpu())).to(DType::f32);
 }
 
 /// t as one flat [numel] view.
@@ -342,10 +348,6 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
 
 void AdamW::zero_grad() {
   for (Parameter* p : params_) p->zero_grad();
-}
-
-Tensor AdamW::moment_f32(const Tensor& moment) {
-  return moment.dtype() == DType::f32 ? moment : ops::cast(moment, DType::f32);
 }
 
 void AdamW::export_state(std::map<std::string, Tensor>& out) const {

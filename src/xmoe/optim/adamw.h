@@ -142,9 +142,6 @@ class AdamW {
   /// First / second moment of piece i, of AdamWConfig::moments_dtype.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
-  /// A moment (m(i) or v(i)) as f32, the dtype of exported state: itself when f32, else a
-  /// widened copy on its device (exact).
-  static Tensor moment_f32(const Tensor& moment);
   /// The f32 master weights of piece i when it holds them (AdamWPiece::master; the shape of
   /// m(i)), else undefined.
   const Tensor& master(size_t i) const { return master_.at(i); }
@@ -154,8 +151,9 @@ class AdamW {
   /// Adds "<param>.adam_m", "<param>.adam_v" (f32, the parameter's shape) and "optim.step"
   /// (i64 [1]) to `out`, for checkpoints, and "<param>" (f32) for the pieces that hold master
   /// weights. The tensors share storage with the optimizer, but bf16 moments, which are
-  /// exported widened (moment_f32): one checkpoint format for both moment dtypes. Sharded
-  /// moments throw: whoever knows the shards gathers them (train/state.cpp).
+  /// exported widened to f32 (exactly) in host memory: one checkpoint format for both moment
+  /// dtypes, and no f32 copy on the device. Sharded moments throw: whoever knows the shards
+  /// gathers them (train/state.cpp; parallel::GradientSync::gather_pieces widens them too).
   void export_state(std::map<std::string, Tensor>& out) const;
   /// Loads what export_state wrote (other tensors in `in` are ignored): each piece takes its
   /// range of its parameter's whole moments, and a piece holding master weights its range of

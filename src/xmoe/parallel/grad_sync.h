@@ -105,7 +105,8 @@ class GradientSync {
   /// rank's. A no-op for zero 0. Collective.
   void gather_params();
   /// zero >= 1: every parameter's whole tensor (its shape, f32, on its device) assembled from
-  /// every rank's `pieces` (one flat [count] tensor per owned piece, in owned_pieces() order),
+  /// every rank's `pieces` (one flat [count] f32 or bf16 tensor per owned piece, bf16 widened,
+  /// in owned_pieces() order),
   /// e.g. the AdamW moments or master weights for a checkpoint, on the pieces' device. Result i
   /// belongs to parameters()[i]. Collective.
   std::vector<Tensor> gather_pieces(std::span<const Tensor> pieces) const;

@@ -84,12 +84,12 @@ TensorMap optimizer_state(const optim::AdamW& opt, const parallel::GradientSync&
     return out;
   }
   // The AdamW pieces are the sync's owned pieces, in that order (train/trainer.cpp); bf16
-  // moments are gathered widened, as export_state gives them.
+  // moments are gathered widened to f32, as export_state gives them.
   const size_t n = opt.parameters().size();
   std::vector<Tensor> ms, vs;
   for (size_t i = 0; i < n; ++i) {
-    ms.push_back(optim::AdamW::moment_f32(opt.m(i)));
-    vs.push_back(optim::AdamW::moment_f32(opt.v(i)));
+    ms.push_back(opt.m(i));
+    vs.push_back(opt.v(i));
   }
   const std::vector<Tensor> m = sync.gather_pieces(ms), v = sync.gather_pieces(vs);
   for (size_t i = 0; i < sync.parameters().size(); ++i) {
