@@ -68,7 +68,7 @@ lever_sets() {
     none) echo "" ;;
     eg16) echo "model.moe.expert_grad_dtype=bf16" ;;
     eg16-recompute) echo "model.moe.expert_grad_dtype=bf16 model.recompute=attention,moe,router" ;;
-    offload) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true" ;;
+    offload) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true train.offload_overlap=false" ;;
     *) echo "largest_model.sh: unknown lever $1" >&2; exit 2 ;;
   esac
 }
