@@ -139,6 +139,12 @@ class TorchMoE {
 
   /// The sigmoid gate's routing bias [E] lives in a torch buffer (true), else none.
   bool has_routing_bias() { return layer_->gate().routing_bias() != nullptr; }
+  /// Whether any aux loss has a weight: without, backward needs no upstream aux gradient (and
+  /// reading it would make the host wait for the GPU).
+  bool has_aux_losses() const {
+    const auto& c = layer_->config();
+    return c.aux_loss_weight != 0 || c.seq_aux_loss_weight != 0 || c.z_loss_weight != 0;
+  }
 
   /// Copies xmoe's initial values (counter-based, docs/architecture.md) into f32 CPU tensors,
   /// and frees them here: from now on the layer computes with the torch tensors only.
@@ -297,6 +303,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("d_model"), py::arg("options"), py::arg("seed"), py::arg("init_std"),
           py::arg("ep_group"), py::arg("world_group"))
       .def("has_routing_bias", &TorchMoE::has_routing_bias)
+      .def("has_aux_losses", &TorchMoE::has_aux_losses)
       .def("parameter_info", &TorchMoE::parameter_info)
       .def("copy_initial_values", &TorchMoE::copy_initial_values)
       .def("forward", &TorchMoE::forward, py::call_guard<py::gil_scoped_release>())

@@ -240,8 +240,11 @@ def _moe_backward(dy: Tensor, d_aux: Tensor, x: Tensor, params: List[Tensor], la
              torch.zeros(p.shape, dtype=dt, device=p.device)
              for p, dt, whole in zip(params, layer._grad_dtypes, layer._written_whole)]
     dx = torch.empty_like(x)
+    # The aux losses' upstream gradient is a host float for the layer: read only where some aux
+    # loss has a weight (reading it waits for the GPU; aux-loss-free layers skip the wait).
+    aux_grad = float(d_aux) if layer._layer.has_aux_losses() else 0.0
     layer._layer.backward(dy.data_ptr(), list(dy.shape), str(dy.dtype).removeprefix("torch."),
-                          x.device.type, x.device.index or 0, _stream(x), float(d_aux),
+                          x.device.type, x.device.index or 0, _stream(x), aux_grad,
                           [p.data_ptr() for p in params], "float32",
                           [g.data_ptr() for g in grads], dx.data_ptr(), int(pass_id))
     return dx, grads
