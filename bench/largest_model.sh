@@ -69,9 +69,9 @@ lever_sets() {
     none) echo "" ;;
     eg16) echo "model.moe.expert_grad_dtype=bf16" ;;
     eg16-recompute) echo "model.moe.expert_grad_dtype=bf16 model.recompute=attention,moe,router" ;;
-    offload) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true" ;;
+    offload) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true train.offload_overlap=false" ;;
     eg16-m16) echo "model.moe.expert_grad_dtype=bf16 train.adam_moments_dtype=bf16" ;;
-    offload-m16) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true train.adam_moments_dtype=bf16" ;;
+    offload-m16) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true train.offload_overlap=false train.adam_moments_dtype=bf16" ;;
     *) echo "largest_model.sh: unknown lever $1" >&2; exit 2 ;;
   esac
 }

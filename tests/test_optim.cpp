@@ -143,16 +143,17 @@ void expect_offloaded_equals_plain(DType moments_dtype) {
     }
     return ps;
   };
-  std::vector<Parameter> a = make(), b = make();
+  std::vector<Parameter> a = make(), b = make(), c = make();
   // bf16 compute copies on p0, p1, p3 (the offloaded update sends them back through two slots of
   // the largest group's copies, 3 + 5: three groups, so the first slot is used again).
-  for (std::vector<Parameter>* ps : {&a, &b})
+  for (std::vector<Parameter>* ps : {&a, &b, &c})
     for (int i : {0, 1, 3}) {
       Parameter& p = (*ps)[static_cast<size_t>(i)];
       p.compute_copy = Tensor::zeros(p.value.shape(), DType::bf16);
     }
   // p3's own gradients: a bf16 [7] shard of its 15 elements, as parallel.zero = 2 hands over.
-  const Tensor shard_a = Tensor::zeros({7}, DType::bf16), shard_b = Tensor::zeros({7}, DType::bf16);
+  const Tensor shard_a = Tensor::zeros({7}, DType::bf16), shard_b = Tensor::zeros({7}, DType::bf16),
+               shard_c = Tensor::zeros({7}, DType::bf16);
   auto pieces = [](std::vector<Parameter>& ps, const Tensor& shard) {
     return std::vector<optim::AdamWPiece>{
         optim::AdamWPiece(&ps[0]), optim::AdamWPiece(&ps[1], 2, 5), optim::AdamWPiece(&ps[2]),
@@ -163,14 +164,19 @@ void expect_offloaded_equals_plain(DType moments_dtype) {
   AdamWConfig off_cfg = plain_cfg;
   off_cfg.offload = true;
   off_cfg.offload_group_numel = 5;
-  AdamW plain(pieces(a, shard_a), plain_cfg), off(pieces(b, shard_b), off_cfg);
+  // c: the gradients travel through rings too (no whole buffers: prefetching does nothing).
+  AdamWConfig ring_cfg = off_cfg;
+  ring_cfg.offload_whole_grads = false;
+  AdamW plain(pieces(a, shard_a), plain_cfg), off(pieces(b, shard_b), off_cfg),
+      ring(pieces(c, shard_c), ring_cfg);
   EXPECT_TRUE(off.offloaded());
   // m and v of each piece's 3 + 5 + 11 + 7 elements
   EXPECT_EQ(off.state_bytes(), 2 * 26 * static_cast<int64_t>(dtype_size(moments_dtype)));
   EXPECT_EQ(plain.state_bytes(), off.state_bytes());
   EXPECT_EQ(plain.staging_bytes(), 0);
-  EXPECT_EQ(off.staging_bytes(),
-            (3 + 5 + 11) * 4 + 7 * 2 + optim::AdamW::kOffloadBf16Slots * 8 * 2);
+  EXPECT_EQ(off.staging_bytes(), (3 + 5 + 11) * 4 + 7 * 2 + optim::AdamW::kOffloadSlots * 8 * 2);
+  // Rings: f32 gradients of the largest group's 11 (p2), bf16 ones of 7 (p3's shard).
+  EXPECT_EQ(ring.staging_bytes(), optim::AdamW::kOffloadSlots * (11 * 4 + 7 * 2 + 8 * 2));
   for (int step = 1; step <= 5; ++step) {
     for (size_t i = 0; i < a.size(); ++i) {
       std::vector<float> g(static_cast<size_t>(a[i].grad.numel()));
@@ -178,35 +184,45 @@ void expect_offloaded_equals_plain(DType moments_dtype) {
         g[j] = std::cos(static_cast<float>(step * 7 + i * 3 + j));
       set_grad(a[i], g);
       set_grad(b[i], g);
+      set_grad(c[i], g);
     }
     std::vector<float> sg(7);
     for (size_t j = 0; j < sg.size(); ++j) sg[j] = 0.25f * static_cast<float>(j) - step;
     const Tensor s = Tensor::from_vector<float>(sg, {7}).to(DType::bf16);
     Tensor(shard_a).copy_from(s);
     Tensor(shard_b).copy_from(s);
+    Tensor(shard_c).copy_from(s);
     // Gradients handed over early (train.offload_overlap) give the same bits; p3's own shard
     // is left to step(). A prefetch that is forgotten (a skipped step) is not used.
-    if (step % 2 == 1) off.prefetch_grads({&b[0], &b[2], &b[3]});
+    if (step % 2 == 1) {
+      off.prefetch_grads({&b[0], &b[2], &b[3]});
+      ring.prefetch_grads({&c[0], &c[2], &c[3]});
+    }
     if (step == 4) {
       off.prefetch_grads({&b[1]});
       off.forget_prefetched();
-      for (Parameter* p : {&a[1], &b[1]}) set_grad(*p, std::vector<float>(7, 0.125f));
+      for (Parameter* p : {&a[1], &b[1], &c[1]}) set_grad(*p, std::vector<float>(7, 0.125f));
     }
     plain.step(1e-2f, 0.5f);
     off.step(1e-2f, 0.5f);
+    ring.step(1e-2f, 0.5f);
   }
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_EQ(a[i].value.to_vector<float>(), b[i].value.to_vector<float>()) << a[i].name;
+    EXPECT_EQ(a[i].value.to_vector<float>(), c[i].value.to_vector<float>()) << a[i].name;
     EXPECT_EQ(off.m(i).dtype(), moments_dtype);
-    EXPECT_EQ(plain.m(i).to(DType::f32).to_vector<float>(),
-              off.m(i).to(DType::f32).to_vector<float>())
-        << a[i].name;
-    EXPECT_EQ(plain.v(i).to(DType::f32).to_vector<float>(),
-              off.v(i).to(DType::f32).to_vector<float>())
-        << a[i].name;
+    // The moments as f32 (bf16 ones widened, exactly).
+    auto f32 = [](const Tensor& t) { return t.to(DType::f32).to_vector<float>(); };
+    for (const AdamW* o : {&off, &ring}) {
+      EXPECT_EQ(f32(plain.m(i)), f32(o->m(i))) << a[i].name;
+      EXPECT_EQ(f32(plain.v(i)), f32(o->v(i))) << a[i].name;
+    }
     if (i == 2) continue;
     EXPECT_EQ(a[i].compute_copy.to(DType::f32).to_vector<float>(),
               b[i].compute_copy.to(DType::f32).to_vector<float>())
+        << a[i].name;
+    EXPECT_EQ(a[i].compute_copy.to(DType::f32).to_vector<float>(),
+              c[i].compute_copy.to(DType::f32).to_vector<float>())
         << a[i].name;
   }
   // p1's copy: only its piece [2, 7) was updated (the rest stays as it was, zero).

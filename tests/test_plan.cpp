@@ -251,6 +251,44 @@ TEST(Planner, LargestModelIsTheLargestThatFits) {
                   "[plan] no model of 4 layers x 3 experts choices fits");
 }
 
+// One GPU whose host memory holds the offloaded optimizer only without whole gradient buffers:
+// the planner offers the offload whose gradients travel through group-sized buffers
+// ("off:rings"), its host bytes are below the other offload's by the gradients' (less the
+// buffers), and it is what fits.
+TEST(Planner, OffloadWithGradientRingsWhenTheHostIsTheLimit) {
+  Cluster c = builtin_cluster("dgx-h100");
+  c.gpus_per_node = 1;
+  Config base = preset("moe-1b");
+  base.model.num_layers = 2;
+  base.train.batch_size = 1;
+  PlanOptions o;
+  o.expert_grad_choices = {"bf16"};
+  o.moments_choices = {"f32"};  // bf16 moments would make the whole buffers fit too
+  o.recompute_choices = {{}};
+  o.micro_batches = {1};
+  const Plan all = make_plan(base, Rates(c), o);
+  const Candidate *whole = nullptr, *rings = nullptr;
+  for (const Candidate& x : all.candidates) {
+    if (!x.layout.offload || x.layout.zero != 0) continue;
+    (x.layout.offload_overlap ? whole : rings) = &x;
+  }
+  ASSERT_TRUE(whole && rings);
+  EXPECT_CONTAINS(rings->layout.str(), "off:rings");
+  EXPECT_FALSE(rings->config.train.offload_overlap);
+  EXPECT_LT(rings->memory.host_bytes, whole->memory.host_bytes);
+  // A host between the two: only the rings fit, and the planner says so (zero 2's gradients
+  // never start in backward: it has no whole buffers either way).
+  c.gpu_memory = int64_t{4} << 30;
+  c.host_memory = (rings->memory.host_bytes + whole->memory.host_bytes) / 2;
+  const Plan p = make_plan(base, Rates(c), o);
+  bool rings_fit = false, whole_fit = false;
+  for (const Candidate& x : p.candidates)
+    if (x.layout.offload && x.layout.zero < 2 && x.fits)
+      (x.layout.offload_overlap ? whole_fit : rings_fit) = true;
+  EXPECT_TRUE(rings_fit);
+  EXPECT_FALSE(whole_fit);
+}
+
 namespace {
 
 /// The seconds of `t`'s term `name` (-1 when it has none).

@@ -81,12 +81,23 @@ void copy_out(uintptr_t dst, const Tensor& src, const Tensor& like) {
                             src.nbytes(), cuda::current_stream(src.device().index));
 }
 
+/// Copies src (on the host or on `device`) to torch's memory at dst on `device`: on the stream
+/// from the device, at once from the host.
+void copy_to(uintptr_t dst, Device device, const Tensor& src) {
+  if (src.is_cpu() || device.is_cpu()) {
+    backend::copy_bytes(reinterpret_cast<void*>(dst), device, src.raw(), src.device(),
+                        src.nbytes());
+    return;
+  }
+  backend::copy_bytes_async(reinterpret_cast<void*>(dst), device, src.raw(), src.device(),
+                            src.nbytes(), cuda::current_stream(device.index));
+}
+
 }  // namespace
 
-/// What forward reports beside y: the weighted aux loss, its unweighted terms and the routing.
+/// What forward reports on the host beside y (and the aux losses, written on the device): the
+/// routing.
 struct ForwardStats {
-  double aux_loss = 0;
-  std::vector<double> aux_terms;  // load_balance, seq_balance, z_loss
   std::vector<int64_t> tokens_per_expert, expert_load;
   int64_t dropped = 0;
   int64_t pass_id = 0;
@@ -128,6 +139,12 @@ class TorchMoE {
 
   /// The sigmoid gate's routing bias [E] lives in a torch buffer (true), else none.
   bool has_routing_bias() { return layer_->gate().routing_bias() != nullptr; }
+  /// Whether any aux loss has a weight: without, backward needs no upstream aux gradient (and
+  /// reading it would make the host wait for the GPU).
+  bool has_aux_losses() const {
+    const auto& c = layer_->config();
+    return c.aux_loss_weight != 0 || c.seq_aux_loss_weight != 0 || c.z_loss_weight != 0;
+  }
 
   /// Copies xmoe's initial values (counter-based, docs/architecture.md) into f32 CPU tensors,
   /// and frees them here: from now on the layer computes with the torch tensors only.
@@ -139,13 +156,16 @@ class TorchMoE {
     }
   }
 
-  /// x [T, d] at x_ptr; writes y [T, d] at y_ptr. Without need_backward the saved activations
-  /// are freed at once.
+  /// x [T, d] at x_ptr; writes y [T, d] at y_ptr and the aux losses (f64 [4]: load balance,
+  /// sequence balance, z-loss, weighted sum) at aux_ptr, both on x's device and ordered on the
+  /// stream: reading the aux losses here would make the host wait for the whole layer, and the
+  /// GPU would idle while Python queues the next layer's work. Without need_backward the saved
+  /// activations are freed at once.
   ForwardStats forward(uintptr_t x_ptr, const Shape& x_shape, const std::string& dtype,
                        const std::string& device_type, int device_index, uintptr_t stream,
                        int64_t seq_len, const std::vector<uintptr_t>& param_ptrs,
-                       const std::string& param_dtype, uintptr_t routing_bias_ptr, uintptr_t y_ptr,
-                       bool need_backward) {
+                       const std::string& param_dtype, uintptr_t routing_bias_ptr,
+                       uintptr_t aux_ptr, uintptr_t y_ptr, bool need_backward) {
     const Device device = make_device(device_type, device_index);
     StreamScope scope(device, stream);
     bind_values(param_ptrs, param_dtype, device);
@@ -153,10 +173,9 @@ class TorchMoE {
     const Tensor x = view(x_ptr, x_shape, dtype, device);
     Tensor y = layer_->forward(x, seq_len);
     copy_out(y_ptr, y, x);  // torch's y: empty_like(x)
+    const Tensor terms = layer_->aux_terms().as_tensor();
+    copy_to(aux_ptr, device, terms);
     ForwardStats s;
-    const moe::AuxLossTerms& terms = layer_->aux_terms();
-    s.aux_loss = terms.weighted();
-    s.aux_terms = {terms.load_balance(), terms.seq_balance(), terms.z_loss()};
     s.tokens_per_expert = layer_->tokens_per_expert();
     s.expert_load = layer_->expert_load();
     s.dropped = layer_->dropped_tokens();
@@ -257,8 +276,6 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "xmoe's MoE layer on memory PyTorch owns (see xmoe.torch)";
   py::register_exception<xmoe::Error>(m, "Error", PyExc_ValueError);
   py::class_<ForwardStats>(m, "ForwardStats")
-      .def_readonly("aux_loss", &ForwardStats::aux_loss)
-      .def_readonly("aux_terms", &ForwardStats::aux_terms)
       .def_readonly("tokens_per_expert", &ForwardStats::tokens_per_expert)
       .def_readonly("expert_load", &ForwardStats::expert_load)
       .def_readonly("dropped", &ForwardStats::dropped)
@@ -286,6 +303,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("d_model"), py::arg("options"), py::arg("seed"), py::arg("init_std"),
           py::arg("ep_group"), py::arg("world_group"))
       .def("has_routing_bias", &TorchMoE::has_routing_bias)
+      .def("has_aux_losses", &TorchMoE::has_aux_losses)
       .def("parameter_info", &TorchMoE::parameter_info)
       .def("copy_initial_values", &TorchMoE::copy_initial_values)
       .def("forward", &TorchMoE::forward, py::call_guard<py::gil_scoped_release>())

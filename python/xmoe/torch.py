@@ -35,7 +35,7 @@ class MoEOutput:
 
     y: Tensor                  #: [..., d_model], the input's shape and dtype
     aux_loss: Tensor           #: 0-d f32 on the input's device: the weighted aux losses (add it to the loss)
-    aux_terms: Tensor          #: f64 [3] on the CPU: load_balance, seq_balance, z_loss (unweighted)
+    aux_terms: Tensor          #: f64 [3] on the input's device: load_balance, seq_balance, z_loss (unweighted)
     tokens_per_expert: Tensor  #: i64 [E] on the CPU: (token, slot) pairs each expert processed
     dropped: Tensor            #: i64 [] on the CPU: pairs dropped for capacity (impl="padded" only)
 
@@ -208,13 +208,15 @@ def _moe_forward(x: Tensor, params: List[Tensor], routing_bias: Optional[Tensor]
     _check(x, params, routing_bias)
     layer = _layer(layer_id)
     y = torch.empty_like(x)
+    # The aux losses stay on the device (load balance, sequence balance, z-loss, weighted sum):
+    # reading them would make the host wait for the layer.
+    aux = torch.empty(4, dtype=torch.float64, device=x.device)
     s = layer._layer.forward(x.data_ptr(), list(x.shape), str(x.dtype).removeprefix("torch."),
                              x.device.type, x.device.index or 0, _stream(x), seq_len,
                              [p.data_ptr() for p in params], "float32",
                              routing_bias.data_ptr() if routing_bias is not None else 0,
-                             y.data_ptr(), need_backward)
-    return (y, torch.tensor(s.aux_loss, dtype=torch.float32).to(x.device),
-            torch.tensor(s.aux_terms, dtype=torch.float64),
+                             aux.data_ptr(), y.data_ptr(), need_backward)
+    return (y, aux[3].to(torch.float32), aux[:3].clone(),
             torch.tensor(s.tokens_per_expert, dtype=torch.int64),
             torch.tensor(s.dropped, dtype=torch.int64), torch.tensor(s.pass_id, dtype=torch.int64))
 
@@ -223,7 +225,7 @@ def _moe_forward(x: Tensor, params: List[Tensor], routing_bias: Optional[Tensor]
 def _moe_forward_fake(x, params, routing_bias, layer_id, seq_len, need_backward):
     E = _layer(layer_id).num_experts
     return (torch.empty_like(x), x.new_empty((), dtype=torch.float32),
-            torch.empty(3, dtype=torch.float64, device="cpu"),
+            x.new_empty(3, dtype=torch.float64),
             torch.empty(E, dtype=torch.int64, device="cpu"),
             torch.empty((), dtype=torch.int64, device="cpu"),
             torch.empty((), dtype=torch.int64, device="cpu"))
@@ -238,8 +240,11 @@ def _moe_backward(dy: Tensor, d_aux: Tensor, x: Tensor, params: List[Tensor], la
              torch.zeros(p.shape, dtype=dt, device=p.device)
              for p, dt, whole in zip(params, layer._grad_dtypes, layer._written_whole)]
     dx = torch.empty_like(x)
+    # The aux losses' upstream gradient is a host float for the layer: read only where some aux
+    # loss has a weight (reading it waits for the GPU; aux-loss-free layers skip the wait).
+    aux_grad = float(d_aux) if layer._layer.has_aux_losses() else 0.0
     layer._layer.backward(dy.data_ptr(), list(dy.shape), str(dy.dtype).removeprefix("torch."),
-                          x.device.type, x.device.index or 0, _stream(x), float(d_aux),
+                          x.device.type, x.device.index or 0, _stream(x), aux_grad,
                           [p.data_ptr() for p in params], "float32",
                           [g.data_ptr() for g in grads], dx.data_ptr(), int(pass_id))
     return dx, grads

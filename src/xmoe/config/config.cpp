@@ -209,7 +209,9 @@ const std::vector<Key>& table() {
                "train.offload_optimizer: copy each module's gradients to the host during "
                "backward, as soon as they are final (one process without parallel.zero = 2: no "
                "sync changes them); the update itself waits for the gradient norm. The same bits "
-               "either way"),
+               "either way; false (or several ranks, zero 2): the gradients travel during the "
+               "update through two group-sized host buffers instead of one per gradient, 2-4 "
+               "bytes per parameter less pinned memory"),
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},

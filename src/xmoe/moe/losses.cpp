@@ -22,6 +22,11 @@ double AuxLossTerms::value(int i) const {
   return values_[static_cast<size_t>(i)];
 }
 
+Tensor AuxLossTerms::as_tensor() const {
+  if (device_.defined()) return device_;
+  return Tensor::from_vector<double>(std::vector<double>(values_.begin(), values_.end()), {4});
+}
+
 void all_sum_f64(comm::Group* group, std::span<double> values) {
   if (group == nullptr || group->size() == 1 || values.empty()) return;
   const int64_t n = static_cast<int64_t>(values.size());

@@ -61,6 +61,10 @@ class AuxLossTerms {
   double seq_balance() const { return value(1); }
   double z_loss() const { return value(2); }
   double weighted() const { return value(3); }
+  /// The four values (load balance, sequence balance, z-loss, weighted sum) as f64 [4] where
+  /// they are: on the device until first read (taking them makes no host wait), else on the
+  /// host.
+  Tensor as_tensor() const;
 
  private:
   double value(int i) const;  ///< copies the device values to the host on the first call

@@ -16,6 +16,7 @@ AdamWConfig AdamWConfig::from(const TrainConfig& t) {
   c.eps = t.adam_eps;
   c.weight_decay = t.weight_decay;
   c.offload = t.offload_optimizer;
+  c.offload_whole_grads = t.offload_overlap;
   XMOE_CHECK(t.adam_moments_dtype == "f32" || t.adam_moments_dtype == "bf16",
              "[adamw] train.adam_moments_dtype = \"{}\" is not f32 or bf16", t.adam_moments_dtype);
   c.moments_dtype = t.adam_moments_dtype == "bf16" ? DType::bf16 : DType::f32;
@@ -70,6 +71,7 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
     t.zero_();
     return t;
   };
+  std::vector<DType> grad_dtypes;  // offload: per piece
   for (AdamWPiece& piece : pieces_) {
     Parameter* p = piece.param;
     XMOE_CHECK(p && p->value.defined(), "[adamw] undefined parameter");
@@ -112,32 +114,29 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
       master_.back().copy_from(flat(p->value).rows(piece.offset, piece.offset + piece.count));
     }
     if (!cfg.offload) continue;
-    // The host buffers this piece's gradient and bf16 copy travel through.
-    // (own gradients given later: the f32 shards of zero 2)
-    const DType grad_dtype = piece.grad.defined() ? piece.grad.dtype()
-                             : piece.own_grad     ? DType::f32
-                                                  : p->grad.dtype();
-    grad_host_.push_back(pinned ? Tensor::empty_pinned({piece.count}, grad_dtype)
-                                : Tensor::empty({piece.count}, grad_dtype));
+    // The dtype of the gradient this piece's update reads (own gradients given later: the f32
+    // shards of zero 2).
+    grad_dtypes.push_back(piece.grad.defined() ? piece.grad.dtype()
+                          : piece.own_grad     ? DType::f32
+                                               : p->grad.dtype());
+    if (cfg.offload_whole_grads)
+      grad_host_.push_back(pinned ? Tensor::empty_pinned({piece.count}, grad_dtypes.back())
+                                  : Tensor::empty({piece.count}, grad_dtypes.back()));
   }
   if (!cfg.offload) return;
   std::vector<int64_t> counts;
   for (const AdamWPiece& piece : pieces_) counts.push_back(piece.count);
   groups_ = offload_groups(counts, cfg.offload_group_numel);
-  bf16_at_.assign(pieces_.size(), -1);
-  int64_t slot_numel = 0;
-  for (const auto& [begin, end] : groups_) {
-    int64_t at = 0;
-    for (size_t i = begin; i < end; ++i) {
-      if (!pieces_[i].param->compute_copy.defined()) continue;
-      bf16_at_[i] = at;
-      at += pieces_[i].count;
-    }
-    slot_numel = std::max(slot_numel, at);
+  std::vector<char> f32_grad, bf16_grad, copy;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const bool ring = !cfg.offload_whole_grads;
+    f32_grad.push_back(ring && grad_dtypes[i] == DType::f32);
+    bf16_grad.push_back(ring && grad_dtypes[i] == DType::bf16);
+    copy.push_back(pieces_[i].param->compute_copy.defined());
   }
-  for (int k = 0; slot_numel > 0 && k < kOffloadBf16Slots; ++k)
-    bf16_slots_.push_back(pinned ? Tensor::empty_pinned({slot_numel}, DType::bf16)
-                                 : Tensor::empty({slot_numel}, DType::bf16));
+  grad_f32_ring_ = make_ring(f32_grad, DType::f32, pinned);
+  grad_bf16_ring_ = make_ring(bf16_grad, DType::bf16, pinned);
+  bf16_ring_ = make_ring(copy, DType::bf16, pinned);
   prefetched_.assign(pieces_.size(), 0);
   to_host_ = std::make_unique<CopyQueue>(compute_device_);
   to_device_ = std::make_unique<CopyQueue>(compute_device_);
@@ -158,10 +157,55 @@ int64_t AdamW::master_bytes() const {
 }
 
 int64_t AdamW::staging_bytes() const {
-  int64_t bytes = 0;
+  int64_t bytes = grad_f32_ring_.bytes() + grad_bf16_ring_.bytes() + bf16_ring_.bytes();
   for (const Tensor& t : grad_host_) bytes += static_cast<int64_t>(t.nbytes());
-  for (const Tensor& t : bf16_slots_) bytes += static_cast<int64_t>(t.nbytes());
   return bytes;
+}
+
+int64_t AdamW::largest_group_numel(const std::vector<std::pair<size_t, size_t>>& groups,
+                                   std::span<const int64_t> counts,
+                                   const std::vector<char>& member) {
+  int64_t largest = 0;
+  for (const auto& [begin, end] : groups) {
+    int64_t n = 0;
+    for (size_t i = begin; i < end; ++i)
+      if (member[i]) n += counts[i];
+    largest = std::max(largest, n);
+  }
+  return largest;
+}
+
+AdamW::SlotRing AdamW::make_ring(const std::vector<char>& member, DType dtype, bool pinned) const {
+  SlotRing r;
+  r.at.assign(pieces_.size(), -1);
+  std::vector<int64_t> counts;
+  for (const AdamWPiece& piece : pieces_) counts.push_back(piece.count);
+  for (const auto& [begin, end] : groups_) {
+    int64_t at = 0;
+    for (size_t i = begin; i < end; ++i) {
+      if (!member[i]) continue;
+      r.at[i] = at;
+      at += counts[i];
+    }
+  }
+  const int64_t numel = largest_group_numel(groups_, counts, member);
+  // One buffer a group, at most kOffloadSlots (a single group needs one).
+  const size_t count = std::min(groups_.size(), static_cast<size_t>(kOffloadSlots));
+  for (size_t k = 0; numel > 0 && k < count; ++k)
+    r.slots.push_back(pinned ? Tensor::empty_pinned({numel}, dtype)
+                             : Tensor::empty({numel}, dtype));
+  return r;
+}
+
+Tensor AdamW::SlotRing::piece(size_t i, int64_t count, size_t g) const {
+  if (at[i] < 0) return Tensor();
+  return slots[g % slots.size()].rows(at[i], at[i] + count);
+}
+
+int64_t AdamW::SlotRing::bytes() const {
+  int64_t n = 0;
+  for (const Tensor& t : slots) n += static_cast<int64_t>(t.nbytes());
+  return n;
 }
 
 std::vector<std::pair<size_t, size_t>> AdamW::offload_groups(std::span<const int64_t> counts,
@@ -277,7 +321,8 @@ void AdamW::step(float lr, float grad_scale) {
 }
 
 void AdamW::prefetch_grads(const std::vector<Parameter*>& params) {
-  if (!cfg_.offload || params.empty()) return;
+  // Without whole gradient buffers the gradients travel during the update.
+  if (!cfg_.offload || !cfg_.offload_whole_grads || params.empty()) return;
   const std::set<const Parameter*> final_now(params.begin(), params.end());
   settle_grads(params);
   // After the backward that wrote them; the markers of this round stay (step() waits on them).
@@ -310,9 +355,17 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
   else
     to_host_->after_compute();
   to_device_->after_compute();
+  // Piece i's gradient on the host as group g sees it: its whole buffer, or its run in the
+  // group's ring buffer (the buffer group g - kOffloadSlots used: that group's update, on this
+  // thread, is done with it).
+  auto grad_host = [&](size_t i, size_t g) {
+    if (cfg_.offload_whole_grads) return grad_host_[i];
+    const Tensor t = grad_f32_ring_.piece(i, pieces_[i].count, g);
+    return t.defined() ? t : grad_bf16_ring_.piece(i, pieces_[i].count, g);
+  };
   auto send_grads = [&](size_t g) {
     for (size_t i = groups_[g].first; i < groups_[g].second; ++i)
-      if (!prefetched_[i]) to_host_->copy(grad_host_[i], flat(piece_grad(i)));
+      if (!prefetched_[i]) to_host_->copy(grad_host(i, g), flat(piece_grad(i)));
     return to_host_->mark();
   };
   std::vector<int> arrived(groups_.size()), returned(groups_.size());
@@ -320,23 +373,20 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (g + 1 < groups_.size()) arrived[g + 1] = send_grads(g + 1);
     to_host_->host_wait(arrived[g]);
-    // The bf16 slot this group writes: free once the copies of the group before that used it
+    // The bf16 buffer this group writes: free once the copies of the group before that used it
     // have left (long done: a group's update takes longer than its copy back).
-    if (g >= kOffloadBf16Slots) to_device_->host_wait(returned[g - kOffloadBf16Slots]);
-    const Tensor slot = bf16_slots_.empty() ? Tensor() : bf16_slots_[g % kOffloadBf16Slots];
-    auto bf16_of = [&](size_t i) {
-      return bf16_at_[i] < 0 ? Tensor() : slot.rows(bf16_at_[i], bf16_at_[i] + pieces_[i].count);
-    };
+    if (g >= kOffloadSlots) to_device_->host_wait(returned[g - kOffloadSlots]);
+    auto bf16_of = [&](size_t i) { return bf16_ring_.piece(i, pieces_[i].count, g); };
     const auto [begin, end] = groups_[g];
     std::vector<ops::AdamWTensors> list;
     for (size_t i = begin; i < end; ++i)
-      list.push_back(piece_tensors(i, grad_host_[i], bf16_of(i)));
+      list.push_back(piece_tensors(i, grad_host(i, g), bf16_of(i)));
     ops::adamw_step(list, s);  // host tensors: the CPU kernel, OpenMP over each tensor
     for (size_t i = begin; i < end; ++i) {
       const AdamWPiece& piece = pieces_[i];
       const Parameter& p = *piece.param;
       const int64_t a = piece.offset, b = piece.offset + piece.count;
-      if (bf16_at_[i] >= 0) to_device_->copy(flat(p.compute_copy).rows(a, b), bf16_of(i));
+      if (bf16_ring_.at[i] >= 0) to_device_->copy(flat(p.compute_copy).rows(a, b), bf16_of(i));
       if (p.device_f32.defined())
         to_device_->copy(flat(p.device_f32).rows(a, b), flat(p.value).rows(a, b));
     }

@@ -31,11 +31,16 @@ struct AdamWConfig {
   /// Offload: elements per group of the pipeline that copies gradients to the host, updates
   /// and copies the weights back (group i+1's gradients travel while group i updates).
   int64_t offload_group_numel = int64_t{16} << 20;
+  /// Offload: every gradient gets a whole host buffer, so that prefetch_grads() can start it
+  /// during backward (train.offload_overlap, where nothing changes the gradients after
+  /// backward). Otherwise the gradients travel during the update through kOffloadSlots buffers
+  /// of one group each: the host holds 2 or 4 bytes per element less.
+  bool offload_whole_grads = true;
   /// train.adam_moments_dtype: f32 or bf16 storage of m and v (the update computes in f32 and
   /// stores bf16 ones rounded to nearest even; ops::adamw_step).
   DType moments_dtype = DType::f32;
   /// train.beta1, train.beta2, train.adam_eps, train.weight_decay, train.offload_optimizer,
-  /// train.adam_moments_dtype.
+  /// train.offload_overlap, train.adam_moments_dtype.
   static AdamWConfig from(const TrainConfig& t);
 };
 
@@ -134,11 +139,15 @@ class AdamW {
   /// as [begin, end) piece ranges; a group closes once it holds group_numel elements or more.
   static std::vector<std::pair<size_t, size_t>> offload_groups(std::span<const int64_t> counts,
                                                                int64_t group_numel);
-  /// Offload: the updated bf16 copies travel back through this many host buffers, each of the
-  /// largest group's bf16 elements; group g uses buffer g % kOffloadBf16Slots once the copies of
-  /// group g - kOffloadBf16Slots have left it (the gradients need whole-size buffers: they
-  /// start during backward).
-  static constexpr int kOffloadBf16Slots = 2;
+  /// Offload: the updated bf16 copies travel back (and, without offload_whole_grads, the
+  /// gradients travel in) through this many host buffers (one with a single group), each of the
+  /// largest group's elements of that kind; group g uses buffer g % kOffloadSlots once group
+  /// g - kOffloadSlots is done with it.
+  static constexpr int kOffloadSlots = 2;
+  /// The largest group's elements among the pieces `member` marks (of `counts` elements).
+  static int64_t largest_group_numel(const std::vector<std::pair<size_t, size_t>>& groups,
+                                     std::span<const int64_t> counts,
+                                     const std::vector<char>& member);
   /// First / second moment of piece i, of AdamWConfig::moments_dtype.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
@@ -179,13 +188,25 @@ class AdamW {
   std::vector<Tensor> m_, v_;
   std::vector<Tensor> master_;  // per piece: its f32 master weights (AdamWPiece::master)
   int64_t step_ = 0;
-  // Offload: the device of the gradients, groups of pieces [begin, end), per piece the host
-  // buffer of its gradient and its offset in its group's bf16 slot (-1: no bf16 copy), the
-  // slots, the two copy queues.
+  /// Offload: host buffers that one group of pieces at a time travels through, used in turn:
+  /// per piece its offset in its group's buffer (-1: not in this ring).
+  struct SlotRing {
+    std::vector<int64_t> at;
+    std::vector<Tensor> slots;
+    /// Piece i's run in the buffer of group g (undefined when the piece is not in the ring).
+    Tensor piece(size_t i, int64_t count, size_t g) const;
+    int64_t bytes() const;
+  };
+  /// Offload: a ring of `dtype` buffers for the pieces `member` marks.
+  SlotRing make_ring(const std::vector<char>& member, DType dtype, bool pinned) const;
+
+  // Offload: the device of the gradients, groups of pieces [begin, end), per piece the whole
+  // host buffer of its gradient (offload_whole_grads) or the gradient rings (f32, bf16), the
+  // bf16 copies' ring, the two copy queues.
   Device compute_device_ = Device::cpu();
   std::vector<std::pair<size_t, size_t>> groups_;
-  std::vector<Tensor> grad_host_, bf16_slots_;
-  std::vector<int64_t> bf16_at_;
+  std::vector<Tensor> grad_host_;
+  SlotRing grad_f32_ring_, grad_bf16_ring_, bf16_ring_;
   std::vector<char> prefetched_;  // per piece: its gradient is on its way to grad_host_
   bool any_prefetched_ = false;
   std::unique_ptr<CopyQueue> to_host_, to_device_;

@@ -68,7 +68,7 @@ Candidate evaluate_layout(const Config& base, const PlanLayout& layout, const Ra
 std::string PlanLayout::str() const {
   std::string s = fmt::format("tp {}{} ep {}", tp, tp > 1 ? (ssmb ? " ssmb" : " rep") : "", ep);
   if (ep > 1) s += dispatch == "rbd" ? " rbd" : " a2a";
-  s += fmt::format(" z{}{}{}{}", zero, offload ? " off" : "",
+  s += fmt::format(" z{}{}{}{}", zero, offload ? (offload_overlap ? " off" : " off:rings") : "",
                    expert_grad_dtype == "bf16" ? " eg16" : "",
                    adam_moments_dtype == "bf16" ? " m16" : "");
   if (!recompute.empty()) {
@@ -94,6 +94,7 @@ Config PlanLayout::apply(Config c, const std::string& device) const {
   c.model.moe.pipeline_backward = "same";
   c.model.recompute = recompute;
   c.train.offload_optimizer = offload;
+  c.train.offload_overlap = offload_overlap;
   c.train.batch_size = micro_batch;
   c.train.grad_accum = grad_accum;
   c.train.device = device;
@@ -106,7 +107,7 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
   const int experts = base.model.moe.num_experts;
   Plan plan;
   plan.cluster = cl;
-  std::map<std::tuple<int, int, bool, int, bool, size_t, size_t, size_t, int, int>,
+  std::map<std::tuple<int, int, bool, int, int, size_t, size_t, size_t, int, int>,
            train::MemoryModel>
       memories;
   // Index of "f32" among the moment choices (their count when absent).
@@ -127,8 +128,11 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
         for (int r : o.moe_chunk_choices)
           if (r == 1 || (ep > 1 && r <= experts / ep)) chunk_choices.push_back(r);
         for (int zero : o.zero_choices)
-          for (bool offload : std::vector<bool>{false, true}) {
-            if (offload && (!o.offload || cl.device != "cuda")) continue;
+          // 0: no offload; 1: offload, gradients starting in backward; 2: offload, gradients
+          // through group-sized buffers (differs only for one process below zero 2).
+          for (int offload : {0, 1, 2}) {
+            if (offload > 0 && (!o.offload || cl.device != "cuda")) continue;
+            if (offload == 2 && (world > 1 || zero == 2)) continue;
             for (size_t rc = 0; rc < o.recompute_choices.size(); ++rc)
               for (size_t eg = 0; eg < o.expert_grad_choices.size(); ++eg)
                 for (size_t mo = 0; mo < o.moments_choices.size(); ++mo)
@@ -146,7 +150,8 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
                                      .ssmb = ssmb,
                                      .dispatch = dispatch,
                                      .zero = zero,
-                                     .offload = offload,
+                                     .offload = offload > 0,
+                                     .offload_overlap = offload != 2,
                                      .expert_grad_dtype = o.expert_grad_choices[eg],
                                      .adam_moments_dtype = o.moments_choices[mo],
                                      .recompute = o.recompute_choices[rc],

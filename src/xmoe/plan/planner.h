@@ -20,6 +20,10 @@ struct PlanLayout {
   std::string dispatch = "auto";  ///< model.moe.dispatch: auto (ep = 1), all_to_all, rbd
   int zero = 0;
   bool offload = false;
+  /// train.offload_overlap: offloaded gradients start during backward (whole host buffers); false
+  /// ("off:rings"; one process, zero < 2, else it makes no difference): they travel through two
+  /// group-sized host buffers during the update, 2-4 bytes per parameter less host memory.
+  bool offload_overlap = true;
   std::string expert_grad_dtype = "f32";   ///< model.moe.expert_grad_dtype
   std::string adam_moments_dtype = "f32";  ///< train.adam_moments_dtype
   std::vector<std::string> recompute;

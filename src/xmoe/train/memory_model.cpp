@@ -185,15 +185,17 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     }
     return {data_ranks, data_rank};
   };
-  // Offload: AdamW's host buffer for each piece it owns, its gradient (the f32 shard with
-  // zero 2); the bf16 copies' slots come after the walk, from the pieces in AdamW's order (the
-  // buckets' shards in bucket order; zero 0: the parameters in the model's order).
-  std::vector<int64_t> piece_counts, piece_copies;
+  // Offload: per piece AdamW owns (in its order: the buckets' shards in bucket order; zero 0
+  // the parameters in the model's order, set after the walk) its elements, the bytes of its
+  // gradient's elements (the f32 shard's with zero 2) and whether it has a bf16 copy. The host
+  // buffers follow after the walk.
+  std::vector<int64_t> piece_counts, piece_grad_bytes;
+  std::vector<char> piece_copy;
   auto staging = [&](const ParamSpec& p, int64_t count) {
-    if (!r.offload) return int64_t{0};
+    if (!r.offload) return;
     piece_counts.push_back(count);
-    piece_copies.push_back(r.bf16_compute && p.compute_copy ? count : 0);
-    return count * (r.zero == 2 ? 4 : p.grad_bytes);
+    piece_grad_bytes.push_back(r.zero == 2 ? 4 : p.grad_bytes);
+    piece_copy.push_back(r.bf16_compute && p.compute_copy);
   };
   // zero 2's buckets as backward reaches them: members, group size, shard plan.
   struct ZeroBucket {
@@ -218,11 +220,11 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     for (int64_t n : sizes) bucket_numel += n;
     if (r.zero == 0) {
       owned += bucket_numel;
-      for (size_t i : members) r.staging_bytes += staging(params[i], numels[i]);
+      for (size_t i : members) staging(params[i], numels[i]);
     } else {
       for (const parallel::ShardPiece& p : plan.pieces) {
         owned += p.count;
-        r.staging_bytes += staging(params[members[p.param]], p.count);
+        staging(params[members[p.param]], p.count);
         if (master_sharded(params[members[p.param]])) r.parameter_bytes += 4 * p.count;
       }
     }
@@ -243,20 +245,31 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     }
     r.comm_bytes = std::max(r.comm_bytes, buffers);
   }
-  if (r.offload) {      // the bf16 copies' slots, sized by the trainer's update groups
+  if (r.offload) {
     if (r.zero == 0) {  // AdamW's pieces: the parameters whole, in the model's order
-      piece_counts.assign(numels.begin(), numels.end());
-      piece_copies.clear();
-      for (size_t i = 0; i < params.size(); ++i)
-        piece_copies.push_back(r.bf16_compute && params[i].compute_copy ? numels[i] : 0);
+      piece_counts.clear(), piece_grad_bytes.clear(), piece_copy.clear();
+      for (size_t i = 0; i < params.size(); ++i) staging(params[i], numels[i]);
     }
-    int64_t slot = 0;
-    for (const auto& [begin, end] : optim::AdamW::offload_groups(
-             piece_counts, optim::AdamWConfig::from(config.train).offload_group_numel))
-      slot = std::max(
-          slot, std::accumulate(piece_copies.begin() + static_cast<int64_t>(begin),
-                                piece_copies.begin() + static_cast<int64_t>(end), int64_t{0}));
-    r.staging_bytes += optim::AdamW::kOffloadBf16Slots * 2 * slot;
+    // The trainer's AdamW: whole gradient buffers where its gradients start during backward
+    // (train.offload_overlap, one process, zero < 2), else rings of group-sized buffers.
+    optim::AdamWConfig adam = optim::AdamWConfig::from(config.train);
+    adam.offload_whole_grads = adam.offload_whole_grads && o.world == 1 && r.zero < 2;
+    const auto groups = optim::AdamW::offload_groups(piece_counts, adam.offload_group_numel);
+    auto ring = [&](auto member) {
+      std::vector<char> m;
+      for (size_t i = 0; i < piece_counts.size(); ++i) m.push_back(member(i));
+      const auto slots =
+          std::min<int64_t>(optim::AdamW::kOffloadSlots, static_cast<int64_t>(groups.size()));
+      return slots * optim::AdamW::largest_group_numel(groups, piece_counts, m);
+    };
+    r.staging_bytes += 2 * ring([&](size_t i) { return piece_copy[i]; });
+    if (adam.offload_whole_grads) {
+      for (size_t i = 0; i < piece_counts.size(); ++i)
+        r.staging_bytes += piece_counts[i] * piece_grad_bytes[i];
+    } else {
+      r.staging_bytes += 4 * ring([&](size_t i) { return piece_grad_bytes[i] == 4; }) +
+                         2 * ring([&](size_t i) { return piece_grad_bytes[i] == 2; });
+    }
   }
   // m and v per owned element: f32 or bf16 (train.adam_moments_dtype).
   r.moments_bf16 = optim::AdamWConfig::from(config.train).moments_dtype == DType::bf16;

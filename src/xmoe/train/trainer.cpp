@@ -358,7 +358,10 @@ class Run {
     std::vector<optim::AdamWPiece> pieces;
     for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
       pieces.emplace_back(p.param, p.offset, p.count, Tensor(), p.shard_grad, p.master);
-    opt_ = std::make_unique<optim::AdamW>(pieces, optim::AdamWConfig::from(tc_));
+    optim::AdamWConfig adam = optim::AdamWConfig::from(tc_);
+    // Whole host buffers for the gradients only where they start during backward.
+    adam.offload_whole_grads = adam.offload_whole_grads && grad_sync_->grads_final_after_backward();
+    opt_ = std::make_unique<optim::AdamW>(pieces, adam);
     // zero >= 1 with bf16 copies: the optimizer copied its pieces' f32 master weights; the
     // parameters keep only their bf16 copies (those of every rank, all-gathered each step).
     for (Parameter* p : params_)

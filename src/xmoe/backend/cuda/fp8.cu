@@ -64,10 +64,10 @@ RowGroups row_groups(const int64_t* group_sizes, int64_t groups, const char* op)
   return r;
 }
 
-/// Index of row r's scale of column block j (cpu::quantize_rows_fp8's grouped layout).
-__device__ __forceinline__ int64_t row_scale_index(const RowGroups& groups, int64_t r, int64_t kb,
-                                                   int64_t j) {
-  int lo = 0, hi = groups.count - 1;  // the last group whose start <= r
+/// The group of row r: its first row o and its rows n (the last group whose start <= r).
+__device__ __forceinline__ void row_group(const RowGroups& groups, int64_t r, int64_t& o,
+                                          int64_t& n) {
+  int lo = 0, hi = groups.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (groups.start[mid] <= r) {
@@ -76,7 +76,16 @@ __device__ __forceinline__ int64_t row_scale_index(const RowGroups& groups, int6
       hi = mid - 1;
     }
   }
-  const int64_t o = groups.start[lo], n = groups.start[lo + 1] - o;
+  o = groups.start[lo];
+  n = groups.start[lo + 1] - o;
+}
+
+/// Index of row r's scale of column block j (cpu::quantize_rows_fp8's grouped layout: a group's
+/// scales are [kb, n] from its first row's o * kb).
+__device__ __forceinline__ int64_t row_scale_index(const RowGroups& groups, int64_t r, int64_t kb,
+                                                   int64_t j) {
+  int64_t o, n;
+  row_group(groups, r, o, n);
   return o * kb + j * n + (r - o);
 }
 
@@ -153,17 +162,8 @@ __global__ void quantize_rows_wide_kernel(uint8_t* q, float* scales, const T* x,
         for (int e = 0; e < 8; ++e) v[p][e] = 0.f;
       }
     }
-    // The row's group (its scales are [kb, n] from its first row's o * kb), found once.
-    int lo = 0, hi = groups.count - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (groups.start[mid] <= r) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    const int64_t o = groups.start[lo], n = groups.start[lo + 1] - o;
+    int64_t o, n;  // the row's group, found once for its blocks
+    row_group(groups, r, o, n);
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) {
       float amax = 0.f;
