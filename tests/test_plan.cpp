@@ -33,10 +33,13 @@ TEST(Cluster, BuiltInsHaveTheirDataSheets) {
 }
 
 TEST(Cluster, FilesStartFromABaseOrDeclareEverything) {
-  const Cluster c =
-      cluster_from_yaml("base: dgx-h100\nnodes: 4\nintra_node: {bandwidth_gbs: 300}\n", "c.yaml");
+  const Cluster c = cluster_from_yaml(
+      "base: dgx-h100\nnodes: 4\nintra_node: {bandwidth_gbs: 300}\nusable_host_memory: 0.75\n",
+      "c.yaml");
   EXPECT_EQ(c.name, "dgx-h100");
   EXPECT_EQ(c.world(), 32);
+  EXPECT_DOUBLE_EQ(c.usable_host_memory, 0.75);
+  EXPECT_DOUBLE_EQ(c.usable_memory, 0.9);  // kept from the base
   EXPECT_DOUBLE_EQ(c.intra.bandwidth, 300e9);
   EXPECT_DOUBLE_EQ(c.intra.latency, 5e-6);  // kept from the base
   const Cluster own = cluster_from_yaml(
@@ -61,6 +64,8 @@ TEST(Cluster, FileErrorsNameTheFileAndTheKey) {
                   "c.yaml: inter_node.speed is not a key");
   EXPECT_CONTAINS(err("base: dgx-h100\ngemm_efficiency: 1.5\n"),
                   "c.yaml: gemm_efficiency = 1.5 must be <= 1");
+  EXPECT_CONTAINS(err("base: dgx-h100\nusable_host_memory: 2\n"),
+                  "c.yaml: usable_host_memory = 2 must be <= 1");
   EXPECT_CONTAINS(err("base: dgx-h100\npeak_tflops: fast\n"),
                   "c.yaml: peak_tflops = 'fast' is not a number");
   EXPECT_CONTAINS(err("base: dgx-h100\ndevice: tpu\n"),
@@ -279,6 +284,7 @@ TEST(Planner, OffloadWithGradientRingsWhenTheHostIsTheLimit) {
   // A host between the two: only the rings fit, and the planner says so (zero 2's gradients
   // never start in backward: it has no whole buffers either way).
   c.gpu_memory = int64_t{4} << 30;
+  c.usable_host_memory = 1.0;
   c.host_memory = (rings->memory.host_bytes + whole->memory.host_bytes) / 2;
   const Plan p = make_plan(base, Rates(c), o);
   bool rings_fit = false, whole_fit = false;

@@ -156,6 +156,8 @@ Cluster cluster_from_yaml(const std::string& text, const std::string& source) {
        [&](const YAML::Node& n) {
          c.host_memory = static_cast<int64_t>(r.number(n, "host_memory_gib", 0, false) * kGiB);
        }},
+      {"usable_host_memory",
+       [&](const YAML::Node& n) { c.usable_host_memory = r.fraction(n, "usable_host_memory"); }},
       {"peak_tflops",
        [&](const YAML::Node& n) { c.peak_flops = r.number(n, "peak_tflops", 0, true) * 1e12; }},
       {"gemm_efficiency",

@@ -24,7 +24,10 @@ struct Cluster {
   /// The fraction of gpu_memory a step may peak at (the rest: the CUDA context, libraries,
   /// the allocator's cache and fragmentation).
   double usable_memory = 0.9;
-  int64_t host_memory = 0;      ///< bytes per node (optimizer offload)
+  int64_t host_memory = 0;  ///< bytes per node (optimizer offload)
+  /// The fraction of host_memory the offloaded optimizer's pinned memory may take (the rest: the
+  /// OS, the process, the model's host copy before it reaches the GPUs).
+  double usable_host_memory = 0.9;
   double peak_flops = 0;        ///< dense bf16 FLOP/s per GPU (MFU's denominator)
   double gemm_efficiency = 0;   ///< fraction of peak_flops the GEMMs reach (no profile)
   double memory_bandwidth = 0;  ///< bytes/s per GPU: elementwise work streams at this rate

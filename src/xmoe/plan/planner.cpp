@@ -29,7 +29,8 @@ std::string gib(int64_t bytes) {
 bool memory_fits(const train::MemoryModel& m, const Cluster& cl) {
   return static_cast<double>(m.peak_bytes) <=
              cl.usable_memory * static_cast<double>(cl.gpu_memory) &&
-         m.host_bytes * cl.gpus_per_node <= cl.host_memory;
+         static_cast<double>(m.host_bytes * cl.gpus_per_node) <=
+             cl.usable_host_memory * static_cast<double>(cl.host_memory);
 }
 
 bool ranked_before(const Candidate& a, const Candidate& b) {
