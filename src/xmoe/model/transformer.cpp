@@ -247,6 +247,14 @@ namespace {
 bool needs_compute_copy(const Parameter& p, const Parameter& embed, bool tied) {
   return p.value.dim() >= 2 && (&p != &embed || tied);
 }
+
+/// p's compute copy for compute dtype `dtype`: a bf16 cast of value (on its device) where a
+/// matmul reads one, else none.
+Tensor compute_copy_of(const Parameter& p, DType dtype, const Parameter& embed, bool tied) {
+  return dtype == DType::bf16 && needs_compute_copy(p, embed, tied)
+             ? ops::cast(p.value, DType::bf16)
+             : Tensor();
+}
 }  // namespace
 
 void Transformer::set_compute_dtype(DType dtype) {
@@ -268,11 +276,7 @@ void Transformer::set_compute_dtype(DType dtype) {
                "[transformer] {}: set the compute dtype before sharding the master weights "
                "(parallel.zero)",
                p->name);
-    if (dtype == DType::bf16 && needs_compute_copy(*p, embed, !lm_head_)) {
-      p->compute_copy = ops::cast(p->value, DType::bf16);
-    } else {
-      p->compute_copy = Tensor();
-    }
+    p->compute_copy = compute_copy_of(*p, dtype, embed, !lm_head_);
   }
 }
 
@@ -300,10 +304,7 @@ void Transformer::place(Device device, DType dtype, bool offload_master) {
   const Parameter& embed = embed_->weight();
   for (Parameter* p : parameters()) {
     p->to(device);
-    // Cast on the device, as set_compute_dtype does: the same bf16 bits.
-    p->compute_copy = dtype == DType::bf16 && needs_compute_copy(*p, embed, !lm_head_)
-                          ? ops::cast(p->value, DType::bf16)
-                          : Tensor();
+    p->compute_copy = compute_copy_of(*p, dtype, embed, !lm_head_);  // as set_compute_dtype
     p->offload_master();  // frees the device's f32 master unless forward reads it
   }
   *rope_ = ops::rope_tables(rope_->max_seq_len, rope_->head_dim, rope_->theta, device);

@@ -134,9 +134,9 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
     bf16_grad.push_back(ring && grad_dtypes[i] == DType::bf16);
     copy.push_back(pieces_[i].param->compute_copy.defined());
   }
-  grad_f32_ring_ = make_ring(f32_grad, DType::f32, pinned);
-  grad_bf16_ring_ = make_ring(bf16_grad, DType::bf16, pinned);
-  bf16_ring_ = make_ring(copy, DType::bf16, pinned);
+  grad_f32_ring_ = make_ring(counts, f32_grad, DType::f32, pinned);
+  grad_bf16_ring_ = make_ring(counts, bf16_grad, DType::bf16, pinned);
+  bf16_ring_ = make_ring(counts, copy, DType::bf16, pinned);
   prefetched_.assign(pieces_.size(), 0);
   to_host_ = std::make_unique<CopyQueue>(compute_device_);
   to_device_ = std::make_unique<CopyQueue>(compute_device_);
@@ -162,9 +162,8 @@ int64_t AdamW::staging_bytes() const {
   return bytes;
 }
 
-int64_t AdamW::largest_group_numel(const std::vector<std::pair<size_t, size_t>>& groups,
-                                   std::span<const int64_t> counts,
-                                   const std::vector<char>& member) {
+int64_t AdamW::ring_numel(const std::vector<std::pair<size_t, size_t>>& groups,
+                          std::span<const int64_t> counts, const std::vector<char>& member) {
   int64_t largest = 0;
   for (const auto& [begin, end] : groups) {
     int64_t n = 0;
@@ -172,14 +171,15 @@ int64_t AdamW::largest_group_numel(const std::vector<std::pair<size_t, size_t>>&
       if (member[i]) n += counts[i];
     largest = std::max(largest, n);
   }
-  return largest;
+  // One buffer a group, at most kOffloadSlots (a single group needs one).
+  return static_cast<int64_t>(std::min(groups.size(), static_cast<size_t>(kOffloadSlots))) *
+         largest;
 }
 
-AdamW::SlotRing AdamW::make_ring(const std::vector<char>& member, DType dtype, bool pinned) const {
+AdamW::SlotRing AdamW::make_ring(std::span<const int64_t> counts, const std::vector<char>& member,
+                                 DType dtype, bool pinned) const {
   SlotRing r;
   r.at.assign(pieces_.size(), -1);
-  std::vector<int64_t> counts;
-  for (const AdamWPiece& piece : pieces_) counts.push_back(piece.count);
   for (const auto& [begin, end] : groups_) {
     int64_t at = 0;
     for (size_t i = begin; i < end; ++i) {
@@ -188,12 +188,13 @@ AdamW::SlotRing AdamW::make_ring(const std::vector<char>& member, DType dtype, b
       at += counts[i];
     }
   }
-  const int64_t numel = largest_group_numel(groups_, counts, member);
-  // One buffer a group, at most kOffloadSlots (a single group needs one).
-  const size_t count = std::min(groups_.size(), static_cast<size_t>(kOffloadSlots));
-  for (size_t k = 0; numel > 0 && k < count; ++k)
+  const int64_t total = ring_numel(groups_, counts, member);
+  const size_t slots = std::min(groups_.size(), static_cast<size_t>(kOffloadSlots));
+  for (size_t k = 0; total > 0 && k < slots; ++k) {
+    const int64_t numel = total / static_cast<int64_t>(slots);
     r.slots.push_back(pinned ? Tensor::empty_pinned({numel}, dtype)
                              : Tensor::empty({numel}, dtype));
+  }
   return r;
 }
 

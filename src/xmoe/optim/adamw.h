@@ -144,10 +144,10 @@ class AdamW {
   /// largest group's elements of that kind; group g uses buffer g % kOffloadSlots once group
   /// g - kOffloadSlots is done with it.
   static constexpr int kOffloadSlots = 2;
-  /// The largest group's elements among the pieces `member` marks (of `counts` elements).
-  static int64_t largest_group_numel(const std::vector<std::pair<size_t, size_t>>& groups,
-                                     std::span<const int64_t> counts,
-                                     const std::vector<char>& member);
+  /// Offload: the elements of a ring's host buffers for the pieces `member` marks (of `counts`
+  /// elements) over `groups`: min(groups, kOffloadSlots) buffers of the largest group's elements.
+  static int64_t ring_numel(const std::vector<std::pair<size_t, size_t>>& groups,
+                            std::span<const int64_t> counts, const std::vector<char>& member);
   /// First / second moment of piece i, of AdamWConfig::moments_dtype.
   const Tensor& m(size_t i) const { return m_.at(i); }
   const Tensor& v(size_t i) const { return v_.at(i); }
@@ -198,7 +198,8 @@ class AdamW {
     int64_t bytes() const;
   };
   /// Offload: a ring of `dtype` buffers for the pieces `member` marks.
-  SlotRing make_ring(const std::vector<char>& member, DType dtype, bool pinned) const;
+  SlotRing make_ring(std::span<const int64_t> counts, const std::vector<char>& member, DType dtype,
+                     bool pinned) const;
 
   // Offload: the device of the gradients, groups of pieces [begin, end), per piece the whole
   // host buffer of its gradient (offload_whole_grads) or the gradient rings (f32, bf16), the

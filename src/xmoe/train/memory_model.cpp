@@ -258,9 +258,7 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     auto ring = [&](auto member) {
       std::vector<char> m;
       for (size_t i = 0; i < piece_counts.size(); ++i) m.push_back(member(i));
-      const auto slots =
-          std::min<int64_t>(optim::AdamW::kOffloadSlots, static_cast<int64_t>(groups.size()));
-      return slots * optim::AdamW::largest_group_numel(groups, piece_counts, m);
+      return optim::AdamW::ring_numel(groups, piece_counts, m);
     };
     r.staging_bytes += 2 * ring([&](size_t i) { return piece_copy[i]; });
     if (adam.offload_whole_grads) {
