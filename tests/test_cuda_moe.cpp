@@ -362,8 +362,11 @@ enum class ExpertWeights {
 /// Two steps of one MoELayer on `dev` with activations of `act`: forward, backward (dy), then
 /// update_routing_bias (sigmoid gate). Parameters are built on the CPU and moved, as the model
 /// does.
+/// aux_scale: the aux losses' upstream gradient, a host float or (aux_scale_on_device) an f32 [1]
+/// on dev that the kernels read (MoELayer::set_aux_grad_scale).
 LayerRun run_layer(const MoeConfig& c, Device dev, DType act, const std::vector<Tensor>& xs,
-                   const std::vector<Tensor>& dys, ExpertWeights weights = ExpertWeights::f32) {
+                   const std::vector<Tensor>& dys, ExpertWeights weights = ExpertWeights::f32,
+                   float aux_scale = 1.f, bool aux_scale_on_device = false) {
   MoELayer layer(c, kD, "moe", 7, 0.5f, 0.2f);
   for (Parameter* p : layer.parameters()) {
     const bool routed = p->kind == ParamKind::expert;
@@ -389,6 +392,10 @@ LayerRun run_layer(const MoeConfig& c, Device dev, DType act, const std::vector<
     r.tpe.push_back(layer.tokens_per_expert());
     r.load.push_back(layer.expert_load());
     r.dropped.push_back(layer.dropped_tokens());
+    if (aux_scale_on_device)
+      layer.set_aux_grad_scale(1.f, Tensor::from_vector<float>({aux_scale}, {1}).to(dev));
+    else
+      layer.set_aux_grad_scale(aux_scale);
     Tensor dx = layer.backward(dy);
     EXPECT_EQ(dx.dtype(), act);
     r.y.push_back(host_f32(y));
@@ -555,6 +562,26 @@ TEST_P(CudaMoeLayer, DeterministicRunToRun) {
   EXPECT_EQ(a.dx[0].to_vector<float>(), b.dx[0].to_vector<float>());
   for (size_t i = 0; i < a.grads.size(); ++i)
     EXPECT_EQ(a.grads[i].to_vector<float>(), b.grads[i].to_vector<float>()) << a.names[i];
+}
+
+// The aux losses' upstream gradient left on the device (xmoe.torch's d_aux: no host wait) gives
+// the bits of the same factor passed as a host float; and it is used (a factor of 1 differs).
+TEST_P(CudaMoeLayer, AuxGradScaleOnTheDeviceIsTheHostScale) {
+  XMOE_REQUIRE_CUDA();
+  const LayerCase& lc = GetParam();
+  const std::vector<Tensor> xs = {randn({kT, kD}, 101)}, dys = {randn({kT, kD}, 103)};
+  const auto run = [&](float scale, bool on_device) {
+    return run_layer(lc.config, kCuda, DType::f32, xs, dys, ExpertWeights::f32, scale, on_device);
+  };
+  const LayerRun host = run(0.37f, false), device = run(0.37f, true), one = run(1.f, false);
+  EXPECT_EQ(device.dx[0].to_vector<float>(), host.dx[0].to_vector<float>());
+  bool differs = false;
+  for (size_t i = 0; i < host.grads.size(); ++i) {
+    EXPECT_EQ(device.grads[i].to_vector<float>(), host.grads[i].to_vector<float>())
+        << host.names[i];
+    differs |= one.grads[i].to_vector<float>() != host.grads[i].to_vector<float>();
+  }
+  EXPECT_TRUE(differs) << "the aux gradient's scale changed no gradient";
 }
 
 INSTANTIATE_TEST_SUITE_P(Gates, CudaMoeLayer, ::testing::ValuesIn(layer_cases()),

@@ -446,6 +446,37 @@ TEST(MoeGate, Bf16RouterIsTheF32RouterOnRoundedOperands) {
                        "moe.router_dtype = \"f16\" is not f32 or bf16"));
 }
 
+// Gate::set_aux_grad_scale's tensor factor (xmoe.torch passes d_aux as it is, on the device)
+// gives the bits of the same factor as a host float, for every gate with aux-loss gradients;
+// bad tensors are refused by name.
+TEST(MoeGate, AuxGradScaleTensorIsTheHostScale) {
+  const int64_t T = 32, d = 16;
+  const Tensor x = randn({T, d}, 21), dw = randn({T, 2}, 22);
+  for (const std::string name : {"softmax_topk", "sigmoid", "xmoe"}) {
+    MoeConfig c = small_config(name);
+    c.aux_loss_weight = 0.1f;
+    c.seq_aux_loss_weight = 0.07f;
+    c.z_loss_weight = 0.05f;
+    auto run = [&](float host, const Tensor& factor) {
+      auto gate = make_gate({c, d, "g", 3, 0.5f, nullptr});
+      gate->forward(x, 8);
+      gate->set_aux_grad_scale(host, factor);
+      const Tensor dx = gate->backward(dw);
+      std::vector<Parameter*> ps;
+      gate->collect_parameters(ps);
+      std::vector<float> out = dx.to_vector<float>();
+      for (Parameter* p : ps)
+        for (float g : p->grad.to_vector<float>()) out.push_back(g);
+      return out;
+    };
+    const std::vector<float> host = run(0.37f, Tensor());
+    EXPECT_EQ(run(1.f, Tensor::from_vector<float>({0.37f}, {1})), host) << name;
+    EXPECT_NE(run(1.f, Tensor()), host) << name;
+    EXPECT_TRUE(contains(error_of([&] { run(1.f, Tensor::zeros({2})); }), "scale has 2 elements"))
+        << name;
+  }
+}
+
 TEST(MoeGate, RegistryListsKnownGates) {
   auto names = gate_registry().names();
   EXPECT_EQ(names, (std::vector<std::string>{"sigmoid", "softmax_topk", "switch", "xmoe"}));

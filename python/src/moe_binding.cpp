@@ -189,12 +189,15 @@ class TorchMoE {
   }
 
   /// dy [T, d] -> dx at dx_ptr, every parameter's gradient at grad_ptrs (zeroed by the caller,
-  /// except those written whole, which backward overwrites). aux_grad: the upstream gradient of
-  /// the aux loss. pass_id: the forward this backward belongs to.
+  /// except those written whole, which backward overwrites). aux_grad_ptr: the upstream gradient
+  /// of the aux loss, f32 [] on dy's device, read where the kernels run (reading it on the host
+  /// would wait for the GPU); 0: the layer has no weighted aux loss. pass_id: the forward this
+  /// backward belongs to.
   void backward(uintptr_t dy_ptr, const Shape& dy_shape, const std::string& dtype,
-                const std::string& device_type, int device_index, uintptr_t stream, double aux_grad,
-                const std::vector<uintptr_t>& param_ptrs, const std::string& param_dtype,
-                const std::vector<uintptr_t>& grad_ptrs, uintptr_t dx_ptr, int64_t pass_id) {
+                const std::string& device_type, int device_index, uintptr_t stream,
+                uintptr_t aux_grad_ptr, const std::vector<uintptr_t>& param_ptrs,
+                const std::string& param_dtype, const std::vector<uintptr_t>& grad_ptrs,
+                uintptr_t dx_ptr, int64_t pass_id) {
     XMOE_CHECK(pass_id == pass_id_ && pass_id > 0,
                "[xmoe.torch] backward of forward pass {}, but the layer last ran forward pass {}: "
                "a layer that runs forward again before the backward of the first (reuse in one "
@@ -210,10 +213,12 @@ class TorchMoE {
                                      grad_dtypes_[i], device);
       p.grad_zero_pending = p.lazy_zero_grad;  // torch.empty: backward overwrites it
     }
-    layer_->set_aux_grad_scale(static_cast<float>(aux_grad));
+    layer_->set_aux_grad_scale(
+        1.0f, aux_grad_ptr ? view(aux_grad_ptr, {1}, "float32", device) : Tensor());
     const Tensor dy = view(dy_ptr, dy_shape, dtype, device);
     Tensor dx = layer_->backward(dy);
-    copy_out(dx_ptr, dx, dy);  // torch's dx: empty_like(x), and dy has x's dtype
+    copy_out(dx_ptr, dx, dy);          // torch's dx: empty_like(x), and dy has x's dtype
+    layer_->set_aux_grad_scale(1.0f);  // drops the view of torch's d_aux
     pass_id_ = 0;
     unbind();
   }

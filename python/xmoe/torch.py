@@ -240,11 +240,14 @@ def _moe_backward(dy: Tensor, d_aux: Tensor, x: Tensor, params: List[Tensor], la
              torch.zeros(p.shape, dtype=dt, device=p.device)
              for p, dt, whole in zip(params, layer._grad_dtypes, layer._written_whole)]
     dx = torch.empty_like(x)
-    # The aux losses' upstream gradient is a host float for the layer: read only where some aux
-    # loss has a weight (reading it waits for the GPU; aux-loss-free layers skip the wait).
-    aux_grad = float(d_aux) if layer._layer.has_aux_losses() else 0.0
+    # The aux losses' upstream gradient stays where autograd left it (on the GPU): the layer's
+    # kernels read it, so backward makes no host wait. Aux-loss-free layers take none.
+    aux_grad = None
+    if layer._layer.has_aux_losses():
+        aux_grad = d_aux.to(device=x.device, dtype=torch.float32).contiguous()
     layer._layer.backward(dy.data_ptr(), list(dy.shape), str(dy.dtype).removeprefix("torch."),
-                          x.device.type, x.device.index or 0, _stream(x), aux_grad,
+                          x.device.type, x.device.index or 0, _stream(x),
+                          aux_grad.data_ptr() if aux_grad is not None else 0,
                           [p.data_ptr() for p in params], "float32",
                           [g.data_ptr() for g in grads], dx.data_ptr(), int(pass_id))
     return dx, grads
@@ -269,7 +272,7 @@ def _backward(ctx, dy, d_aux, *_stats):
     if dy is None:
         dy = torch.zeros_like(x)
     if d_aux is None:
-        d_aux = torch.zeros((), dtype=torch.float32)
+        d_aux = torch.zeros((), dtype=torch.float32, device=x.device)
     dx, grads = torch.ops.xmoe.moe_backward(dy, d_aux, x, params, ctx.layer_id, pass_id)
     return dx, list(grads), None, None, None, None
 

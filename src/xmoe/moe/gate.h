@@ -11,6 +11,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "xmoe/config/config.h"
 #include "xmoe/core/parameter.h"
@@ -50,8 +51,13 @@ class Gate : public Module {
   /// those of the weighted aux losses of the last forward.
   virtual Tensor backward(const Tensor& d_topk_weight) = 0;
   /// Upstream gradient of the aux losses in the next backward (default 1): the trainer's
-  /// loss scale, e.g. 1/grad_accum, so the aux term is weighted like the cross-entropy.
-  void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }
+  /// loss scale, e.g. 1/grad_accum, so the aux term is weighted like the cross-entropy; times
+  /// device_scale where defined (f32, one element, on the layer's device: read by the kernels,
+  /// so a gradient still on the GPU, as PyTorch's autograd gives it, costs no host wait).
+  void set_aux_grad_scale(float s, Tensor device_scale = Tensor()) {
+    aux_grad_scale_ = s;
+    aux_grad_device_scale_ = std::move(device_scale);
+  }
   /// Aux-loss-free balancing (sigmoid gate): bias_e += rate * sign(mean_load - load_e).
   /// `load` is the routed slots per expert of the last step. A no-op for other gates.
   virtual void update_bias(std::span<const int64_t> load) {}
@@ -83,6 +89,7 @@ class Gate : public Module {
   std::string prefix_;
   std::shared_ptr<comm::Group> world_;  // statistics group (null = one process)
   float aux_grad_scale_ = 1.0f;
+  Tensor aux_grad_device_scale_;  // set_aux_grad_scale's device factor (undefined: 1)
   bool recompute_ = false;
   int64_t num_experts_, top_k_, d_model_;
 };

@@ -312,7 +312,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
     // Weights a hook replaced are constants: only the aux losses reach the router then.
     Tensor dw = take(og.d_topk_weight);
     if (gate_output_replaced_) dw = Tensor::zeros(dw.shape(), dw.dtype(), dw.device());
-    gate_->set_aux_grad_scale(aux_grad_scale_);
+    gate_->set_aux_grad_scale(aux_grad_scale_, aux_grad_device_scale_);
     return GateGrad{gate_->backward(dw)};
   });
   hooks_.run(gg);

@@ -22,6 +22,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xmoe/comm/group.h"
@@ -89,8 +90,12 @@ class MoELayer : public Module {
                                               int64_t tokens, int ep, DType dtype,
                                               LayerRecompute recompute, double load_imbalance);
   /// Upstream gradient of the aux losses in backward (default 1). The model sets it to its loss
-  /// scale (e.g. 1/grad_accum) so the aux term is weighted like the cross-entropy.
-  void set_aux_grad_scale(float s) { aux_grad_scale_ = s; }
+  /// scale (e.g. 1/grad_accum) so the aux term is weighted like the cross-entropy. Times
+  /// device_scale where defined (Gate::set_aux_grad_scale: a factor on the device, no host wait).
+  void set_aux_grad_scale(float s, Tensor device_scale = Tensor()) {
+    aux_grad_scale_ = s;
+    aux_grad_device_scale_ = std::move(device_scale);
+  }
   /// Frees what the last forward saved. A forward released without a backward (evaluation)
   /// does not count toward the routing-bias update.
   void release();
@@ -210,6 +215,7 @@ class MoELayer : public Module {
   int64_t dropped_ = 0;
   bool frozen_routing_ = false;
   float aux_grad_scale_ = 1.0f;
+  Tensor aux_grad_device_scale_;
   bool record_coactivation_ = false;
   CoactivationMatrix coactivation_;
   int pipeline_fwd_ = 1, pipeline_bwd_ = 1;

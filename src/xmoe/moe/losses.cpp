@@ -74,14 +74,15 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
 }
 
 void aux_losses_backward(const Tensor& z_logits, const AuxLossState& st, const AuxLossWeights& w,
-                         Tensor& dprobs, Tensor& dlogits) {
+                         Tensor& dprobs, Tensor& dlogits, const Tensor& device_scale) {
   ProfileScope scope("moe.aux_loss.bwd", dprobs.device());
   const char* op = "moe aux losses backward";
   check_shape(dprobs, {st.tokens, st.experts}, op, "dprobs");
   check_shape(dlogits, {st.tokens, st.experts}, op, "dlogits");
   XMOE_CHECK(st.denoms.defined(), "[{}] backward without a forward", op);
   xmoe::ops::moe_aux_backward(dprobs, dlogits, z_logits, st.frac, st.seq_count, st.denoms,
-                              st.seq_len, st.top_k, w.load_balance, w.seq_balance, w.z_loss);
+                              st.seq_len, st.top_k, w.load_balance, w.seq_balance, w.z_loss,
+                              device_scale);
 }
 
 }  // namespace xmoe::moe

@@ -104,7 +104,9 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
                         comm::Group* world = nullptr);
 
 /// Adds d(weighted aux loss)/d probs into dprobs [T, E] and d/d z_logits into dlogits [T, E].
+/// device_scale (f32, one element, on the inputs' device; undefined: 1) multiplies w where the
+/// kernels run: an upstream gradient that is still on the GPU costs no host wait.
 void aux_losses_backward(const Tensor& z_logits, const AuxLossState& state, const AuxLossWeights& w,
-                         Tensor& dprobs, Tensor& dlogits);
+                         Tensor& dprobs, Tensor& dlogits, const Tensor& device_scale = Tensor());
 
 }  // namespace xmoe::moe

@@ -435,7 +435,7 @@ MoeAuxTerms moe_aux_finalize(const Tensor& all_stats, int64_t top_k, int64_t seq
 
 void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, const Tensor& frac,
                       const Tensor& seq_count, const Tensor& denoms, int64_t seq_len, int64_t top_k,
-                      float w_lb, float w_seq, float w_z) {
+                      float w_lb, float w_seq, float w_z, const Tensor& scale) {
   const char* op = "moe_aux_backward";
   require_on(op, "dprobs", dprobs, DType::f32, "dprobs", dprobs);
   require_on(op, "dlogits", dlogits, DType::f32, "dprobs", dprobs);
@@ -453,7 +453,13 @@ void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, c
   check_shape(seq_count, {T / seq_len, E}, op, "seq_count");
   require_on(op, "denoms", denoms, DType::f64, "dprobs", dprobs);
   check_shape(denoms, {3}, op, "denoms");
+  if (scale.defined()) {
+    require_on(op, "scale", scale, DType::f32, "dprobs", dprobs);
+    XMOE_CHECK(scale.numel() == 1, "[{}] scale has {} elements, expected 1", op, scale.numel());
+  }
   if (dprobs.is_cpu()) {
+    const float s = scale.defined() ? scale.data<float>()[0] : 1.f;
+    w_lb *= s, w_seq *= s, w_z *= s;
     cpu::moe_aux_backward(dprobs.data<float>(), dlogits.data<float>(), z_logits.data<float>(),
                           frac.data<double>(), seq_count.data<float>(), denoms.data<double>(), T, E,
                           seq_len, top_k, w_lb, w_seq, w_z);
@@ -461,7 +467,8 @@ void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, c
   }
   cuda::moe_aux_backward(dprobs.data<float>(), dlogits.data<float>(), z_logits.data<float>(),
                          frac.data<float>(), seq_count.data<float>(), denoms.data<double>(), T, E,
-                         seq_len, top_k, w_lb, w_seq, w_z, stream_of(dprobs));
+                         seq_len, top_k, w_lb, w_seq, w_z,
+                         scale.defined() ? scale.data<float>() : nullptr, stream_of(dprobs));
 }
 
 // ---- gates ----------------------------------------------------------------------------------

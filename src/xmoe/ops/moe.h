@@ -114,10 +114,12 @@ MoeAuxTerms moe_aux_finalize(const Tensor& all_stats, int64_t top_k, int64_t seq
 /// Adds the gradient of the weighted aux losses: into dprobs f32 [T, E] the load-balance and
 /// sequence terms (from frac and seq_count), into dlogits f32 [T, E] the z-loss term (from
 /// z_logits f32 [T, E]); frac, seq_count and denoms as moe_aux_stats and moe_aux_finalize gave
-/// them. A zero weight skips its term.
+/// them. A zero weight skips its term. `scale` (f32, one element, on dprobs' device; undefined:
+/// 1) multiplies the weights where the kernels run: an upstream gradient left on the GPU costs no
+/// host wait (each weight is w * scale in f32, the bits of passing the product).
 void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, const Tensor& frac,
                       const Tensor& seq_count, const Tensor& denoms, int64_t seq_len, int64_t top_k,
-                      float w_lb, float w_seq, float w_z);
+                      float w_lb, float w_seq, float w_z, const Tensor& scale = Tensor());
 
 // ---- gates ----------------------------------------------------------------------------------
 

@@ -82,11 +82,12 @@ void moe_aux_finalize(double* terms, float* frac, double* denoms, const double* 
                       double w_seq, double w_z, Stream stream);
 // dprobs (T, E) += w_lb E / denoms[0] * frac[e] + w_seq E / (L k denoms[1]) * seq_count[t / L, e]
 // dlogits (T, E) += 2 w_z / denoms[2] * lse_t * softmax(z_logits_t)
-// A zero weight skips its term.
+// A zero weight skips its term. scale (f32 [1] on the device, or null): the weights' upstream
+// gradient, read by the kernels (each weight is w * *scale, multiplied in f32).
 void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, const float* frac,
                       const float* seq_count, const double* denoms, int64_t tokens, int64_t experts,
-                      int64_t seq_len, int64_t top_k, double w_lb, double w_seq, double w_z,
-                      Stream stream);
+                      int64_t seq_len, int64_t top_k, float w_lb, float w_seq, float w_z,
+                      const float* scale, Stream stream);
 
 // ---- gates (moe_gates.cu) -------------------------------------------------------------------
 

@@ -167,10 +167,18 @@ __global__ void aux_finalize_kernel(double* terms, float* frac, double* denoms, 
   }
 }
 
+// The weight times the upstream gradient where it is on the device (scale; null: w as it is),
+// multiplied in f32 as the host multiplies a host scale (AuxLossWeights::scaled).
+__device__ __forceinline__ double scaled_weight(float w, const float* scale) {
+  return static_cast<double>(scale ? w * *scale : w);
+}
+
 __global__ void aux_probs_grad_kernel(float* dprobs, const float* frac, const float* seq_count,
                                       const double* denoms, int64_t tokens, int64_t experts,
-                                      int64_t seq_len, int64_t top_k, double w_lb, double w_seq) {
+                                      int64_t seq_len, int64_t top_k, float w_lb_, float w_seq_,
+                                      const float* scale) {
   // The coefficients from the forward's denominators (T_g / W, seq_len S_g / W), on the device.
+  const double w_lb = scaled_weight(w_lb_, scale), w_seq = scaled_weight(w_seq_, scale);
   const double E = static_cast<double>(experts);
   const double lb_coef = w_lb != 0.0 ? w_lb * E / denoms[0] : 0.0;
   const double seq_coef =
@@ -186,8 +194,8 @@ __global__ void aux_probs_grad_kernel(float* dprobs, const float* frac, const fl
 
 // One warp per token row: dlogits += z_coef * lse_t * softmax(z_t).
 __global__ void aux_z_grad_kernel(float* dlogits, const float* z, const double* denoms,
-                                  int64_t tokens, int64_t experts, double w_z) {
-  const double z_coef = w_z * 2.0 / denoms[2];
+                                  int64_t tokens, int64_t experts, float w_z, const float* scale) {
+  const double z_coef = scaled_weight(w_z, scale) * 2.0 / denoms[2];
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); t < tokens;
        t += static_cast<int64_t>(gridDim.x) * warps) {
@@ -248,17 +256,17 @@ void moe_aux_finalize(double* terms, float* frac, double* denoms, const double* 
 
 void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, const float* frac,
                       const float* seq_count, const double* denoms, int64_t tokens, int64_t experts,
-                      int64_t seq_len, int64_t top_k, double w_lb, double w_seq, double w_z,
-                      Stream stream) {
+                      int64_t seq_len, int64_t top_k, float w_lb, float w_seq, float w_z,
+                      const float* scale, Stream stream) {
   if (tokens == 0 || experts == 0) return;
-  if (w_lb != 0.0 || w_seq != 0.0) {
+  if (w_lb != 0.f || w_seq != 0.f) {
     aux_probs_grad_kernel<<<grid_for(tokens * experts), kBlock, 0, stream>>>(
-        dprobs, frac, seq_count, denoms, tokens, experts, seq_len, top_k, w_lb, w_seq);
+        dprobs, frac, seq_count, denoms, tokens, experts, seq_len, top_k, w_lb, w_seq, scale);
     CUDA_CHECK_LAUNCH();
   }
-  if (w_z != 0.0) {
+  if (w_z != 0.f) {
     aux_z_grad_kernel<<<grid_for(tokens, kBlock / 32), kBlock, 0, stream>>>(
-        dlogits, z_logits, denoms, tokens, experts, w_z);
+        dlogits, z_logits, denoms, tokens, experts, w_z, scale);
     CUDA_CHECK_LAUNCH();
   }
 }

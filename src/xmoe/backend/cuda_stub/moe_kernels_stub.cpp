@@ -67,7 +67,8 @@ void moe_aux_finalize(double*, float*, double*, const double*, int64_t, int64_t,
   no_cuda("moe aux losses");
 }
 void moe_aux_backward(float*, float*, const float*, const float*, const float*, const double*,
-                      int64_t, int64_t, int64_t, int64_t, double, double, double, Stream) {
+                      int64_t, int64_t, int64_t, int64_t, float, float, float, const float*,
+                      Stream) {
   no_cuda("moe aux losses backward");
 }
 void moe_group_limited_scores(float*, const float*, const float*, int64_t, int64_t, int64_t,

@@ -57,8 +57,9 @@ class SoftmaxRouting {
   GateOutput forward(const Tensor& logits, int64_t seq_len, const Tensor& fixed_idx,
                      comm::Group* world = nullptr);
   /// d_topk_weight [T, k] -> d logits [T, E] (weight path + aux losses, whose upstream
-  /// gradient is aux_scale).
-  Tensor backward(const Tensor& d_topk_weight, float aux_scale = 1.0f);
+  /// gradient is aux_scale times aux_device_scale: Gate::set_aux_grad_scale).
+  Tensor backward(const Tensor& d_topk_weight, float aux_scale = 1.0f,
+                  const Tensor& aux_device_scale = Tensor());
   void release();
   /// Router recompute: frees logits and probs [T, E]; restore() takes the same logits again and
   /// recomputes probs, before backward. The choice, weights and aux statistics stay.

@@ -56,7 +56,8 @@ class SigmoidGate final : public Gate {
         xmoe::ops::renormalize_rows_backward(weights_, wsums_, d_topk_weight, cfg_.routed_scaling));
     Tensor dprobs = Tensor::zeros({T, num_experts_}, DType::f32, dev);
     Tensor dlogits = Tensor::zeros({T, num_experts_}, DType::f32, dev);
-    aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits);
+    aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits,
+                        aux_grad_device_scale_);
     xmoe::ops::add_(dscores, xmoe::ops::renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
     xmoe::ops::add_(dlogits, xmoe::ops::sigmoid_backward(scores_, dscores));
     return router_.backward(dlogits);

@@ -23,7 +23,8 @@ GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len, const 
   return out;
 }
 
-Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale) {
+Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale,
+                                const Tensor& aux_device_scale) {
   XMOE_CHECK(weights_.defined(), "[moe gate] backward without a forward");
   XMOE_CHECK(probs_.defined(), "[moe gate] backward before the routing tensors were restored");
   check_shape(d_topk_weight, weights_.shape(), "moe gate backward", "d_topk_weight");
@@ -40,7 +41,8 @@ Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale) {
     xmoe::ops::put_along_rows_add(dlogits, idx_,
                                   xmoe::ops::softmax_backward(weights_, d_topk_weight));
   }
-  aux_losses_backward(logits_, aux_state_, o_.aux.scaled(aux_scale), dprobs, dlogits);
+  aux_losses_backward(logits_, aux_state_, o_.aux.scaled(aux_scale), dprobs, dlogits,
+                      aux_device_scale);
   xmoe::ops::add_(dlogits, xmoe::ops::softmax_backward(probs_, dprobs));
   return dlogits;
 }

@@ -21,7 +21,8 @@ class SoftmaxTopkGate final : public Gate {
 
   Tensor backward(const Tensor& d_topk_weight) override {
     if (!routing_.has_routing_tensors()) routing_.restore(router_.logits());
-    return router_.backward(routing_.backward(d_topk_weight, aux_grad_scale_));
+    return router_.backward(
+        routing_.backward(d_topk_weight, aux_grad_scale_, aux_grad_device_scale_));
   }
 
   void collect_parameters(std::vector<Parameter*>& out) override {

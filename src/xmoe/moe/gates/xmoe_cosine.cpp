@@ -55,7 +55,8 @@ class XmoeGate final : public Gate {
   Tensor backward(const Tensor& d_topk_weight) override {
     XMOE_CHECK(x_.defined(), "[moe gate xmoe] backward without a forward");
     if (!routing_.has_routing_tensors()) routing_.restore(route_logits());  // router recompute
-    Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_);     // [T, E]
+    Tensor dlogits = routing_.backward(d_topk_weight, aux_grad_scale_,
+                                       aux_grad_device_scale_);  // [T, E]
     // logits = cos / tau: d tau = -sum(dlogits * cos) / tau^2 (zero while clamped).
     xmoe::ops::moe_temperature_grad(temp_.grad, dlogits, cos_, temp_.weights_f32(),
                                     kMinTemperature);
