@@ -21,7 +21,7 @@
 #   bash bench/largest_model.sh            # BIN: bench_train_step and xmoe (build/cuda/bin)
 #   LEVERS="offload" PEER=0 bash bench/largest_model.sh
 #
-# Knobs: BIN, OUT (/tmp), PYTHON, MEM_GIB (79.5: an H100 80 GB's memory as the driver reports it),
+# Knobs: BIN, OUT (/tmp), APPEND (0; 1: add to OUT's earlier results), PYTHON, MEM_GIB (79.5: an H100 80 GB's memory as the driver reports it),
 # HOST_FRACTION (0.9), MB (4), SEQ (2048), GA (16), STEPS (2), WARMUP (1), GRID (256 to
 # 1024 by 32), PEER_FROM (320), PROJECT_TOKENS (1048576), LEVERS (offload eg16 none eg16-recompute; also eg16-m16, offload-m16:
 # with train.adam_moments_dtype=bf16), PEER (1: first).
@@ -41,8 +41,9 @@ PEER_FROM=${PEER_FROM:-320} PEER=${PEER:-1} PROJECT_TOKENS=${PROJECT_TOKENS:-104
 LEVERS=${LEVERS:-offload eg16 none eg16-recompute}
 JSONL="$OUT_DIR/largest.jsonl" LOG="$OUT_DIR/largest.log"
 mkdir -p "$OUT_DIR"
-: >"$JSONL"
-: >"$LOG"
+# APPEND=1 keeps earlier runs' lines (e.g. the peer measured in another invocation): the table
+# then covers both.
+if [[ ${APPEND:-0} != 1 ]]; then : >"$JSONL"; : >"$LOG"; fi
 mem_bytes=$(${PY} -c "print(int($MEM_GIB * 2**30))")
 host_bytes=$(awk '/MemTotal/ { print $2 * 1024 }' /proc/meminfo)
 export PYTHONUNBUFFERED=1
