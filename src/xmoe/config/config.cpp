@@ -809,21 +809,25 @@ void validate(const Config& c) {
          moe.pipeline_backward);
   if (const int from = c.train.offload_delayed_update_from; from >= 0) {
     if (!c.train.offload_optimizer)
-      fail("train.offload_delayed_update_from = {} delays the offloaded update; it needs "
-           "train.offload_optimizer = true",
-           from);
+      fail(
+          "train.offload_delayed_update_from = {} delays the offloaded update; it needs "
+          "train.offload_optimizer = true",
+          from);
     if (!c.train.offload_overlap)
-      fail("train.offload_delayed_update_from = {} needs train.offload_overlap = true (whole host "
-           "gradient buffers, which the delayed update reads while the next step runs)",
-           from);
+      fail(
+          "train.offload_delayed_update_from = {} needs train.offload_overlap = true (whole host "
+          "gradient buffers, which the delayed update reads while the next step runs)",
+          from);
     if (c.parallel.zero != 0)
-      fail("train.offload_delayed_update_from = {} needs parallel.zero = 0 (got {}): the "
-           "delayed update publishes whole weights, not gathered shards",
-           from, c.parallel.zero);
+      fail(
+          "train.offload_delayed_update_from = {} needs parallel.zero = 0 (got {}): the "
+          "delayed update publishes whole weights, not gathered shards",
+          from, c.parallel.zero);
     if (c.parallel.expert_placement != "none")
-      fail("train.offload_delayed_update_from = {} needs parallel.expert_placement = none (got "
-           "{}): the placement writes the weights outside the optimizer",
-           from, c.parallel.expert_placement);
+      fail(
+          "train.offload_delayed_update_from = {} needs parallel.expert_placement = none (got "
+          "{}): the placement writes the weights outside the optimizer",
+          from, c.parallel.expert_placement);
   }
   if (c.parallel.zero > 0 && c.parallel.expert_placement == "affinity")
     fail(

@@ -135,7 +135,9 @@ class AdamW {
   /// Delayed: an update is running or done but not yet published (finish()).
   bool update_pending() const { return pending_; }
   /// Delayed: whether update `t` (1-based) is delayed.
-  bool delays(int64_t t) const { return cfg_.offload && cfg_.delayed_from >= 0 && t > cfg_.delayed_from; }
+  bool delays(int64_t t) const {
+    return cfg_.offload && cfg_.delayed_from >= 0 && t > cfg_.delayed_from;
+  }
   /// Delayed: bytes of the twins (on the compute device) and of the f32 copies forward reads
   /// that the delayed mode added on the CPU.
   int64_t delayed_update_bytes() const;

@@ -401,10 +401,9 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   int64_t shards = 0;
   for (const ZeroBucket& b : zero_buckets) shards += 4 * b.plan.shard;
 
-  r.steady_bytes =
-      r.compute_copy_bytes + r.gradient_bytes + state + r.device_f32_bytes +
-      r.delayed_update_bytes +
-      (on_host ? 0 : r.parameter_bytes + r.optimizer_bytes + r.staging_bytes);
+  r.steady_bytes = r.compute_copy_bytes + r.gradient_bytes + state + r.device_f32_bytes +
+                   r.delayed_update_bytes +
+                   (on_host ? 0 : r.parameter_bytes + r.optimizer_bytes + r.staging_bytes);
   // zero 0, 1: every whole gradient is in the steady bytes; zero 2: backward's gradients are in
   // its peak, and the update runs beside the shards.
   r.peak_bytes = r.steady_bytes + std::max(r.activation_peak_bytes, shards + r.comm_bytes);

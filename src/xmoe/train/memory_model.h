@@ -49,8 +49,8 @@ struct MemoryModel {
   bool ssmb = true;
   bool cuda = false;
   bool bf16_compute = false;
-  bool offload = false;       ///< train.offload_optimizer
-  bool moments_bf16 = false;  ///< train.adam_moments_dtype = bf16
+  bool offload = false;         ///< train.offload_optimizer
+  bool moments_bf16 = false;    ///< train.adam_moments_dtype = bf16
   bool delayed_update = false;  ///< train.offload_delayed_update_from >= 0 (with offload)
   /// Parameter elements this rank holds (dense ones, its tp shards and its ep share of the
   /// experts).
