@@ -228,8 +228,33 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 26 model.moe + 4 data + 27 train + 11 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 26u + 4u + 27u + 11u);
+  // 13 model + 26 model.moe + 4 data + 28 train + 11 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 26u + 4u + 28u + 11u);
+}
+
+// train.offload_delayed_update_from needs the offloaded optimizer with whole gradient buffers,
+// whole (unsharded) weights and nothing else writing them between steps.
+TEST(Config, DelayedOffloadUpdateNeedsItsKeys) {
+  auto error = [](const std::string& yaml) {
+    return error_of([&] { validate(load_config_string(yaml)); });
+  };
+  const std::string key = "train:\n  offload_delayed_update_from: 2\n";
+  const std::string offload = key + "  offload_optimizer: true\n";
+  EXPECT_CONTAINS(error(key),
+                  "train.offload_delayed_update_from = 2 delays the offloaded update; it needs "
+                  "train.offload_optimizer = true");
+  EXPECT_CONTAINS(error(offload + "  offload_overlap: false\n"),
+                  "train.offload_delayed_update_from = 2 needs train.offload_overlap = true");
+  EXPECT_CONTAINS(error(offload + "parallel:\n  zero: 1\n"),
+                  "train.offload_delayed_update_from = 2 needs parallel.zero = 0 (got 1)");
+  EXPECT_CONTAINS(error(offload + "parallel:\n  expert_placement: affinity\n"),
+                  "train.offload_delayed_update_from = 2 needs parallel.expert_placement = none "
+                  "(got affinity)");
+  EXPECT_CONTAINS(error("train:\n  offload_delayed_update_from: -2\n"),
+                  "train.offload_delayed_update_from");
+  EXPECT_NO_THROW(validate(load_config_string(offload)));
+  EXPECT_EQ(load_config_string(offload).train.offload_delayed_update_from, 2);
+  EXPECT_EQ(Config{}.train.offload_delayed_update_from, -1);  // off
 }
 
 TEST(Config, ParameterCounts) {

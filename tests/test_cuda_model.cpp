@@ -43,6 +43,7 @@
 #include "xmoe/ops/ops.h"
 #include "xmoe/optim/adamw.h"
 #include "xmoe/optim/clip.h"
+#include "xmoe/train/memory_model.h"
 #include "xmoe/train/trainer.h"
 
 namespace {
@@ -602,6 +603,54 @@ TEST_F(CudaTrainTest, OffloadFollowsTheOnDeviceOptimizer) {
     ASSERT_EQ(rest.steps.size(), 5u);
     for (int i = 0; i < 5; ++i)
       EXPECT_EQ(rest.steps[i].loss, off.steps[5 + i].loss) << dtype << " resumed step " << 6 + i;
+  }
+}
+
+// train.offload_delayed_update_from = 3 on the GPU (MoE model, f32 and bf16 compute): the
+// delayed run follows the CPU's delayed run (f32 within the MoE tolerance of
+// MoETrainsOnTheDeviceF32, bf16 within LossesFollowTheCpu's); its steps 1..4 are the plain
+// offloaded GPU run's bit for bit; the device holds exactly the twins' bytes more between
+// steps (the memory model's figure); resumed at step 5 it repeats its steps bit for bit.
+TEST_F(CudaTrainTest, DelayedOffloadUpdateFollowsTheCpu) {
+  XMOE_REQUIRE_CUDA();
+  Config c = micro_config("delayed-cpu", /*moe=*/true);
+  c.train.offload_optimizer = true;
+  c.train.offload_delayed_update_from = 3;
+  validate(c);
+  const auto cpu = train::train(c, quiet());
+  for (const char* dtype : {"f32", "bf16"}) {
+    const double tol = std::string(dtype) == "f32" ? 1e-3 : 3e-2;
+    const auto dpu = train_on_cuda(c, "delayed", dtype, cpu, tol);
+    Config plain = c;
+    plain.train.offload_delayed_update_from = -1;
+    plain.train.device = "cuda";
+    plain.train.dtype = dtype;
+    plain.train.out_dir = (root_ / (std::string("offload-") + dtype)).string();
+    const auto off = train::train(plain, quiet());
+    ASSERT_EQ(off.steps.size(), dpu.steps.size());
+    for (size_t i = 0; i < 4; ++i)
+      EXPECT_EQ(dpu.steps[i].loss, off.steps[i].loss) << dtype << " step " << i + 1;
+    EXPECT_GT(dpu.delayed_update_bytes, 0);
+    Config predicted = c;
+    predicted.train.device = "cuda";
+    predicted.train.dtype = dtype;
+    EXPECT_EQ(dpu.delayed_update_bytes, train::predict_memory(predicted).delayed_update_bytes)
+        << dtype;
+    EXPECT_EQ(dpu.steady_bytes - off.steady_bytes, dpu.delayed_update_bytes) << dtype;
+    std::printf("[delayed] %s twins %lld bytes, steady %lld (plain offload %lld)\n", dtype,
+                static_cast<long long>(dpu.delayed_update_bytes),
+                static_cast<long long>(dpu.steady_bytes), static_cast<long long>(off.steady_bytes));
+    Config resumed = predicted;
+    resumed.train.out_dir = (root_ / (std::string("delayed-resumed-") + dtype)).string();
+    auto first = quiet();
+    first.stop_after = 5;
+    train::train(resumed, first);
+    auto second = quiet();
+    second.resume = true;
+    const auto rest = train::train(resumed, second);
+    ASSERT_EQ(rest.steps.size(), 5u);
+    for (int i = 0; i < 5; ++i)
+      EXPECT_EQ(rest.steps[i].loss, dpu.steps[5 + i].loss) << dtype << " resumed step " << 6 + i;
   }
 }
 

@@ -66,6 +66,30 @@ TEST_F(MemoryModelTest, OffloadedOptimizerStagingOnTheCpu) {
   c.model.moe.expert_grad_dtype = "bf16";
   c.train.out_dir = (root_ / "run-bf16-grads").string();
   expect_predicted(c, "tiny, offload, bf16 grads");
+  // The delayed update: the f32 copies forward reads instead of the master weights, their
+  // twins, and whole gradient buffers.
+  c.train.offload_delayed_update_from = 2;
+  c.train.out_dir = (root_ / "run-delayed").string();
+  expect_predicted(c, "tiny, offload, delayed update");
+}
+
+// The delayed update's twins on the device: 2 bytes per bf16 compute-copy element and 4 per
+// f32-copy element, in the steady bytes and the table; the host is unchanged.
+TEST(MemoryModel, DelayedUpdateTwinsTheCopiesForwardReads) {
+  Config c = preset("moe-1b");
+  c.train.offload_optimizer = true;
+  const train::MemoryModel off = train::predict_memory(c);
+  c.train.offload_delayed_update_from = 2;
+  const train::MemoryModel dpu = train::predict_memory(c);
+  EXPECT_EQ(off.delayed_update_bytes, 0);
+  EXPECT_GT(dpu.compute_copy_bytes, 0);
+  EXPECT_EQ(dpu.delayed_update_bytes, dpu.compute_copy_bytes + dpu.device_f32_bytes);
+  EXPECT_EQ(dpu.device_f32_bytes, off.device_f32_bytes);
+  EXPECT_EQ(dpu.steady_bytes - off.steady_bytes, dpu.delayed_update_bytes);
+  EXPECT_EQ(dpu.peak_bytes - off.peak_bytes, dpu.delayed_update_bytes);
+  EXPECT_EQ(dpu.host_bytes, off.host_bytes);
+  EXPECT_NE(train::memory_table(dpu).find("twins the delayed update writes"), std::string::npos);
+  EXPECT_EQ(train::memory_table(off).find("twins the delayed update writes"), std::string::npos);
 }
 
 TEST_F(MemoryModelTest, Bf16Moments) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "testing.h"
 #include "xmoe/ops/ops.h"
 #include "xmoe/optim/adamw.h"
 #include "xmoe/optim/clip.h"
@@ -234,6 +235,135 @@ void expect_offloaded_equals_plain(DType moments_dtype) {
 TEST(AdamW, OffloadedUpdateEqualsThePlainOneBitForBit) {
   expect_offloaded_equals_plain(DType::f32);
   expect_offloaded_equals_plain(DType::bf16);
+}
+
+// train.offload_delayed_update_from: the update of step k's gradients becomes visible after
+// step k + 1's forward and backward. With gradients computed from the visible weights (bf16
+// compute copies, f32 copies; g = w - target + noise), the delayed optimizer equals the plain
+// offloaded one to which each step's gradients are handed one step later, bit for bit: the
+// weights forward reads at every step, then the master weights, moments and copies.
+void expect_delayed_equals_lagged_plain(DType moments_dtype) {
+  SCOPED_TRACE(dtype_name(moments_dtype));
+  constexpr int kPlainSteps = 2, kSteps = 10;
+  auto make = [] {
+    std::vector<Parameter> ps;
+    for (int i = 0; i < 3; ++i) {
+      std::vector<float> v(static_cast<size_t>(3 + 4 * i));
+      for (size_t j = 0; j < v.size(); ++j) v[j] = std::sin(0.3f * static_cast<float>(i * 17 + j));
+      ps.push_back(param("p" + std::to_string(i), v, i != 1));
+    }
+    // p0: a bf16 compute copy; p1: none (forward reads f32); p2: both (reads_f32).
+    for (int i : {0, 2}) {
+      Parameter& p = ps[static_cast<size_t>(i)];
+      p.compute_copy = p.value.to(DType::bf16);
+    }
+    ps[2].reads_f32 = true;
+    return ps;
+  };
+  std::vector<Parameter> ref = make(), del = make();
+  auto pieces = [](std::vector<Parameter>& ps) {
+    std::vector<optim::AdamWPiece> out;
+    for (Parameter& p : ps) out.emplace_back(&p);
+    return out;
+  };
+  AdamWConfig cfg{0.9f, 0.95f, 1e-8f, 0.1f};
+  cfg.moments_dtype = moments_dtype;
+  cfg.offload = true;
+  cfg.offload_group_numel = 5;  // three groups
+  AdamWConfig del_cfg = cfg;
+  del_cfg.delayed_from = kPlainSteps;
+  AdamW plain(pieces(ref), cfg), delayed(pieces(del), del_cfg);
+  // On the CPU the delayed optimizer gives the f32 readers (p1, p2) copies of their own; every
+  // copy forward reads has a twin.
+  EXPECT_FALSE(del[0].device_f32.defined());
+  ASSERT_TRUE(del[1].device_f32.defined() && del[2].device_f32.defined());
+  EXPECT_FALSE(ref[1].device_f32.defined());
+  EXPECT_EQ(delayed.delayed_update_bytes(), (7 + 11) * 4 * 2 + (3 + 11) * 2);
+  EXPECT_EQ(plain.delayed_update_bytes(), 0);
+  // The gradients of step k from the weights forward reads.
+  auto grads = [](const std::vector<Parameter>& ps, int step) {
+    std::vector<std::vector<float>> out;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const std::vector<float> w = ps[i].compute().to(DType::f32).to_vector<float>();
+      const std::vector<float> w32 = ps[i].weights_f32().to_vector<float>();
+      std::vector<float> g(w.size());
+      for (size_t j = 0; j < g.size(); ++j)
+        g[j] = w[j] + 0.5f * w32[j] - 0.25f * static_cast<float>(i) +
+               0.1f * std::sin(static_cast<float>(step * 13 + i * 5 + j));
+      out.push_back(g);
+    }
+    return out;
+  };
+  auto lr = [](int step) { return 2e-2f * (1.0f + 0.1f * static_cast<float>(step)); };
+  auto scale = [](int step) { return 1.0f / (1.0f + 0.05f * static_cast<float>(step)); };
+  auto apply = [&](const std::vector<std::vector<float>>& g, int step) {
+    for (size_t i = 0; i < ref.size(); ++i) set_grad(ref[i], g[i]);
+    plain.step(lr(step), scale(step));
+  };
+  std::vector<std::vector<float>> lagged;  // the reference's gradients waiting a step
+  for (int step = 1; step <= kSteps; ++step) {
+    const auto g_ref = grads(ref, step), g_del = grads(del, step);
+    ASSERT_EQ(g_ref, g_del) << "step " << step << ": the weights forward reads differ";
+    if (step <= kPlainSteps) {
+      apply(g_ref, step);
+    } else {
+      if (!lagged.empty()) apply(lagged, step - 1);
+      lagged = g_ref;
+    }
+    for (size_t i = 0; i < del.size(); ++i) set_grad(del[i], g_del[i]);
+    // Gradients handed over during backward wait for the running update first.
+    if (step % 2 == 1) delayed.prefetch_grads({&del[0], &del[2]});
+    delayed.step(lr(step), scale(step));
+    EXPECT_EQ(delayed.update_pending(), step > kPlainSteps);
+    EXPECT_EQ(delayed.step_count(), step);
+  }
+  std::map<std::string, Tensor> state;
+  EXPECT_THROW(delayed.export_state(state), Error);  // pending: finish() first
+  apply(lagged, kSteps);
+  delayed.finish();
+  EXPECT_FALSE(delayed.update_pending());
+  delayed.finish();  // a no-op now
+  auto f32 = [](const Tensor& t) { return t.to(DType::f32).to_vector<float>(); };
+  for (size_t i = 0; i < ref.size(); ++i) {
+    SCOPED_TRACE(ref[i].name);
+    EXPECT_EQ(f32(ref[i].value), f32(del[i].value));
+    EXPECT_EQ(f32(plain.m(i)), f32(delayed.m(i)));
+    EXPECT_EQ(f32(plain.v(i)), f32(delayed.v(i)));
+    EXPECT_EQ(f32(ref[i].compute()), f32(del[i].compute()));
+    EXPECT_EQ(f32(ref[i].value), f32(del[i].weights_f32()));  // the published f32 copy
+  }
+  EXPECT_NE(f32(del[0].value), f32(make()[0].value));  // it did move
+  delayed.export_state(state);
+  EXPECT_EQ(state.at(AdamW::kStepKey).to_vector<int64_t>()[0], kSteps);
+}
+
+TEST(AdamW, DelayedUpdateEqualsThePlainOneAppliedAStepLater) {
+  expect_delayed_equals_lagged_plain(DType::f32);
+  expect_delayed_equals_lagged_plain(DType::bf16);
+}
+
+// The delayed update needs whole host gradient buffers and whole parameters; an optimizer
+// destroyed with an update pending waits for it.
+TEST(AdamW, DelayedUpdateRefusesRingsAndShards) {
+  Parameter p = param("w", {1, 2, 3, 4});
+  AdamWConfig cfg;
+  cfg.offload = true;
+  cfg.delayed_from = 0;
+  cfg.offload_whole_grads = false;
+  EXPECT_CONTAINS(xmoe::testing::error_of([&] { AdamW bad({&p}, cfg); }),
+                  "needs offload with whole host gradient buffers");
+  cfg.offload_whole_grads = true;
+  const optim::AdamWPiece part(&p, 1, 2);
+  EXPECT_CONTAINS(xmoe::testing::error_of([&] { AdamW bad(std::span(&part, 1), cfg); }),
+                  "cannot be delayed");
+  {
+    AdamW opt({&p}, cfg);
+    set_grad(p, {1, 1, 1, 1});
+    opt.step(0.1f);
+    EXPECT_TRUE(opt.update_pending());
+    EXPECT_EQ(p.weights_f32().to_vector<float>(), std::vector<float>({1, 2, 3, 4}));
+  }
+  EXPECT_NE(p.value.to_vector<float>(), std::vector<float>({1, 2, 3, 4}));
 }
 
 // train.adam_moments_dtype = bf16: the moments take half the bytes; export gives them as f32

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -254,6 +255,76 @@ TEST_F(TrainTest, OffloadedBf16MomentsTrainBitForBitLikeThePlainOnes) {
     EXPECT_EQ(off.steps[i].loss, plain.steps[i].loss) << "step " << i + 1;
     EXPECT_EQ(off.steps[i].grad_norm, plain.steps[i].grad_norm);
   }
+}
+
+// train.offload_delayed_update_from = 3 (CPU, offload): steps 1..3 update as usual, so the
+// losses of steps 1..4 are the plain offloaded run's; from then on forward reads weights one
+// update behind, and the run still learns, close to the plain one. Saved at step 10 (where the
+// uninterrupted run flushes too) and resumed, it repeats the uninterrupted steps bit for bit;
+// the final checkpoint holds the last step's update (delayed only at step 30: the plain run's).
+TEST_F(TrainTest, DelayedOffloadUpdateLagsOneStepAndResumesBitForBit) {
+  Config c = micro_config();
+  c.train.steps = 30;
+  c.train.eval_every = 0;
+  c.train.save_every = 10;
+  c.train.offload_optimizer = true;
+  c.train.out_dir = (root_ / "offload").string();
+  const auto plain = train::train(c, quiet());
+  EXPECT_EQ(plain.delayed_update_bytes, 0);
+  c.train.offload_delayed_update_from = 3;
+  validate(c);
+  c.train.out_dir = (root_ / "delayed").string();
+  const auto delayed = train::train(c, quiet());
+  // The micro model computes in f32: each parameter gets a CPU f32 copy forward reads and its
+  // twin, 8 bytes per f32 master element.
+  EXPECT_EQ(delayed.delayed_update_bytes, 2 * delayed.master_bytes);
+  ASSERT_EQ(delayed.steps.size(), plain.steps.size());
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(delayed.steps[i].loss, plain.steps[i].loss) << "step " << i + 1;
+    EXPECT_EQ(delayed.steps[i].grad_norm, plain.steps[i].grad_norm) << "step " << i + 1;
+  }
+  EXPECT_NE(delayed.steps[4].loss, plain.steps[4].loss);  // step 5 reads weights one behind
+  double mean_delayed = 0, mean_plain = 0;
+  for (size_t i = 25; i < 30; ++i) {
+    mean_delayed += delayed.steps[i].loss / 5;
+    mean_plain += plain.steps[i].loss / 5;
+  }
+  EXPECT_LT(mean_delayed, delayed.steps.front().loss - 0.5);  // it learns
+  EXPECT_NEAR(mean_delayed, mean_plain, 0.03 * mean_plain);
+
+  // Resumed from step 10: the uninterrupted steps and final checkpoint, bit for bit.
+  c.train.out_dir = (root_ / "delayed-resumed").string();
+  auto first = quiet();
+  first.stop_after = 10;
+  train::train(c, first);
+  auto second = quiet();
+  second.resume = true;
+  const auto rest = train::train(c, second);
+  ASSERT_EQ(rest.steps.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(rest.steps[i].loss, delayed.steps[10 + i].loss) << "resumed step " << 11 + i;
+    EXPECT_EQ(rest.steps[i].grad_norm, delayed.steps[10 + i].grad_norm);
+  }
+  auto expect_same_checkpoint = [](const std::string& a, const std::string& b) {
+    const auto ta = train::load_checkpoint(a).tensors, tb = train::load_checkpoint(b).tensors;
+    ASSERT_EQ(ta.size(), tb.size());
+    for (const auto& [name, t] : ta) {
+      ASSERT_TRUE(tb.count(name)) << name;
+      const Tensor& u = tb.at(name);
+      ASSERT_EQ(t.nbytes(), u.nbytes()) << name;
+      EXPECT_EQ(std::memcmp(t.raw(), u.raw(), t.nbytes()), 0) << name << " in " << a;
+    }
+  };
+  expect_same_checkpoint((root_ / "delayed" / "step-30").string(),
+                         (root_ / "delayed-resumed" / "step-30").string());
+
+  // Delayed only at the last step: the final save holds its update, as the plain run's does.
+  c.train.offload_delayed_update_from = 29;
+  c.train.out_dir = (root_ / "delayed-last").string();
+  const auto last = train::train(c, quiet());
+  EXPECT_EQ(last.steps.back().loss, plain.steps.back().loss);
+  expect_same_checkpoint((root_ / "offload" / "step-30").string(),
+                         (root_ / "delayed-last" / "step-30").string());
 }
 
 TEST_F(TrainTest, OffloadWithAffinityPlacementOnCudaIsRefused) {

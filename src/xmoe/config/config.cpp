@@ -212,6 +212,12 @@ const std::vector<Key>& table() {
                "either way; false (or several ranks, zero 2): the gradients travel during the "
                "update through two group-sized host buffers instead of one per gradient, 2-4 "
                "bytes per parameter less pinned memory"),
+      XMOE_KEY(train.offload_delayed_update_from, at_least(-1), {},
+               "train.offload_optimizer: -1 off; N >= 0: steps 1..N update as usual, then each "
+               "step's host update runs during the next step's forward and backward, which read "
+               "the weights one update behind (ZeRO-Offload's delayed parameter update). Needs "
+               "train.offload_overlap, parallel.zero = 0 and parallel.expert_placement = none; "
+               "costs the device a second copy of the weights forward reads"),
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},
@@ -801,6 +807,28 @@ void validate(const Config& c) {
   if (moe.pipeline_backward != "same" && !pipeline_ok(moe.pipeline_backward))
     fail("model.moe.pipeline_backward = '{}' is not same, off, auto or a chunk count >= 1",
          moe.pipeline_backward);
+  if (const int from = c.train.offload_delayed_update_from; from >= 0) {
+    if (!c.train.offload_optimizer)
+      fail(
+          "train.offload_delayed_update_from = {} delays the offloaded update; it needs "
+          "train.offload_optimizer = true",
+          from);
+    if (!c.train.offload_overlap)
+      fail(
+          "train.offload_delayed_update_from = {} needs train.offload_overlap = true (whole host "
+          "gradient buffers, which the delayed update reads while the next step runs)",
+          from);
+    if (c.parallel.zero != 0)
+      fail(
+          "train.offload_delayed_update_from = {} needs parallel.zero = 0 (got {}): the "
+          "delayed update publishes whole weights, not gathered shards",
+          from, c.parallel.zero);
+    if (c.parallel.expert_placement != "none")
+      fail(
+          "train.offload_delayed_update_from = {} needs parallel.expert_placement = none (got "
+          "{}): the placement writes the weights outside the optimizer",
+          from, c.parallel.expert_placement);
+  }
   if (c.parallel.zero > 0 && c.parallel.expert_placement == "affinity")
     fail(
         "parallel.zero = {} shards the AdamW moments, but parallel.expert_placement = affinity "

@@ -129,6 +129,9 @@ struct TrainConfig {
   bool offload_optimizer = false;
   /// offload: each module's gradients start for the host during backward once final
   bool offload_overlap = true;
+  /// offload: -1 off; N >= 0: steps 1..N update as usual, from step N + 1 on each step's host
+  /// update runs while the next step computes (its weights lag one update)
+  int offload_delayed_update_from = -1;
 
   bool operator==(const TrainConfig&) const = default;
 };

@@ -76,7 +76,9 @@ std::pair<int64_t, int64_t> host_memory() {
   return {static_cast<int64_t>(avail) * page, static_cast<int64_t>(total) * page};
 }
 
-/// 64-byte aligned host memory (one cache line; also what AVX-512 loads like).
+/// 64-byte aligned host memory (one cache line; also what AVX-512 loads like). Thread-safe:
+/// aligned_alloc and the atomic counters (the offloaded AdamW's update thread runs beside the
+/// main one; it allocates nothing, but host tensors may be freed on either).
 class CpuAllocator final : public Allocator {
  public:
   CpuAllocator() : Allocator(Device::cpu()) {}

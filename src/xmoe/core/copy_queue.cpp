@@ -2,6 +2,9 @@
 
 #include "xmoe/core/device_api.h"
 
+// Not synchronised: one thread uses a queue at a time (the offloaded AdamW's delayed update hands
+// its queues to its update thread and takes them back when it joins it).
+
 namespace xmoe {
 
 CopyQueue::CopyQueue(Device device) : device_(device) {

@@ -1,8 +1,11 @@
 #include "xmoe/optim/adamw.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <utility>
 
 #include "xmoe/core/profile.h"
 #include "xmoe/ops/optim.h"
@@ -17,6 +20,7 @@ AdamWConfig AdamWConfig::from(const TrainConfig& t) {
   c.weight_decay = t.weight_decay;
   c.offload = t.offload_optimizer;
   c.offload_whole_grads = t.offload_overlap;
+  c.delayed_from = t.offload_delayed_update_from;
   XMOE_CHECK(t.adam_moments_dtype == "f32" || t.adam_moments_dtype == "bf16",
              "[adamw] train.adam_moments_dtype = \"{}\" is not f32 or bf16", t.adam_moments_dtype);
   c.moments_dtype = t.adam_moments_dtype == "bf16" ? DType::bf16 : DType::f32;
@@ -55,6 +59,10 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
   XMOE_CHECK(cfg.weight_decay >= 0, "[adamw] weight_decay = {} must be >= 0", cfg.weight_decay);
   XMOE_CHECK(cfg.moments_dtype == DType::f32 || cfg.moments_dtype == DType::bf16,
              "[adamw] moments_dtype = {} must be f32 or bf16", dtype_name(cfg.moments_dtype));
+  XMOE_CHECK(cfg.delayed_from < 0 || (cfg.offload && cfg.offload_whole_grads),
+             "[adamw] the delayed update (delayed_from = {}) needs offload with whole host "
+             "gradient buffers (train.offload_optimizer, train.offload_overlap)",
+             cfg.delayed_from);
   XMOE_CHECK(cfg.offload_group_numel > 0, "[adamw] offload_group_numel = {} must be positive",
              cfg.offload_group_numel);
   std::set<std::string> names;
@@ -140,6 +148,58 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
   prefetched_.assign(pieces_.size(), 0);
   to_host_ = std::make_unique<CopyQueue>(compute_device_);
   to_device_ = std::make_unique<CopyQueue>(compute_device_);
+  if (cfg.delayed_from < 0) return;
+  // Delayed: made here, on the caller's thread (the update's thread allocates nothing).
+  for (AdamWPiece& piece : pieces_) {
+    Parameter& p = *piece.param;
+    XMOE_CHECK(piece.whole() && !piece.master,
+               "[adamw] {}: the delayed update publishes whole parameters; a piece of one (a "
+               "zero shard) cannot be delayed",
+               p.name);
+    // On the CPU forward would read value itself, which the update writes while it runs.
+    if (compute_device_.is_cpu() && (p.reads_f32 || !p.compute_copy.defined()) &&
+        !p.device_f32.defined()) {
+      p.device_f32 = p.value.clone();
+      cpu_f32_bytes_ += static_cast<int64_t>(p.device_f32.nbytes());
+    }
+    twin_copy_.push_back(p.compute_copy.defined() ? p.compute_copy.clone() : Tensor());
+    twin_f32_.push_back(p.device_f32.defined() ? p.device_f32.clone() : Tensor());
+  }
+}
+
+AdamW::~AdamW() {
+  try {
+    finish();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
+  }
+}
+
+int64_t AdamW::delayed_update_bytes() const {
+  int64_t bytes = cpu_f32_bytes_;
+  for (const std::vector<Tensor>* twins : {&twin_copy_, &twin_f32_})
+    for (const Tensor& t : *twins)
+      if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
+  return bytes;
+}
+
+void AdamW::join_update() {
+  if (update_thread_.joinable()) update_thread_.join();
+  if (update_error_) {
+    pending_ = false;
+    std::rethrow_exception(std::exchange(update_error_, nullptr));
+  }
+}
+
+void AdamW::finish() {
+  join_update();
+  if (!pending_) return;
+  pending_ = false;
+  to_device_->compute_waits();  // for the copies into the twins
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    Parameter& p = *pieces_[i].param;
+    if (twin_copy_[i].defined()) std::swap(p.compute_copy, twin_copy_[i]);
+    if (twin_f32_[i].defined()) std::swap(p.device_f32, twin_f32_[i]);
+  }
 }
 
 int64_t AdamW::state_bytes() const {
@@ -272,6 +332,7 @@ ops::AdamWTensors AdamW::piece_tensors(size_t i, const Tensor& grad,
 
 void AdamW::step(float lr, float grad_scale) {
   ProfileScope scope(cfg_.offload ? "optim.adamw_offload" : "optim.adamw", compute_device_);
+  finish();  // the previous update becomes visible to the step after this one
   settle_grads(params_);
   ++step_;
   const double t = static_cast<double>(step_);
@@ -324,6 +385,7 @@ void AdamW::step(float lr, float grad_scale) {
 void AdamW::prefetch_grads(const std::vector<Parameter*>& params) {
   // Without whole gradient buffers the gradients travel during the update.
   if (!cfg_.offload || !cfg_.offload_whole_grads || params.empty()) return;
+  join_update();  // the running update reads the host gradient buffers
   const std::set<const Parameter*> final_now(params.begin(), params.end());
   settle_grads(params);
   // After the backward that wrote them; the markers of this round stay (step() waits on them).
@@ -346,6 +408,20 @@ void AdamW::forget_prefetched() {
   any_prefetched_ = false;
 }
 
+Tensor AdamW::grad_host(size_t i, size_t g) const {
+  // Its whole buffer, or its run in the group's ring buffer (the buffer group g - kOffloadSlots
+  // used: that group's update, on the same thread, is done with it).
+  if (cfg_.offload_whole_grads) return grad_host_[i];
+  const Tensor t = grad_f32_ring_.piece(i, pieces_[i].count, g);
+  return t.defined() ? t : grad_bf16_ring_.piece(i, pieces_[i].count, g);
+}
+
+int AdamW::send_grads(size_t g) {
+  for (size_t i = groups_[g].first; i < groups_[g].second; ++i)
+    if (!prefetched_[i]) to_host_->copy(grad_host(i, g), flat(piece_grad(i)));
+  return to_host_->mark();
+}
+
 void AdamW::step_offloaded(const ops::AdamWStep& s) {
   // Both queues start after the device's queued work: the gradients are final, and nothing
   // queued still reads the weights the updates overwrite. The gradients prefetched during
@@ -356,23 +432,39 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
   else
     to_host_->after_compute();
   to_device_->after_compute();
-  // Piece i's gradient on the host as group g sees it: its whole buffer, or its run in the
-  // group's ring buffer (the buffer group g - kOffloadSlots used: that group's update, on this
-  // thread, is done with it).
-  auto grad_host = [&](size_t i, size_t g) {
-    if (cfg_.offload_whole_grads) return grad_host_[i];
-    const Tensor t = grad_f32_ring_.piece(i, pieces_[i].count, g);
-    return t.defined() ? t : grad_bf16_ring_.piece(i, pieces_[i].count, g);
-  };
-  auto send_grads = [&](size_t g) {
-    for (size_t i = groups_[g].first; i < groups_[g].second; ++i)
-      if (!prefetched_[i]) to_host_->copy(grad_host(i, g), flat(piece_grad(i)));
-    return to_host_->mark();
-  };
-  std::vector<int> arrived(groups_.size()), returned(groups_.size());
-  if (!groups_.empty()) arrived[0] = send_grads(0);
+  if (!delays(step_)) {
+    update_groups(s, {}, false);
+    to_device_->compute_waits();
+    forget_prefetched();
+    return;
+  }
+  // Delayed: every gradient leaves now; the next backward, which overwrites them, waits for
+  // their copies, and the update runs beside the next step.
+  std::vector<int> arrived;
+  for (size_t g = 0; g < groups_.size(); ++g) arrived.push_back(send_grads(g));
+  to_host_->compute_waits();
+  forget_prefetched();
+  const int threads = std::max(1, omp_get_max_threads() - 1);  // one core launches device work
+  pending_ = true;
+  update_thread_ = std::thread([this, s, arrived = std::move(arrived), threads]() mutable {
+    try {
+      omp_set_num_threads(threads);
+      update_groups(s, std::move(arrived), true);
+    } catch (...) {
+      update_error_ = std::current_exception();
+    }
+  });
+}
+
+void AdamW::update_groups(const ops::AdamWStep& s, std::vector<int> arrived, bool to_twins) {
+  const bool send = arrived.empty();
+  if (send) {
+    arrived.resize(groups_.size());
+    if (!groups_.empty()) arrived[0] = send_grads(0);
+  }
+  std::vector<int> returned(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) {
-    if (g + 1 < groups_.size()) arrived[g + 1] = send_grads(g + 1);
+    if (send && g + 1 < groups_.size()) arrived[g + 1] = send_grads(g + 1);
     to_host_->host_wait(arrived[g]);
     // The bf16 buffer this group writes: free once the copies of the group before that used it
     // have left (long done: a group's update takes longer than its copy back).
@@ -387,14 +479,13 @@ void AdamW::step_offloaded(const ops::AdamWStep& s) {
       const AdamWPiece& piece = pieces_[i];
       const Parameter& p = *piece.param;
       const int64_t a = piece.offset, b = piece.offset + piece.count;
-      if (bf16_ring_.at[i] >= 0) to_device_->copy(flat(p.compute_copy).rows(a, b), bf16_of(i));
-      if (p.device_f32.defined())
-        to_device_->copy(flat(p.device_f32).rows(a, b), flat(p.value).rows(a, b));
+      const Tensor& copy = to_twins ? twin_copy_[i] : p.compute_copy;
+      const Tensor& f32 = to_twins ? twin_f32_[i] : p.device_f32;
+      if (bf16_ring_.at[i] >= 0) to_device_->copy(flat(copy).rows(a, b), bf16_of(i));
+      if (f32.defined()) to_device_->copy(flat(f32).rows(a, b), flat(p.value).rows(a, b));
     }
     returned[g] = to_device_->mark();
   }
-  to_device_->compute_waits();
-  forget_prefetched();
 }
 
 void AdamW::zero_grad() {
@@ -402,6 +493,7 @@ void AdamW::zero_grad() {
 }
 
 void AdamW::export_state(std::map<std::string, Tensor>& out) const {
+  XMOE_CHECK(!pending_, "[adamw] export_state: a delayed update is pending; finish() it first");
   XMOE_CHECK(!sharded_,
              "[adamw] export_state: the moments are sharded over ranks (parallel.zero >= 1); "
              "gather them into whole tensors first");
@@ -414,6 +506,7 @@ void AdamW::export_state(std::map<std::string, Tensor>& out) const {
 }
 
 void AdamW::import_state(const std::map<std::string, Tensor>& in) {
+  XMOE_CHECK(!pending_, "[adamw] import_state: a delayed update is pending; finish() it first");
   auto find = [&](const std::string& key, const Shape& shape, DType dtype) -> const Tensor& {
     auto it = in.find(key);
     XMOE_CHECK(it != in.end(), "[adamw] state has no tensor '{}'", key);

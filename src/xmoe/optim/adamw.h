@@ -5,10 +5,12 @@
 //   p <- p - lr * wd * p              (only where Parameter::weight_decay)
 //   p <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "xmoe/config/config.h"
@@ -39,8 +41,14 @@ struct AdamWConfig {
   /// train.adam_moments_dtype: f32 or bf16 storage of m and v (the update computes in f32 and
   /// stores bf16 ones rounded to nearest even; ops::adamw_step).
   DType moments_dtype = DType::f32;
+  /// Offload (train.offload_delayed_update_from): -1 off; N >= 0: updates 1..N as usual, from
+  /// update N + 1 on step() leaves the host update running and the next step() publishes it
+  /// (ZeRO-Offload's one-step delayed parameter update). Needs offload_whole_grads and whole
+  /// pieces (no zero sharding).
+  int64_t delayed_from = -1;
   /// train.beta1, train.beta2, train.adam_eps, train.weight_decay, train.offload_optimizer,
-  /// train.offload_overlap, train.adam_moments_dtype.
+  /// train.offload_overlap, train.adam_moments_dtype,
+  /// train.offload_delayed_update_from.
   static AdamWConfig from(const TrainConfig& t);
 };
 
@@ -87,6 +95,11 @@ class AdamW {
   /// m, v only for each piece's elements: [count], or the parameter's shape for a whole
   /// piece. A parameter appears in at most one piece.
   AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg);
+  /// Finishes a delayed update (finish()); errors are dropped here (call finish() to see them).
+  ~AdamW();
+  // The delayed update's thread holds `this`.
+  AdamW(const AdamW&) = delete;
+  AdamW& operator=(const AdamW&) = delete;
 
   /// One update of every parameter from grad * grad_scale with learning rate `lr`; step() += 1.
   /// grad_scale is the clip factor (clip_factor): applying it here instead of scale_grads saves
@@ -102,14 +115,40 @@ class AdamW {
   /// i+1 and i-1 overlap the update of group i. The device's next work waits for the last copy
   /// (on the device; the host does not wait). The same code runs on the CPU, with host copies:
   /// the same bits as without offload.
+  ///
+  /// Delayed (AdamWConfig::delayed_from, from update delayed_from + 1 on): first finish() the
+  /// previous update; then this step's gradients go to the host, the device's next work waits
+  /// for their copies (not for the update), and the host update runs on a thread of its own
+  /// (OpenMP leaving one core to the caller), writing the master weights and moments in place
+  /// and, through the copy queue, twins of the tensors forward reads (compute_copy,
+  /// device_f32); step() returns at once. The update is the one the plain step would do (this
+  /// step's lr, grad_scale and t); only when its weights become visible differs. On the CPU the
+  /// optimizer gives every parameter whose forward reads f32 weights a device_f32 copy, so that
+  /// nothing forward reads is written while the update runs.
   void step(float lr, float grad_scale = 1.0f);
+  /// Delayed: waits for the update step() left running (rethrowing its error) and publishes it:
+  /// each parameter's compute_copy and device_f32 swap with the twins it wrote (no copy), and
+  /// the device's next work waits for its copies. Call before anything else reads or writes the
+  /// master weights or the moments (export_state, a checkpoint, the end of training). A no-op
+  /// when none is pending.
+  void finish();
+  /// Delayed: an update is running or done but not yet published (finish()).
+  bool update_pending() const { return pending_; }
+  /// Delayed: whether update `t` (1-based) is delayed.
+  bool delays(int64_t t) const {
+    return cfg_.offload && cfg_.delayed_from >= 0 && t > cfg_.delayed_from;
+  }
+  /// Delayed: bytes of the twins (on the compute device) and of the f32 copies forward reads
+  /// that the delayed mode added on the CPU.
+  int64_t delayed_update_bytes() const;
   /// Zeroes every parameter's grad.
   void zero_grad();
   /// Offloaded: the gradients of `params` are final for the coming step() (backward finished
   /// them and no sync changes them): their pieces' copies to the host start now, on the copy
   /// queue after the device's queued work, so that they travel during the rest of backward;
   /// step() copies only the others. Pieces with their own gradient (zero 2 shards) are left to
-  /// step(). A no-op without offload.
+  /// step(). A no-op without offload. Delayed: first waits for the running update (which reads
+  /// the host gradient buffers), without publishing it.
   void prefetch_grads(const std::vector<Parameter*>& params);
   /// Drops what prefetch_grads() started (a skipped step); step() does it after its update.
   void forget_prefetched();
@@ -163,12 +202,13 @@ class AdamW {
   /// exported widened to f32 (exactly) in host memory: one checkpoint format for both moment
   /// dtypes, and no f32 copy on the device. Sharded moments throw: whoever knows the shards
   /// gathers them (train/state.cpp; parallel::GradientSync::gather_pieces widens them too).
+  /// A pending delayed update throws: finish() it first.
   void export_state(std::map<std::string, Tensor>& out) const;
   /// Loads what export_state wrote (other tensors in `in` are ignored): each piece takes its
   /// range of its parameter's whole moments, and a piece holding master weights its range of
   /// "<param>". Every such tensor must be present with the parameter's shape (f32); a missing or
   /// mis-shaped one throws "[adamw] ..." and leaves the optimizer unchanged. bf16 moments take
-  /// the f32 ones rounded to nearest even.
+  /// the f32 ones rounded to nearest even. A pending delayed update throws: finish() it first.
   void import_state(const std::map<std::string, Tensor>& in);
 
  private:
@@ -179,6 +219,16 @@ class AdamW {
   /// Piece i's tensors for ops::adamw_step reading the gradient `grad`.
   ops::AdamWTensors piece_tensors(size_t i, const Tensor& grad, const Tensor& param_bf16) const;
   void step_offloaded(const ops::AdamWStep& s);
+  /// Offload: piece i's gradient on the host as group g sees it.
+  Tensor grad_host(size_t i, size_t g) const;
+  /// Offload: queues group g's gradients not prefetched to the host; returns their marker.
+  int send_grads(size_t g);
+  /// Offload: the update of every group from the host gradients, copies back after each.
+  /// `arrived`: each group's gradient marker (empty: sends them here, group g + 1's before
+  /// group g's update). `to_twins`: the copies back go to the twins (a delayed update).
+  void update_groups(const ops::AdamWStep& s, std::vector<int> arrived, bool to_twins);
+  /// Delayed: waits for the update thread; rethrows its error.
+  void join_update();
 
   std::vector<AdamWPiece> pieces_;
   std::vector<Parameter*> params_;
@@ -211,6 +261,14 @@ class AdamW {
   std::vector<char> prefetched_;  // per piece: its gradient is on its way to grad_host_
   bool any_prefetched_ = false;
   std::unique_ptr<CopyQueue> to_host_, to_device_;
+  // Delayed: per piece the twins of its parameter's compute_copy and device_f32 (undefined
+  // where the parameter has none), the f32 copies made on the CPU, the update's thread and
+  // error, and whether an update waits to be published.
+  std::vector<Tensor> twin_copy_, twin_f32_;
+  int64_t cpu_f32_bytes_ = 0;
+  std::thread update_thread_;
+  std::exception_ptr update_error_;
+  bool pending_ = false;
 };
 
 }  // namespace xmoe::optim

@@ -141,6 +141,10 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   // Offload on CUDA: the master weights, the moments and the staging live in pinned host
   // memory (on the CPU they are host memory anyway, counted with the rest).
   const bool on_host = r.offload && r.cuda;
+  // The delayed update: forward reads f32 copies on the CPU too (the update writes value), and
+  // each copy forward reads has a twin the update writes.
+  r.delayed_update = r.offload && config.train.offload_delayed_update_from >= 0;
+  const bool f32_copies = on_host || r.delayed_update;
 
   // Parameters, compute copies, gradients.
   const std::vector<ParamSpec> params = parameter_specs(m, r.tp, r.ssmb, r.ep);
@@ -156,7 +160,9 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
     r.parameters += p.numel;
     if (!master_sharded(p)) r.parameter_bytes += 4 * p.numel;
     if (copy) r.compute_copy_bytes += 2 * p.numel;
-    if (on_host && (p.reads_f32 || !copy)) r.device_f32_bytes += 4 * p.numel;
+    const bool f32_copy = f32_copies && (p.reads_f32 || !copy);
+    if (f32_copy) r.device_f32_bytes += 4 * p.numel;
+    if (r.delayed_update) r.delayed_update_bytes += ((copy ? 2 : 0) + (f32_copy ? 4 : 0)) * p.numel;
     r.whole_gradient_bytes += p.grad_bytes * p.numel;
     (p.kind == ParamKind::dense    ? r.dense_gradient_bytes
      : p.kind == ParamKind::expert ? r.expert_gradient_bytes
@@ -251,9 +257,11 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
       for (size_t i = 0; i < params.size(); ++i) staging(params[i], numels[i]);
     }
     // The trainer's AdamW: whole gradient buffers where its gradients start during backward
-    // (train.offload_overlap, one process, zero < 2), else rings of group-sized buffers.
+    // (train.offload_overlap, one process, zero < 2) or that the delayed update reads while
+    // the next step runs, else rings of group-sized buffers.
     optim::AdamWConfig adam = optim::AdamWConfig::from(config.train);
-    adam.offload_whole_grads = adam.offload_whole_grads && o.world == 1 && r.zero < 2;
+    adam.offload_whole_grads =
+        adam.offload_whole_grads && ((o.world == 1 && r.zero < 2) || r.delayed_update);
     const auto groups = optim::AdamW::offload_groups(piece_counts, adam.offload_group_numel);
     auto ring = [&](auto member) {
       std::vector<char> m;
@@ -393,9 +401,9 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   int64_t shards = 0;
   for (const ZeroBucket& b : zero_buckets) shards += 4 * b.plan.shard;
 
-  r.steady_bytes =
-      r.compute_copy_bytes + r.gradient_bytes + state +
-      (on_host ? r.device_f32_bytes : r.parameter_bytes + r.optimizer_bytes + r.staging_bytes);
+  r.steady_bytes = r.compute_copy_bytes + r.gradient_bytes + state + r.device_f32_bytes +
+                   r.delayed_update_bytes +
+                   (on_host ? 0 : r.parameter_bytes + r.optimizer_bytes + r.staging_bytes);
   // zero 0, 1: every whole gradient is in the steady bytes; zero 2: backward's gradients are in
   // its peak, and the update runs beside the shards.
   r.peak_bytes = r.steady_bytes + std::max(r.activation_peak_bytes, shards + r.comm_bytes);
@@ -408,6 +416,7 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
       {"parameters (f32 master" + (r.bf16_compute ? sharded : "") + ")", r.parameter_bytes, true,
        on_host},
       {"f32 copies forward reads (offload)", r.device_f32_bytes, true},
+      {"twins the delayed update writes", r.delayed_update_bytes, true},
       {"compute copies (bf16)", r.compute_copy_bytes, true},
       {"gradients", r.gradient_bytes, true},
       {"AdamW moments m, v" + std::string(r.moments_bf16 ? " (bf16)" : "") + sharded,

@@ -49,8 +49,9 @@ struct MemoryModel {
   bool ssmb = true;
   bool cuda = false;
   bool bf16_compute = false;
-  bool offload = false;       ///< train.offload_optimizer
-  bool moments_bf16 = false;  ///< train.adam_moments_dtype = bf16
+  bool offload = false;         ///< train.offload_optimizer
+  bool moments_bf16 = false;    ///< train.adam_moments_dtype = bf16
+  bool delayed_update = false;  ///< train.offload_delayed_update_from >= 0 (with offload)
   /// Parameter elements this rank holds (dense ones, its tp shards and its ep share of the
   /// experts).
   int64_t parameters = 0;
@@ -61,8 +62,12 @@ struct MemoryModel {
   /// parameters read through bf16 copies (parallel::GradientSync::shards_master)
   int64_t parameter_bytes = 0;
   int64_t compute_copy_bytes = 0;
-  /// Offload on CUDA: the device's f32 copies of the weights forward reads in f32.
+  /// Offload on CUDA (and the delayed update on the CPU): the device's f32 copies of the
+  /// weights forward reads in f32.
   int64_t device_f32_bytes = 0;
+  /// train.offload_delayed_update_from: the twins the delayed update writes while forward reads
+  /// the others, 2 bytes per bf16 compute-copy element and 4 per f32-copy element.
+  int64_t delayed_update_bytes = 0;
   /// Offload: the host buffers the gradients and bf16 copies travel through (AdamW's).
   int64_t staging_bytes = 0;
   int64_t gradient_bytes = 0;  ///< between steps (zero 2: the shards only)

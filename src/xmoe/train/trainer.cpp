@@ -359,8 +359,10 @@ class Run {
     for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
       pieces.emplace_back(p.param, p.offset, p.count, Tensor(), p.shard_grad, p.master);
     optim::AdamWConfig adam = optim::AdamWConfig::from(tc_);
-    // Whole host buffers for the gradients only where they start during backward.
-    adam.offload_whole_grads = adam.offload_whole_grads && grad_sync_->grads_final_after_backward();
+    // Whole host buffers for the gradients only where they start during backward, or where the
+    // delayed update reads them while the next step runs.
+    adam.offload_whole_grads = adam.offload_whole_grads &&
+                               (grad_sync_->grads_final_after_backward() || adam.delayed_from >= 0);
     opt_ = std::make_unique<optim::AdamW>(pieces, adam);
     // zero >= 1 with bf16 copies: the optimizer copied its pieces' f32 master weights; the
     // parameters keep only their bf16 copies (those of every rank, all-gathered each step).
@@ -376,6 +378,7 @@ class Run {
     for (const Parameter* p : params_)
       if (!p->master_sharded) result.master_bytes += 4 * p->value.numel();
     result.offload_staging_bytes = opt_->staging_bytes();
+    result.delayed_update_bytes = opt_->delayed_update_bytes();
     schedule_.emplace(optim::LrSchedule::from(tc_));
     tokens_per_step_ =
         static_cast<int64_t>(tc_.batch_size) * tc_.seq_len * tc_.grad_accum * layout_.data_ranks();
@@ -637,6 +640,9 @@ class Run {
                        {"tp", layout_.tp},
                        {"ssmb", layout_.ssmb}};
     const std::string dir = (fs::path(tc_.out_dir) / fmt::format("step-{}", step)).string();
+    // A delayed update lands first: the checkpoint holds every step's update (the resumed run
+    // continues as the uninterrupted one, which flushes here too).
+    opt_->finish();
     // The collective parts (ZeRO's moment gathers, tensor-parallel gathers) on this thread.
     const TensorMap opt_state = optimizer_state(*opt_, *grad_sync_);
     TensorMap tensors = checkpoint_tensors(params_, opt_state, moe_layers_, layout_);
@@ -736,6 +742,9 @@ class Run {
   }
 
   bool leader() const { return leader_; }
+  /// Publishes the last delayed update (train.offload_delayed_update_from): the trained
+  /// weights include every step's.
+  void finish_update() { opt_->finish(); }
 
   TrainResult result;
 
@@ -836,6 +845,7 @@ TrainResult train(const Config& config, const TrainOptions& options) {
       break;
     }
   }
+  run.finish_update();
   // The final save (and any still in flight) completes before the run returns.
   Timer final_save_timer;
   run.collect_save();

@@ -82,6 +82,9 @@ struct TrainResult {
   /// train.offload_optimizer: host bytes the gradients and bf16 copies travel through between
   /// the device and the host update (0 without offload)
   int64_t offload_staging_bytes = 0;
+  /// train.offload_delayed_update_from: bytes of the twins the delayed update writes (and, on
+  /// the CPU, of the f32 copies forward reads instead of the master weights)
+  int64_t delayed_update_bytes = 0;
 };
 
 /// Trains `config` (already validated; for a resume, train::resume_config's). Prepares the
