@@ -390,6 +390,39 @@ TEST(DistributedTraining, MatchesOneProcessForEveryLayout) {
   world()->barrier();
 }
 
+// train.offload_delayed_update_from over data-parallel ranks: each rank's host update of the
+// all-reduced gradients runs beside its next step, as in one process, so the run follows the
+// one-process delayed run of the global batch. Its first N + 2 steps are the plain offloaded
+// run's bit for bit: update N + 1 = 4 is the first delayed one, but the step-4 checkpoint
+// publishes it, so the delay first shows at step 6 (update 5 unseen).
+TEST(DistributedTraining, DelayedOffloadUpdateMatchesOneProcess) {
+  const fs::path root = shared_root();
+  const int n = world()->size();
+  Config c = micro_config(root, "softmax_topk");
+  c.train.offload_optimizer = true;
+  c.train.offload_overlap = true;
+  constexpr int kFrom = 3;
+  c.train.offload_delayed_update_from = kFrom;
+  validate(c);
+  const auto ref = reference(c, root, "delayed");
+  for (int ep : {n, 1}) {
+    c.parallel.ep = ep;
+    c.train.offload_delayed_update_from = kFrom;
+    const std::string tag = "delayed-ep" + std::to_string(ep);
+    const auto got = run_training(c, (root / tag).string(), world());
+    ASSERT_EQ(got.steps.size(), ref.steps.size()) << tag;
+    expect_same_losses(ref, got, 0, tag);
+    EXPECT_GT(got.delayed_update_bytes, 0) << tag;
+    c.train.offload_delayed_update_from = -1;
+    const auto plain = run_training(c, (root / (tag + "-plain")).string(), world());
+    ASSERT_EQ(c.train.save_every, kFrom + 1);
+    for (size_t i = 0; i <= kFrom + 1; ++i)
+      EXPECT_EQ(got.steps[i].loss, plain.steps[i].loss) << tag << " step " << i + 1;
+    EXPECT_NE(got.steps[kFrom + 2].loss, plain.steps[kFrom + 2].loss) << tag << ": no delay";
+  }
+  world()->barrier();
+}
+
 // data.mix over data-parallel ranks: each rank its windows of the mixed global batch, so the run
 // (and the per-folder validation) equals the one-process run; a second folder is prepared from
 // the corpus's second half.
