@@ -25,7 +25,8 @@
 # HOST_FRACTION (0.9), MB (4), SEQ (2048), GA (16), STEPS (2), WARMUP (1), GRID (256 to
 # 1024 by 32), PEER_FROM (320), PROJECT_TOKENS (1048576), LEVERS (offload eg16 none eg16-recompute; also eg16-m16, offload-m16:
 # with train.adam_moments_dtype=bf16; offload-dpu: the host update delayed by one step, hidden
-# behind the next step, its optimizer_ms only the part left visible), PEER (1: first).
+# behind the next step, its optimizer_ms only the part left visible; offload-dpu-m16: that with
+# bf16 moments), PEER (1: first).
 # The update's time does not shrink with the batch: the table also projects each run's tokens/s
 # to PROJECT_TOKENS-token global batches (1M) from its measured micro-batch and update times.
 # Output: JSON lines in $OUT/largest.jsonl ("largest_model" per run, "largest_model_summary"),
@@ -74,6 +75,7 @@ lever_sets() {
     offload) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true train.offload_overlap=false" ;;
     eg16-m16) echo "model.moe.expert_grad_dtype=bf16 train.adam_moments_dtype=bf16" ;;
     offload-dpu) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true train.offload_overlap=true train.offload_delayed_update_from=2" ;;
+    offload-dpu-m16) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true train.offload_overlap=true train.offload_delayed_update_from=2 train.adam_moments_dtype=bf16" ;;
     offload-m16) echo "model.moe.expert_grad_dtype=bf16 train.offload_optimizer=true train.offload_overlap=false train.adam_moments_dtype=bf16" ;;
     *) echo "largest_model.sh: unknown lever $1" >&2; exit 2 ;;
   esac
