@@ -212,12 +212,14 @@ const std::vector<Key>& table() {
                "either way; false (or several ranks, zero 2): the gradients travel during the "
                "update through two group-sized host buffers instead of one per gradient, 2-4 "
                "bytes per parameter less pinned memory"),
-      XMOE_KEY(train.offload_delayed_update_from, at_least(-1), {},
-               "train.offload_optimizer: -1 off; N >= 0: steps 1..N update as usual, then each "
-               "step's host update runs during the next step's forward and backward, which read "
-               "the weights one update behind (ZeRO-Offload's delayed parameter update). Needs "
-               "train.offload_overlap, parallel.zero = 0 and parallel.expert_placement = none; "
-               "costs the device a second copy of the weights forward reads"),
+      XMOE_KEY(
+          train.offload_delayed_update_from, at_least(-1), {},
+          "train.offload_optimizer: -1 off; N >= 0: steps 1..N update as usual, then each "
+          "step's host update runs during the next step's forward and backward, which read "
+          "the weights one update behind (ZeRO-Offload's delayed parameter update). Needs "
+          "train.offload_overlap, parallel.zero = 0 and parallel.expert_placement = none; "
+          "costs the device a second copy of the weights forward reads, and convergence (much on "
+          "small models at high lr: docs/training.md)"),
       // parallel
       XMOE_KEY(parallel.ep, at_least(1), {}, "expert-parallel degree (divides num_experts)"),
       XMOE_KEY(parallel.tp, at_least(1), {},
