@@ -53,6 +53,7 @@ using xmoe::testing::host_f32;
 using xmoe::testing::kCuda;
 using xmoe::testing::normalised_error;
 using xmoe::testing::quiet;
+using xmoe::testing::train_stopped_and_resumed;
 
 using namespace xmoe;
 namespace fs = std::filesystem;
@@ -548,12 +549,7 @@ TEST_F(CudaTrainTest, ResumeOnTheDeviceReproducesTheRun) {
   c.train.device = "cuda";
   const auto straight = train::train(c, quiet());
   c.train.out_dir = (root_ / "resumed").string();
-  auto first = quiet();
-  first.stop_after = 5;
-  train::train(c, first);
-  auto second = quiet();
-  second.resume = true;
-  const auto b = train::train(c, second);
+  const auto b = train_stopped_and_resumed(c, 5);
   ASSERT_EQ(b.steps.size(), 5u);
   for (int i = 0; i < 5; ++i) {
     EXPECT_EQ(straight.steps[5 + i].loss, b.steps[i].loss) << "step " << 6 + i;
@@ -594,12 +590,7 @@ TEST_F(CudaTrainTest, OffloadFollowsTheOnDeviceOptimizer) {
       EXPECT_EQ(after.steps[i].loss, off.steps[i].loss) << dtype << " overlap, step " << i + 1;
     c.train.offload_overlap = true;
     c.train.out_dir = (root_ / (std::string("offload-resumed-") + dtype)).string();
-    auto first = quiet();
-    first.stop_after = 5;
-    train::train(c, first);
-    auto second = quiet();
-    second.resume = true;
-    const auto rest = train::train(c, second);
+    const auto rest = train_stopped_and_resumed(c, 5);
     ASSERT_EQ(rest.steps.size(), 5u);
     for (int i = 0; i < 5; ++i)
       EXPECT_EQ(rest.steps[i].loss, off.steps[5 + i].loss) << dtype << " resumed step " << 6 + i;
@@ -642,12 +633,7 @@ TEST_F(CudaTrainTest, DelayedOffloadUpdateFollowsTheCpu) {
                 static_cast<long long>(dpu.steady_bytes), static_cast<long long>(off.steady_bytes));
     Config resumed = predicted;
     resumed.train.out_dir = (root_ / (std::string("delayed-resumed-") + dtype)).string();
-    auto first = quiet();
-    first.stop_after = 5;
-    train::train(resumed, first);
-    auto second = quiet();
-    second.resume = true;
-    const auto rest = train::train(resumed, second);
+    const auto rest = train_stopped_and_resumed(resumed, 5);
     ASSERT_EQ(rest.steps.size(), 5u);
     for (int i = 0; i < 5; ++i)
       EXPECT_EQ(rest.steps[i].loss, dpu.steps[5 + i].loss) << dtype << " resumed step " << 6 + i;

@@ -55,6 +55,7 @@ class TrainTest : public xmoe::testing::MicroCorpusTest {
 };
 
 using xmoe::testing::quiet;
+using xmoe::testing::train_stopped_and_resumed;
 
 }  // namespace
 
@@ -164,12 +165,7 @@ TEST_F(TrainTest, OffloadedOptimizerTrainsBitForBitLikeThePlainOne) {
 
     // Saved and resumed with offload: the straight run's steps, bit for bit.
     c.train.out_dir = (root_ / (std::string("offload-resumed-") + grad_dtype)).string();
-    auto first = quiet();
-    first.stop_after = 6;
-    train::train(c, first);
-    auto second = quiet();
-    second.resume = true;
-    const auto rest = train::train(c, second);
+    const auto rest = train_stopped_and_resumed(c, 6);
     ASSERT_EQ(rest.steps.size(), 6u);
     for (size_t i = 0; i < 6; ++i)
       EXPECT_EQ(rest.steps[i].loss, plain.steps[6 + i].loss) << grad_dtype << " resumed";
@@ -294,12 +290,7 @@ TEST_F(TrainTest, DelayedOffloadUpdateLagsOneStepAndResumesBitForBit) {
 
   // Resumed from step 10: the uninterrupted steps and final checkpoint, bit for bit.
   c.train.out_dir = (root_ / "delayed-resumed").string();
-  auto first = quiet();
-  first.stop_after = 10;
-  train::train(c, first);
-  auto second = quiet();
-  second.resume = true;
-  const auto rest = train::train(c, second);
+  const auto rest = train_stopped_and_resumed(c, 10);
   ASSERT_EQ(rest.steps.size(), 20u);
   for (size_t i = 0; i < 20; ++i) {
     EXPECT_EQ(rest.steps[i].loss, delayed.steps[10 + i].loss) << "resumed step " << 11 + i;
@@ -635,12 +626,7 @@ TEST_F(TrainTest, WeightedMixResumesBitForBitAndEvaluatesEachFolder) {
   EXPECT_CONTAINS(metrics, "\"val_loss_sets\":{\"" + (root_ / "data").string() + "\":");
 
   c.train.out_dir = (root_ / "resumed").string();
-  auto first = quiet();
-  first.stop_after = 10;
-  train::train(c, first);
-  auto second = quiet();
-  second.resume = true;
-  const auto b = train::train(c, second);
+  const auto b = train_stopped_and_resumed(c, 10);
   ASSERT_EQ(b.steps.size(), 10u);
   for (int i = 0; i < 10; ++i) {
     EXPECT_EQ(straight.steps[10 + i].loss, b.steps[i].loss) << "step " << 11 + i;

@@ -158,6 +158,17 @@ inline train::TrainOptions quiet() {
   return o;
 }
 
+/// `c` trained quietly until step `stop_after` (a checkpoint must be saved there), then resumed
+/// in the same run folder to its end: the resumed run's result (steps stop_after + 1 on).
+inline train::TrainResult train_stopped_and_resumed(const Config& c, int stop_after) {
+  train::TrainOptions first = quiet();
+  first.stop_after = stop_after;
+  train::train(c, first);
+  train::TrainOptions second = quiet();
+  second.resume = true;
+  return train::train(c, second);
+}
+
 /// A fresh folder per test, temp/<prefix><test name>-<pid>, with `proverbs` lines of English
 /// in root/corpus/text.txt (write_proverbs); removed afterwards.
 class MicroCorpusTest : public ::testing::Test {
