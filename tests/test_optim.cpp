@@ -1,5 +1,6 @@
 // AdamW against hand-computed steps, its checkpoint state, the LR schedule, gradient clipping
 // and the non-finite check.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,6 +21,18 @@ Parameter param(const std::string& name, std::vector<float> v, bool decay = true
   Parameter p = Parameter::make(name, {static_cast<int64_t>(v.size())}, ParamKind::dense, decay);
   p.value.copy_from(Tensor::from_vector<float>(v, {static_cast<int64_t>(v.size())}));
   return p;
+}
+/// `count` parameters p0, p1, ... of 3, 7, 11, ... elements, element j of p_i sin(freq * (i *
+/// stride + j)); all with weight decay but p_{no_decay}.
+std::vector<Parameter> sine_params(int count, float freq, int stride, int no_decay) {
+  std::vector<Parameter> ps;
+  for (int i = 0; i < count; ++i) {
+    std::vector<float> v(static_cast<size_t>(3 + 4 * i));
+    for (size_t j = 0; j < v.size(); ++j)
+      v[j] = std::sin(freq * static_cast<float>(static_cast<size_t>(i * stride) + j));
+    ps.push_back(param(fmt::format("p{}", i), v, i != no_decay));
+  }
+  return ps;
 }
 void set_grad(Parameter& p, std::vector<float> g) {
   p.grad.copy_from(Tensor::from_vector<float>(g, p.grad.shape()));
@@ -135,15 +148,7 @@ TEST(AdamW, BadStateAndConfigThrow) {
 // (f32 and bf16) end with the same bits as the plain update, moments (f32 or bf16) included.
 void expect_offloaded_equals_plain(DType moments_dtype) {
   SCOPED_TRACE(dtype_name(moments_dtype));
-  auto make = [] {
-    std::vector<Parameter> ps;
-    for (int i = 0; i < 4; ++i) {
-      std::vector<float> v(static_cast<size_t>(3 + 4 * i));
-      for (size_t j = 0; j < v.size(); ++j) v[j] = std::sin(0.7f * static_cast<float>(i * 31 + j));
-      ps.push_back(param("p" + std::to_string(i), v, i != 2));
-    }
-    return ps;
-  };
+  auto make = [] { return sine_params(4, 0.7f, 31, 2); };
   std::vector<Parameter> a = make(), b = make(), c = make();
   // bf16 compute copies on p0, p1, p3 (the offloaded update sends them back through two slots of
   // the largest group's copies, 3 + 5: three groups, so the first slot is used again).
@@ -246,12 +251,7 @@ void expect_delayed_equals_lagged_plain(DType moments_dtype) {
   SCOPED_TRACE(dtype_name(moments_dtype));
   constexpr int kPlainSteps = 2, kSteps = 10;
   auto make = [] {
-    std::vector<Parameter> ps;
-    for (int i = 0; i < 3; ++i) {
-      std::vector<float> v(static_cast<size_t>(3 + 4 * i));
-      for (size_t j = 0; j < v.size(); ++j) v[j] = std::sin(0.3f * static_cast<float>(i * 17 + j));
-      ps.push_back(param("p" + std::to_string(i), v, i != 1));
-    }
+    std::vector<Parameter> ps = sine_params(3, 0.3f, 17, 1);
     // p0: a bf16 compute copy; p1: none (forward reads f32); p2: both (reads_f32).
     for (int i : {0, 2}) {
       Parameter& p = ps[static_cast<size_t>(i)];

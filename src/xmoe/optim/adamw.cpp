@@ -27,6 +27,13 @@ AdamWConfig AdamWConfig::from(const TrainConfig& t) {
   return c;
 }
 
+AdamWConfig AdamWConfig::for_run(const TrainConfig& t, bool grads_final_after_backward) {
+  AdamWConfig c = from(t);
+  c.offload_whole_grads =
+      c.offload_whole_grads && (grads_final_after_backward || c.delayed_from >= 0);
+  return c;
+}
+
 namespace {
 
 std::vector<AdamWPiece> whole_pieces(const std::vector<Parameter*>& params) {

@@ -50,6 +50,11 @@ struct AdamWConfig {
   /// train.offload_overlap, train.adam_moments_dtype,
   /// train.offload_delayed_update_from.
   static AdamWConfig from(const TrainConfig& t);
+  /// from(t) for a training run whose gradients are final when backward ends (one process,
+  /// zero < 2: parallel::GradientSync::grads_final_after_backward) or not: whole host gradient
+  /// buffers only where backward starts their copies or the delayed update reads them while the
+  /// next step runs; else the gradient rings. The trainer's AdamW, and the memory model's.
+  static AdamWConfig for_run(const TrainConfig& t, bool grads_final_after_backward);
 };
 
 /// A run of one parameter's elements that an AdamW updates: the whole parameter (the default),

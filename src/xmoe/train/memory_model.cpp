@@ -256,12 +256,9 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
       piece_counts.clear(), piece_grad_bytes.clear(), piece_copy.clear();
       for (size_t i = 0; i < params.size(); ++i) staging(params[i], numels[i]);
     }
-    // The trainer's AdamW: whole gradient buffers where its gradients start during backward
-    // (train.offload_overlap, one process, zero < 2) or that the delayed update reads while
-    // the next step runs, else rings of group-sized buffers.
-    optim::AdamWConfig adam = optim::AdamWConfig::from(config.train);
-    adam.offload_whole_grads =
-        adam.offload_whole_grads && ((o.world == 1 && r.zero < 2) || r.delayed_update);
+    // The trainer's AdamW (GradientSync::grads_final_after_backward: one process, zero < 2).
+    const optim::AdamWConfig adam =
+        optim::AdamWConfig::for_run(config.train, o.world == 1 && r.zero < 2);
     const auto groups = optim::AdamW::offload_groups(piece_counts, adam.offload_group_numel);
     auto ring = [&](auto member) {
       std::vector<char> m;

@@ -358,12 +358,8 @@ class Run {
     std::vector<optim::AdamWPiece> pieces;
     for (const parallel::OwnedPiece& p : grad_sync_->owned_pieces())
       pieces.emplace_back(p.param, p.offset, p.count, Tensor(), p.shard_grad, p.master);
-    optim::AdamWConfig adam = optim::AdamWConfig::from(tc_);
-    // Whole host buffers for the gradients only where they start during backward, or where the
-    // delayed update reads them while the next step runs.
-    adam.offload_whole_grads = adam.offload_whole_grads &&
-                               (grad_sync_->grads_final_after_backward() || adam.delayed_from >= 0);
-    opt_ = std::make_unique<optim::AdamW>(pieces, adam);
+    opt_ = std::make_unique<optim::AdamW>(
+        pieces, optim::AdamWConfig::for_run(tc_, grad_sync_->grads_final_after_backward()));
     // zero >= 1 with bf16 copies: the optimizer copied its pieces' f32 master weights; the
     // parameters keep only their bf16 copies (those of every rank, all-gathered each step).
     for (Parameter* p : params_)
