@@ -58,6 +58,30 @@ TEST(CudaFp8, QuantisersWriteTheCpuBytesAndScales) {
   }
 }
 
+// The fused SwiGLU quantiser writes the bytes and scales of swiglu then quantize_rows_fp8 on the
+// GPU (bitwise: one expression, one rounding to the rows' dtype), and follows the CPU's.
+TEST(CudaFp8, SwigluQuantiserWritesTheTwoPassBytes) {
+  XMOE_REQUIRE_CUDA();
+  const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
+  // f = 200: partial blocks (one block per warp, 4-wide loads); 130: element by element; 1408
+  // and 256: whole blocks (the wide kernel).
+  for (const int64_t f : {200, 130, 1408, 256})
+    for (DType dt : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE(fmt::format("f {} {}", f, dtype_name(dt)));
+      const Tensor h = ops::cast(randn({467, 2 * f}, 5, 2.0f).to(kCuda), dt);
+      const ops::Fp8Rows fused = ops::swiglu_quantize_rows_fp8(h, sizes);
+      const ops::Fp8Rows two_pass = ops::quantize_rows_fp8(ops::swiglu(h), sizes);
+      EXPECT_EQ(fused.data.to(Device::cpu()).to_vector<uint8_t>(),
+                two_pass.data.to(Device::cpu()).to_vector<uint8_t>());
+      EXPECT_EQ(fused.scales.to(Device::cpu()).to_vector<float>(),
+                two_pass.scales.to(Device::cpu()).to_vector<float>());
+      const ops::Fp8Rows cpu = ops::swiglu_quantize_rows_fp8(host_f32(h), sizes);
+      EXPECT_LT(normalised_error(ops::dequantize_rows_fp8(fused, DType::f32),
+                                 ops::dequantize_rows_fp8(cpu, DType::f32)),
+                dt == DType::bf16 ? 0.04 : 1e-3);
+    }
+}
+
 // Uneven groups (one empty, one of a single row), both directions, two layer shapes: the sm90
 // kernel (counted) within bf16 rounding of the CPU's products of the same quantised operands; an
 // f32 output takes the dequantising path, to f32 rounding.

@@ -106,6 +106,21 @@ TEST(Fp8, WeightQuantisationKeepsBothLayouts) {
   EXPECT_LT(err, 0.05);
 }
 
+// The fused SwiGLU quantiser (the expert forward's down-projection input) quantises swiglu(h):
+// within FP8's error of it, refusing an h that is not [N, 2f] or rows its groups do not cover.
+TEST(Fp8, SwigluQuantiserQuantisesTheActivation) {
+  const std::vector<int64_t> sizes{37, 0, 130, 1};
+  const Tensor h = randn({168, 2 * 200}, 6, 2.0f);
+  const ops::Fp8Rows q = ops::swiglu_quantize_rows_fp8(h, sizes);
+  ASSERT_EQ(q.data.shape(), (Shape{168, 200}));
+  EXPECT_EQ(q.group_sizes, sizes);
+  const double err = normalised_error(ops::dequantize_rows_fp8(q, DType::f32), ops::swiglu(h));
+  EXPECT_GT(err, 1e-3);
+  EXPECT_LT(err, 0.05);
+  EXPECT_THROW(ops::swiglu_quantize_rows_fp8(randn({168, 201}, 7), sizes), Error);
+  EXPECT_THROW(ops::swiglu_quantize_rows_fp8(h, std::vector<int64_t>{37, 130}), Error);
+}
+
 // y = x_g @ w[g] and x_g @ w[g]^T on quantised operands: within FP8's error of the exact
 // products, and exactly the products of the dequantised operands.
 TEST(Fp8, GroupedMatmulFollowsTheExactProducts) {

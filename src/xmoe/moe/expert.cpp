@@ -295,8 +295,14 @@ class SwigluExperts final : public Experts {
     for (const Chunk& c : chunks(part)) {  // a [n_c, f] lives for one chunk only
       const int64_t r0 = c.row_begin - part.row_begin, r1 = c.row_end - part.row_begin;
       Tensor out_c = out.rows(r0, r1);
-      expert_gemm_into(out_c, xmoe::ops::swiglu(h.rows(r0, r1)), Weight::down, c.group_begin,
-                       c.group_end, c.sizes(groups_), false);
+      if (fp8_) {  // SwiGLU and the quantiser in one pass: swiglu(h) is never written
+        xmoe::ops::grouped_matmul_fp8_into(
+            out_c, xmoe::ops::swiglu_quantize_rows_fp8(h.rows(r0, r1), c.sizes(groups_)),
+            qd_.groups(c.group_begin, c.group_end), false);
+      } else {
+        expert_gemm_into(out_c, xmoe::ops::swiglu(h.rows(r0, r1)), Weight::down, c.group_begin,
+                         c.group_end, c.sizes(groups_), false);
+      }
     }
     part.h = recompute_ ? Tensor() : h;
     parts_.push_back(std::move(part));

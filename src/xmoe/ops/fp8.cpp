@@ -62,6 +62,24 @@ Fp8Rows quantize_rows_fp8(const Tensor& x, std::span<const int64_t> group_sizes)
   return q;
 }
 
+Fp8Rows swiglu_quantize_rows_fp8(const Tensor& h, std::span<const int64_t> group_sizes) {
+  const char* op = "swiglu_quantize_rows_fp8";
+  require_float(op, "h", h);
+  XMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "[{}] h must be [N, 2f], got {}", op,
+             shape_str(h.shape()));
+  if (h.is_cpu()) return quantize_rows_fp8(swiglu(h), group_sizes);
+  const int64_t n = h.size(0), f = h.size(1) / 2;
+  XMOE_CHECK(total_rows(op, group_sizes) == n, "[{}] group sizes sum to {} but h has {} rows", op,
+             total_rows(op, group_sizes), n);
+  Fp8Rows q{Tensor::empty({n, f}, DType::u8, h.device()),
+            Tensor::empty({n * blocks(f)}, DType::f32, h.device()),
+            {group_sizes.begin(), group_sizes.end()}};
+  cuda::swiglu_quantize_rows_fp8(q.data.data<uint8_t>(), q.scales.data<float>(), h.raw(), h.dtype(),
+                                 group_sizes.data(), static_cast<int64_t>(group_sizes.size()), f,
+                                 stream_of(h));
+  return q;
+}
+
 Tensor dequantize_rows_fp8(const Fp8Rows& x, DType dtype) {
   const char* op = "dequantize_rows_fp8";
   require_fp8_rows(op, x);

@@ -20,6 +20,9 @@ struct Fp8Rows {
 };
 /// x [N, K] (f32 or bf16) in groups of group_sizes rows.
 Fp8Rows quantize_rows_fp8(const Tensor& x, std::span<const int64_t> group_sizes);
+/// quantize_rows_fp8(swiglu(h), group_sizes) for h [N, 2f]: on CUDA one pass that never writes
+/// swiglu(h) (the expert forward's down-projection input); the same bytes and scales.
+Fp8Rows swiglu_quantize_rows_fp8(const Tensor& h, std::span<const int64_t> group_sizes);
 /// Back to `dtype`: q * scale per element.
 Tensor dequantize_rows_fp8(const Fp8Rows& x, DType dtype);
 

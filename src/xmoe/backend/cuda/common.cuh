@@ -34,6 +34,12 @@ __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
   return __float2bfloat16_rn(x);  // round to nearest even, like xmoe::bf16 on the host
 }
 
+/// SwiGLU's a = silu(g) * u, the one expression every kernel computing it uses (so fused
+/// kernels write the bytes of the plain one).
+__device__ __forceinline__ float swiglu_value(float g, float u) {
+  return g / (1.0f + expf(-g)) * u;
+}
+
 constexpr unsigned kFullMask = 0xffffffffu;
 
 /// The sum of every thread's `acc` over the block, in a fixed tree (so its bits do not depend

@@ -50,7 +50,7 @@ __global__ void swiglu_forward_kernel(T* a, const T* h, int64_t rows, int64_t f)
   XMOE_GRID_STRIDE(i, rows * f) {
     const int64_t r = i / f, j = i - r * f;
     const float g = to_float(h[r * 2 * f + j]), u = to_float(h[r * 2 * f + f + j]);
-    a[i] = from_float<T>(g / (1.0f + expf(-g)) * u);
+    a[i] = from_float<T>(swiglu_value(g, u));
   }
 }
 

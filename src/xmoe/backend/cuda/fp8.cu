@@ -89,9 +89,54 @@ __device__ __forceinline__ int64_t row_scale_index(const RowGroups& groups, int6
   return o * kb + j * n + (r - o);
 }
 
+__device__ __forceinline__ void load_vec(float (&v)[4], const bf16_t* p) {
+  load4(v, p);
+}
+__device__ __forceinline__ void load_vec(float (&v)[4], const float* p) {
+  load4(v, p);
+}
+__device__ __forceinline__ void load_vec(float (&v)[8], const bf16_t* p) {
+  load8(v, p);
+}
+__device__ __forceinline__ void load_vec(float (&v)[8], const float* p) {
+  load8(v, p);
+}
+
+/// Where a quantiser's rows come from: x [rows, k] itself, or (kSwiglu) the SwiGLU of h
+/// [rows, 2k] = [gate | up], rounded to T as swiglu_forward writes it, so that the fused pass
+/// quantises the very numbers the two passes would (and no [rows, k] activation is written).
+template <class T, bool kSwiglu>
+struct RowSource {
+  const T* x;
+  int64_t k;
+
+  __device__ __forceinline__ float at(int64_t r, int64_t c) const {
+    if constexpr (kSwiglu) {
+      const T* h = x + r * 2 * k;
+      return to_float(from_float<T>(swiglu_value(to_float(h[c]), to_float(h[k + c]))));
+    } else {
+      return to_float(x[r * k + c]);
+    }
+  }
+  /// N consecutive columns from c (aligned to N elements).
+  template <int N>
+  __device__ __forceinline__ void load(float (&v)[N], int64_t r, int64_t c) const {
+    if constexpr (kSwiglu) {
+      const T* h = x + r * 2 * k;
+      float g[N], u[N];
+      load_vec(g, h + c);
+      load_vec(u, h + k + c);
+#pragma unroll
+      for (int e = 0; e < N; ++e) v[e] = to_float(from_float<T>(swiglu_value(g[e], u[e])));
+    } else {
+      load_vec(v, x + r * k + c);
+    }
+  }
+};
+
 /// One warp per (row, 128-column block).
-template <class T>
-__global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x,
+template <class T, bool kSwiglu>
+__global__ void quantize_rows_kernel(uint8_t* q, float* scales, const RowSource<T, kSwiglu> x,
                                      const __grid_constant__ RowGroups groups, int64_t k) {
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, rows = groups.start[groups.count];
   const int lane = threadIdx.x & 31;
@@ -106,12 +151,12 @@ __global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x,
     // 4-byte store; otherwise element by element.
     const bool whole = c1 - c0 == kFp8Block && k % 4 == 0;
     if (whole) {
-      load4(v, x + r * k + c0 + 4 * lane);
+      x.load(v, r, c0 + 4 * lane);
     } else {
 #pragma unroll
       for (int t = 0; t < kFp8Block / 32; ++t) {
         const int64_t c = c0 + lane + 32 * t;
-        v[t] = c < c1 ? to_float(x[r * k + c]) : 0.f;
+        v[t] = c < c1 ? x.at(r, c) : 0.f;
       }
     }
 #pragma unroll
@@ -140,8 +185,8 @@ __global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x,
 /// at once, so every lane has kPairs loads in flight (the one-block-per-warp kernel above, with
 /// one 8-byte load per lane, is latency-bound at about a quarter of HBM's bandwidth). The same
 /// bytes and scales.
-template <class T>
-__global__ void quantize_rows_wide_kernel(uint8_t* q, float* scales, const T* x,
+template <class T, bool kSwiglu>
+__global__ void quantize_rows_wide_kernel(uint8_t* q, float* scales, const RowSource<T, kSwiglu> x,
                                           const __grid_constant__ RowGroups groups, int64_t k) {
   constexpr int kPairs = 4;
   const int64_t kb = k / kFp8Block, rows = groups.start[groups.count];
@@ -156,7 +201,7 @@ __global__ void quantize_rows_wide_kernel(uint8_t* q, float* scales, const T* x,
     for (int p = 0; p < kPairs; ++p) {
       const int64_t j = first + 2 * p;  // this half-warp's block
       if (j < kb) {
-        load8(v[p], x + r * k + j * kFp8Block + 8 * sub);
+        x.load(v[p], r, j * kFp8Block + 8 * sub);
       } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[p][e] = 0.f;
@@ -288,29 +333,43 @@ __global__ void dequantize_weights_kernel(T* w, const uint8_t* q, const float* s
   }
 }
 
-}  // namespace
-
-void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
-                       const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream) {
-  const RowGroups g = row_groups(group_sizes, groups, "quantize_rows_fp8");
+/// Rows of k columns from x (kSwiglu: from h [rows, 2k]) quantised in their groups.
+template <bool kSwiglu>
+void quantize_rows(uint8_t* q, float* scales, const void* x, DType dt, const int64_t* group_sizes,
+                   int64_t groups, int64_t k, Stream stream, const char* op) {
+  const RowGroups g = row_groups(group_sizes, groups, op);
   const int64_t items = int64_t{g.start[groups]} * ((k + kFp8Block - 1) / kFp8Block);
   if (items == 0) return;
   // Whole blocks at 16-byte (and q at 8-byte) alignment: the wide kernel.
   const bool wide = k % kFp8Block == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(q) % 8 == 0;
-  dispatch_float(dt, "quantize_rows_fp8", [&](auto tag) {
+  dispatch_float(dt, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    const RowSource<T, kSwiglu> source{static_cast<const T*>(x), k};
     if (wide) {
       const int64_t chunks = (k / kFp8Block + 7) / 8;
-      quantize_rows_wide_kernel<T>
-          <<<grid_for(int64_t{g.start[groups]} * chunks * 32), kBlock, 0, stream>>>(
-              q, scales, static_cast<const T*>(x), g, k);
+      quantize_rows_wide_kernel<T, kSwiglu>
+          <<<grid_for(int64_t{g.start[groups]} * chunks * 32), kBlock, 0, stream>>>(q, scales,
+                                                                                    source, g, k);
     } else {
-      quantize_rows_kernel<T>
-          <<<grid_for(items * 32), kBlock, 0, stream>>>(q, scales, static_cast<const T*>(x), g, k);
+      quantize_rows_kernel<T, kSwiglu>
+          <<<grid_for(items * 32), kBlock, 0, stream>>>(q, scales, source, g, k);
     }
     CUDA_CHECK_LAUNCH();
   });
+}
+
+}  // namespace
+
+void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
+                       const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream) {
+  quantize_rows<false>(q, scales, x, dt, group_sizes, groups, k, stream, "quantize_rows_fp8");
+}
+
+void swiglu_quantize_rows_fp8(uint8_t* q, float* scales, const void* h, DType dt,
+                              const int64_t* group_sizes, int64_t groups, int64_t f,
+                              Stream stream) {
+  quantize_rows<true>(q, scales, h, dt, group_sizes, groups, f, stream, "swiglu_quantize_rows_fp8");
 }
 
 void dequantize_rows_fp8(void* x, DType dt, const uint8_t* q, const float* scales,

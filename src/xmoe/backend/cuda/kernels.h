@@ -36,6 +36,10 @@ void grouped_gemm_weight_grad(void* dw, DType dw_dt, const void* x, const void* 
 constexpr int kMaxFp8Groups = 1024;
 void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
                        const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream);
+// quantize_rows_fp8 of swiglu(h) (h [rows, 2f], the a [rows, f] that swiglu_forward would
+// write, in dt) in one pass: the same bytes and scales, no a in memory.
+void swiglu_quantize_rows_fp8(uint8_t* q, float* scales, const void* h, DType dt,
+                              const int64_t* group_sizes, int64_t groups, int64_t f, Stream stream);
 void dequantize_rows_fp8(void* x, DType dt, const uint8_t* q, const float* scales,
                          const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream);
 void quantize_weights_fp8(uint8_t* q, uint8_t* q_t, float* scales, float* scales_t, const void* w,

@@ -48,6 +48,10 @@ void quantize_rows_fp8(uint8_t*, float*, const void*, DType, const int64_t*, int
                        Stream) {
   no_cuda("quantize_rows_fp8");
 }
+void swiglu_quantize_rows_fp8(uint8_t*, float*, const void*, DType, const int64_t*, int64_t,
+                              int64_t, Stream) {
+  no_cuda("swiglu_quantize_rows_fp8");
+}
 void dequantize_rows_fp8(void*, DType, const uint8_t*, const float*, const int64_t*, int64_t,
                          int64_t, Stream) {
   no_cuda("dequantize_rows_fp8");
