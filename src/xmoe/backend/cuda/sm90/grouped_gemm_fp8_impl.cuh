@@ -1,8 +1,11 @@
+#pragma once
 // The FP8 grouped GEMM of the expert layers (model.moe.expert_dtype = fp8, docs/fp8.md): CUTLASS
 // 3's ptr-array kernel with block-scaled accumulation (e4m3 operands, per 1 x 128 scales of the
 // rows and 128 x 128 of the weights applied to f32 partial sums at every 128-deep k-block), bf16
 // output. Both operands are K-major (WGMMA's rule for 8-bit types), so y_g = x_g @ w_g^T with
 // w_g stored [N, K]: the forward reads the transposed weight copy, the data gradient the plain.
+// Templated on the tile, the cluster and the schedule; each configuration is instantiated in its
+// own grouped_gemm_fp8_<config>.cu (Fp8Tile in grouped_gemm.h picks one at run time).
 #include <cutlass/cutlass.h>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 
@@ -22,13 +25,22 @@
 
 namespace xmoe::cuda::sm90 {
 
-namespace {
+namespace detail {
 
+/// Cooperative: two consumer warpgroups share each TileShape tile; ping-pong: each warpgroup
+/// owns a TileShape tile and the two alternate between main loop and epilogue.
+template <class TileShape_, class ClusterShape_, bool kPingpong>
 struct Fp8Gemm {
   using ElementAB = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  using KernelSchedule = std::conditional_t<
+      kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>;
+  using EpilogueSchedule =
+      std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
   // Scales: 1 x 128 (row, k-block) for A, 128 x 128 (n-block, k-block) for B, M/N-major.
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kFp8Block, kFp8Block>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
@@ -39,7 +51,7 @@ struct Fp8Gemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor*, kAlignD,
-      ElementD, RowMajor*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      ElementD, RowMajor*, kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB,
@@ -47,7 +59,7 @@ struct Fp8Gemm {
       cute::tuple<ColumnMajor*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
+      KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -115,9 +127,10 @@ struct Fp8Gemm {
 };
 
 /// Thread i writes group i's shape, operand and scale pointers, strides and scale layouts.
+template <class Fp8Gemm>
 __global__ void write_fp8_problems_kernel(const __grid_constant__ ProblemList list,
                                           const __grid_constant__ Fp8Scales scales,
-                                          Fp8Gemm::Arrays arr) {
+                                          typename Fp8Gemm::Arrays arr) {
   const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= list.count) return;
   const Shape3 shape = Fp8Gemm::shape_of(list, i);
@@ -126,44 +139,47 @@ __global__ void write_fp8_problems_kernel(const __grid_constant__ ProblemList li
   const int64_t kblocks = (k + kFp8Block - 1) / kFp8Block,
                 nblocks = (n + kFp8Block - 1) / kFp8Block;
   arr.shapes[i] = shape;
-  arr.a[i] = static_cast<const Fp8Gemm::ElementAB*>(list.x) + start * k;
-  arr.b[i] = static_cast<const Fp8Gemm::ElementAB*>(list.w_or_dy) + group * n * k;
-  arr.d[i] = static_cast<Fp8Gemm::ElementD*>(list.out) + start * n;
+  arr.a[i] = static_cast<const typename Fp8Gemm::ElementAB*>(list.x) + start * k;
+  arr.b[i] = static_cast<const typename Fp8Gemm::ElementAB*>(list.w_or_dy) + group * n * k;
+  arr.d[i] = static_cast<typename Fp8Gemm::ElementD*>(list.out) + start * n;
   arr.sfa[i] = static_cast<const float*>(scales.x) + start * kblocks;
   arr.sfb[i] = static_cast<const float*>(scales.w) + group * kblocks * nblocks;
-  arr.stride_a[i] = cutlass::make_cute_packed_stride(Fp8Gemm::StrideA{}, {gm, gk, 1});
-  arr.stride_b[i] = cutlass::make_cute_packed_stride(Fp8Gemm::StrideB{}, {gn, gk, 1});
-  arr.stride_d[i] = cutlass::make_cute_packed_stride(Fp8Gemm::StrideD{}, {gm, gn, 1});
+  arr.stride_a[i] = cutlass::make_cute_packed_stride(typename Fp8Gemm::StrideA{}, {gm, gk, 1});
+  arr.stride_b[i] = cutlass::make_cute_packed_stride(typename Fp8Gemm::StrideB{}, {gn, gk, 1});
+  arr.stride_d[i] = cutlass::make_cute_packed_stride(typename Fp8Gemm::StrideD{}, {gm, gn, 1});
   arr.layout_sfa[i] = Fp8Gemm::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(gm, gn, gk, 1));
   arr.layout_sfb[i] = Fp8Gemm::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(gm, gn, gk, 1));
 }
 
-}  // namespace
-
+/// fp8_scratch_bytes and fp8_run for one configuration.
+template <class Fp8Gemm>
 size_t fp8_scratch_bytes(const ProblemList& list) {
   if (list.count <= 0 || list.count > kMaxProblems) return 0;
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   const std::vector<Shape3> shapes = Fp8Gemm::host_shapes(list);
-  const auto args = Fp8Gemm::arguments(list, shapes.data(), Fp8Gemm::Arrays{}, device);
+  const auto args = Fp8Gemm::arguments(list, shapes.data(), typename Fp8Gemm::Arrays{}, device);
   if (Fp8Gemm::Gemm::can_implement(args) != cutlass::Status::kSuccess) return 0;
   return Fp8Gemm::arrays_bytes(list.count) + Fp8Gemm::Gemm::get_workspace_size(args);
 }
 
+template <class Fp8Gemm>
 void fp8_run(const ProblemList& list, const Fp8Scales& scales, void* scratch, Stream stream) {
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  const Fp8Gemm::Arrays arr = Fp8Gemm::carve(scratch, list.count);
+  const typename Fp8Gemm::Arrays arr = Fp8Gemm::carve(scratch, list.count);
   constexpr int kThreads = 128;
-  write_fp8_problems_kernel<<<(list.count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      list, scales, arr);
+  write_fp8_problems_kernel<Fp8Gemm>
+      <<<(list.count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(list, scales, arr);
   CUDA_CHECK_LAUNCH();
   const std::vector<Shape3> shapes = Fp8Gemm::host_shapes(list);
   const auto args = Fp8Gemm::arguments(list, shapes.data(), arr, device);
   void* workspace = static_cast<char*>(scratch) + Fp8Gemm::arrays_bytes(list.count);
-  Fp8Gemm::Gemm gemm;
+  typename Fp8Gemm::Gemm gemm;
   CUTLASS_STATUS_CHECK(gemm.initialize(args, workspace, stream));
   CUTLASS_STATUS_CHECK(gemm.run(stream));
 }
+
+}  // namespace detail
 
 }  // namespace xmoe::cuda::sm90
