@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "cuda_testing.h"
 #include "gradcheck.h"
 #include "xmoe/comm/group.h"
 #include "xmoe/core/fp8.h"
+#include "xmoe/moe/expert.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/ops/fp8.h"
 #include "xmoe/ops/ops.h"
@@ -189,4 +191,41 @@ TEST(Fp8, MoeLayerFollowsTheUnquantisedLayer) {
       EXPECT_GT(err, 1e-4) << "tensor " << i;  // the FP8 path ran
     }
   }
+}
+
+// keep_weights (the trainer's micro-batches of one step): the experts quantise their weights
+// once and reuse the FP8 copies across passes, so a change to the weights in between is not
+// seen until keep_weights(false) drops them; without it every forward quantises afresh.
+TEST(Fp8, ExpertsKeepTheirQuantisedWeightsUntilReleased) {
+  moe::ExpertArgs a;
+  a.prefix = "moe";
+  a.num_experts = a.num_local = 3;
+  a.d_model = 64;
+  a.hidden = 96;
+  a.seed = 11;
+  a.fp8 = true;
+  const std::unique_ptr<moe::Experts> experts = moe::make_experts("swiglu", a);
+  const std::vector<int64_t> sizes{5, 0, 9};
+  const Tensor x = randn({14, 64}, 12), dy = randn({14, 64}, 13);
+  auto pass = [&] {
+    Tensor y = experts->forward(x, sizes);
+    experts->backward(dy);
+    return y;
+  };
+  auto scale_weights = [&](float s) {
+    for (Parameter* p : experts->parameters()) {
+      float* v = p->value.data<float>();
+      for (int64_t i = 0; i < p->value.numel(); ++i) v[i] *= s;
+    }
+  };
+  const std::vector<float> before = pass().to_vector<float>();
+  experts->keep_weights(true);
+  EXPECT_EQ(pass().to_vector<float>(), before);
+  scale_weights(2.f);
+  EXPECT_EQ(pass().to_vector<float>(), before);  // the kept FP8 copies
+  experts->keep_weights(false);
+  const std::vector<float> doubled = pass().to_vector<float>();
+  EXPECT_NE(doubled, before);
+  scale_weights(0.5f);                           // back (exact: powers of two)
+  EXPECT_EQ(pass().to_vector<float>(), before);  // quantised afresh by every forward
 }

@@ -54,6 +54,11 @@ TEST_F(MemoryModelTest, Fp8Experts) {
   Config c = tiny();
   c.model.moe.expert_dtype = "fp8";
   expect_predicted(c, "tiny, fp8 experts");
+  // Accumulating micro-batches, the experts quantise once per step and keep their FP8 weights
+  // past their backward (Experts::keep_weights): held until the last micro-batch ends.
+  c.train.grad_accum = 2;
+  c.train.out_dir = (root_ / "run-fp8-accumulating").string();
+  expect_predicted(c, "tiny, fp8 experts, 2 micro-batches");
 }
 
 TEST_F(MemoryModelTest, OffloadedOptimizerStagingOnTheCpu) {

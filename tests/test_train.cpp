@@ -136,6 +136,26 @@ TEST_F(TrainTest, Fp8ExpertsFollowTheBf16Run) {
   EXPECT_LT(q.steps.back().loss, q.steps.front().loss - 0.5);
 }
 
+// Accumulating micro-batches, the FP8 experts quantise their weights once per step and keep the
+// copies until the update (Experts::keep_weights): a run stopped and resumed, whose first step
+// after the resume quantises afresh, repeats the straight run bit for bit; a copy kept across
+// an update would have the straight run train on stale weights.
+TEST_F(TrainTest, Fp8ExpertsQuantiseOncePerStepAcrossMicroBatches) {
+  Config c = micro_config();
+  c.train.steps = 8;
+  c.train.grad_accum = 2;
+  c.model.moe.expert_dtype = "fp8";
+  validate(c);
+  c.train.out_dir = (root_ / "straight").string();
+  const auto straight = train::train(c, quiet());
+  c.train.out_dir = (root_ / "resumed").string();
+  const auto rest = train_stopped_and_resumed(c, 4);
+  ASSERT_EQ(rest.steps.size(), 4u);
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_EQ(rest.steps[i].loss, straight.steps[4 + i].loss) << "step " << 5 + i;
+  EXPECT_LT(straight.steps.back().loss, straight.steps.front().loss);
+}
+
 // train.offload_optimizer on the CPU runs the offloaded update (gradients staged into host
 // buffers group by group, the CPU kernel, the copies back): the same bits as the plain update,
 // with f32 and bf16 expert gradients, gradient accumulation, and across a resume.

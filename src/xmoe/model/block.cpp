@@ -106,13 +106,15 @@ ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, i
   // MoE layer without SSMB returns a view of its whole [T, d] dx: dyn holds all of it.
   const int64_t g = t * d * 4, cast = dtype == DType::f32 ? 0 : t * d * 2;
   const int64_t dyn = !dense && layout.tp > 1 && !layout.ssmb ? tokens * d * 4 : g;
+  // After the FFN's backward, all it saved is gone but what it keeps (ffn.kept).
+  const int64_t ffn_freed = ffn.saved - ffn.kept;
   const int64_t ffn_phase = cast + ffn.backward_extra;
-  const int64_t ffn_norm_phase = dyn + norm.backward_extra - ffn.saved;
-  const int64_t attn_phase = dyn + g + cast + attn.backward_extra - ffn.saved - norm.saved;
+  const int64_t ffn_norm_phase = dyn + norm.backward_extra - ffn_freed;
+  const int64_t attn_phase = dyn + g + cast + attn.backward_extra - ffn_freed - norm.saved;
   const int64_t attn_norm_phase =
-      dyn + 2 * g + norm.backward_extra - ffn.saved - norm.saved - attn.saved;
+      dyn + 2 * g + norm.backward_extra - ffn_freed - norm.saved - attn.saved;
   return {2 * norm.saved + attn.saved + ffn.saved,
-          std::max({ffn_phase, ffn_norm_phase, attn_phase, attn_norm_phase}), 0};
+          std::max({ffn_phase, ffn_norm_phase, attn_phase, attn_norm_phase}), ffn.kept};
 }
 
 void TransformerBlock::release() {

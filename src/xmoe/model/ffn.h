@@ -26,6 +26,9 @@ struct ActivationLayout {
   /// Attention backward's scratch per layer (ops::attention_backward_workspace_bytes): cuDNN's
   /// workspace on a GPU, which no formula gives.
   int64_t attention_workspace = 0;
+  /// train.grad_accum > 1: the experts keep their derived weights (FP8 copies) across the
+  /// micro-batches of a step (moe::Experts::keep_weights), held past their backward.
+  bool expert_weights_kept = false;
 };
 
 class FeedForward : public Module {

@@ -60,7 +60,8 @@ ActivationBytes moe_ffn_activation_bytes_for(const MoeConfig& cfg, int64_t d_mod
                                              const ActivationLayout& l) {
   const bool replicated = l.tp > 1 && !l.ssmb;
   ActivationBytes a = moe::MoELayer::activation_bytes_for(
-      cfg, d_model, replicated ? tokens : tokens / l.tp, l.ep, dtype, recompute, l.load_imbalance);
+      cfg, d_model, replicated ? tokens : tokens / l.tp, l.ep, dtype, recompute, l.load_imbalance,
+      l.expert_weights_kept);
   if (replicated) a.backward_extra += tokens * d_model * static_cast<int64_t>(dtype_size(dtype));
   return a;
 }

@@ -118,9 +118,13 @@ class SwigluExperts final : public Experts {
 
   void release() override {
     parts_.clear();
-    drop_weights();
+    if (!keep_weights_) drop_weights();
     regather_ = nullptr;
     backward_started_ = false;
+  }
+  void keep_weights(bool keep) override {
+    keep_weights_ = keep;
+    if (!keep) drop_weights();
   }
   void set_chunks(int chunks) override {
     XMOE_CHECK(chunks >= 0, "[moe] moe.expert_chunks = {} must be >= 0", chunks);
@@ -237,7 +241,7 @@ class SwigluExperts final : public Experts {
     groups_.assign(group_sizes.begin(), group_sizes.end());
     group_row_.assign(groups_.size() + 1, 0);
     for (size_t g = 0; g < groups_.size(); ++g) group_row_[g + 1] = group_row_[g] + groups_[g];
-    drop_weights();  // cast (or quantised) in the first part, to the rows' dtype
+    if (!keep_weights_) drop_weights();  // cast (or quantised) in the first part
   }
 
   void drop_weights() {
@@ -275,7 +279,9 @@ class SwigluExperts final : public Experts {
     check_shape(rows, {n, gate_up_.value.size(1)}, "moe experts", "rows");
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
     // where there are none), kept for backward; the weight gradients are f32 or bf16.
-    // FP8: the weights quantised once per forward, kept for backward's data gradients.
+    // FP8: the weights quantised once per forward (once per step with keep_weights), kept for
+    // backward's data gradients.
+    if (weights_ready_ && rows.dtype() != rows_dtype_) drop_weights();  // kept, in another dtype
     if (!weights_ready_) {
       rows_dtype_ = rows.dtype();
       if (fp8_) {
@@ -323,6 +329,7 @@ class SwigluExperts final : public Experts {
   xmoe::ops::Fp8Weights qgu_, qd_;  // fp8: the weights quantised instead
   DType rows_dtype_ = DType::f32;
   bool weights_ready_ = false;
+  bool keep_weights_ = false;  // keep_weights(true): the weights do not change between passes
 };
 
 }  // namespace

@@ -64,6 +64,11 @@ class Experts : public Module {
   /// it needs them (the layer gathers them again from x by the PFT indices, cheaper than keeping
   /// [N, d]). nullptr (and release()): forward keeps its rows.
   virtual void set_input_regather(std::function<Tensor()> regather) = 0;
+  /// true: the weights stay as they are until keep_weights(false) (the micro-batches of one
+  /// optimizer step), so what forward derives from them (their FP8 copies, a cast to the rows'
+  /// dtype) is kept across passes and release() instead of derived again by every forward.
+  /// false (the default): dropped now and after every backward.
+  virtual void keep_weights(bool keep) = 0;
 };
 
 using ExpertRegistry = Registry<Experts, const ExpertArgs&>;

@@ -327,7 +327,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
 
 ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, int64_t tokens,
                                                int ep, DType dtype, LayerRecompute rc,
-                                               double load_imbalance) {
+                                               double load_imbalance, bool weights_kept) {
   const bool recompute = rc.experts;
   const auto cb = static_cast<int64_t>(dtype_size(dtype));
   const int64_t f = c.expert_hidden, sf = static_cast<int64_t>(c.num_shared_experts) * f;
@@ -408,6 +408,7 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   const int64_t fp8_phase = fp8 ? shared_dx + d_cw + fp8_rows + recv * d * cb : 0;
   a.backward_extra = std::max({shared_phase, combine_phase, expert_phase, weight_phase, order_phase,
                                gate_phase, pipeline_phase, fp8_phase});
+  a.kept = weights_kept ? fp8_weights : 0;
   return a;
 }
 

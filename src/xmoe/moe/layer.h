@@ -85,10 +85,12 @@ class MoELayer : public Module {
   /// backward sends d_rows back. Saved: the gate's routing tensors, the PFT layout (16 bytes a
   /// row), the experts' h [N, 2f] (not with recompute.experts), their output [N, d] for the
   /// I-Order, the shared experts' h [T, 2Sf] (the input x is the caller's norm output, counted
-  /// here).
+  /// here). weights_kept (Experts::keep_weights across micro-batches): the derived weights (FP8
+  /// copies) stay past backward, in `kept`.
   static ActivationBytes activation_bytes_for(const MoeConfig& config, int64_t d_model,
                                               int64_t tokens, int ep, DType dtype,
-                                              LayerRecompute recompute, double load_imbalance);
+                                              LayerRecompute recompute, double load_imbalance,
+                                              bool weights_kept = false);
   /// Upstream gradient of the aux losses in backward (default 1). The model sets it to its loss
   /// scale (e.g. 1/grad_accum) so the aux term is weighted like the cross-entropy. Times
   /// device_scale where defined (Gate::set_aux_grad_scale: a factor on the device, no host wait).
@@ -144,6 +146,9 @@ class MoELayer : public Module {
   void set_pipeline(int forward_chunks, int backward_chunks);
   int pipeline_forward() const { return pipeline_fwd_; }
   int pipeline_backward() const { return pipeline_bwd_; }
+  /// Experts::keep_weights: the trainer keeps the experts' derived weights (FP8 copies) across
+  /// the micro-batches of one optimizer step, and drops them before the update.
+  void keep_expert_weights(bool keep) { experts_->keep_weights(keep); }
 
   /// Rebuilds the dispatcher with simulated nodes of `ranks_per_node` ep ranks (rbd; 0 = the
   /// group's topology). For tests and benchmarks on one machine; collective over the ep group.

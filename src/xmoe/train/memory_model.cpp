@@ -302,8 +302,12 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   } else if (r.cuda) {
     r.attention_workspace_bytes = batch * heads * seq * 4;
   }
-  const model::ActivationLayout layout{r.tp, r.ssmb, r.ep, o.load_imbalance,
-                                       r.attention_workspace_bytes};
+  const model::ActivationLayout layout{r.tp,
+                                       r.ssmb,
+                                       r.ep,
+                                       o.load_imbalance,
+                                       r.attention_workspace_bytes,
+                                       config.train.grad_accum > 1};
   const ActivationBytes ends =
       model::Transformer::ends_activation_bytes_for(m, batch, seq, compute, r.tp);
   std::vector<ActivationBytes> blocks;
@@ -386,7 +390,7 @@ MemoryModel predict_memory(const Config& config, const MemoryModelOptions& o) {
   for (auto it = blocks.rbegin(); it != blocks.rend(); ++it, ++stage) {
     peak = std::max(peak, held + carry + it->backward_extra +
                               (zero2 ? zero2_grads(stage, started) : packed_before(stage)));
-    held -= it->saved;
+    held -= it->saved - it->kept;  // kept: the experts' FP8 weights across micro-batches
     peak = std::max(
         {peak, start_buckets_after(stage, held + carry), held + carry + packed_before(stage + 1)});
   }

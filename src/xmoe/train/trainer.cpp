@@ -257,6 +257,26 @@ class AbandonOnError {
   int exceptions_;
 };
 
+/// The experts keep what they derive from their weights (moe::Experts::keep_weights) from here
+/// until drop() or the end of the scope, whichever comes first.
+class ExpertWeightsKept {
+ public:
+  ExpertWeightsKept(const std::vector<moe::MoELayer*>& layers, bool keep)
+      : layers_(keep ? layers : std::vector<moe::MoELayer*>{}) {
+    for (moe::MoELayer* l : layers_) l->keep_expert_weights(true);
+  }
+  ~ExpertWeightsKept() { drop(); }
+  void drop() {
+    for (moe::MoELayer* l : layers_) l->keep_expert_weights(false);
+    layers_.clear();
+  }
+  ExpertWeightsKept(const ExpertWeightsKept&) = delete;
+  ExpertWeightsKept& operator=(const ExpertWeightsKept&) = delete;
+
+ private:
+  std::vector<moe::MoELayer*> layers_;
+};
+
 /// train.dtype: auto = bf16 on CUDA, f32 on the CPU.
 DType compute_dtype(const TrainConfig& tc, Device device) {
   if (tc.dtype == "f32") return DType::f32;
@@ -493,6 +513,9 @@ class Run {
     model_->zero_grad();
     double loss = 0, aux = 0;
     std::vector<int64_t> load;
+    // The micro-batches share the weights: the experts derive their FP8 copies once per step
+    // (docs/fp8.md); dropped when the loop ends, before the update changes the weights.
+    ExpertWeightsKept kept(moe_layers_, tc_.grad_accum > 1);
     for (int micro = 0; micro < tc_.grad_accum; ++micro) {
       const data::Batch b = on_device(train_loader_->next(), device_);
       loss += model_->forward_loss(b.inputs, b.targets) / tc_.grad_accum;
@@ -517,6 +540,7 @@ class Run {
         for (size_t e = 0; e < tpe.size() && e < load.size(); ++e) load[e] += tpe[e];
       }
     }
+    kept.drop();
     Timer sync_timer;
     grad_sync_->sync();
     const double grad_sync_seconds = sync_timer.seconds();
