@@ -39,18 +39,25 @@ void require_fp8_rows(const char* op, const Fp8Rows& x) {
              x.data.size(0));
 }
 
+/// The bytes and scales of n rows of k columns in groups of group_sizes rows, on `device`.
+Fp8Rows empty_fp8_rows(const char* op, int64_t n, int64_t k, std::span<const int64_t> group_sizes,
+                       Device device) {
+  XMOE_CHECK(total_rows(op, group_sizes) == n,
+             "[{}] group sizes sum to {} but the input has {} rows", op,
+             total_rows(op, group_sizes), n);
+  return {Tensor::empty({n, k}, DType::u8, device),
+          Tensor::empty({n * blocks(k)}, DType::f32, device),
+          {group_sizes.begin(), group_sizes.end()}};
+}
+
 }  // namespace
 
 Fp8Rows quantize_rows_fp8(const Tensor& x, std::span<const int64_t> group_sizes) {
   const char* op = "quantize_rows_fp8";
   require_float(op, "x", x);
   XMOE_CHECK(x.dim() == 2, "[{}] x must be [N, K], got {}", op, shape_str(x.shape()));
-  const int64_t n = x.size(0), k = x.size(1);
-  XMOE_CHECK(total_rows(op, group_sizes) == n, "[{}] group sizes sum to {} but x has {} rows", op,
-             total_rows(op, group_sizes), n);
-  Fp8Rows q{Tensor::empty({n, k}, DType::u8, x.device()),
-            Tensor::empty({n * blocks(k)}, DType::f32, x.device()),
-            {group_sizes.begin(), group_sizes.end()}};
+  const int64_t k = x.size(1);
+  Fp8Rows q = empty_fp8_rows(op, x.size(0), k, group_sizes, x.device());
   const auto groups = static_cast<int64_t>(group_sizes.size());
   if (x.is_cpu()) {
     cpu::quantize_rows_fp8(q.data.data<uint8_t>(), q.scales.data<float>(), x.data<float>(),
@@ -68,12 +75,8 @@ Fp8Rows swiglu_quantize_rows_fp8(const Tensor& h, std::span<const int64_t> group
   XMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "[{}] h must be [N, 2f], got {}", op,
              shape_str(h.shape()));
   if (h.is_cpu()) return quantize_rows_fp8(swiglu(h), group_sizes);
-  const int64_t n = h.size(0), f = h.size(1) / 2;
-  XMOE_CHECK(total_rows(op, group_sizes) == n, "[{}] group sizes sum to {} but h has {} rows", op,
-             total_rows(op, group_sizes), n);
-  Fp8Rows q{Tensor::empty({n, f}, DType::u8, h.device()),
-            Tensor::empty({n * blocks(f)}, DType::f32, h.device()),
-            {group_sizes.begin(), group_sizes.end()}};
+  const int64_t f = h.size(1) / 2;
+  Fp8Rows q = empty_fp8_rows(op, h.size(0), f, group_sizes, h.device());
   cuda::swiglu_quantize_rows_fp8(q.data.data<uint8_t>(), q.scales.data<float>(), h.raw(), h.dtype(),
                                  group_sizes.data(), static_cast<int64_t>(group_sizes.size()), f,
                                  stream_of(h));

@@ -82,42 +82,26 @@ void run(GroupedKind kind, const ProblemList& list, float beta, void* scratch, S
   }
 }
 
-Fp8Tile fp8_tile() {
-  static const Fp8Tile tile = [] {
+namespace {
+/// XMOE_SM90_FP8_TILE's configuration.
+const detail::Fp8Kernel& fp8_kernel() {
+  static const detail::Fp8Kernel kernel = [] {
     const std::string name = env::choice("XMOE_SM90_FP8_TILE");
-    if (name == "128x128-c2x1") return Fp8Tile::t128x128_c2x1;
-    if (name == "128x128-c1x2") return Fp8Tile::t128x128_c1x2;
-    if (name == "64x128-pp") return Fp8Tile::t64x128_pp;
-    return Fp8Tile::t128x128;
+    if (name == "128x128-c2x1") return detail::fp8_kernel_128x128_c2x1();
+    if (name == "128x128-c1x2") return detail::fp8_kernel_128x128_c1x2();
+    if (name == "64x128-pp") return detail::fp8_kernel_64x128_pp();
+    return detail::fp8_kernel_128x128();
   }();
-  return tile;
+  return kernel;
 }
+}  // namespace
 
 size_t fp8_scratch_bytes(const ProblemList& list) {
-  switch (fp8_tile()) {
-    case Fp8Tile::t128x128:
-      return detail::fp8_128x128_scratch_bytes(list);
-    case Fp8Tile::t128x128_c2x1:
-      return detail::fp8_128x128_c2x1_scratch_bytes(list);
-    case Fp8Tile::t128x128_c1x2:
-      return detail::fp8_128x128_c1x2_scratch_bytes(list);
-    case Fp8Tile::t64x128_pp:
-      return detail::fp8_64x128_pp_scratch_bytes(list);
-  }
-  return 0;
+  return fp8_kernel().scratch_bytes(list);
 }
 
 void fp8_run(const ProblemList& list, const Fp8Scales& scales, void* scratch, Stream stream) {
-  switch (fp8_tile()) {
-    case Fp8Tile::t128x128:
-      return detail::fp8_128x128_run(list, scales, scratch, stream);
-    case Fp8Tile::t128x128_c2x1:
-      return detail::fp8_128x128_c2x1_run(list, scales, scratch, stream);
-    case Fp8Tile::t128x128_c1x2:
-      return detail::fp8_128x128_c1x2_run(list, scales, scratch, stream);
-    case Fp8Tile::t64x128_pp:
-      return detail::fp8_64x128_pp_run(list, scales, scratch, stream);
-  }
+  fp8_kernel().run(list, scales, scratch, stream);
 }
 
 namespace {

@@ -86,12 +86,10 @@ struct Fp8Scales {
   const void* x = nullptr;
   const void* w = nullptr;
 };
-/// The FP8 kernel's configuration, XMOE_SM90_FP8_TILE (read once): 128 x 128 x 128 tiles of two
-/// consumer warpgroups (the default), the same on 2 x 1 or 1 x 2 clusters (TMA multicast of the
-/// weight or the row tile to two SMs), or ping-pong warpgroups of 64 x 128 tiles each.
-enum class Fp8Tile : uint8_t { t128x128, t128x128_c2x1, t128x128_c1x2, t64x128_pp };
-Fp8Tile fp8_tile();
-/// As scratch_bytes, for the FP8 kernel (0: it cannot take the list).
+/// As scratch_bytes, for the FP8 kernel (0: it cannot take the list). The kernel's
+/// configuration is XMOE_SM90_FP8_TILE's (read once): 128 x 128 x 128 tiles of two consumer
+/// warpgroups (the default), the same on 2 x 1 or 1 x 2 clusters (TMA multicast of the weight
+/// or the row tile to two SMs), or ping-pong warpgroups of 64 x 128 tiles each.
 size_t fp8_scratch_bytes(const ProblemList& list);
 void fp8_run(const ProblemList& list, const Fp8Scales& scales, void* scratch, Stream stream);
 
@@ -108,19 +106,16 @@ size_t weight_grad_bf16_scratch_bytes(const ProblemList& list);
 void weight_grad_bf16_run(const ProblemList& list, float beta, void* scratch, Stream stream);
 size_t weight_grad_bf16_overwrite_scratch_bytes(const ProblemList& list);
 void weight_grad_bf16_overwrite_run(const ProblemList& list, void* scratch, Stream stream);
-// One per Fp8Tile, each in grouped_gemm_fp8_<tile>.cu.
-size_t fp8_128x128_scratch_bytes(const ProblemList& list);
-void fp8_128x128_run(const ProblemList& list, const Fp8Scales& scales, void* scratch,
-                     Stream stream);
-size_t fp8_128x128_c2x1_scratch_bytes(const ProblemList& list);
-void fp8_128x128_c2x1_run(const ProblemList& list, const Fp8Scales& scales, void* scratch,
-                          Stream stream);
-size_t fp8_128x128_c1x2_scratch_bytes(const ProblemList& list);
-void fp8_128x128_c1x2_run(const ProblemList& list, const Fp8Scales& scales, void* scratch,
-                          Stream stream);
-size_t fp8_64x128_pp_scratch_bytes(const ProblemList& list);
-void fp8_64x128_pp_run(const ProblemList& list, const Fp8Scales& scales, void* scratch,
-                       Stream stream);
+/// One FP8 kernel configuration's fp8_scratch_bytes and fp8_run; one per configuration, each
+/// in grouped_gemm_fp8_<configuration>.cu.
+struct Fp8Kernel {
+  size_t (*scratch_bytes)(const ProblemList& list);
+  void (*run)(const ProblemList& list, const Fp8Scales& scales, void* scratch, Stream stream);
+};
+Fp8Kernel fp8_kernel_128x128();
+Fp8Kernel fp8_kernel_128x128_c2x1();
+Fp8Kernel fp8_kernel_128x128_c1x2();
+Fp8Kernel fp8_kernel_64x128_pp();
 }  // namespace detail
 
 }  // namespace xmoe::cuda::sm90

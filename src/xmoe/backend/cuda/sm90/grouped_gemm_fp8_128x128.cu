@@ -4,15 +4,9 @@
 
 namespace xmoe::cuda::sm90::detail {
 
-using Fp8Gemm_128x128 = Fp8Gemm<cute::Shape<cute::_128, cute::_128, cute::_128>,
-                                cute::Shape<cute::_1, cute::_1, cute::_1>, false>;
-
-size_t fp8_128x128_scratch_bytes(const ProblemList& list) {
-  return fp8_scratch_bytes<Fp8Gemm_128x128>(list);
-}
-void fp8_128x128_run(const ProblemList& list, const Fp8Scales& scales, void* scratch,
-                     Stream stream) {
-  fp8_run<Fp8Gemm_128x128>(list, scales, scratch, stream);
+Fp8Kernel fp8_kernel_128x128() {
+  return fp8_kernel_of<Fp8Gemm<cute::Shape<cute::_128, cute::_128, cute::_128>,
+                               cute::Shape<cute::_1, cute::_1, cute::_1>, false>>();
 }
 
 }  // namespace xmoe::cuda::sm90::detail

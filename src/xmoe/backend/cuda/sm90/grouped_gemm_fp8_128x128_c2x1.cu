@@ -4,15 +4,9 @@
 
 namespace xmoe::cuda::sm90::detail {
 
-using Fp8Gemm_128x128_c2x1 = Fp8Gemm<cute::Shape<cute::_128, cute::_128, cute::_128>,
-                                     cute::Shape<cute::_2, cute::_1, cute::_1>, false>;
-
-size_t fp8_128x128_c2x1_scratch_bytes(const ProblemList& list) {
-  return fp8_scratch_bytes<Fp8Gemm_128x128_c2x1>(list);
-}
-void fp8_128x128_c2x1_run(const ProblemList& list, const Fp8Scales& scales, void* scratch,
-                          Stream stream) {
-  fp8_run<Fp8Gemm_128x128_c2x1>(list, scales, scratch, stream);
+Fp8Kernel fp8_kernel_128x128_c2x1() {
+  return fp8_kernel_of<Fp8Gemm<cute::Shape<cute::_128, cute::_128, cute::_128>,
+                               cute::Shape<cute::_2, cute::_1, cute::_1>, false>>();
 }
 
 }  // namespace xmoe::cuda::sm90::detail

@@ -4,15 +4,9 @@
 
 namespace xmoe::cuda::sm90::detail {
 
-using Fp8Gemm_64x128_pp = Fp8Gemm<cute::Shape<cute::_64, cute::_128, cute::_128>,
-                                  cute::Shape<cute::_1, cute::_1, cute::_1>, true>;
-
-size_t fp8_64x128_pp_scratch_bytes(const ProblemList& list) {
-  return fp8_scratch_bytes<Fp8Gemm_64x128_pp>(list);
-}
-void fp8_64x128_pp_run(const ProblemList& list, const Fp8Scales& scales, void* scratch,
-                       Stream stream) {
-  fp8_run<Fp8Gemm_64x128_pp>(list, scales, scratch, stream);
+Fp8Kernel fp8_kernel_64x128_pp() {
+  return fp8_kernel_of<Fp8Gemm<cute::Shape<cute::_64, cute::_128, cute::_128>,
+                               cute::Shape<cute::_1, cute::_1, cute::_1>, true>>();
 }
 
 }  // namespace xmoe::cuda::sm90::detail

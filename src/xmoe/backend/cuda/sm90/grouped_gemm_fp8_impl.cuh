@@ -5,7 +5,7 @@
 // output. Both operands are K-major (WGMMA's rule for 8-bit types), so y_g = x_g @ w_g^T with
 // w_g stored [N, K]: the forward reads the transposed weight copy, the data gradient the plain.
 // Templated on the tile, the cluster and the schedule; each configuration is instantiated in its
-// own grouped_gemm_fp8_<config>.cu (Fp8Tile in grouped_gemm.h picks one at run time).
+// own grouped_gemm_fp8_<config>.cu (XMOE_SM90_FP8_TILE picks one at run time).
 #include <cutlass/cutlass.h>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 
@@ -178,6 +178,11 @@ void fp8_run(const ProblemList& list, const Fp8Scales& scales, void* scratch, St
   typename Fp8Gemm::Gemm gemm;
   CUTLASS_STATUS_CHECK(gemm.initialize(args, workspace, stream));
   CUTLASS_STATUS_CHECK(gemm.run(stream));
+}
+
+template <class Fp8Gemm>
+Fp8Kernel fp8_kernel_of() {
+  return {&fp8_scratch_bytes<Fp8Gemm>, &fp8_run<Fp8Gemm>};
 }
 
 }  // namespace detail
