@@ -87,10 +87,10 @@ namespace {
 const detail::Fp8Kernel& fp8_kernel() {
   static const detail::Fp8Kernel kernel = [] {
     const std::string name = env::choice("XMOE_SM90_FP8_TILE");
-    if (name == "128x128-c2x1") return detail::fp8_kernel_128x128_c2x1();
+    if (name == "128x128") return detail::fp8_kernel_128x128();
     if (name == "128x128-c1x2") return detail::fp8_kernel_128x128_c1x2();
     if (name == "64x128-pp") return detail::fp8_kernel_64x128_pp();
-    return detail::fp8_kernel_128x128();
+    return detail::fp8_kernel_128x128_c2x1();
   }();
   return kernel;
 }
