@@ -23,7 +23,9 @@
 #
 # Knobs: BUILD_DIR (build/gpu-check), OUT (/tmp), PYTHON (python3), XMOE_GPU_BENCH_BUILD (1:
 # configure with XMOE_BENCH=ON if needed and build the two bench targets; 0: do not build),
-# XMOE_BENCH_SHAPES (the three shapes, TxdxfxExk comma-separated), XMOE_BENCH_COMPILE (0; 1 adds
+# XMOE_BENCH_SHAPES (the three shapes, TxdxfxExk comma-separated; "sonic": SonicMoE's five published
+# shapes, T = 24576, d = 1536 with f/E/k 1024/32/2, 512/64/4, 256/128/8 and T = 32768, d = 4096
+# with 1024/64/4, 512/128/8; "all": both sets), XMOE_BENCH_COMPILE (0; 1 adds
 # a torch.compile run of the moe-1b peer), XMOE_BENCH_TIMEOUT (seconds per step, 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,14 @@ LOG="$OUT_DIR/gpu-bench.log"
 JSONL="$OUT_DIR/gpu-bench.jsonl"
 BUILD_DIR="${BUILD_DIR:-build/gpu-check}"
 PY="${PYTHON:-python3}"
-SHAPES="${XMOE_BENCH_SHAPES:-16384x2048x1408x64x6,8192x7168x2048x256x8,8192x4096x14336x8x2}"
+PEER_SHAPES=16384x2048x1408x64x6,8192x7168x2048x256x8,8192x4096x14336x8x2
+SONIC_SHAPES=24576x1536x1024x32x2,24576x1536x512x64x4,24576x1536x256x128x8,32768x4096x1024x64x4,32768x4096x512x128x8
+case "${XMOE_BENCH_SHAPES:-}" in
+  "") SHAPES=$PEER_SHAPES ;;
+  sonic) SHAPES=$SONIC_SHAPES ;;
+  all) SHAPES=$PEER_SHAPES,$SONIC_SHAPES ;;
+  *) SHAPES=$XMOE_BENCH_SHAPES ;;
+esac
 STEP_TIMEOUT="${XMOE_BENCH_TIMEOUT:-300}"
 export PYTHONUNBUFFERED=1
 : >"$LOG"

@@ -7,6 +7,8 @@
 #   bash bench/real_data.sh prepare OUT     # any machine with apt's bible-kjv and a CPU xmoe
 #   bash bench/real_data.sh train OUT       # the GPU machine: xmoe (cuda), then the peer
 #   bash bench/real_data.sh compare OUT     # per-evaluation table, max difference, plot
+#   bash bench/real_data.sh fp8 OUT         # the GPU machine: xmoe bf16 experts, then fp8 (issue 30)
+#   bash bench/real_data.sh compare-fp8 OUT # fp8 against bf16: table, max difference, plot
 #
 # XMOE (default build/cpu/bin/xmoe for prepare, build/cuda/bin/xmoe for train) is the binary;
 # STEPS (300), BATCH (8), SEQ (1024), LR (1e-3), MIN_LR (1e-4), WARMUP (30), EVAL_EVERY (25),
@@ -47,6 +49,40 @@ train)
     --lr "$LR" --min-lr "$MIN_LR" --warmup-steps "$WARMUP" --eval-every "$EVAL_EVERY" \
     --eval-batches "$EVAL_BATCHES" --seed "$SEED" --metrics "$out/torch.jsonl"
   ;;
+fp8)
+  # The same model from the same step-0 weights on the same tokens, with bf16 then FP8 experts.
+  xmoe=${XMOE:-$here/../build/cuda/bin/xmoe}
+  for dt in bf16 fp8; do
+    keys=(--preset moe-1b --set "data.dir=$out/data" --set "train.out_dir=$out/xmoe-$dt"
+      --set train.device=cuda --set train.steps=$STEPS --set train.batch_size=$BATCH
+      --set train.seq_len=$SEQ --set train.lr=$LR --set train.min_lr=$MIN_LR
+      --set train.warmup_steps=$WARMUP --set train.eval_every=$EVAL_EVERY
+      --set train.eval_batches=$EVAL_BATCHES --set train.seed=$SEED --set train.save_every=0
+      --set train.log_every=10 --set model.moe.expert_dtype=$dt)
+    "$xmoe" train --quiet --overwrite --stop-after 0 "${keys[@]}"
+    "$xmoe" train --quiet --resume "${keys[@]}"
+  done
+  ;;
+compare-fp8)
+  xmoe=${XMOE:-$here/../build/cpu/bin/xmoe}
+  python3 - "$out/xmoe-fp8/metrics.jsonl" "$out/xmoe-bf16/metrics.jsonl" "$out" <<'PY'
+import json, sys
+def curve(path):
+    return {j["step"]: j["val_loss"] for j in map(json.loads, open(path)) if "val_loss" in j}
+f, b = curve(sys.argv[1]), curve(sys.argv[2])
+steps = sorted(set(f) & set(b))
+print("| step | bf16 experts val loss | fp8 experts val loss | difference |")
+print("|---:|---:|---:|---:|")
+worst = 0.0
+for s in steps:
+    rel = (f[s] - b[s]) / b[s]
+    worst = max(worst, abs(rel))
+    print(f"| {s} | {b[s]:.4f} | {f[s]:.4f} | {100 * rel:+.2f}% |")
+print(f"\nlargest difference {100 * worst:.2f}% over {len(steps)} evaluations "
+      f"({'within' if worst <= 0.01 else 'NOT within'} 1%)")
+PY
+  "$xmoe" plot "$out/xmoe-bf16" --compare "$out/xmoe-fp8"
+  ;;
 compare)
   python3 - "$out/xmoe/metrics.jsonl" "$out/torch.jsonl" "$out" <<'PY'
 import json, sys
@@ -85,7 +121,7 @@ except ImportError:
 PY
   ;;
 *)
-  echo "real_data.sh: unknown phase $phase (prepare, train or compare)" >&2
+  echo "real_data.sh: unknown phase $phase (prepare, train, compare, fp8 or compare-fp8)" >&2
   exit 1
   ;;
 esac
