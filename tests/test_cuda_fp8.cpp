@@ -82,6 +82,31 @@ TEST(CudaFp8, SwigluQuantiserWritesTheTwoPassBytes) {
     }
 }
 
+// The gathering quantiser (the FP8 experts' input read from x through the order's indices) writes
+// the bytes and scales of quantising the gathered rows, on every kernel path, and reads an index
+// out of range as a row of zeros, as gather_rows does on the device.
+TEST(CudaFp8, GatherQuantiserWritesTheGatheredBytes) {
+  XMOE_REQUIRE_CUDA();
+  const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
+  const int64_t n = 467, tokens = 151;
+  std::vector<int32_t> ids(n);
+  for (int64_t r = 0; r < n; ++r) ids[r] = static_cast<int32_t>((r * 61 + 7) % tokens);
+  ids[40] = -1;
+  ids[41] = static_cast<int32_t>(tokens);
+  const Tensor index = Tensor::from_vector(ids, {n}).to(kCuda);
+  for (const int64_t k : {200, 130, 2048, 256})
+    for (DType dt : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE(fmt::format("k {} {}", k, dtype_name(dt)));
+      const Tensor x = ops::cast(randn({tokens, k}, 9, 2.0f).to(kCuda), dt);
+      const ops::Fp8Rows fused = ops::gather_quantize_rows_fp8(x, index, sizes);
+      const ops::Fp8Rows two_pass = ops::quantize_rows_fp8(ops::gather_rows(x, index), sizes);
+      EXPECT_EQ(fused.data.to(Device::cpu()).to_vector<uint8_t>(),
+                two_pass.data.to(Device::cpu()).to_vector<uint8_t>());
+      EXPECT_EQ(fused.scales.to(Device::cpu()).to_vector<float>(),
+                two_pass.scales.to(Device::cpu()).to_vector<float>());
+    }
+}
+
 // Uneven groups (one empty, one of a single row), both directions, two layer shapes: the sm90
 // kernel (counted) within bf16 rounding of the CPU's products of the same quantised operands; an
 // f32 output takes the dequantising path, to f32 rounding.

@@ -11,6 +11,7 @@
 #include "cuda_testing.h"
 #include "gradcheck.h"
 #include "xmoe/comm/group.h"
+#include "xmoe/core/allocator.h"
 #include "xmoe/core/fp8.h"
 #include "xmoe/moe/expert.h"
 #include "xmoe/moe/layer.h"
@@ -123,6 +124,24 @@ TEST(Fp8, SwigluQuantiserQuantisesTheActivation) {
   EXPECT_THROW(ops::swiglu_quantize_rows_fp8(h, std::vector<int64_t>{37, 130}), Error);
 }
 
+// The gathering quantiser (the FP8 experts' input read from x through the order's indices) is
+// the quantiser of the gathered rows, and refuses a bad index.
+TEST(Fp8, GatherQuantiserQuantisesTheGatheredRows) {
+  const std::vector<int64_t> sizes{3, 0, 4};
+  const Tensor x = randn({5, 256}, 8, 2.0f);
+  const Tensor index = Tensor::from_vector(std::vector<int32_t>{4, 0, 0, 2, 1, 3, 4}, {7});
+  const ops::Fp8Rows q = ops::gather_quantize_rows_fp8(x, index, sizes);
+  const ops::Fp8Rows ref = ops::quantize_rows_fp8(ops::gather_rows(x, index), sizes);
+  EXPECT_EQ(q.data.to_vector<uint8_t>(), ref.data.to_vector<uint8_t>());
+  EXPECT_EQ(q.scales.to_vector<float>(), ref.scales.to_vector<float>());
+  EXPECT_EQ(q.group_sizes, sizes);
+  const Tensor bad = Tensor::from_vector(std::vector<int32_t>{4, 0, 0, 2, 5, 3, 4}, {7});
+  EXPECT_THROW(ops::gather_quantize_rows_fp8(x, bad, sizes), Error);
+  EXPECT_THROW(ops::gather_quantize_rows_fp8(x, index, std::vector<int64_t>{3, 3}), Error);
+  const Tensor floats = Tensor::from_vector(std::vector<float>{4, 0, 0, 2, 1, 3, 4}, {7});
+  EXPECT_THROW(ops::gather_quantize_rows_fp8(x, floats, sizes), Error);
+}
+
 // y = x_g @ w[g] and x_g @ w[g]^T on quantised operands: within FP8's error of the exact
 // products, and exactly the products of the dequantised operands.
 TEST(Fp8, GroupedMatmulFollowsTheExactProducts) {
@@ -157,7 +176,10 @@ TEST(Fp8, GroupedMatmulFollowsTheExactProducts) {
 namespace {
 
 /// y, dx and the expert gradients of one forward/backward of a CPU MoE layer.
-std::vector<Tensor> run_layer(const std::string& expert_dtype) {
+/// The layer's output, input gradient and parameter gradients. hook_rows: a hook on the order
+/// stage's rows (which makes the layer gather them itself); allocated: the bytes allocated.
+std::vector<Tensor> run_layer(const std::string& expert_dtype, bool hook_rows = false,
+                              int64_t* allocated = nullptr) {
   MoeConfig c;
   c.num_experts = 8;
   c.top_k = 2;
@@ -167,9 +189,12 @@ std::vector<Tensor> run_layer(const std::string& expert_dtype) {
   constexpr int64_t d = 256, T = 512, seq = 64;
   auto one = comm::make_single_group();
   moe::MoELayer layer(c, d, "moe", 7, 0.02f, 0.02f, moe::LayerGroups{one, one});
+  if (hook_rows) layer.hooks().on<moe::OrderOut>([](moe::OrderOut&) {});
   const Tensor x = randn({T, d}, 1), dy = randn({T, d}, 2, 0.1f);
   layer.zero_grad();
+  const int64_t before = memory_stats().total_bytes;
   std::vector<Tensor> out{layer.forward(x, seq), layer.backward(dy)};
+  if (allocated) *allocated = memory_stats().total_bytes - before;
   for (Parameter* p : layer.parameters()) {
     p->settle_grad();
     out.push_back(p->grad.clone());
@@ -191,6 +216,20 @@ TEST(Fp8, MoeLayerFollowsTheUnquantisedLayer) {
       EXPECT_GT(err, 1e-4) << "tensor " << i;  // the FP8 path ran
     }
   }
+}
+
+// With one process and nothing reading the order stage's rows, the FP8 experts quantise their
+// input straight from x through the PFT indices: the same numbers as quantising the gathered
+// rows (a hook on the rows makes the layer gather them), without allocating those rows.
+TEST(Fp8, MoeLayerQuantisesItsRowsStraightFromX) {
+  int64_t fused_bytes = 0, gathered_bytes = 0;
+  const std::vector<Tensor> fused = run_layer("fp8", false, &fused_bytes);
+  const std::vector<Tensor> gathered = run_layer("fp8", true, &gathered_bytes);
+  ASSERT_EQ(fused.size(), gathered.size());
+  for (size_t i = 0; i < fused.size(); ++i)
+    EXPECT_EQ(fused[i].to_vector<float>(), gathered[i].to_vector<float>()) << "tensor " << i;
+  // T * k rows of d f32: the gathered copy forward no longer makes.
+  EXPECT_EQ(gathered_bytes - fused_bytes, int64_t{512} * 2 * 256 * 4);
 }
 
 // keep_weights (the trainer's micro-batches of one step): the experts quantise their weights

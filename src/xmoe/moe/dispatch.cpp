@@ -136,12 +136,17 @@ class LocalDispatcher final : public Dispatcher {
   DispatchResult dispatch(const Tensor& rows, std::span<const int64_t> tpe) override {
     XMOE_CHECK(static_cast<int64_t>(tpe.size()) == num_experts_,
                "[moe dispatch local] {} counts for {} experts", tpe.size(), num_experts_);
+    // Undefined rows (the experts read x through the order's indices): the counts alone.
+    int64_t n = 0;
+    for (int64_t c : tpe) n += c;
+    XMOE_CHECK(!rows.defined() || rows.size(0) == n,
+               "[moe dispatch local] {} rows for counts that sum to {}", rows.size(0), n);
     DispatchResult r;
     r.rows = rows;
     r.handle.send_tokens_per_expert.assign(tpe.begin(), tpe.end());
     r.handle.recv_tokens_per_expert.assign(tpe.begin(), tpe.end());
-    r.handle.num_send_rows = r.handle.num_recv_rows = rows.size(0);
-    r.handle.send_counts = r.handle.recv_counts = {rows.size(0)};
+    r.handle.num_send_rows = r.handle.num_recv_rows = n;
+    r.handle.send_counts = r.handle.recv_counts = {n};
     return r;
   }
   Tensor combine(const Tensor& out, const DispatchHandle& h) override { return checked(out, h); }

@@ -39,8 +39,17 @@ class SwigluExperts final : public Experts {
 
   Tensor forward(Tensor rows, std::span<const int64_t> group_sizes) override {
     start_forward(group_sizes);
-    return forward_part_(std::move(rows), 0, static_cast<int64_t>(groups_.size()));
+    return forward_part_(std::move(rows), 0, num_groups());
   }
+
+  Tensor forward_gathered(const Tensor& x, const Tensor& index,
+                          std::span<const int64_t> group_sizes) override {
+    XMOE_CHECK(regather_, "[moe experts] forward_gathered without an input regather");
+    start_forward(group_sizes);
+    if (!fp8_) return forward_part_(xmoe::ops::gather_rows(x, index), 0, num_groups());
+    return forward_part_(Input{Tensor(), x, index}, 0, num_groups());
+  }
+  bool fuses_gather() const override { return fp8_; }
 
   Tensor backward(Tensor d_out) override {
     XMOE_CHECK(!parts_.empty(), "[moe experts] backward without a forward");
@@ -231,6 +240,8 @@ class SwigluExperts final : public Experts {
     return *into;
   }
 
+  int64_t num_groups() const { return static_cast<int64_t>(groups_.size()); }
+
   std::span<const int64_t> part_sizes(const Part& part) const {
     return {groups_.data() + part.group_begin, groups_.data() + part.group_end};
   }
@@ -272,31 +283,56 @@ class SwigluExperts final : public Experts {
     return y;
   }
 
-  Tensor forward_part_(Tensor rows, int64_t group_begin, int64_t group_end) {
+  /// A forward's input: the rows, or (FP8, forward_gathered) x [T, d] and the index of its rows.
+  struct Input {
+    Tensor rows, x, index;
+    Input(Tensor r) : rows(std::move(r)) {}  // NOLINT: rows convert implicitly
+    Input(Tensor r, Tensor x_, Tensor index_)
+        : rows(std::move(r)), x(std::move(x_)), index(std::move(index_)) {}
+  };
+
+  Tensor forward_part_(Input in, int64_t group_begin, int64_t group_end) {
     Part part{group_begin, group_end, group_row_[group_begin], group_row_[group_end],
               {},          {},        group_end - group_begin};
     const int64_t n = part.row_end - part.row_begin;
-    check_shape(rows, {n, gate_up_.value.size(1)}, "moe experts", "rows");
+    Tensor& rows = in.rows;
+    const bool gathered = !rows.defined();
+    if (gathered) {
+      check_shape(in.x, {-1, gate_up_.value.size(1)}, "moe experts", "x");
+      check_shape(in.index, {n}, "moe experts", "index");
+    } else {
+      check_shape(rows, {n, gate_up_.value.size(1)}, "moe experts", "rows");
+    }
+    const Tensor& like = gathered ? in.x : rows;
     // bf16 rows (CUDA): the bf16 compute copies of the f32 master weights (a cast per forward
     // where there are none), kept for backward; the weight gradients are f32 or bf16.
     // FP8: the weights quantised once per forward (once per step with keep_weights), kept for
     // backward's data gradients.
-    if (weights_ready_ && rows.dtype() != rows_dtype_) drop_weights();  // kept, in another dtype
+    if (weights_ready_ && like.dtype() != rows_dtype_) drop_weights();  // kept, in another dtype
     if (!weights_ready_) {
-      rows_dtype_ = rows.dtype();
+      rows_dtype_ = like.dtype();
       if (fp8_) {
         qgu_ = xmoe::ops::quantize_weights_fp8(gate_up_.compute());
         qd_ = xmoe::ops::quantize_weights_fp8(down_.compute());
       } else {
-        wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), rows.dtype());
-        wd_ = xmoe::ops::as_dtype(down_.compute(), rows.dtype());
+        wgu_ = xmoe::ops::as_dtype(gate_up_.compute(), like.dtype());
+        wd_ = xmoe::ops::as_dtype(down_.compute(), like.dtype());
       }
       weights_ready_ = true;
     }
     const std::span<const int64_t> sizes = part_sizes(part);
-    Tensor h = expert_gemm(rows, Weight::gate_up, group_begin, group_end, sizes, false);  // [n, 2f]
+    Tensor h;        // [n, 2f]
+    if (gathered) {  // FP8 rows quantised from x through the index: no gathered copy
+      h = Tensor::empty({n, gate_up_.value.size(2)}, rows_dtype_, in.x.device());
+      xmoe::ops::grouped_matmul_fp8_into(h,
+                                         xmoe::ops::gather_quantize_rows_fp8(in.x, in.index, sizes),
+                                         qgu_.groups(group_begin, group_end), false);
+    } else {
+      h = expert_gemm(rows, Weight::gate_up, group_begin, group_end, sizes, false);
+    }
     part.rows = regather_ ? Tensor() : rows;
-    rows = Tensor();  // gone here if the caller moved it in and backward can regather it
+    in = Input(Tensor());  // the rows go here if the caller moved them in and backward can
+                           // regather them
     Tensor out = Tensor::empty({n, down_.value.size(2)}, h.dtype(), h.device());
     for (const Chunk& c : chunks(part)) {  // a [n_c, f] lives for one chunk only
       const int64_t r0 = c.row_begin - part.row_begin, r1 = c.row_end - part.row_begin;

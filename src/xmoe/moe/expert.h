@@ -39,6 +39,13 @@ class Experts : public Module {
   /// rows [N, d] grouped by local expert, group_sizes [E_local] -> out [N, d]. rows by value:
   /// a caller that moves it in (and set a regather) lets the rows go once h is made.
   virtual Tensor forward(Tensor rows, std::span<const int64_t> group_sizes) = 0;
+  /// forward(gather_rows(x, index), group_sizes) for x [T, d] and index i32 [N] (grouped by
+  /// local expert), reading x through the index where that saves the gathered copy (FP8 experts
+  /// quantise straight from x). Needs set_input_regather first: backward's rows.
+  virtual Tensor forward_gathered(const Tensor& x, const Tensor& index,
+                                  std::span<const int64_t> group_sizes) = 0;
+  /// Whether forward_gathered saves a pass over forward of the gathered rows.
+  virtual bool fuses_gather() const = 0;
   /// d_out [N, d] -> d_rows [N, d]; accumulates the weight gradients. d_out by value: a caller
   /// that moves it in lets the experts free it (and their saved rows) as soon as they are used.
   virtual Tensor backward(Tensor d_out) = 0;

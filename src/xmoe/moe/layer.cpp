@@ -155,13 +155,23 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   });
   gate_output_replaced_ = hooks_.run(g);
 
+  const int64_t num_local = cfg_.num_experts / ep_size_;
+  const bool pipelined =
+      pipeline_fwd_ > 1 && num_local > 1 && !hooks_.has<DispatchOut>() && !hooks_.has<ExpertOut>();
+  // Experts that read x through the PFT indices (FP8: the quantiser gathers) get no rows when
+  // nothing else would read them: one process, no pipelining, no hook on the rows.
+  const bool experts_gather = experts_->fuses_gather() && dispatcher_->name() == "local" &&
+                              !pipelined && pipeline_bwd_ == 1 && !hooks_.has<OrderOut>() &&
+                              !hooks_.has<DispatchOut>();
   OrderOut o = timed("moe.order.fwd", device_, [&] {
-    Tensor rows = order_->forward(in.x, g.topk_idx, g.topk_weight);
+    order_->plan(in.x, g.topk_idx, g.topk_weight);
     const TokenLayout& l = order_->layout();
+    Tensor rows = experts_gather && !l.padded ? Tensor() : order_->gather(in.x);
     return OrderOut{std::move(rows), l.combine_weights, &l};
   });
   const bool rows_replaced = hooks_.run(o);
   const TokenLayout& layout = order_->layout();
+  const bool rows_gathered_by_experts = !o.rows.defined();
   last_topk_idx_ = g.topk_idx;
   if (record_coactivation_) record_coactivation_pairs(last_topk_idx_);
   // rbd applies the combine weights and sums per (token, node) inside combine (dispatch.h).
@@ -171,9 +181,6 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   dropped_ = layout.dropped;
   for (size_t e = 0; e < load_.size(); ++e) pending_load_[e] += load_[e];
 
-  const int64_t num_local = cfg_.num_experts / ep_size_;
-  const bool pipelined =
-      pipeline_fwd_ > 1 && num_local > 1 && !hooks_.has<DispatchOut>() && !hooks_.has<ExpertOut>();
   CombineOut c;
   if (pipelined) {
     // Dispatch, Expert and Combine chunk by chunk (moe/pipeline.h); no regather: each chunk's
@@ -202,14 +209,18 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
     // storage) and no hook replaced it: keep x (the router holds it anyway) and the PFT indices
     // instead of the rows [N, d], which go once h is made, and gather them again where backward
     // needs them.
-    const bool regather = !rows_replaced && !expert_in_replaced &&
-                          dsp.expert_in.raw() == o.rows.raw() && pipeline_bwd_ == 1;
+    const bool regather =
+        rows_gathered_by_experts || (!rows_replaced && !expert_in_replaced &&
+                                     dsp.expert_in.raw() == o.rows.raw() && pipeline_bwd_ == 1);
     o.rows = Tensor();  // dispatched: the experts hold what they need
 
     ExpertOut e = timed("moe.expert.fwd", device_, [&] {
       experts_->set_input_regather(
           regather ? std::function<Tensor()>([this, x = in.x] { return order_->gather(x); })
                    : nullptr);
+      if (rows_gathered_by_experts)
+        return ExpertOut{
+            experts_->forward_gathered(in.x, layout.token_ids, handle_.recv_tokens_per_expert)};
       return ExpertOut{experts_->forward(take(dsp.expert_in), handle_.recv_tokens_per_expert)};
     });
     hooks_.run(e);

@@ -47,6 +47,11 @@ TokenLayout Order::make_layout(const Tensor& topk_idx, const Tensor& topk_weight
 }
 
 Tensor Order::forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight) {
+  plan(x, topk_idx, topk_weight);
+  return gather(x);
+}
+
+void Order::plan(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight) {
   const char* op = "moe order";
   check_dtype(topk_idx, DType::i32, op, "topk_idx");
   check_dtype(topk_weight, DType::f32, op, "topk_weight");
@@ -57,7 +62,6 @@ Tensor Order::forward(const Tensor& x, const Tensor& topk_idx, const Tensor& top
   layout_ = {};  // free the previous step's layout before building the next
   d_model_ = x.size(1);
   layout_ = make_layout(topk_idx, topk_weight);
-  return gather(x);
 }
 
 Tensor Order::gather(const Tensor& x) const {

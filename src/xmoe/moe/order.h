@@ -44,6 +44,8 @@ class Order {
   /// Builds the layout from the gate's topk_idx i32 [T, k] and topk_weight f32 [T, k], then
   /// gathers x [T, d] into the rows [N, d].
   Tensor forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight);
+  /// forward without the gather: only the layout (for experts that read x through token_ids).
+  void plan(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight);
   /// The rows of x [T, d] under the current layout: what forward returned, rebuilt (backward
   /// under recompute re-gathers them rather than keeping them).
   Tensor gather(const Tensor& x) const;

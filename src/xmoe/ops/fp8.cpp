@@ -83,6 +83,31 @@ Fp8Rows swiglu_quantize_rows_fp8(const Tensor& h, std::span<const int64_t> group
   return q;
 }
 
+Fp8Rows gather_quantize_rows_fp8(const Tensor& x, const Tensor& index,
+                                 std::span<const int64_t> group_sizes) {
+  const char* op = "gather_quantize_rows_fp8";
+  require_float(op, "x", x);
+  XMOE_CHECK(x.dim() == 2, "[{}] x must be [M, K], got {}", op, shape_str(x.shape()));
+  check_same_device(op, "index", index, "x", x);
+  XMOE_CHECK(index.dtype() == DType::i32 && index.dim() == 1,
+             "[{}] index must be i32 [N], got {} {}", op, dtype_name(index.dtype()),
+             shape_str(index.shape()));
+  if (x.is_cpu() || detail::cuda_check_indices())
+    detail::check_index_values(op, "index", index, x.size(0), false);
+  const int64_t k = x.size(1);
+  Fp8Rows q = empty_fp8_rows(op, index.numel(), k, group_sizes, x.device());
+  const auto groups = static_cast<int64_t>(group_sizes.size());
+  if (x.is_cpu()) {
+    cpu::gather_quantize_rows_fp8(q.data.data<uint8_t>(), q.scales.data<float>(), x.data<float>(),
+                                  index.data<int32_t>(), group_sizes.data(), groups, k);
+    return q;
+  }
+  cuda::gather_quantize_rows_fp8(q.data.data<uint8_t>(), q.scales.data<float>(), x.raw(), x.dtype(),
+                                 index.data<int32_t>(), x.size(0), group_sizes.data(), groups, k,
+                                 stream_of(x));
+  return q;
+}
+
 Tensor dequantize_rows_fp8(const Fp8Rows& x, DType dtype) {
   const char* op = "dequantize_rows_fp8";
   require_fp8_rows(op, x);

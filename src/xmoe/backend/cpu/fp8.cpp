@@ -23,17 +23,17 @@ int64_t row_scale_index(int64_t o, int64_t n, int64_t kb, int64_t r, int64_t j) 
   return o * kb + j * n + (r - o);
 }
 
-}  // namespace
-
-void quantize_rows_fp8(uint8_t* q, float* scales, const float* x, const int64_t* group_sizes,
-                       int64_t groups, int64_t k) {
+/// Rows row(r) of k columns quantised in their groups.
+template <class RowOf>
+void quantize_rows(uint8_t* q, float* scales, RowOf row, const int64_t* group_sizes, int64_t groups,
+                   int64_t k) {
   const int64_t kb = blocks(k);
   int64_t o = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t n = group_sizes[g];
 #pragma omp parallel for schedule(static)
     for (int64_t r = o; r < o + n; ++r) {
-      const float* xr = x + r * k;
+      const float* xr = row(r);
       uint8_t* qr = q + r * k;
       for (int64_t j = 0; j < kb; ++j) {
         const int64_t c0 = j * fp8::kBlock, c1 = std::min(k, c0 + fp8::kBlock);
@@ -46,6 +46,19 @@ void quantize_rows_fp8(uint8_t* q, float* scales, const float* x, const int64_t*
     }
     o += n;
   }
+}
+}  // namespace
+
+void quantize_rows_fp8(uint8_t* q, float* scales, const float* x, const int64_t* group_sizes,
+                       int64_t groups, int64_t k) {
+  quantize_rows(
+      q, scales, [=](int64_t r) { return x + r * k; }, group_sizes, groups, k);
+}
+
+void gather_quantize_rows_fp8(uint8_t* q, float* scales, const float* x, const int32_t* index,
+                              const int64_t* group_sizes, int64_t groups, int64_t k) {
+  quantize_rows(
+      q, scales, [=](int64_t r) { return x + int64_t{index[r]} * k; }, group_sizes, groups, k);
 }
 
 void dequantize_rows_fp8(float* x, const uint8_t* q, const float* scales,

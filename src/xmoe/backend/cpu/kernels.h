@@ -23,6 +23,9 @@ void grouped_gemm_weight_grad(float* dw, const float* x, const float* dy,
 // o_g * ceil(K/128) (the layout the sm90 FP8 grouped GEMM reads).
 void quantize_rows_fp8(uint8_t* q, float* scales, const float* x, const int64_t* group_sizes,
                        int64_t groups, int64_t k);
+// quantize_rows_fp8 of rows index[r] (in range) of x, without the gathered copy.
+void gather_quantize_rows_fp8(uint8_t* q, float* scales, const float* x, const int32_t* index,
+                              const int64_t* group_sizes, int64_t groups, int64_t k);
 void dequantize_rows_fp8(float* x, const uint8_t* q, const float* scales,
                          const int64_t* group_sizes, int64_t groups, int64_t k);
 // w [G, K, M] -> q [G, K, M] and its transpose q_t [G, M, K], one scale per 128 x 128 block:

@@ -102,41 +102,66 @@ __device__ __forceinline__ void load_vec(float (&v)[8], const float* p) {
   load8(v, p);
 }
 
-/// Where a quantiser's rows come from: x [rows, k] itself, or (kSwiglu) the SwiGLU of h
-/// [rows, 2k] = [gate | up], rounded to T as swiglu_forward writes it, so that the fused pass
-/// quantises the very numbers the two passes would (and no [rows, k] activation is written).
-template <class T, bool kSwiglu>
+/// Where a quantiser's rows come from: x [rows, k] itself; (swiglu) the SwiGLU of h [rows, 2k] =
+/// [gate | up], rounded to T as swiglu_forward writes it, so that the fused pass quantises the
+/// very numbers the two passes would (and no [rows, k] activation is written); or (gather) row
+/// index[r] of x [x_rows, k], as gather_rows would copy it (an index outside [0, x_rows) reads
+/// zeros), so that the order stage's [rows, k] copy of x is never written.
+enum class RowKind { plain, swiglu, gather };
+template <class T, RowKind kKind>
 struct RowSource {
   const T* x;
   int64_t k;
+  const int32_t* index = nullptr;  // gather
+  int64_t x_rows = 0;              // gather
 
-  __device__ __forceinline__ float at(int64_t r, int64_t c) const {
-    if constexpr (kSwiglu) {
-      const T* h = x + r * 2 * k;
-      return to_float(from_float<T>(swiglu_value(to_float(h[c]), to_float(h[k + c]))));
+  /// Row r's first element (gather: null for an index out of range).
+  __device__ __forceinline__ const T* row(int64_t r) const {
+    if constexpr (kKind == RowKind::gather) {
+      const int64_t i = index[r];
+      return i >= 0 && i < x_rows ? x + i * k : nullptr;
+    } else if constexpr (kKind == RowKind::swiglu) {
+      return x + r * 2 * k;
     } else {
-      return to_float(x[r * k + c]);
+      return x + r * k;
+    }
+  }
+  __device__ __forceinline__ float at(int64_t r, int64_t c) const {
+    const T* p = row(r);
+    if constexpr (kKind == RowKind::swiglu) {
+      return to_float(from_float<T>(swiglu_value(to_float(p[c]), to_float(p[k + c]))));
+    } else if constexpr (kKind == RowKind::gather) {
+      return p ? to_float(p[c]) : 0.f;
+    } else {
+      return to_float(p[c]);
     }
   }
   /// N consecutive columns from c (aligned to N elements).
   template <int N>
   __device__ __forceinline__ void load(float (&v)[N], int64_t r, int64_t c) const {
-    if constexpr (kSwiglu) {
-      const T* h = x + r * 2 * k;
+    const T* p = row(r);
+    if constexpr (kKind == RowKind::swiglu) {
       float g[N], u[N];
-      load_vec(g, h + c);
-      load_vec(u, h + k + c);
+      load_vec(g, p + c);
+      load_vec(u, p + k + c);
 #pragma unroll
       for (int e = 0; e < N; ++e) v[e] = to_float(from_float<T>(swiglu_value(g[e], u[e])));
+    } else if constexpr (kKind == RowKind::gather) {
+      if (p) {
+        load_vec(v, p + c);
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) v[e] = 0.f;
+      }
     } else {
-      load_vec(v, x + r * k + c);
+      load_vec(v, p + c);
     }
   }
 };
 
 /// One warp per (row, 128-column block).
-template <class T, bool kSwiglu>
-__global__ void quantize_rows_kernel(uint8_t* q, float* scales, const RowSource<T, kSwiglu> x,
+template <class T, RowKind kKind>
+__global__ void quantize_rows_kernel(uint8_t* q, float* scales, const RowSource<T, kKind> x,
                                      const __grid_constant__ RowGroups groups, int64_t k) {
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, rows = groups.start[groups.count];
   const int lane = threadIdx.x & 31;
@@ -185,8 +210,8 @@ __global__ void quantize_rows_kernel(uint8_t* q, float* scales, const RowSource<
 /// at once, so every lane has kPairs loads in flight (the one-block-per-warp kernel above, with
 /// one 8-byte load per lane, is latency-bound at about a quarter of HBM's bandwidth). The same
 /// bytes and scales.
-template <class T, bool kSwiglu>
-__global__ void quantize_rows_wide_kernel(uint8_t* q, float* scales, const RowSource<T, kSwiglu> x,
+template <class T, RowKind kKind>
+__global__ void quantize_rows_wide_kernel(uint8_t* q, float* scales, const RowSource<T, kKind> x,
                                           const __grid_constant__ RowGroups groups, int64_t k) {
   constexpr int kPairs = 4;
   const int64_t kb = k / kFp8Block, rows = groups.start[groups.count];
@@ -333,10 +358,12 @@ __global__ void dequantize_weights_kernel(T* w, const uint8_t* q, const float* s
   }
 }
 
-/// Rows of k columns from x (kSwiglu: from h [rows, 2k]) quantised in their groups.
-template <bool kSwiglu>
+/// Rows of k columns from x (swiglu: from h [rows, 2k]; gather: rows index[r] of x [x_rows, k])
+/// quantised in their groups.
+template <RowKind kKind>
 void quantize_rows(uint8_t* q, float* scales, const void* x, DType dt, const int64_t* group_sizes,
-                   int64_t groups, int64_t k, Stream stream, const char* op) {
+                   int64_t groups, int64_t k, Stream stream, const char* op,
+                   const int32_t* index = nullptr, int64_t x_rows = 0) {
   const RowGroups g = row_groups(group_sizes, groups, op);
   const int64_t items = int64_t{g.start[groups]} * ((k + kFp8Block - 1) / kFp8Block);
   if (items == 0) return;
@@ -345,14 +372,14 @@ void quantize_rows(uint8_t* q, float* scales, const void* x, DType dt, const int
                     reinterpret_cast<uintptr_t>(q) % 8 == 0;
   dispatch_float(dt, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const RowSource<T, kSwiglu> source{static_cast<const T*>(x), k};
+    const RowSource<T, kKind> source{static_cast<const T*>(x), k, index, x_rows};
     if (wide) {
       const int64_t chunks = (k / kFp8Block + 7) / 8;
-      quantize_rows_wide_kernel<T, kSwiglu>
+      quantize_rows_wide_kernel<T, kKind>
           <<<grid_for(int64_t{g.start[groups]} * chunks * 32), kBlock, 0, stream>>>(q, scales,
                                                                                     source, g, k);
     } else {
-      quantize_rows_kernel<T, kSwiglu>
+      quantize_rows_kernel<T, kKind>
           <<<grid_for(items * 32), kBlock, 0, stream>>>(q, scales, source, g, k);
     }
     CUDA_CHECK_LAUNCH();
@@ -363,13 +390,22 @@ void quantize_rows(uint8_t* q, float* scales, const void* x, DType dt, const int
 
 void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
                        const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream) {
-  quantize_rows<false>(q, scales, x, dt, group_sizes, groups, k, stream, "quantize_rows_fp8");
+  quantize_rows<RowKind::plain>(q, scales, x, dt, group_sizes, groups, k, stream,
+                                "quantize_rows_fp8");
 }
 
 void swiglu_quantize_rows_fp8(uint8_t* q, float* scales, const void* h, DType dt,
                               const int64_t* group_sizes, int64_t groups, int64_t f,
                               Stream stream) {
-  quantize_rows<true>(q, scales, h, dt, group_sizes, groups, f, stream, "swiglu_quantize_rows_fp8");
+  quantize_rows<RowKind::swiglu>(q, scales, h, dt, group_sizes, groups, f, stream,
+                                 "swiglu_quantize_rows_fp8");
+}
+
+void gather_quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
+                              const int32_t* index, int64_t x_rows, const int64_t* group_sizes,
+                              int64_t groups, int64_t k, Stream stream) {
+  quantize_rows<RowKind::gather>(q, scales, x, dt, group_sizes, groups, k, stream,
+                                 "gather_quantize_rows_fp8", index, x_rows);
 }
 
 void dequantize_rows_fp8(void* x, DType dt, const uint8_t* q, const float* scales,

@@ -40,6 +40,11 @@ void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
 // write, in dt) in one pass: the same bytes and scales, no a in memory.
 void swiglu_quantize_rows_fp8(uint8_t* q, float* scales, const void* h, DType dt,
                               const int64_t* group_sizes, int64_t groups, int64_t f, Stream stream);
+// quantize_rows_fp8 of rows index[r] of x [x_rows, k] (as gather_rows: an index out of range is
+// a row of zeros) in one pass: the same bytes and scales, no gathered copy in memory.
+void gather_quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
+                              const int32_t* index, int64_t x_rows, const int64_t* group_sizes,
+                              int64_t groups, int64_t k, Stream stream);
 void dequantize_rows_fp8(void* x, DType dt, const uint8_t* q, const float* scales,
                          const int64_t* group_sizes, int64_t groups, int64_t k, Stream stream);
 void quantize_weights_fp8(uint8_t* q, uint8_t* q_t, float* scales, float* scales_t, const void* w,

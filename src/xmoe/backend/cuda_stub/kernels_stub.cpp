@@ -52,6 +52,10 @@ void swiglu_quantize_rows_fp8(uint8_t*, float*, const void*, DType, const int64_
                               int64_t, Stream) {
   no_cuda("swiglu_quantize_rows_fp8");
 }
+void gather_quantize_rows_fp8(uint8_t*, float*, const void*, DType, const int32_t*, int64_t,
+                              const int64_t*, int64_t, int64_t, Stream) {
+  no_cuda("gather_quantize_rows_fp8");
+}
 void dequantize_rows_fp8(void*, DType, const uint8_t*, const float*, const int64_t*, int64_t,
                          int64_t, Stream) {
   no_cuda("dequantize_rows_fp8");
