@@ -39,15 +39,15 @@ class SwigluExperts final : public Experts {
 
   Tensor forward(Tensor rows, std::span<const int64_t> group_sizes) override {
     start_forward(group_sizes);
-    return forward_part_(std::move(rows), 0, num_groups());
+    return forward_part_({std::move(rows)}, 0, num_groups());
   }
 
   Tensor forward_gathered(const Tensor& x, const Tensor& index,
                           std::span<const int64_t> group_sizes) override {
     XMOE_CHECK(regather_, "[moe experts] forward_gathered without an input regather");
     start_forward(group_sizes);
-    if (!fp8_) return forward_part_(xmoe::ops::gather_rows(x, index), 0, num_groups());
-    return forward_part_(Input{Tensor(), x, index}, 0, num_groups());
+    if (!fp8_) return forward_part_({xmoe::ops::gather_rows(x, index)}, 0, num_groups());
+    return forward_part_({Tensor(), x, index}, 0, num_groups());
   }
   bool fuses_gather() const override { return fp8_; }
 
@@ -73,7 +73,7 @@ class SwigluExperts final : public Experts {
       XMOE_CHECK(p.group_end <= group_begin || group_end <= p.group_begin,
                  "[moe experts] part of groups [{}, {}) overlaps the part [{}, {})", group_begin,
                  group_end, p.group_begin, p.group_end);
-    return forward_part_(std::move(rows), group_begin, group_end);
+    return forward_part_({std::move(rows)}, group_begin, group_end);
   }
 
   Tensor backward_part(Tensor d_out, int64_t group_begin, int64_t group_end) override {
@@ -285,10 +285,8 @@ class SwigluExperts final : public Experts {
 
   /// A forward's input: the rows, or (FP8, forward_gathered) x [T, d] and the index of its rows.
   struct Input {
-    Tensor rows, x, index;
-    Input(Tensor r) : rows(std::move(r)) {}  // NOLINT: rows convert implicitly
-    Input(Tensor r, Tensor x_, Tensor index_)
-        : rows(std::move(r)), x(std::move(x_)), index(std::move(index_)) {}
+    Tensor rows;
+    Tensor x = Tensor(), index = Tensor();
   };
 
   Tensor forward_part_(Input in, int64_t group_begin, int64_t group_end) {
@@ -331,8 +329,7 @@ class SwigluExperts final : public Experts {
       h = expert_gemm(rows, Weight::gate_up, group_begin, group_end, sizes, false);
     }
     part.rows = regather_ ? Tensor() : rows;
-    in = Input(Tensor());  // the rows go here if the caller moved them in and backward can
-                           // regather them
+    in = {};  // the rows go here if the caller moved them in and backward can regather them
     Tensor out = Tensor::empty({n, down_.value.size(2)}, h.dtype(), h.device());
     for (const Chunk& c : chunks(part)) {  // a [n_c, f] lives for one chunk only
       const int64_t r0 = c.row_begin - part.row_begin, r1 = c.row_end - part.row_begin;
