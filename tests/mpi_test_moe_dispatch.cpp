@@ -251,12 +251,15 @@ struct Tolerances {
   double y = 1e-5, dx = 1e-5, grad = 1e-5, aux = 1e-6;
 };
 
-void check_equal_to_one_process(const std::string& gate, int ep, bool skewed) {
-  SCOPED_TRACE("gate " + gate + ", ep " + std::to_string(ep) + (skewed ? ", skewed" : ""));
+void check_equal_to_one_process(const std::string& gate, int ep, bool skewed,
+                                const std::string& expert_dtype = "bf16") {
+  SCOPED_TRACE("gate " + gate + ", ep " + std::to_string(ep) + (skewed ? ", skewed" : "") + ", " +
+               expert_dtype + " experts");
   auto g = world();
   const int W = g->size(), r = g->rank();
   const int64_t Tg = kT * W;
-  const MoeConfig c = layer_config(gate);
+  MoeConfig c = layer_config(gate);
+  c.expert_dtype = expert_dtype;
   parallel::Layout par = parallel::Layout::create(g, ep);
   MoELayer multi(c, kD, "moe", 42, 0.5f, 0.3f, {par.world, par.ep_group});
   MoELayer single(c, kD, "moe", 42, 0.5f, 0.3f);  // Layout::single(): the whole batch here
@@ -346,6 +349,12 @@ TEST(MoeLayerParallel, SigmoidEqualsOneProcessIncludingTheBias) {
 
 TEST(MoeLayerParallel, XmoeEqualsOneProcess) {
   check_equal_to_one_process("xmoe", world()->size(), false);
+}
+
+// FP8 experts: rows and weights are quantised per row and per expert, whichever rank holds them,
+// so expert parallelism sees the numbers one process does.
+TEST(MoeLayerParallel, Fp8ExpertsEqualOneProcess) {
+  for (int ep : ep_sizes()) check_equal_to_one_process("softmax_topk", ep, false, "fp8");
 }
 
 TEST(MoeLayerParallel, SkewedRoutingLeavesRanksWithoutRows) {

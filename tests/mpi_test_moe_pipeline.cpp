@@ -48,18 +48,20 @@ struct Case {
   int ranks_per_node = 0;  // rbd: declared nodes
   bool skewed = false;
   std::string gate = "softmax_topk";
+  std::string expert_dtype = "bf16";
 };
 
 void check_pipelined_equals_unchunked(const Case& k, int forward_chunks, int backward_chunks) {
   SCOPED_TRACE(k.dispatch + " ep " + std::to_string(k.ep) + " rpn " +
-               std::to_string(k.ranks_per_node) + (k.skewed ? " skewed " : " ") + k.gate +
-               ", chunks " + std::to_string(forward_chunks) + "/" +
+               std::to_string(k.ranks_per_node) + (k.skewed ? " skewed " : " ") + k.gate + " " +
+               k.expert_dtype + ", chunks " + std::to_string(forward_chunks) + "/" +
                std::to_string(backward_chunks));
   auto g = world();
   const int r = g->rank();
   parallel::Layout par = parallel::Layout::create(g, k.ep);
   const LayerGroups groups{par.world, par.ep_group};
-  const MoeConfig c = xmoe::testing::micro_moe_layer(k.gate, k.dispatch, kE, 0.05f);
+  MoeConfig c = xmoe::testing::micro_moe_layer(k.gate, k.dispatch, kE, 0.05f);
+  c.expert_dtype = k.expert_dtype;
   MoELayer ref(c, kD, "moe", 42, 0.5f, 0.3f, groups);
   MoELayer piped(c, kD, "moe", 42, 0.5f, 0.3f, groups);
   if (k.ranks_per_node > 0) {
@@ -129,6 +131,16 @@ TEST(MoePipeline, SigmoidAndXmoeGatesEqualUnchunked) {
 TEST(MoePipeline, LocalDispatchEqualsUnchunked) {
   if (world()->size() != 1) GTEST_SKIP() << "local dispatch: one process";
   for (auto [f, b] : kChunks) check_pipelined_equals_unchunked({"local", 1, 0, false}, f, b);
+}
+
+// FP8 experts: the pipelined layer quantises each chunk's rows, the unchunked one (with local
+// dispatch) quantises x's rows through the order's indices without gathering them; the same bits.
+TEST(MoePipeline, Fp8ExpertsEqualUnchunked) {
+  const int W = world()->size();
+  if (W == 1)
+    for (auto [f, b] : kChunks)
+      check_pipelined_equals_unchunked({"local", 1, 0, false, "softmax_topk", "fp8"}, f, b);
+  check_pipelined_equals_unchunked({"all_to_all", W, 0, false, "softmax_topk", "fp8"}, 3, 2);
 }
 
 TEST(MoePipeline, RbdEqualsUnchunkedBitwise) {
