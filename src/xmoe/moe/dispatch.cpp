@@ -132,6 +132,7 @@ class LocalDispatcher final : public Dispatcher {
   }
   std::string_view name() const override { return "local"; }
   bool pipelines() const override { return true; }
+  bool moves_rows() const override { return false; }
 
   DispatchResult dispatch(const Tensor& rows, std::span<const int64_t> tpe) override {
     XMOE_CHECK(static_cast<int64_t>(tpe.size()) == num_experts_,
@@ -201,6 +202,7 @@ class AllToAllDispatcher final : public Dispatcher {
   }
   std::string_view name() const override { return "all_to_all"; }
   bool pipelines() const override { return true; }
+  bool moves_rows() const override { return ep_size_ > 1; }
 
   DispatchResult dispatch(const Tensor& rows, std::span<const int64_t> tpe) override {
     DispatchResult r;
@@ -219,9 +221,12 @@ class AllToAllDispatcher final : public Dispatcher {
     const char* op = "moe dispatch all_to_all";
     XMOE_CHECK(static_cast<int64_t>(tpe.size()) == num_experts_, "[{}] {} counts for {} experts",
                op, tpe.size(), num_experts_);
-    XMOE_CHECK(rows.dim() == 2, "[{}] rows must be [N, d], got {}", op, rows.str());
     const int64_t N = std::accumulate(tpe.begin(), tpe.end(), int64_t{0});
-    XMOE_CHECK(rows.size(0) == N, "[{}] counts sum to {} rows but rows is {}", op, N, rows.str());
+    XMOE_CHECK(rows.defined() || ep_size_ == 1, "[{}] no rows to send to {} ranks", op, ep_size_);
+    if (rows.defined()) {
+      XMOE_CHECK(rows.dim() == 2, "[{}] rows must be [N, d], got {}", op, rows.str());
+      XMOE_CHECK(rows.size(0) == N, "[{}] counts sum to {} rows but rows is {}", op, N, rows.str());
+    }
     DispatchHandle h;
     h.send_tokens_per_expert.assign(tpe.begin(), tpe.end());
     h.num_send_rows = N;

@@ -125,6 +125,10 @@ class Dispatcher {
   /// dispatch_backward returns d_rows [N, d] whose pilot rows carry their group's summed
   /// gradient (other rows zero; order backward scatter-adds them into dx all the same).
   virtual bool reduces_in_combine() const { return false; }
+  /// False where dispatch hands the rows back as they are (local; all_to_all over one rank): it
+  /// then also takes undefined rows (the experts read x through the order's indices) and plans
+  /// from the counts alone.
+  virtual bool moves_rows() const { return true; }
   /// reduces_in_combine(): d(combine_weights) [N] (RowInfo order) of the last combine_backward.
   virtual Tensor combine_weights_grad(const DispatchHandle& handle) const;
   /// Expert outputs [N_recv, d] back to their source ranks, in the order dispatch took them.

@@ -159,8 +159,8 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   const bool pipelined =
       pipeline_fwd_ > 1 && num_local > 1 && !hooks_.has<DispatchOut>() && !hooks_.has<ExpertOut>();
   // Experts that read x through the PFT indices (FP8: the quantiser gathers) get no rows when
-  // nothing else would read them: one process, no pipelining, no hook on the rows.
-  const bool experts_gather = experts_->fuses_gather() && dispatcher_->name() == "local" &&
+  // nothing else would read them: dispatch moves none, no pipelining, no hook on the rows.
+  const bool experts_gather = experts_->fuses_gather() && !dispatcher_->moves_rows() &&
                               !pipelined && pipeline_bwd_ == 1 && !hooks_.has<OrderOut>() &&
                               !hooks_.has<DispatchOut>();
   OrderOut o = timed("moe.order.fwd", device_, [&] {
