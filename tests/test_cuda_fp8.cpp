@@ -147,7 +147,8 @@ TEST(CudaFp8, GroupedMatmulMatchesTheCpuProducts) {
 
 namespace {
 
-std::vector<Tensor> run_layer(Device dev, const std::string& expert_dtype) {
+/// hook_rows: a hook on the order stage's rows, which makes the layer gather them itself.
+std::vector<Tensor> run_layer(Device dev, const std::string& expert_dtype, bool hook_rows = false) {
   MoeConfig c;
   c.num_experts = 16;
   c.top_k = 4;
@@ -157,6 +158,7 @@ std::vector<Tensor> run_layer(Device dev, const std::string& expert_dtype) {
   constexpr int64_t d = 512, T = 2048, seq = 128;
   auto one = comm::make_single_group();
   moe::MoELayer layer(c, d, "moe", 7, 0.02f, 0.02f, moe::LayerGroups{one, one});
+  if (hook_rows) layer.hooks().on<moe::OrderOut>([](moe::OrderOut&) {});
   for (Parameter* p : layer.parameters()) {
     p->value = p->value.to(dev);
     p->grad = p->grad.to(dev);
@@ -178,6 +180,17 @@ std::vector<Tensor> run_layer(Device dev, const std::string& expert_dtype) {
 }
 
 }  // namespace
+
+// On the GPU too, the FP8 layer that quantises x's rows through the order's indices (no hook)
+// computes the bits of the one that gathers them first (a hook on the rows).
+TEST(CudaFp8, MoeLayerQuantisesItsRowsStraightFromX) {
+  XMOE_REQUIRE_CUDA();
+  const std::vector<Tensor> fused = run_layer(kCuda, "fp8"),
+                            gathered = run_layer(kCuda, "fp8", true);
+  ASSERT_EQ(fused.size(), gathered.size());
+  for (size_t i = 0; i < fused.size(); ++i)
+    EXPECT_EQ(fused[i].to_vector<float>(), gathered[i].to_vector<float>()) << "tensor " << i;
+}
 
 TEST(CudaFp8, MoeLayerFollowsTheCpuLayer) {
   XMOE_REQUIRE_CUDA();
