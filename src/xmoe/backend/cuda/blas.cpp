@@ -387,31 +387,35 @@ static_assert(sm90::kFp8Block == fp8::kBlock);
 bool grouped_gemm_fp8(void* y, const uint8_t* x, const float* x_scales, const uint8_t* w,
                       const float* w_scales, const int64_t* group_sizes, int64_t groups, int64_t k,
                       int64_t n, Stream stream) {
-  const auto decline = [] {
+  // The fallback (dequantised bf16 GEMMs) is correct but slower than bf16 experts: say why, once.
+  const auto decline = [&](std::string_view why) {
+    static std::atomic<bool> warned{false};
+    if (!why.empty() && !warned.exchange(true))
+      spdlog::warn(
+          "[grouped_matmul_fp8] the sm90 FP8 kernel does not take K = {}, N = {} ({}): its "
+          "operands are dequantised and multiplied in bf16, slower than bf16 experts",
+          k, n, why);
     count_call(GroupedGemmKind::fp8, false);
     return false;
   };
-  if (!cutlass_grouped_enabled() || k <= 0 || n <= 0 || k % 16 != 0 || n % 16 != 0 || k > INT_MAX ||
-      n > INT_MAX || !aligned16(y) || !aligned16(x) || !aligned16(w))
-    return decline();
+  if (!cutlass_grouped_enabled())
+    return decline("XMOE_GROUPED_GEMM=cublas turns the CUTLASS grouped GEMMs off");
+  if (k <= 0 || n <= 0 || k % 16 != 0 || n % 16 != 0 || k > INT_MAX || n > INT_MAX)
+    return decline("K and N must be positive multiples of 16");
+  if (!aligned16(y) || !aligned16(x) || !aligned16(w))
+    return decline("an operand is not 16-byte aligned");
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  if (!sm90::supported(device)) return decline();
+  if (!sm90::supported(device))
+    return decline("no sm_90 GPU, or a build without CUTLASS (XMOE_CUTLASS off)");
   thread_local sm90::ProblemList list;
   start_list(list, k, n, x, w, y);
   int64_t partials = 0;  // none: no group is cut
-  if (!fill_problems(list, nullptr, partials, group_sizes, groups, 0)) return decline();
+  if (!fill_problems(list, nullptr, partials, group_sizes, groups, 0))
+    return decline("over 2^31 rows, or more groups than one launch takes");
   if (list.count == 0) return true;  // no rows: nothing to write
   const size_t bytes = sm90::fp8_scratch_bytes(list);
-  if (bytes == 0) {
-    static std::atomic<bool> warned{false};
-    if (!warned.exchange(true))
-      spdlog::warn(
-          "[grouped_matmul_fp8] the sm90 FP8 kernel cannot take K = {}, N = {}, {} problems: "
-          "dequantised bf16 GEMMs instead",
-          k, n, list.count);
-    return decline();
-  }
+  if (bytes == 0) return decline("CUTLASS refuses the problem list");
   Allocator& alloc = backend::cuda_allocator(device);
   void* scratch = alloc.allocate(bytes);
   sm90::fp8_run(list, sm90::Fp8Scales{x_scales, w_scales}, scratch, stream);
