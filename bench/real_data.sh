@@ -22,6 +22,18 @@ STEPS=${STEPS:-300} BATCH=${BATCH:-8} SEQ=${SEQ:-1024} LR=${LR:-1e-3} MIN_LR=${M
 WARMUP=${WARMUP:-30} EVAL_EVERY=${EVAL_EVERY:-25} EVAL_BATCHES=${EVAL_BATCHES:-8} SEED=${SEED:-1234}
 mkdir -p "$out"
 
+# xmoe_keys RUN_DIR [KEY=VALUE...]: the xmoe run's --preset and --set arguments, in `keys`.
+xmoe_keys() {
+  keys=(--preset moe-1b --set "data.dir=$out/data" --set "train.out_dir=$1"
+    --set train.device=cuda --set train.steps=$STEPS --set train.batch_size=$BATCH
+    --set train.seq_len=$SEQ --set train.lr=$LR --set train.min_lr=$MIN_LR
+    --set train.warmup_steps=$WARMUP --set train.eval_every=$EVAL_EVERY
+    --set train.eval_batches=$EVAL_BATCHES --set train.seed=$SEED --set train.save_every=0
+    --set train.log_every=10)
+  local kv
+  for kv in "${@:2}"; do keys+=(--set "$kv"); done
+}
+
 case $phase in
 prepare)
   xmoe=${XMOE:-$here/../build/cpu/bin/xmoe}
@@ -35,12 +47,7 @@ prepare)
   ;;
 train)
   xmoe=${XMOE:-$here/../build/cuda/bin/xmoe}
-  keys=(--preset moe-1b --set "data.dir=$out/data" --set "train.out_dir=$out/xmoe"
-    --set train.device=cuda --set train.steps=$STEPS --set train.batch_size=$BATCH
-    --set train.seq_len=$SEQ --set train.lr=$LR --set train.min_lr=$MIN_LR
-    --set train.warmup_steps=$WARMUP --set train.eval_every=$EVAL_EVERY
-    --set train.eval_batches=$EVAL_BATCHES --set train.seed=$SEED --set train.save_every=0
-    --set train.log_every=10)
+  xmoe_keys "$out/xmoe"
   # step-0 holds the initial weights, which the peer loads; the run then continues from it.
   "$xmoe" train --quiet --overwrite --stop-after 0 "${keys[@]}"
   "$xmoe" train --resume "${keys[@]}"
@@ -50,17 +57,12 @@ train)
     --eval-batches "$EVAL_BATCHES" --seed "$SEED" --metrics "$out/torch.jsonl"
   ;;
 fp8)
-  # The same model from the same step-0 weights on the same tokens, with bf16 then FP8 experts.
+  # The same model (same seed: the same initial weights) on the same tokens, with bf16 then
+  # FP8 experts.
   xmoe=${XMOE:-$here/../build/cuda/bin/xmoe}
   for dt in bf16 fp8; do
-    keys=(--preset moe-1b --set "data.dir=$out/data" --set "train.out_dir=$out/xmoe-$dt"
-      --set train.device=cuda --set train.steps=$STEPS --set train.batch_size=$BATCH
-      --set train.seq_len=$SEQ --set train.lr=$LR --set train.min_lr=$MIN_LR
-      --set train.warmup_steps=$WARMUP --set train.eval_every=$EVAL_EVERY
-      --set train.eval_batches=$EVAL_BATCHES --set train.seed=$SEED --set train.save_every=0
-      --set train.log_every=10 --set model.moe.expert_dtype=$dt)
-    "$xmoe" train --quiet --overwrite --stop-after 0 "${keys[@]}"
-    "$xmoe" train --quiet --resume "${keys[@]}"
+    xmoe_keys "$out/xmoe-$dt" "model.moe.expert_dtype=$dt"
+    "$xmoe" train --quiet --overwrite "${keys[@]}"
   done
   ;;
 compare-fp8)

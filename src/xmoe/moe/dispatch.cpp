@@ -138,8 +138,7 @@ class LocalDispatcher final : public Dispatcher {
     XMOE_CHECK(static_cast<int64_t>(tpe.size()) == num_experts_,
                "[moe dispatch local] {} counts for {} experts", tpe.size(), num_experts_);
     // Undefined rows (the experts read x through the order's indices): the counts alone.
-    int64_t n = 0;
-    for (int64_t c : tpe) n += c;
+    const int64_t n = std::accumulate(tpe.begin(), tpe.end(), int64_t{0});
     XMOE_CHECK(!rows.defined() || rows.size(0) == n,
                "[moe dispatch local] {} rows for counts that sum to {}", rows.size(0), n);
     DispatchResult r;

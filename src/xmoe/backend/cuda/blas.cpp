@@ -390,7 +390,7 @@ bool grouped_gemm_fp8(void* y, const uint8_t* x, const float* x_scales, const ui
   // The fallback (dequantised bf16 GEMMs) is correct but slower than bf16 experts: say why, once.
   const auto decline = [&](std::string_view why) {
     static std::atomic<bool> warned{false};
-    if (!why.empty() && !warned.exchange(true))
+    if (!warned.exchange(true))
       spdlog::warn(
           "[grouped_matmul_fp8] the sm90 FP8 kernel does not take K = {}, N = {} ({}): its "
           "operands are dequantised and multiplied in bf16, slower than bf16 experts",

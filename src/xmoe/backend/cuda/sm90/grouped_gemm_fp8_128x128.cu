@@ -1,5 +1,5 @@
 // sm90 FP8 grouped GEMM (128x128): 128 x 128 x 128 tiles, two consumer warpgroups of 64 x 128 each,
-// no cluster (the default).
+// no cluster.
 #include "xmoe/backend/cuda/sm90/grouped_gemm_fp8_impl.cuh"
 
 namespace xmoe::cuda::sm90::detail {

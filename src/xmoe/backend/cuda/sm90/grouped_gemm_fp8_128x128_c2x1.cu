@@ -1,5 +1,5 @@
 // sm90 FP8 grouped GEMM (128x128_c2x1): the same tiles on 2 x 1 clusters: each weight tile loaded
-// once (TMA multicast) for two row tiles.
+// once (TMA multicast) for two row tiles (the default).
 #include "xmoe/backend/cuda/sm90/grouped_gemm_fp8_impl.cuh"
 
 namespace xmoe::cuda::sm90::detail {
