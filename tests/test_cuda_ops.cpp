@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -720,6 +721,118 @@ TEST(CudaDeterminism, ScatterAttentionNormAreBitwiseRepeatable) {
     return dw.to_vector<float>();
   };
   EXPECT_EQ(dweight(), dweight());
+}
+
+// The block's fused norms (x + a then the norm in bf16; the backward from a bf16 gradient with
+// the residual stream's gradient added and a bf16 copy) write exactly what the separate passes
+// they replace wrote: casts, add_, rmsnorm, rmsnorm_backward, add_, cast. Warp path (d = 1024)
+// and block path (d = 50).
+TEST(CudaFusedNorm, AddNormAndBackwardWriteTheSeparatePassesBytes) {
+  // Host f32 values of a tensor of either dtype on either device.
+  const auto vec = [](const Tensor& t) {
+    return (t.dtype() == DType::f32 ? t : ops::cast(t, DType::f32)).to_vector<float>();
+  };
+  const auto host_f32 = [](const Tensor& t) {
+    return (t.dtype() == DType::f32 ? t : ops::cast(t, DType::f32)).to(Device::cpu());
+  };
+  for (const int64_t d : {1024, 50}) {
+    SCOPED_TRACE("d = " + std::to_string(d));
+    const int64_t rows = 333;
+    const Tensor x = randn({rows, d}, 101).to(kCuda);
+    const Tensor a = ops::cast(randn({rows, d}, 102).to(kCuda), DType::bf16);
+    const Tensor w = randn({d}, 103).to(kCuda);
+    const Tensor dy = ops::cast(randn({rows, d}, 104).to(kCuda), DType::bf16);
+    const Tensor res = randn({rows, d}, 105).to(kCuda);
+
+    auto fused = ops::add_rmsnorm(x, a, w, 1e-6f, DType::bf16);
+    Tensor h = ops::cast(a, DType::f32);
+    ops::add_(h, x);
+    auto plain = ops::rmsnorm(h, w, 1e-6f);
+    EXPECT_EQ(vec(fused.sum), vec(h));
+    EXPECT_EQ(vec(fused.rstd), vec(plain.rstd));
+    EXPECT_EQ(fused.y.dtype(), DType::bf16);
+    EXPECT_EQ(vec(fused.y), vec(ops::cast(plain.y, DType::bf16)));
+    // The plain norm written in bf16, without the add.
+    EXPECT_EQ(vec(ops::rmsnorm(x, w, 1e-6f, DType::bf16).y),
+              vec(ops::cast(ops::rmsnorm(x, w, 1e-6f).y, DType::bf16)));
+
+    Tensor dw_fused = Tensor::zeros({d}, DType::f32, kCuda);
+    Tensor dw_plain = Tensor::zeros({d}, DType::f32, kCuda);
+    ops::RmsNormGrad g =
+        ops::rmsnorm_backward_add(h, w, plain.rstd, dy, dw_fused, res, DType::bf16);
+    Tensor dx = ops::rmsnorm_backward(h, w, plain.rstd, ops::cast(dy, DType::f32), dw_plain);
+    ops::add_(dx, res);
+    EXPECT_EQ(vec(g.dx), vec(dx));
+    EXPECT_EQ(vec(g.dx_copy), vec(ops::cast(dx, DType::bf16)));
+    EXPECT_EQ(vec(dw_fused), vec(dw_plain));
+
+    // And the CPU's ops, to f32 rounding (the bf16 inputs are exact in f32).
+    Tensor dw_cpu = Tensor::zeros({d});
+    const Tensor w_cpu = host_f32(w);
+    auto cpu = ops::add_rmsnorm(host_f32(x), host_f32(a), w_cpu, 1e-6f, DType::f32);
+    ops::RmsNormGrad gc = ops::rmsnorm_backward_add(cpu.sum, w_cpu, cpu.rstd, host_f32(dy), dw_cpu,
+                                                    host_f32(res), DType::f32);
+    const auto close = [&](const Tensor& got, const Tensor& want, float tol, const char* what) {
+      const std::vector<float> g = vec(got), e = want.to_vector<float>();
+      ASSERT_EQ(g.size(), e.size()) << what;
+      for (size_t i = 0; i < g.size(); ++i)
+        ASSERT_NEAR(g[i], e[i], tol * (1.f + std::abs(e[i]))) << what << " at " << i;
+    };
+    close(fused.y, cpu.y, 8e-3f, "y");
+    close(g.dx, gc.dx, 1e-4f, "dx");
+    close(dw_fused, dw_cpu, 1e-3f, "dw");
+  }
+}
+
+// The f32 router's GEMMs on bf16 tensor cores (moe/gates: LinearRouter): the exact bf16 terms
+// are the CPU's bytes, and x W and dl W^T from them are as accurate as f32 GEMMs (the bf16
+// router, which rounds W to bf16, is over 100x further off).
+TEST(CudaSplitGemm, Bf16TermsGiveF32Products) {
+  const int64_t T = 777, d = 1024, E = 64;
+  const Tensor x = ops::cast(randn({T, d}, 111).to(kCuda), DType::bf16);
+  const Tensor w = randn({d, E}, 112, 0.02f).to(kCuda);
+  const Tensor dl = randn({T, E}, 113, 1e-3f).to(kCuda);
+  const std::array<int, 3> all = {0, 1, 2};
+  const std::array<int, 6> left = {0, 0, 1, 0, 2, 1}, right = {0, 1, 0, 2, 0, 1};
+  const Tensor w3 = ops::split_bf16_columns(w, all);
+  EXPECT_EQ(ops::cast(w3, DType::f32).to_vector<float>(),
+            ops::split_bf16_columns(w.to(Device::cpu()), all).to(DType::f32).to_vector<float>());
+
+  // The f64 references from the same operands.
+  const std::vector<float> xv = ops::cast(x, DType::f32).to_vector<float>();
+  const std::vector<float> wv = w.to_vector<float>(), dv = dl.to_vector<float>();
+  const auto rel_error = [](const std::vector<float>& got, const std::vector<double>& want) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      num = std::max(num, std::abs(got[i] - want[i]));
+      den = std::max(den, std::abs(want[i]));
+    }
+    return num / den;
+  };
+  std::vector<double> logits(T * E, 0.0), dx(T * d, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < d; ++k) {
+      for (int64_t e = 0; e < E; ++e) {
+        logits[t * E + e] += double(xv[t * d + k]) * wv[k * E + e];
+        dx[t * d + k] += double(dv[t * E + e]) * wv[k * E + e];
+      }
+    }
+
+  Tensor split_logits = Tensor::empty({T, E}, DType::f32, kCuda);
+  ops::sum_column_blocks_into(split_logits, ops::matmul_f32(x, w3), 3, false);
+  const Tensor split_dx = ops::matmul_f32(ops::split_bf16_columns(dl, left),
+                                          ops::split_bf16_columns(w, right), false, true);
+  const double e_logits = rel_error(split_logits.to_vector<float>(), logits);
+  const double e_dx = rel_error(split_dx.to_vector<float>(), dx);
+  const double e_bf16 =
+      rel_error(ops::matmul_f32(x, ops::cast(w, DType::bf16)).to_vector<float>(), logits);
+  std::printf("[split gemm] relative error: logits %.2e, dx %.2e; bf16 weights %.2e\n", e_logits,
+              e_dx, e_bf16);
+  // f32 accumulation over K = 1024 (an H100 gave 1.1e-6 for both) against the bf16 weights'
+  // 1.5e-3.
+  EXPECT_LT(e_logits, 4e-6);
+  EXPECT_LT(e_dx, 4e-6);
+  EXPECT_GT(e_bf16, 100 * e_logits);
 }
 
 // ---- attention: cuDNN and xmoe's kernels ----------------------------------------------------

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "gradcheck.h"
@@ -123,6 +124,80 @@ TEST(Ops, RmsNormGradients) {
   expect_gradient_close(x, dx, f, "rmsnorm dx");
   expect_gradient_close(w, dw, f, "rmsnorm dw");
   EXPECT_THROW(ops::rmsnorm(x, randn({9}, 1), 1e-5f), Error);
+}
+
+// The block's fused forms: x + a then the norm, and the norm's backward plus the residual
+// stream's gradient; d(sum(y * r) + sum(sum * q)) / dx = norm_bwd(r) + q, which the fused
+// backward gives with residual q.
+TEST(Ops, AddRmsNormAndItsBackwardAreTheSeparateOps) {
+  Tensor x = randn({6, 10}, 21), a = randn({6, 10}, 22), w = randn({10}, 23, 0.5f);
+  Tensor r = randn({6, 10}, 24), q = randn({6, 10}, 25);
+  auto fused = ops::add_rmsnorm(x, a, w, 1e-5f, DType::f32);
+  Tensor sum = ops::add(x, a);
+  auto plain = ops::rmsnorm(sum, w, 1e-5f);
+  EXPECT_EQ(fused.sum.to_vector<float>(), sum.to_vector<float>());
+  EXPECT_EQ(fused.y.to_vector<float>(), plain.y.to_vector<float>());
+  EXPECT_EQ(fused.rstd.to_vector<float>(), plain.rstd.to_vector<float>());
+
+  Tensor dw = Tensor::zeros({10});
+  ops::RmsNormGrad g = ops::rmsnorm_backward_add(sum, w, fused.rstd, r, dw, q, DType::f32);
+  EXPECT_FALSE(g.dx_copy.defined());
+  auto f = [&] {
+    auto o = ops::add_rmsnorm(x, a, w, 1e-5f, DType::f32);
+    return weighted_sum(o.y, r) + weighted_sum(o.sum, q);
+  };
+  expect_gradient_close(x, g.dx, f, "add_rmsnorm dx");
+  expect_gradient_close(a, g.dx, f, "add_rmsnorm da");
+  expect_gradient_close(w, dw, f, "add_rmsnorm dw");
+  // A bf16 copy comes from the same values.
+  Tensor dw2 = Tensor::zeros({10});
+  ops::RmsNormGrad c = ops::rmsnorm_backward_add(sum, w, fused.rstd, r, dw2, q, DType::bf16);
+  EXPECT_EQ(c.dx_copy.dtype(), DType::bf16);
+  EXPECT_EQ(c.dx_copy.to(DType::f32).to_vector<float>(),
+            g.dx.to(DType::bf16).to(DType::f32).to_vector<float>());
+  EXPECT_THROW(ops::add_rmsnorm(x, randn({6, 9}, 1), w, 1e-5f, DType::f32), Error);
+  EXPECT_THROW(ops::rmsnorm_backward_add(sum, w, fused.rstd, r, dw2, randn({5, 10}, 1), DType::f32),
+               Error);
+}
+
+// f32 values as three bf16 terms: the terms sum back to the value exactly (24 bits in three
+// 8-bit pieces), laid out as the column blocks asked for.
+TEST(Ops, SplitBf16ColumnsSumsBackExactly) {
+  Tensor x = randn({5, 7}, 31, 3.f);
+  // bf16(x) = 1 + 2^-7, then -(2^-8 - 2^-16), then the last mantissa bit, 2^-23.
+  x.data<float>()[0] = 1.0f + 0x1p-8f + 0x1p-16f + 0x1p-23f;
+  x.data<float>()[1] = -3.1415927f;
+  x.data<float>()[2] = 1e-30f;
+  x.data<float>()[3] = 0.f;
+  const std::array<int, 4> terms = {2, 0, 1, 0};
+  Tensor s = ops::split_bf16_columns(x, terms);
+  ASSERT_EQ(s.shape(), (Shape{5, 28}));
+  ASSERT_EQ(s.dtype(), DType::bf16);
+  const Tensor f = s.to(DType::f32);
+  const float* t = f.data<float>();
+  for (int64_t r = 0; r < 5; ++r) {
+    for (int64_t c = 0; c < 7; ++c) {
+      const float v = x.data<float>()[r * 7 + c];
+      const float t2 = t[r * 28 + c], t0 = t[r * 28 + 7 + c], t1 = t[r * 28 + 14 + c];
+      EXPECT_EQ(t[r * 28 + 21 + c], t0);
+      EXPECT_EQ(t0, static_cast<float>(bf16(v)));
+      EXPECT_EQ(t0 + t1 + t2, v) << r << "," << c;
+      EXPECT_LE(std::abs(t2), std::abs(t1) * 0x1p-7f + 1e-38f);
+    }
+  }
+  EXPECT_EQ(t[0], 0x1p-23f);  // row 0, block 0: term 2 of x[0]
+  // The blocks summed, in order, into an f32 [5, 7] (= and +=).
+  Tensor y = randn({5, 21}, 32), out = Tensor::zeros({5, 7});
+  ops::sum_column_blocks_into(out, y, 3, false);
+  ops::sum_column_blocks_into(out, y, 3, true);
+  for (int64_t r = 0; r < 5; ++r)
+    for (int64_t c = 0; c < 7; ++c) {
+      const float* yr = y.data<float>() + r * 21;
+      const float sum = yr[c] + yr[7 + c] + yr[14 + c];
+      EXPECT_EQ(out.data<float>()[r * 7 + c], sum + sum);
+    }
+  EXPECT_THROW(ops::split_bf16_columns(x, std::array<int, 1>{3}), Error);
+  EXPECT_THROW(ops::sum_column_blocks_into(out, y, 2, false), Error);
 }
 
 TEST(Ops, TopKIsSortedAndStableOnTies) {

@@ -65,26 +65,25 @@ void TransformerBlock::set_recompute(const RecomputeOptions& r) {
 
 Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
   ProfileScope scope("block.fwd", x.device());
-  // In f32 compute as_dtype returns its argument: the ops are those of the CPU path.
-  const Tensor a = attn_->forward(as_dtype(attn_norm_->forward(x), compute_), batch, seq_len);
-  Tensor h = as_dtype(a, x.dtype());
-  ops::add_(h, x);  // h is a fresh tensor nobody else holds
-  Tensor y = ffn_->forward(as_dtype(ffn_norm_->forward(h), compute_), seq_len);
-  if (y.dtype() == h.dtype()) return ops::add(y, h);  // out of place: the FFN may keep its output
-  Tensor out = ops::cast(y, h.dtype());
-  ops::add_(out, h);
-  return out;
+  // The norms write the compute dtype at once, and the residual add after attention runs in
+  // the FFN norm's pass: no f32 norm outputs, no cast passes. In f32 compute every dtype is f32
+  // and the ops are those of the CPU path.
+  const Tensor a = attn_->forward(attn_norm_->forward(x, compute_), batch, seq_len);
+  RMSNorm::AddOut h = ffn_norm_->forward_add(x, a, compute_);
+  const Tensor y = ffn_->forward(h.y, seq_len);
+  return ops::add(h.sum, y);  // out of place: the norm keeps the sum, the FFN may keep y
 }
 
 Tensor TransformerBlock::backward(const Tensor& dy) {
   ProfileScope scope("block.bwd", dy.device());
-  const Tensor dyn = ffn_->backward(as_dtype(dy, compute_));
-  Tensor dh = ffn_norm_->backward(as_dtype(dyn, dy.dtype()));
-  ops::add_(dh, dy);
-  const Tensor dhn = attn_->backward(as_dtype(dh, compute_));
-  Tensor dx = attn_norm_->backward(as_dtype(dhn, dh.dtype()));
-  ops::add_(dx, dh);
-  return dx;
+  // Each norm's backward reads its gradient in the compute dtype, adds the residual stream's
+  // gradient and writes the compute-dtype copy that attention reads, in one pass.
+  Tensor dyn = ffn_->backward(as_dtype(dy, compute_));
+  RMSNorm::Grad dh = ffn_norm_->backward_add(dyn, dy, compute_);
+  dyn = Tensor();
+  const Tensor dhn = attn_->backward(dh.dx_copy.defined() ? dh.dx_copy : dh.dx);
+  dh.dx_copy = Tensor();
+  return attn_norm_->backward_add(dhn, dh.dx, dh.dx.dtype()).dx;
 }
 
 ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, int index,
@@ -101,18 +100,19 @@ ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, i
   const ActivationBytes ffn =
       dense ? DenseFFN::activation_bytes_for(tokens, d, cfg.dense_hidden, dtype, r.ffn, layout.tp)
             : moe_ffn_activation_bytes_for(cfg.moe, d, tokens, dtype, {r.moe, r.router}, layout);
-  // backward(): dyn, dh, dhn and dx [T, d] f32 appear in turn and stay until it returns; the
-  // FFN and attention get their gradient cast to the compute dtype (a copy unless f32). The
-  // MoE layer without SSMB returns a view of its whole [T, d] dx: dyn holds all of it.
-  const int64_t g = t * d * 4, cast = dtype == DType::f32 ? 0 : t * d * 2;
-  const int64_t dyn = !dense && layout.tp > 1 && !layout.ssmb ? tokens * d * 4 : g;
+  // backward(): the FFN gets dy cast to the compute dtype (a copy unless f32) and returns dyn
+  // in it; the FFN norm makes dh [T, d] f32 and its compute-dtype copy for attention, then dyn
+  // and the copy go; attention returns dhn in f32 and the attention norm makes dx f32 beside
+  // it. The MoE layer without SSMB returns a view of its whole [T, d] dx: dyn holds all of it.
+  const auto elt = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t g = t * d * 4, act = t * d * elt, cast = dtype == DType::f32 ? 0 : t * d * 2;
+  const int64_t dyn = !dense && layout.tp > 1 && !layout.ssmb ? tokens * d * elt : act;
   // After the FFN's backward, all it saved is gone but what it keeps (ffn.kept).
   const int64_t ffn_freed = ffn.saved - ffn.kept;
   const int64_t ffn_phase = cast + ffn.backward_extra;
-  const int64_t ffn_norm_phase = dyn + norm.backward_extra - ffn_freed;
-  const int64_t attn_phase = dyn + g + cast + attn.backward_extra - ffn_freed - norm.saved;
-  const int64_t attn_norm_phase =
-      dyn + 2 * g + norm.backward_extra - ffn_freed - norm.saved - attn.saved;
+  const int64_t ffn_norm_phase = dyn + cast + norm.backward_extra - ffn_freed;
+  const int64_t attn_phase = g + cast + attn.backward_extra - ffn_freed - norm.saved;
+  const int64_t attn_norm_phase = 2 * g + norm.backward_extra - ffn_freed - norm.saved - attn.saved;
   return {2 * norm.saved + attn.saved + ffn.saved,
           std::max({ffn_phase, ffn_norm_phase, attn_phase, attn_norm_phase}), ffn.kept};
 }

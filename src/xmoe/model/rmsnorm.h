@@ -14,9 +14,24 @@ class RMSNorm : public Module {
   RMSNorm(std::string name, int64_t d, float eps);
 
   /// x [T, d] -> [T, d]. Saves x (shared with the caller, not copied) and rstd [T].
-  Tensor forward(const Tensor& x);
+  Tensor forward(const Tensor& x) { return forward(x, x.dtype()); }
+  /// The same, written in y_dtype (the compute dtype of the layer it feeds) in the same pass.
+  Tensor forward(const Tensor& x, DType y_dtype);
+  struct AddOut {
+    Tensor sum;  ///< x + a, of x's dtype: the residual stream after the branch
+    Tensor y;    ///< its norm, of y_dtype
+  };
+  /// The residual add before the norm, in one pass: saves the sum (shared with the caller).
+  AddOut forward_add(const Tensor& x, const Tensor& a, DType y_dtype);
   /// Returns dx; adds into the weight's gradient; releases what forward saved.
   Tensor backward(const Tensor& dy);
+  struct Grad {
+    Tensor dx;       ///< of the input's dtype
+    Tensor dx_copy;  ///< dx in copy_dtype, when it differs from the input's
+  };
+  /// backward with dy of any float dtype, the residual stream's gradient (of the input's
+  /// dtype; undefined: none) added to dx, and dx also written in copy_dtype: one pass.
+  Grad backward_add(const Tensor& dy, const Tensor& residual, DType copy_dtype);
 
   /// Frees what forward saved (forward-only use).
   void release() { x_ = rstd_ = Tensor(); }

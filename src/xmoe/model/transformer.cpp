@@ -73,8 +73,8 @@ Tensor Transformer::forward(const Tensor& ids) {
   ProfileScope scope("model.fwd", device_);
   Tensor x = embed_->forward(mine);  // [T, d]
   for (auto& b : blocks_) x = b->forward(x, batch_, seq_);
-  // The residual stream x and the final norm are f32; the LM head's input is in compute dtype.
-  xf_ = as_dtype(final_norm_->forward(x), compute_);
+  // The residual stream x is f32; the final norm writes the LM head's input in compute dtype.
+  xf_ = final_norm_->forward(x, compute_);
   ProfileScope head("lm_head.fwd", device_);
   // logits [T, V] = xf [T, d] @ lm_head [d, V]   (tied: @ embed^T, embed [V, d])
   return lm_head_ ? ops::matmul(xf_, lm_head_->compute())

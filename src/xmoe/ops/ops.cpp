@@ -76,6 +76,38 @@ void matmul_into(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool
   }
 }
 
+Tensor split_bf16_columns(const Tensor& x, std::span<const int> terms) {
+  const char* op = "split_bf16_columns";
+  require_2d(op, "x", x);
+  check_dtype(x, DType::f32, op, "x");
+  const int n = static_cast<int>(terms.size());
+  XMOE_CHECK(n >= 1 && n <= 6, "[{}] {} terms: 1 to 6 column blocks", op, n);
+  for (int t : terms) XMOE_CHECK(t >= 0 && t <= 2, "[{}] term {} is not 0, 1 or 2", op, t);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  Tensor out = Tensor::empty({rows, cols * n}, DType::bf16, x.device());
+  if (x.is_cpu())
+    cpu::split_bf16_columns(static_cast<uint16_t*>(out.raw()), x.data<float>(), rows, cols,
+                            terms.data(), n);
+  else
+    cuda::split_bf16_columns(out.raw(), x.data<float>(), rows, cols, terms.data(), n, stream_of(x));
+  return out;
+}
+
+void sum_column_blocks_into(Tensor& out, const Tensor& y, int64_t n, bool accumulate) {
+  const char* op = "sum_column_blocks_into";
+  require_2d(op, "out", out);
+  check_dtype(out, DType::f32, op, "out");
+  require_on(op, "y", y, DType::f32, "out", out);
+  XMOE_CHECK(n >= 1, "[{}] n = {} column blocks", op, n);
+  const int64_t rows = out.size(0), cols = out.size(1);
+  check_shape(y, {rows, cols * n}, op, "y");
+  if (out.is_cpu())
+    cpu::sum_column_blocks(out.data<float>(), y.data<float>(), rows, cols, n, accumulate);
+  else
+    cuda::sum_column_blocks(out.data<float>(), y.data<float>(), rows, cols, n, accumulate,
+                            stream_of(out));
+}
+
 namespace {
 void check_groups(const char* op, std::span<const int64_t> group_sizes, int64_t groups,
                   int64_t rows) {
@@ -249,28 +281,92 @@ void swiglu_backward_(Tensor& h, const Tensor& da) {
 // ---- normalisation --------------------------------------------------------------------------
 
 RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps) {
-  require_float("rmsnorm", "x", x);
-  require_like_or_f32("rmsnorm", "weight", weight, "x", x);
+  return rmsnorm(x, weight, eps, x.dtype());
+}
+
+namespace {
+void check_rmsnorm_args(const char* op, const Tensor& x, const Tensor& weight, float eps) {
+  require_float(op, "x", x);
+  require_like_or_f32(op, "weight", weight, "x", x);
+  check_shape(weight, {rows_cols(x).second}, op, "weight");
+  XMOE_CHECK(eps > 0, "[{}] eps must be positive, got {}", op, eps);
+}
+
+/// The CPU computes in f32: y_dtype is reached by a cast of the f32 result.
+RmsNormResult cpu_rmsnorm(const Tensor& x, const Tensor& weight, float eps, DType y_dtype) {
   const auto [rows, d] = rows_cols(x);
-  check_shape(weight, {d}, "rmsnorm", "weight");
-  XMOE_CHECK(eps > 0, "[rmsnorm] eps must be positive, got {}", eps);
   RmsNormResult r{Tensor::empty(x.shape(), x.dtype(), x.device()),
                   Tensor::empty({rows}, DType::f32, x.device())};
-  if (x.is_cpu()) {
-    cpu::rmsnorm_forward(r.y.data<float>(), r.rstd.data<float>(), x.data<float>(),
-                         weight.data<float>(), rows, d, eps);
-  } else {
-    cuda::rmsnorm_forward(r.y.raw(), r.rstd.data<float>(), x.raw(), x.dtype(), weight.raw(),
-                          weight.dtype(), rows, d, eps, stream_of(x));
-  }
+  cpu::rmsnorm_forward(r.y.data<float>(), r.rstd.data<float>(), x.data<float>(),
+                       weight.data<float>(), rows, d, eps);
+  if (y_dtype != r.y.dtype()) r.y = cast(r.y, y_dtype);
   return r;
+}
+
+cuda::RmsNormArgs cuda_rmsnorm_args(const Tensor& x, const Tensor& weight, float eps,
+                                    const RmsNormResult& r) {
+  const auto [rows, d] = rows_cols(x);
+  cuda::RmsNormArgs g;
+  g.y = r.y.raw();
+  g.y_dt = r.y.dtype();
+  g.rstd = r.rstd.data<float>();
+  g.x = x.raw();
+  g.x_dt = x.dtype();
+  g.w = weight.raw();
+  g.w_dt = weight.dtype();
+  g.rows = rows;
+  g.d = d;
+  g.eps = eps;
+  return g;
+}
+}  // namespace
+
+RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps, DType y_dtype) {
+  check_rmsnorm_args("rmsnorm", x, weight, eps);
+  if (x.is_cpu()) return cpu_rmsnorm(x, weight, eps, y_dtype);
+  RmsNormResult r{Tensor::empty(x.shape(), y_dtype, x.device()),
+                  Tensor::empty({x.numel() / rows_cols(x).second}, DType::f32, x.device())};
+  cuda::rmsnorm_forward(cuda_rmsnorm_args(x, weight, eps, r), stream_of(x));
+  return r;
+}
+
+AddRmsNormResult add_rmsnorm(const Tensor& x, const Tensor& a, const Tensor& weight, float eps,
+                             DType y_dtype) {
+  const char* op = "add_rmsnorm";
+  check_rmsnorm_args(op, x, weight, eps);
+  require_same_device(op, "a", a, "x", x);
+  require_float(op, "a", a);
+  check_shape(a, x.shape(), op, "a");
+  if (x.is_cpu()) {
+    Tensor sum = x.clone();
+    add_(sum, a);
+    RmsNormResult r = cpu_rmsnorm(sum, weight, eps, y_dtype);
+    return {std::move(sum), std::move(r.y), std::move(r.rstd)};
+  }
+  Tensor sum = Tensor::empty(x.shape(), x.dtype(), x.device());
+  RmsNormResult r{Tensor::empty(x.shape(), y_dtype, x.device()),
+                  Tensor::empty({x.numel() / rows_cols(x).second}, DType::f32, x.device())};
+  cuda::RmsNormArgs g = cuda_rmsnorm_args(x, weight, eps, r);
+  g.sum = sum.raw();
+  g.a = a.raw();
+  g.a_dt = a.dtype();
+  cuda::rmsnorm_forward(g, stream_of(x));
+  return {std::move(sum), std::move(r.y), std::move(r.rstd)};
 }
 
 Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& dy,
                         Tensor& dweight) {
+  require_like("rmsnorm_backward", "dy", dy, "x", x);
+  return rmsnorm_backward_add(x, weight, rstd, dy, dweight, Tensor(), x.dtype()).dx;
+}
+
+RmsNormGrad rmsnorm_backward_add(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                 const Tensor& dy, Tensor& dweight, const Tensor& residual,
+                                 DType copy_dtype) {
   const char* op = "rmsnorm_backward";
   require_float(op, "x", x);
-  require_like(op, "dy", dy, "x", x);
+  require_same_device(op, "dy", dy, "x", x);
+  require_float(op, "dy", dy);
   require_like_or_f32(op, "weight", weight, "x", x);
   require_like(op, "dweight", dweight, "weight", weight);
   require_on(op, "rstd", rstd, DType::f32, "x", x);
@@ -279,19 +375,40 @@ Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rst
   check_shape(weight, {d}, op, "weight");
   check_shape(dweight, {d}, op, "dweight");
   check_shape(rstd, {rows}, op, "rstd");
-  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
-  if (x.is_cpu()) {
-    cpu::rmsnorm_backward(dx.data<float>(), dweight.data<float>(), x.data<float>(),
-                          weight.data<float>(), rstd.data<float>(), dy.data<float>(), rows, d);
-  } else {
-    const cuda::Stream s = stream_of(x);
-    Tensor ws =
-        Tensor::empty({static_cast<int64_t>(cuda::rmsnorm_backward_workspace_bytes(rows, d))},
-                      DType::u8, x.device());
-    cuda::rmsnorm_backward(dx.raw(), dweight.raw(), x.raw(), x.dtype(), weight.raw(),
-                           weight.dtype(), rstd.data<float>(), dy.raw(), rows, d, ws.raw(), s);
+  if (residual.defined()) {
+    require_like(op, "residual", residual, "x", x);
+    check_shape(residual, x.shape(), op, "residual");
   }
-  return dx;
+  const bool copy = copy_dtype != x.dtype();
+  XMOE_CHECK(!copy || copy_dtype == DType::bf16, "[{}] dx's copy must be bf16, got {}", op,
+             dtype_name(copy_dtype));
+  RmsNormGrad r{Tensor::empty(x.shape(), x.dtype(), x.device()), Tensor()};
+  if (x.is_cpu()) {
+    cpu::rmsnorm_backward(r.dx.data<float>(), dweight.data<float>(), x.data<float>(),
+                          weight.data<float>(), rstd.data<float>(), dy.data<float>(), rows, d);
+    if (residual.defined()) add_(r.dx, residual);
+    if (copy) r.dx_copy = cast(r.dx, copy_dtype);
+    return r;
+  }
+  if (copy) r.dx_copy = Tensor::empty(x.shape(), copy_dtype, x.device());
+  Tensor ws = Tensor::empty({static_cast<int64_t>(cuda::rmsnorm_backward_workspace_bytes(rows, d))},
+                            DType::u8, x.device());
+  cuda::RmsNormGradArgs g;
+  g.dx = r.dx.raw();
+  g.dx_copy = copy ? r.dx_copy.raw() : nullptr;
+  g.dw = dweight.raw();
+  g.x = x.raw();
+  g.x_dt = x.dtype();
+  g.w = weight.raw();
+  g.w_dt = weight.dtype();
+  g.rstd = rstd.data<float>();
+  g.dy = dy.raw();
+  g.dy_dt = dy.dtype();
+  g.residual = residual.defined() ? residual.raw() : nullptr;
+  g.rows = rows;
+  g.d = d;
+  cuda::rmsnorm_backward(g, ws.raw(), stream_of(x));
+  return r;
 }
 
 // ---- selection and indexing -----------------------------------------------------------------
@@ -407,12 +524,17 @@ double cuda_reduce(const Tensor& x, cuda::Reduction kind) {
 }  // namespace
 
 Tensor add(const Tensor& a, const Tensor& b) {
-  same_shape("add", a, b);
-  if (!a.is_cpu()) {
+  if (!a.is_cpu()) {  // b may be bf16 with an f32 a, or the other way round: c is of a's dtype
+    require_float("add", "a", a);
+    require_same_device("add", "b", b, "a", a);
+    require_float("add", "b", b);
+    XMOE_CHECK(a.numel() == b.numel(), "[add] shapes differ: {} vs {}", shape_str(a.shape()),
+               shape_str(b.shape()));
     Tensor c = Tensor::empty(a.shape(), a.dtype(), a.device());
-    cuda::add(c.raw(), a.raw(), b.raw(), a.dtype(), a.numel(), stream_of(a));
+    cuda::add(c.raw(), a.raw(), a.dtype(), b.raw(), b.dtype(), a.numel(), stream_of(a));
     return c;
   }
+  same_shape("add", a, b);
   Tensor c = a.clone();
   add_(c, b);
   return c;

@@ -24,6 +24,15 @@ Tensor matmul_f32(const Tensor& a, const Tensor& b, bool trans_a = false, bool t
 void matmul_into(Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                  float alpha = 1.0f, float beta = 0.0f);
 
+/// x f32 [R, C] as bf16 terms that sum to it exactly: t0 = bf16(x), t1 = bf16(x - t0),
+/// t2 = x - t0 - t1 (bf16 without rounding: 24 bits are three 8-bit pieces). Returns bf16
+/// [R, C·terms.size()] whose column block j is term terms[j] (0, 1 or 2; at most 6 blocks):
+/// the operands of f32-accurate GEMMs on bf16 tensor cores (the router's).
+Tensor split_bf16_columns(const Tensor& x, std::span<const int> terms);
+/// out f32 [R, C] = (accumulate ? out : 0) + the sum of y's n column blocks (y [R, C·n]), in
+/// block order.
+void sum_column_blocks_into(Tensor& out, const Tensor& y, int64_t n, bool accumulate);
+
 /// Grouped GEMM over contiguous row groups: rows [o_g, o_g + n_g) of x [N, K] times w[g].
 /// w is [G, K, M] (or [G, M, K] with trans_w); group_sizes has G entries summing to N.
 /// Returns y [N, M]. Groups with zero rows are skipped.
@@ -60,9 +69,31 @@ struct RmsNormResult {
 };
 /// y = x * rstd * weight over rows of x [N, d]; weight [d].
 RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps);
+/// The same with y in y_dtype (the norm feeding a bf16 layer from the f32 residual stream
+/// writes bf16 at once: no f32 y, no cast pass).
+RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps, DType y_dtype);
+struct AddRmsNormResult {
+  Tensor sum;   ///< [N, d] x + a, of x's dtype: the residual stream after the branch
+  Tensor y;     ///< [N, d] rmsnorm(sum), of y_dtype
+  Tensor rstd;  ///< [N]
+};
+/// The pre-norm block's residual add and the next norm in one pass: sum = x + a (a of either
+/// float dtype), y = rmsnorm(sum) in y_dtype.
+AddRmsNormResult add_rmsnorm(const Tensor& x, const Tensor& a, const Tensor& weight, float eps,
+                             DType y_dtype);
 /// Returns dx; adds the weight gradient into dweight [d].
 Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& dy,
                         Tensor& dweight);
+struct RmsNormGrad {
+  Tensor dx;       ///< of x's dtype
+  Tensor dx_copy;  ///< dx in copy_dtype when it differs from x's, else undefined
+};
+/// rmsnorm_backward in one pass with the block's neighbours: dy of either float dtype, the
+/// residual stream's gradient (x's dtype, when defined) added to dx, and dx also written in
+/// copy_dtype (bf16) when it is not x's dtype: what the layer below reads.
+RmsNormGrad rmsnorm_backward_add(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                 const Tensor& dy, Tensor& dweight, const Tensor& residual,
+                                 DType copy_dtype);
 
 // ---- selection and indexing -----------------------------------------------------------------
 
@@ -86,7 +117,7 @@ Tensor row_dot(const Tensor& a, const Tensor& b);
 
 // ---- elementwise and reductions -------------------------------------------------------------
 
-Tensor add(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, const Tensor& b);  ///< on CUDA b may differ in dtype (c is a's)
 /// a += alpha * b
 void add_(Tensor& a, const Tensor& b, float alpha = 1.0f);
 Tensor mul(const Tensor& a, const Tensor& b);

@@ -123,10 +123,18 @@ AdamW::AdamW(std::span<const AdamWPiece> pieces, AdamWConfig cfg)
           "[adamw] {}: a piece that holds the master weights needs the parameter's f32 "
           "value and a bf16 compute copy (its master weights already sharded: {})",
           p->name, p->master_sharded);
-      // A copy of the range (on the host when offloaded), made before the owner frees value.
-      master_.back() =
-          cfg.offload ? host_zeros(shape, DType::f32) : Tensor::empty(shape, DType::f32, device_);
-      master_.back().copy_from(flat(p->value).rows(piece.offset, piece.offset + piece.count));
+      // A whole parameter whose value is already where the masters go (offloaded: the pinned
+      // host copy Parameter::offload_master made) becomes the master itself: no second copy of
+      // every weight while the owner still holds its value (one process at zero 1). Otherwise
+      // a copy of the range (on the host when offloaded), made before the owner frees value.
+      const bool in_place = piece.whole() && p->value.device() == device_;
+      if (in_place) {
+        master_.back() = p->value;
+      } else {
+        master_.back() =
+            cfg.offload ? host_zeros(shape, DType::f32) : Tensor::empty(shape, DType::f32, device_);
+        master_.back().copy_from(flat(p->value).rows(piece.offset, piece.offset + piece.count));
+      }
     }
     if (!cfg.offload) continue;
     // The dtype of the gradient this piece's update reads (own gradients given later: the f32

@@ -9,6 +9,13 @@ namespace xmoe::cpu {
 // shapes)
 void gemm(float* c, const float* a, const float* b, int64_t m, int64_t n, int64_t k, bool trans_a,
           bool trans_b, float alpha, float beta);
+// x (rows, cols) as bf16 terms summing to it exactly (term 0 = bf16(x), term 1 = bf16(x - t0),
+// term 2 = x - t0 - t1): out (rows, cols * n) bf16 bits, column block j = term terms[j].
+void split_bf16_columns(uint16_t* out, const float* x, int64_t rows, int64_t cols, const int* terms,
+                        int n);
+// out (rows, cols) = (accumulate ? out : 0) + the n column blocks of y (rows, cols * n), in order.
+void sum_column_blocks(float* out, const float* y, int64_t rows, int64_t cols, int64_t n,
+                       bool accumulate);
 // y[o_g:o_g+n_g] = x[o_g:o_g+n_g] @ w[g]  (w[g] is [K, M], or [M, K] when trans_w)
 void grouped_gemm(float* y, const float* x, const float* w, const int64_t* group_sizes,
                   int64_t groups, int64_t k, int64_t m, bool trans_w);

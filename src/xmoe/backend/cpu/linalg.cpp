@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "xmoe/backend/cpu/kernels.h"
+#include "xmoe/core/dtype.h"
 
 namespace xmoe::cpu {
 
@@ -69,6 +70,33 @@ void grouped_gemm_weight_grad(float* dw, const float* x, const float* dy,
       std::memset(dwg, 0, sizeof(float) * static_cast<size_t>(k * m));
     }
   });
+}
+
+void split_bf16_columns(uint16_t* out, const float* x, int64_t rows, int64_t cols, const int* terms,
+                        int n) {
+#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = x[r * cols + c];
+      const bf16 t0(v);
+      const bf16 t1(v - static_cast<float>(t0));
+      const bf16 t2(v - static_cast<float>(t0) - static_cast<float>(t1));
+      const uint16_t t[3] = {t0.bits, t1.bits, t2.bits};
+      for (int j = 0; j < n; ++j) out[(r * n + j) * cols + c] = t[terms[j]];
+    }
+  }
+}
+
+void sum_column_blocks(float* out, const float* y, int64_t rows, int64_t cols, int64_t n,
+                       bool accumulate) {
+#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      float s = y[r * cols * n + c];
+      for (int64_t j = 1; j < n; ++j) s += y[(r * n + j) * cols + c];
+      out[r * cols + c] = accumulate ? out[r * cols + c] + s : s;
+    }
+  }
 }
 
 }  // namespace xmoe::cpu

@@ -11,14 +11,43 @@ __global__ void cast_kernel(D* dst, const S* src, int64_t n) {
   XMOE_GRID_STRIDE(i, n) dst[i] = from_float<D>(to_float(src[i]));
 }
 
-template <class T>
-__global__ void add_kernel(T* c, const T* a, const T* b, int64_t n) {
-  XMOE_GRID_STRIDE(i, n) c[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+template <class A, class B>
+__global__ void add_kernel(A* c, const A* a, const B* b, int64_t n) {
+  XMOE_GRID_STRIDE(i, n) c[i] = from_float<A>(to_float(a[i]) + to_float(b[i]));
 }
 
 template <class A, class B>
 __global__ void add_inplace_kernel(A* a, const B* b, float alpha, int64_t n) {
   XMOE_GRID_STRIDE(i, n) a[i] = from_float<A>(to_float(a[i]) + alpha * to_float(b[i]));
+}
+
+// Exact bf16 terms of an f32 (cpu::split_bf16_columns); up to 6 output blocks.
+struct SplitTerms {
+  int term[6];
+};
+__global__ void split_bf16_columns_kernel(bf16_t* out, const float* x, int64_t rows, int64_t cols,
+                                          SplitTerms terms, int n) {
+  XMOE_GRID_STRIDE(i, rows * cols) {
+    const int64_t r = i / cols, c = i - r * cols;
+    const float v = x[i];
+    const bf16_t t0 = __float2bfloat16_rn(v);
+    const bf16_t t1 = __float2bfloat16_rn(v - __bfloat162float(t0));
+    const bf16_t t2 = __float2bfloat16_rn(v - __bfloat162float(t0) - __bfloat162float(t1));
+    for (int j = 0; j < n; ++j) {
+      const int t = terms.term[j];
+      out[(r * n + j) * cols + c] = t == 0 ? t0 : t == 1 ? t1 : t2;
+    }
+  }
+}
+
+__global__ void sum_column_blocks_kernel(float* out, const float* y, int64_t rows, int64_t cols,
+                                         int64_t n, bool accumulate) {
+  XMOE_GRID_STRIDE(i, rows * cols) {
+    const int64_t r = i / cols, c = i - r * cols;
+    float s = y[r * cols * n + c];
+    for (int64_t j = 1; j < n; ++j) s += y[(r * n + j) * cols + c];
+    out[i] = accumulate ? out[i] + s : s;
+  }
 }
 
 template <class T>
@@ -82,13 +111,16 @@ void cast(void* dst, DType dst_dt, const void* src, DType src_dt, int64_t n, Str
   });
 }
 
-void add(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stream) {
+void add(void* c, const void* a, DType a_dt, const void* b, DType b_dt, int64_t n, Stream stream) {
   if (n == 0) return;
-  dispatch_float(dt, "add", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    add_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(c), static_cast<const T*>(a),
-                                                      static_cast<const T*>(b), n);
-    CUDA_CHECK_LAUNCH();
+  dispatch_float(a_dt, "add", [&](auto atag) {
+    using A = typename decltype(atag)::type;
+    dispatch_float(b_dt, "add", [&](auto btag) {
+      using B = typename decltype(btag)::type;
+      add_kernel<A, B><<<grid_for(n), kBlock, 0, stream>>>(
+          static_cast<A*>(c), static_cast<const A*>(a), static_cast<const B*>(b), n);
+      CUDA_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -104,6 +136,25 @@ void add_inplace(void* a, DType a_dt, const void* b, DType b_dt, float alpha, in
       CUDA_CHECK_LAUNCH();
     });
   });
+}
+
+void split_bf16_columns(void* out, const float* x, int64_t rows, int64_t cols, const int* terms,
+                        int n, Stream stream) {
+  if (rows * cols == 0) return;
+  if (n < 1 || n > 6) fail("[split_bf16_columns] 1 to 6 terms");
+  SplitTerms t{};
+  for (int j = 0; j < n; ++j) t.term[j] = terms[j];
+  split_bf16_columns_kernel<<<grid_for(rows * cols), kBlock, 0, stream>>>(static_cast<bf16_t*>(out),
+                                                                          x, rows, cols, t, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void sum_column_blocks(float* out, const float* y, int64_t rows, int64_t cols, int64_t n,
+                       bool accumulate, Stream stream) {
+  if (rows * cols == 0) return;
+  sum_column_blocks_kernel<<<grid_for(rows * cols), kBlock, 0, stream>>>(out, y, rows, cols, n,
+                                                                         accumulate);
+  CUDA_CHECK_LAUNCH();
 }
 
 void mul(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stream) {

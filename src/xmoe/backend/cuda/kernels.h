@@ -73,7 +73,15 @@ bool grouped_gemm_sm90_available(int device);
 
 // dst = src converted (f32 <-> bf16, round to nearest even; same dtype copies)
 void cast(void* dst, DType dst_dt, const void* src, DType src_dt, int64_t n, Stream stream);
-void add(void* c, const void* a, const void* b, DType dt, int64_t n, Stream stream);  // c = a + b
+// c = a + b; c of a_dt, b of either float dtype
+void add(void* c, const void* a, DType a_dt, const void* b, DType b_dt, int64_t n, Stream stream);
+// x (rows, cols) f32 as exact bf16 terms, column block j of out (rows, cols * n) = term
+// terms[j] (cpu::split_bf16_columns); n <= 6.
+void split_bf16_columns(void* out, const float* x, int64_t rows, int64_t cols, const int* terms,
+                        int n, Stream stream);
+// out (rows, cols) f32 (=, or += with accumulate) the n column blocks of y, in order.
+void sum_column_blocks(float* out, const float* y, int64_t rows, int64_t cols, int64_t n,
+                       bool accumulate, Stream stream);
 // a += alpha * b (a and b may differ in dtype)
 void add_inplace(void* a, DType a_dt, const void* b, DType b_dt, float alpha, int64_t n,
                  Stream stream);
@@ -110,15 +118,42 @@ void softmax_backward(void* dx, const void* y, const void* dy, DType dt, int64_t
 
 // ---- RMSNorm (norm.cu) ----------------------------------------------------------------------
 
-// y (rows, d) = x * rstd * w; rstd (rows) f32; w (d) of w_dt (x's dtype or f32)
-void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dt, const void* w, DType w_dt,
-                     int64_t rows, int64_t d, float eps, Stream stream);
+// y (rows, d) of y_dt = x * rstd * w; rstd (rows) f32; w (d) of w_dt (x's dtype or f32). With
+// a (rows, d) of a_dt, the norm is of x + a, written to sum (rows, d) of x_dt first.
+struct RmsNormArgs {
+  void* y = nullptr;
+  DType y_dt = DType::f32;
+  void* sum = nullptr;
+  float* rstd = nullptr;
+  const void* x = nullptr;
+  DType x_dt = DType::f32;
+  const void* a = nullptr;
+  DType a_dt = DType::f32;
+  const void* w = nullptr;
+  DType w_dt = DType::f32;
+  int64_t rows = 0, d = 0;
+  float eps = 0.f;
+};
+void rmsnorm_forward(const RmsNormArgs& args, Stream stream);
 size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d);
-// dx (rows, d) of x_dt; dw (d) of w_dt += sum over rows of dy * x * rstd, deterministically
-// (fixed per-block partials, then a fixed-order reduction).
-void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void* w, DType w_dt,
-                      const float* rstd, const void* dy, int64_t rows, int64_t d, void* workspace,
-                      Stream stream);
+// dx (rows, d) of x_dt, from dy of dy_dt, plus residual (of x_dt) when given; dx_copy (bf16)
+// when given gets the same values; dw (d) of w_dt += sum over rows of dy * x * rstd,
+// deterministically (fixed per-block partials, then a fixed-order reduction).
+struct RmsNormGradArgs {
+  void* dx = nullptr;
+  void* dx_copy = nullptr;
+  void* dw = nullptr;
+  const void* x = nullptr;
+  DType x_dt = DType::f32;
+  const void* w = nullptr;
+  DType w_dt = DType::f32;
+  const float* rstd = nullptr;
+  const void* dy = nullptr;
+  DType dy_dt = DType::f32;
+  const void* residual = nullptr;
+  int64_t rows = 0, d = 0;
+};
+void rmsnorm_backward(const RmsNormGradArgs& args, void* workspace, Stream stream);
 
 // ---- selection and indexing (topk.cu, index.cu) ---------------------------------------------
 

@@ -1,4 +1,7 @@
-// RMSNorm: y = x * rstd * w, rstd = (mean(x^2) + eps)^-1/2.
+// RMSNorm: y = x * rstd * w, rstd = (mean(x^2) + eps)^-1/2. The block's fused forms: the
+// forward may first add a residual branch (x + a, written out as the new residual stream) and
+// write y in another dtype; the backward may read dy in another dtype, add the residual
+// stream's gradient and write a bf16 copy of dx beside it. Each saves whole passes over [T, d].
 // Rows of at most 1024 values (d % 8 == 0, 16-byte aligned rows): one warp per row with 16-byte
 // accesses; in backward each lane keeps its columns' weight-gradient partials in registers.
 // Other rows: one block per row, element by element.
@@ -36,10 +39,17 @@ __device__ __forceinline__ int64_t warp_col(int lane, int c) {
   return lane * 8 + c * 256;
 }
 
-template <int CH, class T, class W>
+// v rounded to T (what a T store then load gives): the norm reads the sum it writes out.
+template <class T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// x (+ a when a is not null, stored to sum) -> y of O, rstd.
+template <int CH, class T, class A, class O, class W>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    rmsnorm_forward_warp_kernel(T* y, float* rstd, const T* x, const W* w, int64_t rows, int64_t d,
-                                float eps) {
+    rmsnorm_forward_warp_kernel(O* y, T* sum, float* rstd, const T* x, const A* a, const W* w,
+                                int64_t rows, int64_t d, float eps) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
   float wv[CH][8];
@@ -48,14 +58,21 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     if (warp_col(lane, c) < d) load8(wv[c], w + warp_col(lane, c));
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); r < rows;
        r += warps) {
-    const T* xr = x + r * d;
+    const int64_t o = r * d;
     float xv[CH][8];
     float ss = 0.f;
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
       const int64_t j = warp_col(lane, c);
       if (j >= d) continue;
-      load8(xv[c], xr + j);
+      load8(xv[c], x + o + j);
+      if (a) {
+        float av[8];
+        load8(av, a + o + j);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xv[c][e] = round_to<T>(xv[c][e] + av[e]);
+        store8(sum + o + j, xv[c]);
+      }
 #pragma unroll
       for (int e = 0; e < 8; ++e) ss += xv[c][e] * xv[c][e];
     }
@@ -66,18 +83,20 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     for (int c = 0; c < CH; ++c) {
       const int64_t j = warp_col(lane, c);
       if (j >= d) continue;
-      float o[8];
+      float out[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = xv[c][e] * rs * wv[c][e];
-      store8(y + r * d + j, o);
+      for (int e = 0; e < 8; ++e) out[e] = xv[c][e] * rs * wv[c][e];
+      store8(y + o + j, out);
     }
   }
 }
 
-template <int CH, class T, class W>
+// dx (+ residual when not null) of T, and its bf16 copy when dx_copy is not null.
+template <int CH, class T, class G, class W>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    rmsnorm_backward_warp_kernel(T* dx, float* partial, const T* x, const W* w, const float* rstd,
-                                 const T* dy, int64_t rows, int64_t d) {
+    rmsnorm_backward_warp_kernel(T* dx, bf16_t* dx_copy, float* partial, const T* x, const W* w,
+                                 const float* rstd, const G* dy, const T* residual, int64_t rows,
+                                 int64_t d) {
   const int lane = threadIdx.x & 31;
   const int64_t worker = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
@@ -108,13 +127,16 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     for (int c = 0; c < CH; ++c) {
       const int64_t j = warp_col(lane, c);
       if (j >= d) continue;
-      float out[8];
+      float out[8], res[8];
+      if (residual) load8(res, residual + o + j);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         out[e] = rs * wv[c][e] * gv[c][e] - xv[c][e] * k;
+        if (residual) out[e] = round_to<T>(out[e]) + res[e];
         acc[c][e] += gv[c][e] * xv[c][e] * rs;
       }
       store8(dx + o + j, out);
+      if (dx_copy) store8(dx_copy + o + j, out);
     }
   }
 #pragma unroll
@@ -164,13 +186,21 @@ unsigned warp_grid(int64_t rows, int64_t most) {
   return static_cast<unsigned>((clamp_partials(rows, most) + kRowWarps - 1) / kRowWarps);
 }
 
-template <class T, class W>
+template <class T, class A, class O, class W>
 __global__ void __launch_bounds__(kNormBlock)
-    rmsnorm_forward_kernel(T* y, float* rstd, const T* x, const W* w, int64_t rows, int64_t d,
-                           float eps) {
+    rmsnorm_forward_kernel(O* y, T* sum, float* rstd, const T* x, const A* a, const W* w,
+                           int64_t rows, int64_t d, float eps) {
   __shared__ float scratch[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * d;
+    const int64_t o = r * d;
+    // With a residual branch the sum is written first and read back: each thread reads only
+    // the columns it wrote.
+    const T* xr = x + o;
+    if (a) {
+      for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+        sum[o + j] = from_float<T>(to_float(x[o + j]) + to_float(a[o + j]));
+      xr = sum + o;
+    }
     float ss = 0.f;
     for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
       const float v = to_float(xr[j]);
@@ -180,15 +210,17 @@ __global__ void __launch_bounds__(kNormBlock)
     const float rs = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
     if (threadIdx.x == 0) rstd[r] = rs;
     for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
-      y[r * d + j] = from_float<T>(to_float(xr[j]) * rs * to_float(w[j]));
+      y[o + j] = from_float<O>(to_float(xr[j]) * rs * to_float(w[j]));
   }
 }
 
-// dx = rstd * (w * dy) - x * rstd^3 / d * sum(w * dy * x);  partial[b] += dy * x * rstd
-template <class T, class W>
+// dx = rstd * (w * dy) - x * rstd^3 / d * sum(w * dy * x) (+ residual);
+// partial[b] += dy * x * rstd
+template <class T, class G, class W>
 __global__ void __launch_bounds__(kNormBlock)
-    rmsnorm_backward_kernel(T* dx, float* partial, const T* x, const W* w, const float* rstd,
-                            const T* dy, int64_t rows, int64_t d) {
+    rmsnorm_backward_kernel(T* dx, bf16_t* dx_copy, float* partial, const T* x, const W* w,
+                            const float* rstd, const G* dy, const T* residual, int64_t rows,
+                            int64_t d) {
   __shared__ float scratch[32];
   float* pb = partial + blockIdx.x * d;
   // Each thread owns columns threadIdx.x + k * blockDim.x of this block's partial row.
@@ -203,35 +235,51 @@ __global__ void __launch_bounds__(kNormBlock)
     const float c = rs * rs * rs * dot / static_cast<float>(d);
     for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
       const float xv = to_float(x[o + j]), g = to_float(dy[o + j]);
-      dx[o + j] = from_float<T>(rs * to_float(w[j]) * g - xv * c);
+      float out = rs * to_float(w[j]) * g - xv * c;
+      if (residual) out = round_to<T>(out) + to_float(residual[o + j]);
+      dx[o + j] = from_float<T>(out);
+      if (dx_copy) dx_copy[o + j] = from_float<bf16_t>(out);
       pb[j] += g * xv * rs;
     }
   }
 }
 
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
 }  // namespace
 
-void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dt, const void* w, DType w_dt,
-                     int64_t rows, int64_t d, float eps, Stream stream) {
-  if (rows == 0) return;
-  dispatch_float(x_dt, "rmsnorm", [&](auto xtag) {
+void rmsnorm_forward(const RmsNormArgs& g, Stream stream) {
+  if (g.rows == 0) return;
+  if (g.a && !g.sum) fail("[rmsnorm] a residual branch without a sum to write");
+  const bool warp = warp_path(g.x, g.y, g.w, g.d) && aligned16(g.sum) && aligned16(g.a);
+  dispatch_float(g.x_dt, "rmsnorm", [&](auto xtag) {
     using T = typename decltype(xtag)::type;
-    dispatch_float(w_dt, "rmsnorm", [&](auto wtag) {
-      using W = typename decltype(wtag)::type;
-      if (warp_path(x, y, w, d)) {
-        dispatch_chunks(d, [&](auto ch) {
-          rmsnorm_forward_warp_kernel<decltype(ch)::value, T, W>
-              <<<warp_grid(rows, 65536), kRowWarps * 32, 0, stream>>>(
-                  static_cast<T*>(y), rstd, static_cast<const T*>(x), static_cast<const W*>(w),
-                  rows, d, eps);
+    dispatch_float(g.a ? g.a_dt : g.x_dt, "rmsnorm", [&](auto atag) {
+      using A = typename decltype(atag)::type;
+      dispatch_float(g.y_dt, "rmsnorm", [&](auto ytag) {
+        using O = typename decltype(ytag)::type;
+        dispatch_float(g.w_dt, "rmsnorm", [&](auto wtag) {
+          using W = typename decltype(wtag)::type;
+          auto* y = static_cast<O*>(g.y);
+          auto* sum = static_cast<T*>(g.sum);
+          const auto* x = static_cast<const T*>(g.x);
+          const auto* a = static_cast<const A*>(g.a);
+          const auto* w = static_cast<const W*>(g.w);
+          if (warp) {
+            dispatch_chunks(g.d, [&](auto ch) {
+              rmsnorm_forward_warp_kernel<decltype(ch)::value, T, A, O, W>
+                  <<<warp_grid(g.rows, 65536), kRowWarps * 32, 0, stream>>>(y, sum, g.rstd, x, a, w,
+                                                                            g.rows, g.d, g.eps);
+            });
+          } else {
+            rmsnorm_forward_kernel<T, A, O, W><<<grid_for(g.rows, 1), kNormBlock, 0, stream>>>(
+                y, sum, g.rstd, x, a, w, g.rows, g.d, g.eps);
+          }
+          CUDA_CHECK_LAUNCH();
         });
-        CUDA_CHECK_LAUNCH();
-        return;
-      }
-      rmsnorm_forward_kernel<T, W><<<grid_for(rows, 1), kNormBlock, 0, stream>>>(
-          static_cast<T*>(y), rstd, static_cast<const T*>(x), static_cast<const W*>(w), rows, d,
-          eps);
-      CUDA_CHECK_LAUNCH();
+      });
     });
   });
 }
@@ -242,41 +290,40 @@ size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d) {
   return static_cast<size_t>(parts * d) * sizeof(float);
 }
 
-void rmsnorm_backward(void* dx, void* dw, const void* x, DType x_dt, const void* w, DType w_dt,
-                      const float* rstd, const void* dy, int64_t rows, int64_t d, void* workspace,
-                      Stream stream) {
-  if (rows == 0 || d == 0) return;
+void rmsnorm_backward(const RmsNormGradArgs& g, void* workspace, Stream stream) {
+  if (g.rows == 0 || g.d == 0) return;
   auto* partial = static_cast<float*>(workspace);
-  if (warp_path(x, dx, w, d) && reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(workspace) % 16 == 0) {
-    const unsigned blocks = warp_grid(rows, kMaxWarpPartials);
-    const int64_t parts = int64_t{blocks} * kRowWarps;
-    dispatch_float(x_dt, "rmsnorm_backward", [&](auto xtag) {
-      using T = typename decltype(xtag)::type;
-      dispatch_float(w_dt, "rmsnorm_backward", [&](auto wtag) {
-        using W = typename decltype(wtag)::type;
-        dispatch_chunks(d, [&](auto ch) {
-          rmsnorm_backward_warp_kernel<decltype(ch)::value, T, W>
-              <<<blocks, kRowWarps * 32, 0, stream>>>(
-                  static_cast<T*>(dx), partial, static_cast<const T*>(x), static_cast<const W*>(w),
-                  rstd, static_cast<const T*>(dy), rows, d);
-        });
-        CUDA_CHECK_LAUNCH();
-        add_partials(static_cast<W*>(dw), partial, parts, d, stream);
-      });
-    });
-    return;
-  }
-  const int64_t parts = num_partials(rows);
-  dispatch_float(x_dt, "rmsnorm_backward", [&](auto xtag) {
+  const bool warp = warp_path(g.x, g.dx, g.w, g.d) && aligned16(g.dy) && aligned16(workspace) &&
+                    aligned16(g.residual) && aligned16(g.dx_copy);
+  dispatch_float(g.x_dt, "rmsnorm_backward", [&](auto xtag) {
     using T = typename decltype(xtag)::type;
-    dispatch_float(w_dt, "rmsnorm_backward", [&](auto wtag) {
-      using W = typename decltype(wtag)::type;
-      rmsnorm_backward_kernel<T, W><<<static_cast<unsigned>(parts), kNormBlock, 0, stream>>>(
-          static_cast<T*>(dx), partial, static_cast<const T*>(x), static_cast<const W*>(w), rstd,
-          static_cast<const T*>(dy), rows, d);
-      CUDA_CHECK_LAUNCH();
-      add_partials(static_cast<W*>(dw), partial, parts, d, stream);
+    dispatch_float(g.dy_dt, "rmsnorm_backward", [&](auto gtag) {
+      using G = typename decltype(gtag)::type;
+      dispatch_float(g.w_dt, "rmsnorm_backward", [&](auto wtag) {
+        using W = typename decltype(wtag)::type;
+        auto* dx = static_cast<T*>(g.dx);
+        auto* dx_copy = static_cast<bf16_t*>(g.dx_copy);
+        const auto* x = static_cast<const T*>(g.x);
+        const auto* w = static_cast<const W*>(g.w);
+        const auto* dy = static_cast<const G*>(g.dy);
+        const auto* residual = static_cast<const T*>(g.residual);
+        int64_t parts = 0;
+        if (warp) {
+          const unsigned blocks = warp_grid(g.rows, kMaxWarpPartials);
+          parts = int64_t{blocks} * kRowWarps;
+          dispatch_chunks(g.d, [&](auto ch) {
+            rmsnorm_backward_warp_kernel<decltype(ch)::value, T, G, W>
+                <<<blocks, kRowWarps * 32, 0, stream>>>(dx, dx_copy, partial, x, w, g.rstd, dy,
+                                                        residual, g.rows, g.d);
+          });
+        } else {
+          parts = num_partials(g.rows);
+          rmsnorm_backward_kernel<T, G, W><<<static_cast<unsigned>(parts), kNormBlock, 0, stream>>>(
+              dx, dx_copy, partial, x, w, g.rstd, dy, residual, g.rows, g.d);
+        }
+        CUDA_CHECK_LAUNCH();
+        add_partials(static_cast<W*>(g.dw), partial, parts, g.d, stream);
+      });
     });
   });
 }

@@ -90,6 +90,44 @@ void for_each_batch(const int64_t* sizes, int64_t count, Fill&& fill, Launch&& l
   flush();
 }
 
+// Four consecutive elements (16-byte f32 or 8-byte bf16 accesses).
+__device__ __forceinline__ void load4(float (&v)[4], const float* p) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+}
+__device__ __forceinline__ void load4(float (&v)[4], const bf16_t* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+  const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store4(bf16_t* p, const float (&v)[4]) {
+  uint2 u;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&u);
+  h[0] = __floats2bfloat162_rn(v[0], v[1]);
+  h[1] = __floats2bfloat162_rn(v[2], v[3]);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+
+// One element's AdamW update: p, m, v in and out (m and v unrounded: the caller stores them in
+// the moments' dtype and the update uses them as computed, as the CPU).
+__device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float g,
+                                              const AdamWScalars& s, float decay) {
+  const float gj = __fmul_rn(g, s.grad_scale);
+  m = __fadd_rn(__fmul_rn(s.beta1, m), __fmul_rn(s.one_minus_beta1, gj));
+  v = __fadd_rn(__fmul_rn(s.beta2, v), __fmul_rn(__fmul_rn(s.one_minus_beta2, gj), gj));
+  const float mhat = __fdiv_rn(m, s.bc1), vhat = __fdiv_rn(v, s.bc2);
+  const float step = __fdiv_rn(__fmul_rn(s.lr, mhat), __fadd_rn(__fsqrt_rn(vhat), s.eps));
+  p = __fsub_rn(__fmul_rn(p, decay), step);
+}
+
+__device__ __forceinline__ bool aligned_to(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 __global__ void __launch_bounds__(kOptimBlock) adamw_kernel(TensorBatch t, AdamWScalars s) {
   const int ti = find_tensor(t, blockIdx.x);
   const int64_t n = t.n[ti];
@@ -105,20 +143,36 @@ __global__ void __launch_bounds__(kOptimBlock) adamw_kernel(TensorBatch t, AdamW
       const G* g = static_cast<const G*>(t.b[ti]);
       M* m = static_cast<M*>(t.c[ti]);
       M* v = static_cast<M*>(t.d[ti]);
-      for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-        const float gj = __fmul_rn(to_float(g[j]), s.grad_scale);
-        const float mj =
-            __fadd_rn(__fmul_rn(s.beta1, to_float(m[j])), __fmul_rn(s.one_minus_beta1, gj));
-        const float vj = __fadd_rn(__fmul_rn(s.beta2, to_float(v[j])),
-                                   __fmul_rn(__fmul_rn(s.one_minus_beta2, gj), gj));
-        // bf16 moments: stored rounded to nearest even, used unrounded below (as the CPU).
+      // Four elements per thread and access where every array allows it (begin is a multiple
+      // of kChunk): more bytes in flight for the same per-element arithmetic.
+      int64_t j = begin + threadIdx.x;
+      if (aligned_to(p + begin, 16) && aligned_to(g + begin, 4 * sizeof(G)) &&
+          aligned_to(m + begin, 4 * sizeof(M)) && aligned_to(v + begin, 4 * sizeof(M)) &&
+          (!copy || aligned_to(copy + begin, 8))) {
+        for (j = begin + 4 * threadIdx.x; j + 4 <= end; j += 4 * blockDim.x) {
+          float pv[4], gv[4], mv[4], vv[4];
+          load4(pv, p + j);
+          load4(gv, g + j);
+          load4(mv, m + j);
+          load4(vv, v + j);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) adamw_element(pv[e], mv[e], vv[e], gv[e], s, decay);
+          // bf16 moments: stored rounded to nearest even, used unrounded above (as the CPU).
+          store4(m + j, mv);
+          store4(v + j, vv);
+          store4(p + j, pv);
+          if (copy) store4(copy + j, pv);
+        }
+        // The tail (fewer than 4 * blockDim.x elements), one element per thread.
+        j = begin + ((end - begin) / 4) * 4 + threadIdx.x;
+      }
+      for (; j < end; j += blockDim.x) {
+        float pj = p[j], mj = to_float(m[j]), vj = to_float(v[j]);
+        adamw_element(pj, mj, vj, to_float(g[j]), s, decay);
         m[j] = from_float<M>(mj);
         v[j] = from_float<M>(vj);
-        const float mhat = __fdiv_rn(mj, s.bc1), vhat = __fdiv_rn(vj, s.bc2);
-        const float step = __fdiv_rn(__fmul_rn(s.lr, mhat), __fadd_rn(__fsqrt_rn(vhat), s.eps));
-        const float w = __fsub_rn(__fmul_rn(p[j], decay), step);
-        p[j] = w;
-        if (copy) copy[j] = from_float<bf16_t>(w);
+        p[j] = pj;
+        if (copy) copy[j] = from_float<bf16_t>(pj);
       }
     });
   });

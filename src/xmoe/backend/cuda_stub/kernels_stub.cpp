@@ -83,7 +83,13 @@ bool grouped_gemm_sm90_available(int) {
 void cast(void*, DType, const void*, DType, int64_t, Stream) {
   no_cuda("cast");
 }
-void add(void*, const void*, const void*, DType, int64_t, Stream) {
+void split_bf16_columns(void*, const float*, int64_t, int64_t, const int*, int, Stream) {
+  no_cuda("split_bf16_columns");
+}
+void sum_column_blocks(float*, const float*, int64_t, int64_t, int64_t, bool, Stream) {
+  no_cuda("sum_column_blocks");
+}
+void add(void*, const void*, DType, const void*, DType, int64_t, Stream) {
   no_cuda("add");
 }
 void add_inplace(void*, DType, const void*, DType, float, int64_t, Stream) {
@@ -126,15 +132,13 @@ void softmax_forward(void*, const void*, DType, int64_t, int64_t, Stream) {
 void softmax_backward(void*, const void*, const void*, DType, int64_t, int64_t, Stream) {
   no_cuda("softmax_backward");
 }
-void rmsnorm_forward(void*, float*, const void*, DType, const void*, DType, int64_t, int64_t, float,
-                     Stream) {
+void rmsnorm_forward(const RmsNormArgs&, Stream) {
   no_cuda("rmsnorm");
 }
 size_t rmsnorm_backward_workspace_bytes(int64_t, int64_t) {
   no_cuda("rmsnorm_backward");
 }
-void rmsnorm_backward(void*, void*, const void*, DType, const void*, DType, const float*,
-                      const void*, int64_t, int64_t, void*, Stream) {
+void rmsnorm_backward(const RmsNormGradArgs&, void*, Stream) {
   no_cuda("rmsnorm_backward");
 }
 

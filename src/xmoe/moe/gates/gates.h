@@ -16,6 +16,9 @@ std::unique_ptr<Gate> make_xmoe_gate(const GateArgs& args);
 /// moe.router_dtype: f32 operands, or operands rounded to bf16 with f32 accumulation (bf16 tensor
 /// cores on CUDA, reading the weight's bf16 compute copy where the model keeps one; on the CPU
 /// the rounded values multiplied in f32: the same numbers). Logits and gradients stay f32.
+/// The f32 router on a GPU with bf16 activations splits each f32 operand into three bf16 terms
+/// that sum to it exactly (x is bf16 already), so its GEMMs run on bf16 tensor cores with exact
+/// products and f32 accumulation: f32 GEMMs' accuracy without an f32 copy of x.
 class LinearRouter {
  public:
   explicit LinearRouter(const GateArgs& a);
@@ -33,6 +36,9 @@ class LinearRouter {
   Tensor operand(const Tensor& t) const;
   /// The weight as the GEMMs read it.
   Tensor weight_operand() const;
+  /// f32 router on bf16 activations on a GPU: the GEMMs run on bf16 tensor cores with the f32
+  /// operands split into exact bf16 terms (as accurate as f32 GEMMs, no f32 copy of x).
+  bool splits() const;
 
   Parameter weight_;
   bool bf16_;

@@ -1,4 +1,6 @@
 // The linear router's GEMMs, in f32 or with bf16 operands (gates.h).
+#include <array>
+
 #include "xmoe/moe/gates/gates.h"
 #include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
@@ -32,13 +34,42 @@ Tensor LinearRouter::forward(const Tensor& x) {
   return logits();
 }
 
+bool LinearRouter::splits() const {
+  return !bf16_ && !x_.is_cpu() && x_.dtype() == DType::bf16;
+}
+
+namespace {
+// The f32 operands' bf16 terms (ops::split_bf16_columns): hi, lo, lo2.
+constexpr std::array<int, 3> kAllTerms = {0, 1, 2};
+// dl W^T from the six term pairs that reach f32's 24 bits: (hi, hi), (hi, lo), (lo, hi),
+// (hi, lo2), (lo2, hi), (lo, lo), dl's terms on the left, W's on the right.
+constexpr std::array<int, 6> kLeftTerms = {0, 0, 1, 0, 2, 1};
+constexpr std::array<int, 6> kRightTerms = {0, 1, 0, 2, 0, 1};
+}  // namespace
+
 Tensor LinearRouter::logits() const {
   XMOE_CHECK(x_.defined(), "[moe router] logits without a forward");
-  return xmoe::ops::matmul_f32(operand(x_), weight_operand(), false, false);
+  if (!splits()) return xmoe::ops::matmul_f32(operand(x_), weight_operand(), false, false);
+  // x W = x W_hi + x W_lo + x W_lo2: one bf16 GEMM against [W_hi | W_lo | W_lo2], the three
+  // column blocks summed in f32. x is bf16 already: no f32 copy of it.
+  const Tensor& w = weight_.weights_f32();
+  const Tensor y =
+      xmoe::ops::matmul_f32(x_, xmoe::ops::split_bf16_columns(w, kAllTerms), false, false);
+  Tensor out = Tensor::empty({x_.size(0), w.size(1)}, DType::f32, x_.device());
+  xmoe::ops::sum_column_blocks_into(out, y, 3, false);
+  return out;
 }
 
 Tensor LinearRouter::backward(const Tensor& dlogits) {
   XMOE_CHECK(x_.defined(), "[moe router] backward without a forward");
+  if (splits()) {
+    const Tensor& w = weight_.weights_f32();
+    const Tensor dw3 = xmoe::ops::matmul_f32(x_, xmoe::ops::split_bf16_columns(dlogits, kAllTerms),
+                                             true, false);  // x^T [dl_hi | dl_lo | dl_lo2]
+    xmoe::ops::sum_column_blocks_into(weight_.grad, dw3, 3, true);
+    return xmoe::ops::matmul_f32(xmoe::ops::split_bf16_columns(dlogits, kLeftTerms),
+                                 xmoe::ops::split_bf16_columns(w, kRightTerms), false, true);
+  }
   const Tensor dl = operand(dlogits);
   xmoe::ops::matmul_into(weight_.grad, operand(x_), dl, true, false, 1.f, 1.f);  // dW += x^T dl
   return xmoe::ops::matmul_f32(dl, weight_operand(), false, true);               // dx = dl W^T
