@@ -84,6 +84,18 @@ else
   echo "[install-deps] warning: python3 cannot import tokenizers; Hugging Face tokenizer.json files will be refused"
 fi
 
+# transformers, sentencepiece and protobuf (no torch) for the test that reads an exported
+# SentencePiece tokenizer back with transformers' AutoTokenizer (tests/scripts/hf_sentencepiece.sh).
+if python3 -c "import transformers, sentencepiece, google.protobuf" 2>/dev/null; then
+  echo "[install-deps] transformers, sentencepiece, protobuf present"
+elif python3 -m pip install -q transformers sentencepiece protobuf 2>/dev/null ||
+     python3 -m pip install -q --break-system-packages transformers sentencepiece protobuf \
+       2>/dev/null; then
+  echo "[install-deps] transformers, sentencepiece, protobuf installed with pip"
+else
+  echo "[install-deps] warning: python3 cannot import transformers, sentencepiece and protobuf; the Hugging Face tokenizer test will be skipped"
+fi
+
 # CUTLASS headers (header-only; the sm90 grouped GEMM of the CUDA backend) into .deps/cutlass,
 # where CMake looks first.
 fetch_headers nvidia-cutlass 4.2.0.0 "$deps_dir/cutlass" "the CUDA build uses cuBLAS only" \
