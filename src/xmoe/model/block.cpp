@@ -68,8 +68,9 @@ Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len
   // The norms write the compute dtype at once, and the residual add after attention runs in
   // the FFN norm's pass: no f32 norm outputs, no cast passes. In f32 compute every dtype is f32
   // and the ops are those of the CPU path.
-  const Tensor a = attn_->forward(attn_norm_->forward(x, compute_), batch, seq_len);
+  Tensor a = attn_->forward(attn_norm_->forward(x, compute_), batch, seq_len);
   RMSNorm::AddOut h = ffn_norm_->forward_add(x, a, compute_);
+  a = Tensor();  // in the sum now: not held through the FFN
   const Tensor y = ffn_->forward(h.y, seq_len);
   return ops::add(h.sum, y);  // out of place: the norm keeps the sum, the FFN may keep y
 }

@@ -338,10 +338,14 @@ AddRmsNormResult add_rmsnorm(const Tensor& x, const Tensor& a, const Tensor& wei
   require_float(op, "a", a);
   check_shape(a, x.shape(), op, "a");
   if (x.is_cpu()) {
-    Tensor sum = x.clone();
-    add_(sum, a);
-    RmsNormResult r = cpu_rmsnorm(sum, weight, eps, y_dtype);
-    return {std::move(sum), std::move(r.y), std::move(r.rstd)};
+    const auto [rows, d] = rows_cols(x);
+    AddRmsNormResult r{Tensor::empty(x.shape(), x.dtype(), x.device()),
+                       Tensor::empty(x.shape(), x.dtype(), x.device()),
+                       Tensor::empty({rows}, DType::f32, x.device())};
+    cpu::add_rmsnorm_forward(r.y.data<float>(), r.sum.data<float>(), r.rstd.data<float>(),
+                             x.data<float>(), a.data<float>(), weight.data<float>(), rows, d, eps);
+    if (y_dtype != r.y.dtype()) r.y = cast(r.y, y_dtype);
+    return r;
   }
   Tensor sum = Tensor::empty(x.shape(), x.dtype(), x.device());
   RmsNormResult r{Tensor::empty(x.shape(), y_dtype, x.device()),
@@ -385,8 +389,8 @@ RmsNormGrad rmsnorm_backward_add(const Tensor& x, const Tensor& weight, const Te
   RmsNormGrad r{Tensor::empty(x.shape(), x.dtype(), x.device()), Tensor()};
   if (x.is_cpu()) {
     cpu::rmsnorm_backward(r.dx.data<float>(), dweight.data<float>(), x.data<float>(),
-                          weight.data<float>(), rstd.data<float>(), dy.data<float>(), rows, d);
-    if (residual.defined()) add_(r.dx, residual);
+                          weight.data<float>(), rstd.data<float>(), dy.data<float>(), rows, d,
+                          residual.defined() ? residual.data<float>() : nullptr);
     if (copy) r.dx_copy = cast(r.dx, copy_dtype);
     return r;
   }

@@ -52,9 +52,12 @@ void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, i
 
 void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t d,
                      float eps);
-// dx; dw += sum over rows
+// sum = x + a, then y = rmsnorm(sum) in the same pass over each row (a null: the norm of x).
+void add_rmsnorm_forward(float* y, float* sum, float* rstd, const float* x, const float* a,
+                         const float* w, int64_t rows, int64_t d, float eps);
+// dx (+ residual when not null); dw += sum over rows
 void rmsnorm_backward(float* dx, float* dw, const float* x, const float* w, const float* rstd,
-                      const float* dy, int64_t rows, int64_t d);
+                      const float* dy, int64_t rows, int64_t d, const float* residual = nullptr);
 
 void topk(float* values, int32_t* indices, const float* x, int64_t rows, int64_t cols, int64_t k);
 void gather_rows(float* out, const float* x, const int32_t* index, int64_t m, int64_t d);

@@ -9,9 +9,19 @@ namespace xmoe::cpu {
 
 void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t d,
                      float eps) {
+  add_rmsnorm_forward(y, nullptr, rstd, x, nullptr, w, rows, d, eps);
+}
+
+void add_rmsnorm_forward(float* y, float* sum, float* rstd, const float* x, const float* a,
+                         const float* w, int64_t rows, int64_t d, float eps) {
 #pragma omp parallel for schedule(static) if (rows * d > (1 << 14))
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * d;
+    if (a) {
+      float* sr = sum + r * d;
+      for (int64_t j = 0; j < d; ++j) sr[j] = xr[j] + a[r * d + j];
+      xr = sr;
+    }
     float ss = 0.f;
     for (int64_t j = 0; j < d; ++j) ss += xr[j] * xr[j];
     const float rs = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
@@ -22,7 +32,7 @@ void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int6
 }
 
 void rmsnorm_backward(float* dx, float* dw, const float* x, const float* w, const float* rstd,
-                      const float* dy, int64_t rows, int64_t d) {
+                      const float* dy, int64_t rows, int64_t d, const float* residual) {
   // y = x * r * w, r = (mean(x^2) + eps)^-1/2
   // dx = r * (w*dy) - x * r^3 / d * sum(w*dy*x);  dw += sum_rows dy * x * r
   const int threads = rows * d > (1 << 14) ? omp_get_max_threads() : 1;
@@ -41,6 +51,7 @@ void rmsnorm_backward(float* dx, float* dw, const float* x, const float* w, cons
       float* dxr = dx + r * d;
       for (int64_t j = 0; j < d; ++j) {
         dxr[j] = rs * w[j] * dyr[j] - xr[j] * c;
+        if (residual) dxr[j] += residual[r * d + j];
         dwt[j] += dyr[j] * xr[j] * rs;
       }
     }
