@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# A GPU visit without a build on the GPU machine: pack the CUDA binaries built here, then run
+# them there (device minutes go to tests and timings, not to compiling).
+#
+#   bash scripts/gpu-visit.sh pack [BASE_DIR]   # here, after `ninja -C build/cuda ...` (below)
+#   PARTS="tests ab breakdown" bash scripts/gpu-visit.sh run   # there: the `device` tool with
+#                                                             # carry [".gpu"]; logs in $OUT
+#
+# pack writes .gpu/ (git-ignored): bins.tar.xz (build/cuda's xmoe, benchmarks and CUDA tests),
+# lib/ (the shared libraries whose sonames the GPU machine's Ubuntu lacks: spdlog, fmt,
+# yaml-cpp; docs/benchmarks.md, "GPU benchmarks: how to run"), base.tar.xz (BASE_DIR's
+# bin/bench_train_step, an earlier build's, for the `ab` part) and, where Debian's bible-kjv and
+# a CPU xmoe are here, kjv/ (the real-data corpus of bench/real_data.sh) for the `curve` part.
+# Build the binaries first:
+#   ninja -C build/cuda xmoe_cli bench_train_step bench_moe_layer bench_grouped_gemm \
+#     test_cuda_ops test_cuda_moe test_cuda_model test_cuda_fp8 test_cuda_memory_model \
+#     mpi_test_cuda_train
+#
+# run PARTS (in order, any of):
+#   tests      the CUDA test binaries (one rank for mpi_test_cuda_train)
+#   memory     test_cuda_memory_model (the memory model against the allocator)
+#   step       moe-1b training step, twice (bench_train_step --steps 20)
+#   ab         the packed base build's step against this one, alternated, twice each
+#   breakdown  where a moe-1b step goes (--breakdown), bf16 and FP8 experts
+#   layer      the MoE layer on the default shapes, bf16 and FP8 experts
+#   sonic      the MoE layer on SonicMoE's five shapes, bf16 and FP8, and torch._grouped_mm
+#   peer       the PyTorch moe-1b step (bench/peers/train_torch.py)
+#   curve      moe-1b 1000 steps with bf16 then FP8 experts on the KJV Bible (real_data.sh fp8)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BINS=(bin/xmoe bin/bench_train_step bin/bench_moe_layer bin/bench_grouped_gemm
+  tests/test_cuda_ops tests/test_cuda_moe tests/test_cuda_model tests/test_cuda_fp8
+  tests/test_cuda_memory_model tests/mpi_test_cuda_train)
+
+pack() {
+  local base=${1:-}
+  mkdir -p .gpu/lib
+  local missing=()
+  for b in "${BINS[@]}"; do [[ -x build/cuda/$b ]] || missing+=("$b"); done
+  ((${#missing[@]} == 0)) || { echo "gpu-visit: build/cuda lacks ${missing[*]}" >&2; exit 1; }
+  (cd build/cuda && tar cf - "${BINS[@]}") | xz -1 -T0 >.gpu/bins.tar.xz
+  # The GPU machine has spdlog, fmt and yaml-cpp under other sonames (docs/DEVICE.md).
+  ldd build/cuda/bin/xmoe | awk '/libspdlog|libfmt|libyaml-cpp/ { print $3 }' |
+    xargs -r -I{} cp -L {} .gpu/lib/
+  if [[ -n "$base" ]]; then
+    (cd "$base" && tar cf - bin/bench_train_step) | xz -1 -T0 >.gpu/base.tar.xz
+  fi
+  if [[ ! -d .gpu/kjv/data ]] && command -v bible >/dev/null && [[ -x build/cpu/bin/xmoe ]]; then
+    XMOE=build/cpu/bin/xmoe bash bench/real_data.sh prepare .gpu/kjv >/dev/null 2>&1 &&
+      rm -f .gpu/kjv/kjv.txt
+  fi
+  du -sh .gpu
+}
+
+run() {
+  local out=${OUT:-/tmp/gpu-visit} b=build/cuda
+  mkdir -p "$out"
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/card.txt"
+  if [[ ! -x $b/bin/xmoe || .gpu/bins.tar.xz -nt $b/bin/xmoe ]]; then
+    mkdir -p $b && xz -dc .gpu/bins.tar.xz | tar xf - -C $b && touch $b/bin/xmoe
+  fi
+  local nccl
+  nccl=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null)
+  export LD_LIBRARY_PATH="$PWD/.gpu/lib${nccl:+:$nccl/lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  local sonic=24576x1536x1024x32x2,24576x1536x512x64x4,24576x1536x256x128x8
+  sonic+=,32768x4096x1024x64x4,32768x4096x512x128x8
+  local status=0 start=$SECONDS part t dt
+  for part in ${PARTS:-tests}; do
+    echo "[gpu-visit] $((SECONDS - start)) s: $part"
+    case $part in
+      tests)
+        for t in test_cuda_ops test_cuda_moe test_cuda_model test_cuda_fp8; do
+          $b/tests/$t --gtest_filter=-'CudaPerf*' >"$out/$t.log" 2>&1 || status=1
+          grep -E "^\[  (PASSED|FAILED) |Failure$" "$out/$t.log" | sed "s/^/$t: /"
+        done
+        mpirun --oversubscribe -np 1 $b/tests/mpi_test_cuda_train >"$out/mpi_test_cuda_train.log" 2>&1 ||
+          status=1
+        grep -E "PASSED|FAILED" "$out/mpi_test_cuda_train.log" | sed 's/^/mpi_test_cuda_train: /' ;;
+      memory)
+        $b/tests/test_cuda_memory_model >"$out/memory.log" 2>&1 || status=1
+        grep -E "^\[memory\]|FAILED|PASSED|Failure" "$out/memory.log" ;;
+      step)
+        for t in 1 2; do
+          $b/bin/bench_train_step --preset moe-1b --device cuda --steps 20 2>&1 | grep summary
+        done | tee "$out/step.jsonl" ;;
+      ab)
+        [[ -f .gpu/base.tar.xz ]] || { echo "no .gpu/base.tar.xz: pack BASE_DIR"; status=1; continue; }
+        mkdir -p build/gpu-visit-base && xz -dc .gpu/base.tar.xz | tar xf - -C build/gpu-visit-base
+        for t in 1 2; do
+          for dt in build/gpu-visit-base/bin $b/bin; do
+            echo "== $dt"
+            $dt/bench_train_step --preset moe-1b --device cuda --steps 20 2>&1 | grep summary
+          done
+        done | tee "$out/ab.log" ;;
+      breakdown)
+        for dt in bf16 fp8; do
+          $b/bin/bench_train_step --preset moe-1b --device cuda --warmup 10 --steps 3 --breakdown \
+            --set model.moe.expert_dtype=$dt >"$out/breakdown-$dt.log" 2>&1 || status=1
+          tail -42 "$out/breakdown-$dt.log"
+        done ;;
+      layer | sonic)
+        local shapes=()
+        [[ $part == sonic ]] && shapes=(--shapes "$sonic")
+        for dt in bf16 fp8; do
+          $b/bin/bench_moe_layer --device cuda "${shapes[@]}" --warmup 3 --iters 10 \
+            --expert-dtype $dt 2>&1 | grep '^{' || status=1
+        done | tee "$out/$part.jsonl"
+        if [[ $part == sonic ]]; then
+          python3 bench/peers/moe_layer_torch.py --shapes "$sonic" --warmup 3 --iters 10 2>&1 |
+            grep '^{' | tee -a "$out/$part.jsonl"
+        fi ;;
+      peer)
+        python3 bench/peers/train_torch.py --preset moe-1b --warmup 3 --steps 8 2>&1 |
+          grep summary | tee "$out/peer.jsonl" ;;
+      curve)
+        STEPS=1000 XMOE=$b/bin/xmoe bash bench/real_data.sh fp8 .gpu/kjv >"$out/curve.log" 2>&1 ||
+          status=1
+        tail -3 "$out/curve.log"
+        for dt in bf16 fp8; do cp .gpu/kjv/xmoe-$dt/metrics.jsonl "$out/metrics-$dt.jsonl"; done ;;
+      *) echo "gpu-visit: unknown part $part" >&2; status=1 ;;
+    esac
+  done
+  echo "[gpu-visit] $((SECONDS - start)) s: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+  return $status
+}
+
+case ${1:-} in
+  pack) pack "${2:-}" ;;
+  run) run ;;
+  *) echo "usage: gpu-visit.sh pack [BASE_DIR] | run (PARTS=...)" >&2; exit 2 ;;
+esac
