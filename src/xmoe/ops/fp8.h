@@ -23,12 +23,12 @@ Fp8Rows quantize_rows_fp8(const Tensor& x, std::span<const int64_t> group_sizes)
 /// quantize_rows_fp8(swiglu(h), group_sizes) for h [N, 2f]: on CUDA one pass that never writes
 /// swiglu(h) (the expert forward's down-projection input); the same bytes and scales.
 Fp8Rows swiglu_quantize_rows_fp8(const Tensor& h, std::span<const int64_t> group_sizes);
-/// Back to `dtype`: q * scale per element.
 /// quantize_rows_fp8(gather_rows(x, index), group_sizes) for x [M, K], index i32 [N]: one pass
 /// that never writes the gathered rows [N, K] (the FP8 experts' input straight from the order
 /// stage's indices).
 Fp8Rows gather_quantize_rows_fp8(const Tensor& x, const Tensor& index,
                                  std::span<const int64_t> group_sizes);
+/// Back to `dtype`: q * scale per element.
 Tensor dequantize_rows_fp8(const Fp8Rows& x, DType dtype);
 
 /// Expert weights [G, K, M] quantised per 128 x 128 block, in both layouts the GEMMs read.

@@ -285,77 +285,59 @@ RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps) {
 }
 
 namespace {
-void check_rmsnorm_args(const char* op, const Tensor& x, const Tensor& weight, float eps) {
+/// The norm of x (+ a when defined, written to sum) in y_dtype: rmsnorm's and add_rmsnorm's one
+/// pass. The CPU computes in f32 and casts y to y_dtype.
+AddRmsNormResult norm_of_sum(const char* op, const Tensor& x, const Tensor& a, const Tensor& weight,
+                             float eps, DType y_dtype) {
   require_float(op, "x", x);
   require_like_or_f32(op, "weight", weight, "x", x);
-  check_shape(weight, {rows_cols(x).second}, op, "weight");
+  const auto [rows, d] = rows_cols(x);
+  check_shape(weight, {d}, op, "weight");
   XMOE_CHECK(eps > 0, "[{}] eps must be positive, got {}", op, eps);
-}
-
-/// The CPU computes in f32: y_dtype is reached by a cast of the f32 result.
-RmsNormResult cpu_rmsnorm(const Tensor& x, const Tensor& weight, float eps, DType y_dtype) {
-  const auto [rows, d] = rows_cols(x);
-  RmsNormResult r{Tensor::empty(x.shape(), x.dtype(), x.device()),
-                  Tensor::empty({rows}, DType::f32, x.device())};
-  cpu::rmsnorm_forward(r.y.data<float>(), r.rstd.data<float>(), x.data<float>(),
-                       weight.data<float>(), rows, d, eps);
-  if (y_dtype != r.y.dtype()) r.y = cast(r.y, y_dtype);
-  return r;
-}
-
-cuda::RmsNormArgs cuda_rmsnorm_args(const Tensor& x, const Tensor& weight, float eps,
-                                    const RmsNormResult& r) {
-  const auto [rows, d] = rows_cols(x);
+  if (a.defined()) {
+    require_same_device(op, "a", a, "x", x);
+    require_float(op, "a", a);
+    check_shape(a, x.shape(), op, "a");
+  }
+  AddRmsNormResult r{a.defined() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor(),
+                     Tensor::empty(x.shape(), x.is_cpu() ? x.dtype() : y_dtype, x.device()),
+                     Tensor::empty({rows}, DType::f32, x.device())};
+  if (x.is_cpu()) {
+    cpu::add_rmsnorm_forward(r.y.data<float>(), a.defined() ? r.sum.data<float>() : nullptr,
+                             r.rstd.data<float>(), x.data<float>(),
+                             a.defined() ? a.data<float>() : nullptr, weight.data<float>(), rows, d,
+                             eps);
+    if (y_dtype != r.y.dtype()) r.y = cast(r.y, y_dtype);
+    return r;
+  }
   cuda::RmsNormArgs g;
   g.y = r.y.raw();
-  g.y_dt = r.y.dtype();
+  g.y_dt = y_dtype;
+  g.sum = a.defined() ? r.sum.raw() : nullptr;
   g.rstd = r.rstd.data<float>();
   g.x = x.raw();
   g.x_dt = x.dtype();
+  g.a = a.defined() ? a.raw() : nullptr;
+  g.a_dt = a.defined() ? a.dtype() : x.dtype();
   g.w = weight.raw();
   g.w_dt = weight.dtype();
   g.rows = rows;
   g.d = d;
   g.eps = eps;
-  return g;
+  cuda::rmsnorm_forward(g, stream_of(x));
+  return r;
 }
 }  // namespace
 
 RmsNormResult rmsnorm(const Tensor& x, const Tensor& weight, float eps, DType y_dtype) {
-  check_rmsnorm_args("rmsnorm", x, weight, eps);
-  if (x.is_cpu()) return cpu_rmsnorm(x, weight, eps, y_dtype);
-  RmsNormResult r{Tensor::empty(x.shape(), y_dtype, x.device()),
-                  Tensor::empty({x.numel() / rows_cols(x).second}, DType::f32, x.device())};
-  cuda::rmsnorm_forward(cuda_rmsnorm_args(x, weight, eps, r), stream_of(x));
-  return r;
+  AddRmsNormResult r = norm_of_sum("rmsnorm", x, Tensor(), weight, eps, y_dtype);
+  return {std::move(r.y), std::move(r.rstd)};
 }
 
 AddRmsNormResult add_rmsnorm(const Tensor& x, const Tensor& a, const Tensor& weight, float eps,
                              DType y_dtype) {
-  const char* op = "add_rmsnorm";
-  check_rmsnorm_args(op, x, weight, eps);
-  require_same_device(op, "a", a, "x", x);
-  require_float(op, "a", a);
-  check_shape(a, x.shape(), op, "a");
-  if (x.is_cpu()) {
-    const auto [rows, d] = rows_cols(x);
-    AddRmsNormResult r{Tensor::empty(x.shape(), x.dtype(), x.device()),
-                       Tensor::empty(x.shape(), x.dtype(), x.device()),
-                       Tensor::empty({rows}, DType::f32, x.device())};
-    cpu::add_rmsnorm_forward(r.y.data<float>(), r.sum.data<float>(), r.rstd.data<float>(),
-                             x.data<float>(), a.data<float>(), weight.data<float>(), rows, d, eps);
-    if (y_dtype != r.y.dtype()) r.y = cast(r.y, y_dtype);
-    return r;
-  }
-  Tensor sum = Tensor::empty(x.shape(), x.dtype(), x.device());
-  RmsNormResult r{Tensor::empty(x.shape(), y_dtype, x.device()),
-                  Tensor::empty({x.numel() / rows_cols(x).second}, DType::f32, x.device())};
-  cuda::RmsNormArgs g = cuda_rmsnorm_args(x, weight, eps, r);
-  g.sum = sum.raw();
-  g.a = a.raw();
-  g.a_dt = a.dtype();
-  cuda::rmsnorm_forward(g, stream_of(x));
-  return {std::move(sum), std::move(r.y), std::move(r.rstd)};
+  require_defined("add_rmsnorm", "a", a);
+  return norm_of_sum("add_rmsnorm", x, a, weight, eps, y_dtype);
 }
 
 Tensor rmsnorm_backward(const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& dy,

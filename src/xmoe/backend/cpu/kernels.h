@@ -50,9 +50,8 @@ void sigmoid_backward(float* dx, const float* y, const float* dy, int64_t n);
 void swiglu_forward(float* a, const float* h, int64_t rows, int64_t f);
 void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, int64_t f);
 
-void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t d,
-                     float eps);
-// sum = x + a, then y = rmsnorm(sum) in the same pass over each row (a null: the norm of x).
+// sum = x + a, then y = rmsnorm(sum) in the same pass over each row (a and sum null: the norm
+// of x).
 void add_rmsnorm_forward(float* y, float* sum, float* rstd, const float* x, const float* a,
                          const float* w, int64_t rows, int64_t d, float eps);
 // dx (+ residual when not null); dw += sum over rows

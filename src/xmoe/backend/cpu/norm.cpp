@@ -7,11 +7,6 @@
 
 namespace xmoe::cpu {
 
-void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t d,
-                     float eps) {
-  add_rmsnorm_forward(y, nullptr, rstd, x, nullptr, w, rows, d, eps);
-}
-
 void add_rmsnorm_forward(float* y, float* sum, float* rstd, const float* x, const float* a,
                          const float* w, int64_t rows, int64_t d, float eps) {
 #pragma omp parallel for schedule(static) if (rows * d > (1 << 14))
