@@ -21,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_testing.h"
@@ -735,9 +736,12 @@ TEST(CudaFusedNorm, AddNormAndBackwardWriteTheSeparatePassesBytes) {
   const auto host_f32 = [](const Tensor& t) {
     return (t.dtype() == DType::f32 ? t : ops::cast(t, DType::f32)).to(Device::cpu());
   };
-  for (const int64_t d : {1024, 50}) {
-    SCOPED_TRACE("d = " + std::to_string(d));
-    const int64_t rows = 333;
+  // The backward's row-vector path (d % 8 == 0, up to 8192 columns; more rows than its 1024
+  // blocks in the second case) and the element-by-element one (d = 50).
+  const std::pair<int64_t, int64_t> shapes[] = {
+      {333, 1024}, {2500, 1024}, {333, 2048}, {40, 7168}, {333, 50}};
+  for (const auto& [rows, d] : shapes) {
+    SCOPED_TRACE("rows = " + std::to_string(rows) + ", d = " + std::to_string(d));
     const Tensor x = randn({rows, d}, 101).to(kCuda);
     const Tensor a = ops::cast(randn({rows, d}, 102).to(kCuda), DType::bf16);
     const Tensor w = randn({d}, 103).to(kCuda);
@@ -896,6 +900,8 @@ TEST(CudaAttention, CudnnAndXmoeKernelsAgree) {
 
 TEST(CudaAllocator, ReusesFreedBlocksAndCounts) {
   XMOE_REQUIRE_CUDA();
+  // Blocks earlier tests left in the cache would fit the requests below as well as the freed one.
+  cuda::empty_cache(0);
   const MemoryStats before = memory_stats(kCuda);
   void* small = nullptr;
   {
@@ -1175,6 +1181,22 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
     Tensor dw = Tensor::zeros({1024}, bf, kCuda);
     report("rmsnorm_backward", "16384x1024",
            time_ms([&] { ops::rmsnorm_backward(x, w, r.rstd, x, dw); }), 0);
+    // The block's norm backward: the f32 residual stream, a bf16 gradient, the residual's
+    // gradient added and a bf16 copy written (16 bytes per value; the GB/s count those).
+    for (const int64_t d : {1024, 2048, 7168}) {
+      const int64_t rows = 16384;
+      const Tensor xf = Tensor::zeros({rows, d}, DType::f32, kCuda);
+      const Tensor wf = Tensor::zeros({d}, DType::f32, kCuda);
+      const Tensor dyb = Tensor::zeros({rows, d}, bf, kCuda);
+      const Tensor rstd = Tensor::zeros({rows}, DType::f32, kCuda);
+      Tensor dwf = Tensor::zeros({d}, DType::f32, kCuda);
+      const double ms =
+          time_ms([&] { ops::rmsnorm_backward_add(xf, wf, rstd, dyb, dwf, xf, DType::bf16); });
+      std::printf(
+          "{\"op\": \"rmsnorm_backward_add\", \"shape\": \"%ldx%ld\", \"ms\": %.4f, "
+          "\"gb_per_s\": %.0f}\n",
+          static_cast<long>(rows), static_cast<long>(d), ms, 16.0 * rows * d / (ms * 1e-3) / 1e9);
+    }
   }
   cuda::empty_cache(0);
 }

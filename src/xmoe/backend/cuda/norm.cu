@@ -2,10 +2,10 @@
 // forward may first add a residual branch (x + a, written out as the new residual stream) and
 // write y in another dtype; the backward may read dy in another dtype, add the residual
 // stream's gradient and write a bf16 copy of dx beside it. Each saves whole passes over [T, d].
-// Rows of at most 1024 values (d % 8 == 0, 16-byte aligned rows): one warp per row with 16-byte
-// accesses; in backward each lane keeps its columns' weight-gradient partials in registers.
+// 16-byte aligned rows with d % 8 == 0: the forward takes one warp per row (d <= 1024), the
+// backward one block per row with 8 columns per thread (d <= 8192), both with 16-byte accesses.
 // Other rows: one block per row, element by element.
-// The weight gradient is summed deterministically: worker b (a warp, or a block) owns rows
+// The weight gradient is summed deterministically: worker b (a block) owns rows
 // b, b + P, b + 2P, ... (P depends only on the row count and d) and writes its partial sums to
 // its own row of a (P, d) workspace; then each column's P partials are added in a fixed order.
 #include <type_traits>
@@ -17,10 +17,11 @@ namespace xmoe::cuda {
 namespace {
 
 constexpr int kNormBlock = 256;
-constexpr int64_t kMaxPartials = 256;       // block path
-constexpr int64_t kMaxWarpPartials = 2048;  // warp path: 16 warps on each of 128 SMs
-constexpr int kWarpRowMax = 1024;           // 4 chunks of 8 values per lane (more spill)
-constexpr int kRowWarps = 4;                // warps per block of the warp path
+constexpr int64_t kMaxPartials = 256;        // block path
+constexpr int kWarpRowMax = 1024;            // forward: 4 chunks of 8 values per lane
+constexpr int64_t kRowBlocks = 1024;         // backward, 8 columns a thread: 8 blocks an SM
+constexpr int64_t kRowVectorMax = 8 * 1024;  // ... at most 1024 threads a block
+constexpr int kRowWarps = 4;                 // warps per block of the warp path
 
 int64_t clamp_partials(int64_t rows, int64_t most) {
   return rows < most ? (rows < 1 ? 1 : rows) : most;
@@ -91,59 +92,50 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   }
 }
 
-// dx (+ residual when not null) of T, and its bf16 copy when dx_copy is not null.
-template <int CH, class T, class G, class W>
-__global__ void __launch_bounds__(kRowWarps * 32)
-    rmsnorm_backward_warp_kernel(T* dx, bf16_t* dx_copy, float* partial, const T* x, const W* w,
-                                 const float* rstd, const G* dy, const T* residual, int64_t rows,
-                                 int64_t d) {
-  const int lane = threadIdx.x & 31;
-  const int64_t worker = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
-  float wv[CH][8], acc[CH][8];
+// Backward with 8 columns per thread (d % 8 == 0, d <= 8192): a block of d / 8 threads (rounded
+// up to whole warps) takes one row at a time, reading x, dy and the residual with 16-byte loads
+// before its one block-wide reduction, and keeps its columns' weight-gradient partials in
+// registers (8 per thread: no spills, full occupancy). kRowBlocks blocks: every block resident at
+// once, with an even share of the rows. Writes dx (+ residual when not null) of T, and its bf16
+// copy when dx_copy is not null.
+template <class T, class G, class W>
+__global__ void __launch_bounds__(1024)
+    rmsnorm_backward_row_kernel(T* dx, bf16_t* dx_copy, float* partial, const T* x, const W* w,
+                                const float* rstd, const G* dy, const T* residual, int64_t rows,
+                                int64_t d) {
+  __shared__ float scratch[32];
+  const int64_t j = static_cast<int64_t>(threadIdx.x) * 8;
+  const bool owns = j < d;
+  float wv[8], acc[8];
 #pragma unroll
-  for (int c = 0; c < CH; ++c) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[c][e] = 0.f;
-    if (warp_col(lane, c) < d) load8(wv[c], w + warp_col(lane, c));
-  }
-  for (int64_t r = worker; r < rows; r += warps) {
-    const int64_t o = r * d;
+  for (int e = 0; e < 8; ++e) acc[e] = wv[e] = 0.f;
+  if (owns) load8(wv, w + j);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t o = r * d + j;
     const float rs = rstd[r];
-    float xv[CH][8], gv[CH][8];
+    float xv[8], gv[8], res[8];
     float dot = 0.f;
+    if (owns) {
+      load8(xv, x + o);
+      load8(gv, dy + o);
+      if (residual) load8(res, residual + o);
 #pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int64_t j = warp_col(lane, c);
-      if (j >= d) continue;
-      load8(xv[c], x + o + j);
-      load8(gv[c], dy + o + j);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dot += wv[c][e] * gv[c][e] * xv[c][e];
+      for (int e = 0; e < 8; ++e) dot += wv[e] * gv[e] * xv[e];
     }
-    dot = warp_sum(dot);
+    dot = block_sum(dot, scratch);
+    if (!owns) continue;
     const float k = rs * rs * rs * dot / static_cast<float>(d);
+    float out[8];
 #pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int64_t j = warp_col(lane, c);
-      if (j >= d) continue;
-      float out[8], res[8];
-      if (residual) load8(res, residual + o + j);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        out[e] = rs * wv[c][e] * gv[c][e] - xv[c][e] * k;
-        if (residual) out[e] = round_to<T>(out[e]) + res[e];
-        acc[c][e] += gv[c][e] * xv[c][e] * rs;
-      }
-      store8(dx + o + j, out);
-      if (dx_copy) store8(dx_copy + o + j, out);
+    for (int e = 0; e < 8; ++e) {
+      out[e] = rs * wv[e] * gv[e] - xv[e] * k;
+      if (residual) out[e] = round_to<T>(out[e]) + res[e];
+      acc[e] += gv[e] * xv[e] * rs;
     }
+    store8(dx + o, out);
+    if (dx_copy) store8(dx_copy + o, out);
   }
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int64_t j = warp_col(lane, c);
-    if (j < d) store8(partial + worker * d + j, acc[c]);
-  }
+  if (owns) store8(partial + blockIdx.x * d + j, acc);
 }
 
 // dw[j] += sum over the P partials of column j: 32 columns per block, thread row y adds
@@ -155,6 +147,7 @@ __global__ void __launch_bounds__(1024)
   const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float s = 0.f;
   if (j < d)
+#pragma unroll 8
     for (int64_t b = threadIdx.y; b < parts; b += 32) s += partial[b * d + j];
   sums[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
@@ -284,17 +277,22 @@ void rmsnorm_forward(const RmsNormArgs& g, Stream stream) {
   });
 }
 
+bool row_vector_path(int64_t d) {
+  return d % 8 == 0 && d <= kRowVectorMax;
+}
+
 size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d) {
-  const int64_t parts = d <= kWarpRowMax ? warp_grid(rows, kMaxWarpPartials) * int64_t{kRowWarps}
-                                         : num_partials(rows);
+  // The row-vector path has the more partials; an unaligned call takes the block path's fewer.
+  const int64_t parts = row_vector_path(d) ? clamp_partials(rows, kRowBlocks) : num_partials(rows);
   return static_cast<size_t>(parts * d) * sizeof(float);
 }
 
 void rmsnorm_backward(const RmsNormGradArgs& g, void* workspace, Stream stream) {
   if (g.rows == 0 || g.d == 0) return;
   auto* partial = static_cast<float*>(workspace);
-  const bool warp = warp_path(g.x, g.dx, g.w, g.d) && aligned16(g.dy) && aligned16(workspace) &&
-                    aligned16(g.residual) && aligned16(g.dx_copy);
+  const bool vector = row_vector_path(g.d) && aligned16(g.x) && aligned16(g.dx) && aligned16(g.w) &&
+                      aligned16(g.dy) && aligned16(workspace) && aligned16(g.residual) &&
+                      aligned16(g.dx_copy);
   dispatch_float(g.x_dt, "rmsnorm_backward", [&](auto xtag) {
     using T = typename decltype(xtag)::type;
     dispatch_float(g.dy_dt, "rmsnorm_backward", [&](auto gtag) {
@@ -308,14 +306,12 @@ void rmsnorm_backward(const RmsNormGradArgs& g, void* workspace, Stream stream) 
         const auto* dy = static_cast<const G*>(g.dy);
         const auto* residual = static_cast<const T*>(g.residual);
         int64_t parts = 0;
-        if (warp) {
-          const unsigned blocks = warp_grid(g.rows, kMaxWarpPartials);
-          parts = int64_t{blocks} * kRowWarps;
-          dispatch_chunks(g.d, [&](auto ch) {
-            rmsnorm_backward_warp_kernel<decltype(ch)::value, T, G, W>
-                <<<blocks, kRowWarps * 32, 0, stream>>>(dx, dx_copy, partial, x, w, g.rstd, dy,
-                                                        residual, g.rows, g.d);
-          });
+        if (vector) {
+          parts = clamp_partials(g.rows, kRowBlocks);
+          const unsigned threads = static_cast<unsigned>((g.d / 8 + 31) / 32 * 32);
+          rmsnorm_backward_row_kernel<T, G, W>
+              <<<static_cast<unsigned>(parts), threads, 0, stream>>>(
+                  dx, dx_copy, partial, x, w, g.rstd, dy, residual, g.rows, g.d);
         } else {
           parts = num_partials(g.rows);
           rmsnorm_backward_kernel<T, G, W><<<static_cast<unsigned>(parts), kNormBlock, 0, stream>>>(
