@@ -537,6 +537,18 @@ std::vector<OpCase> parity_cases() {
          ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
          return Tensors{scalar(r.loss), r.lse, d, logits, scalar(static_cast<double>(r.count))};
        }});
+  c.push_back(  // rows of whole 16-byte vectors: the one-pass kernels
+      {"cross_entropy_vector_rows",
+       [] {
+         return Tensors{randn({23, 4096}, 66, 4.f), rand_index(23, 4096, 67, 0.2f)};
+       },
+       [](Tensors& in) {
+         auto r = ops::cross_entropy(in[0], in[1]);
+         Tensor d = ops::cross_entropy_backward(in[0], in[1], r, 0.5f);
+         Tensor logits = in[0].clone();
+         ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
+         return Tensors{scalar(r.loss), r.lse, d, logits, scalar(static_cast<double>(r.count))};
+       }});
   // MoE ops. The row ops and the layout have their cases in test_cuda_moe.cpp (CudaMoeOps,
   // CudaMoeOrder); these are the rest. Routing tensors are f32 on both devices (all kept).
   c.push_back({"moe_aux_losses", aux_inputs, aux_run, {0, 2, 3, 4}});
@@ -785,6 +797,28 @@ TEST(CudaFusedNorm, AddNormAndBackwardWriteTheSeparatePassesBytes) {
     close(fused.y, cpu.y, 8e-3f, "y");
     close(g.dx, gc.dx, 1e-4f, "dx");
     close(dw_fused, dw_cpu, 1e-3f, "dw");
+  }
+}
+
+// bf16 logits (the model's) through the one-pass kernels, and rows of other widths through the
+// two-pass ones: the CPU's f32 cross-entropy on the same (bf16-exact) values.
+TEST(CudaCrossEntropy, Bf16LogitsMatchTheCpu) {
+  XMOE_REQUIRE_CUDA();
+  for (const int64_t v : {32768, 1000, 36}) {
+    SCOPED_TRACE("v = " + std::to_string(v));
+    const int64_t n = 37;
+    const Tensor logits = ops::cast(randn({n, v}, 68, 3.f).to(kCuda), DType::bf16);
+    const Tensor targets = rand_index(n, v, 69, 0.2f).to(kCuda);
+    const Tensor cpu_logits = ops::cast(logits, DType::f32).to(Device::cpu());
+    const auto got = ops::cross_entropy(logits, targets);
+    const auto want = ops::cross_entropy(cpu_logits, targets.to(Device::cpu()));
+    EXPECT_NEAR(got.loss, want.loss, 1e-5 * std::abs(want.loss));
+    EXPECT_LE(normalised_error(got.lse.to(Device::cpu()), want.lse), 1e-6);
+    Tensor d = logits.clone();
+    ops::cross_entropy_backward_(d, targets, got, 0.25f);
+    const Tensor dw =
+        ops::cross_entropy_backward(cpu_logits, targets.to(Device::cpu()), want, 0.25f);
+    EXPECT_LE(normalised_error(ops::cast(d, DType::f32).to(Device::cpu()), dw), 4e-3);
   }
 }
 

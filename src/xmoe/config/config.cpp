@@ -86,6 +86,12 @@ const std::vector<Key>& table() {
       XMOE_KEY(model.moe.expert_hidden, at_least(1), {}, "hidden width f of one routed expert"),
       XMOE_KEY(model.moe.num_shared_experts, at_least(0), {},
                "always-on experts, run as one SwiGLU of width num_shared_experts * f"),
+      XMOE_KEY(model.moe.shared_overlap, any(), {"off", "routing", "all"},
+               "CUDA: the shared experts on a second stream: off; routing (beside the gate, the "
+               "order and dispatch forward, the I-Order and combine backward; joined before the "
+               "routed experts' GEMMs); all (beside the whole routed path, joined before the "
+               "sum). The same bits either way (docs/moe.md, \"Shared experts beside the routed "
+               "path\"). No effect on the CPU"),
       XMOE_KEY(model.moe.gate, any(), {"softmax_topk", "sigmoid", "switch", "xmoe"},
                "gate function: GShard/Mixtral softmax top-k, DeepSeek-V3 sigmoid, Switch top-1, "
                "X-MoE cosine router"),

@@ -9,10 +9,13 @@
 namespace xmoe {
 
 struct MoeConfig {
-  int num_experts = 16;               ///< routed experts E
-  int top_k = 2;                      ///< experts per token k
-  int expert_hidden = 128;            ///< f: hidden width of one routed expert
-  int num_shared_experts = 1;         ///< always-on experts (one SwiGLU of width shared * f)
+  int num_experts = 16;        ///< routed experts E
+  int top_k = 2;               ///< experts per token k
+  int expert_hidden = 128;     ///< f: hidden width of one routed expert
+  int num_shared_experts = 1;  ///< always-on experts (one SwiGLU of width shared * f)
+  /// off | routing | all (CUDA): the shared experts on a second stream beside the routed path's
+  /// routing stages, or beside all of it (same bits either way)
+  std::string shared_overlap = "off";
   std::string gate = "softmax_topk";  ///< softmax_topk | sigmoid | switch | xmoe
   // softmax_topk
   /// softmax over all E then top-k (GShard), else top-k then softmax (Mixtral)

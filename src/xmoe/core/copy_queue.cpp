@@ -8,13 +8,13 @@
 namespace xmoe {
 
 CopyQueue::CopyQueue(Device device) : device_(device) {
-  if (device.is_cuda()) stream_ = backend::create_copy_stream(device.index);
+  if (device.is_cuda()) stream_ = backend::create_stream(device.index);
 }
 
 CopyQueue::~CopyQueue() {
   if (!device_.is_cuda()) return;
   for (void* e : events_) backend::destroy_event(e);
-  backend::destroy_copy_stream(device_.index, stream_);
+  backend::destroy_stream(device_.index, stream_);
 }
 
 void CopyQueue::after_compute() {

@@ -26,11 +26,15 @@ void synchronize(Device device);
 /// and a device run asynchronously, at full bandwidth. Throws in a build without CUDA.
 Allocator& pinned_host_allocator();
 
-/// Asynchronous copies beside a CUDA device's current (compute) stream, for CopyQueue
-/// (core/copy_queue.h): a stream of their own, and events to order it against the compute
-/// stream and the host. Handles are opaque (cudaStream_t, cudaEvent_t).
-void* create_copy_stream(int device);
-void destroy_copy_stream(int device, void* stream);
+/// Work beside a CUDA device's current (compute) stream: copies (CopyQueue, core/copy_queue.h)
+/// and ops (SideStream, core/side_stream.h) on streams of their own, and events to order them
+/// against the compute stream and the host. Handles are opaque (cudaStream_t, cudaEvent_t).
+void* create_stream(int device);
+void destroy_stream(int device, void* stream);
+/// The stream every op on `device` is queued on, and its replacement (SideStream swaps it in and
+/// back; the caller owns the stream it sets).
+void* current_stream(int device);
+void set_current_stream(int device, void* stream);
 /// Queues a copy of `bytes` on `stream` (host memory should be pinned to overlap); returns at
 /// once.
 void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device,

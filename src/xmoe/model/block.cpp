@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "xmoe/core/profile.h"
 #include "xmoe/model/moe_ffn.h"
@@ -75,16 +76,20 @@ Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len
   return ops::add(h.sum, y);  // out of place: the norm keeps the sum, the FFN may keep y
 }
 
-Tensor TransformerBlock::backward(const Tensor& dy) {
+Tensor TransformerBlock::backward(const Tensor& dy, Tensor dy_compute, Tensor* dx_compute) {
   ProfileScope scope("block.bwd", dy.device());
   // Each norm's backward reads its gradient in the compute dtype, adds the residual stream's
-  // gradient and writes the compute-dtype copy that attention reads, in one pass.
-  Tensor dyn = ffn_->backward(as_dtype(dy, compute_));
+  // gradient and writes the compute-dtype copy that the next module reads (attention, or the
+  // FFN of the block below), in one pass.
+  Tensor dyn = ffn_->backward(dy_compute.defined() ? std::exchange(dy_compute, Tensor())
+                                                   : as_dtype(dy, compute_));
   RMSNorm::Grad dh = ffn_norm_->backward_add(dyn, dy, compute_);
   dyn = Tensor();
   const Tensor dhn = attn_->backward(dh.dx_copy.defined() ? dh.dx_copy : dh.dx);
   dh.dx_copy = Tensor();
-  return attn_norm_->backward_add(dhn, dh.dx, dh.dx.dtype()).dx;
+  RMSNorm::Grad dx = attn_norm_->backward_add(dhn, dh.dx, dx_compute ? compute_ : dh.dx.dtype());
+  if (dx_compute) *dx_compute = std::move(dx.dx_copy);
+  return std::move(dx.dx);
 }
 
 ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, int index,
@@ -101,10 +106,11 @@ ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, i
   const ActivationBytes ffn =
       dense ? DenseFFN::activation_bytes_for(tokens, d, cfg.dense_hidden, dtype, r.ffn, layout.tp)
             : moe_ffn_activation_bytes_for(cfg.moe, d, tokens, dtype, {r.moe, r.router}, layout);
-  // backward(): the FFN gets dy cast to the compute dtype (a copy unless f32) and returns dyn
-  // in it; the FFN norm makes dh [T, d] f32 and its compute-dtype copy for attention, then dyn
-  // and the copy go; attention returns dhn in f32 and the attention norm makes dx f32 beside
-  // it. The MoE layer without SSMB returns a view of its whole [T, d] dx: dyn holds all of it.
+  // backward(): the FFN gets dy in the compute dtype (a copy unless f32) and returns dyn in
+  // it; the FFN norm makes dh [T, d] f32 and its compute-dtype copy for attention, then dyn and
+  // the copy go; attention returns dhn in f32 and the attention norm makes dx f32 beside it,
+  // and (every block but the first) dx's compute-dtype copy for the block below. The MoE layer
+  // without SSMB returns a view of its whole [T, d] dx: dyn holds all of it.
   const auto elt = static_cast<int64_t>(dtype_size(dtype));
   const int64_t g = t * d * 4, act = t * d * elt, cast = dtype == DType::f32 ? 0 : t * d * 2;
   const int64_t dyn = !dense && layout.tp > 1 && !layout.ssmb ? tokens * d * elt : act;
@@ -113,7 +119,8 @@ ActivationBytes TransformerBlock::activation_bytes_for(const ModelConfig& cfg, i
   const int64_t ffn_phase = cast + ffn.backward_extra;
   const int64_t ffn_norm_phase = dyn + cast + norm.backward_extra - ffn_freed;
   const int64_t attn_phase = g + cast + attn.backward_extra - ffn_freed - norm.saved;
-  const int64_t attn_norm_phase = 2 * g + norm.backward_extra - ffn_freed - norm.saved - attn.saved;
+  const int64_t attn_norm_phase =
+      2 * g + (index > 0 ? cast : 0) + norm.backward_extra - ffn_freed - norm.saved - attn.saved;
   return {2 * norm.saved + attn.saved + ffn.saved,
           std::max({ffn_phase, ffn_norm_phase, attn_phase, attn_norm_phase}), ffn.kept};
 }

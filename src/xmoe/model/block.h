@@ -47,8 +47,11 @@ class TransformerBlock : public Module {
   /// x [B·S, d] (the f32 residual stream) -> [B·S, d] f32. With tensor parallelism, B is this
   /// rank's B/P sequences of the micro-batch.
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);
-  /// dy [B·S, d] -> dx.
-  Tensor backward(const Tensor& dy);
+  /// dy [B·S, d] -> dx. `dy_compute`: dy in the compute dtype where the caller has it (the
+  /// block above wrote it beside its dx; dropped once the FFN has read it), else made here.
+  /// `dx_compute` (not null): receives dx's compute-dtype copy, written in the attention norm's
+  /// pass (undefined in f32 compute).
+  Tensor backward(const Tensor& dy, Tensor dy_compute = Tensor(), Tensor* dx_compute = nullptr);
 
   /// Frees what forward saved (forward-only use).
   void release();

@@ -1,6 +1,7 @@
 #include "xmoe/model/transformer.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "xmoe/core/profile.h"
 #include "xmoe/moe/layer.h"
@@ -167,8 +168,16 @@ void Transformer::backward_logits(const Tensor& dlogits) {
   xf_ = Tensor();
   backward_of(final_norm_->parameters(),
               [&] { dx = final_norm_->backward(as_dtype(dx, DType::f32)); });
+  // Each block hands the block below its dx and dx's compute-dtype copy (made in its last norm's
+  // pass); the first block's dx goes to the embedding, in f32 only.
+  Tensor dx_compute;
   for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
-    backward_of((*it)->parameters(), [&] { dx = (*it)->backward(dx); });
+    backward_of((*it)->parameters(), [&] {
+      Tensor below;
+      dx = (*it)->backward(dx, std::move(dx_compute),
+                           std::next(it) == blocks_.rend() ? nullptr : &below);
+      dx_compute = std::move(below);
+    });
   backward_of(embed_->parameters(), [&] { embed_->backward(dx); });
 }
 

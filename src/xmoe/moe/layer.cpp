@@ -63,6 +63,10 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
              "[moe] moe.expert_dtype = \"{}\" is not bf16 or fp8", c.expert_dtype);
   ea.fp8 = c.expert_dtype == "fp8";
   experts_ = make_experts("swiglu", ea);
+  XMOE_CHECK(
+      c.shared_overlap == "off" || c.shared_overlap == "routing" || c.shared_overlap == "all",
+      "[moe] moe.shared_overlap = \"{}\" is not off, routing or all", c.shared_overlap);
+  shared_routing_only_ = c.shared_overlap == "routing";
   if (c.num_shared_experts > 0)
     shared_ = std::make_unique<SharedExperts>(
         prefix_, d_model, static_cast<int64_t>(c.num_shared_experts) * c.expert_hidden, seed,
@@ -72,6 +76,13 @@ MoELayer::MoELayer(const MoeConfig& config, int64_t d_model, std::string prefix,
 }
 
 MoELayer::~MoELayer() = default;
+
+SideStream* MoELayer::shared_side() {
+  if (cfg_.shared_overlap == "off" || !device_.is_cuda()) return nullptr;
+  if (!shared_side_ || shared_side_->device() != device_)
+    shared_side_ = std::make_unique<SideStream>(device_);
+  return shared_side_.get();
+}
 
 void MoELayer::make_dispatcher_(int ranks_per_node) {
   DispatchConfig dc;
@@ -146,6 +157,18 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   LayerIn in{x_in};
   hooks_.run(in);
 
+  // The shared experts read only x: queued first, on a side stream where there is one, they run
+  // beside the routed path and join it before the sum (their hook runs there, in stage order).
+  SideStream* side = shared_ ? shared_side() : nullptr;
+  SharedOut sh;
+  if (shared_) {
+    sh = timed("moe.shared.fwd", device_, [&] {
+      std::optional<SideStream::Scope> on_side;
+      if (side) on_side.emplace(*side);
+      return SharedOut{shared_->forward(in.x)};
+    });
+  }
+
   GateOut g = timed("moe.gate.fwd", device_, [&] {
     // The router runs in f32 whatever the activations' dtype (routing is precision-sensitive),
     // unless moe.router_dtype = bf16; it casts x for its GEMMs and keeps x as it is.
@@ -183,6 +206,7 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
 
   CombineOut c;
   if (pipelined) {
+    if (side && shared_routing_only_) side->join();
     // Dispatch, Expert and Combine chunk by chunk (moe/pipeline.h); no regather: each chunk's
     // experts keep their own rows.
     c = timed("moe.pipeline.fwd", device_, [&] {
@@ -213,6 +237,7 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
         rows_gathered_by_experts || (!rows_replaced && !expert_in_replaced &&
                                      dsp.expert_in.raw() == o.rows.raw() && pipeline_bwd_ == 1);
     o.rows = Tensor();  // dispatched: the experts hold what they need
+    if (side && shared_routing_only_) side->join();
 
     ExpertOut e = timed("moe.expert.fwd", device_, [&] {
       experts_->set_input_regather(
@@ -243,8 +268,7 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   have_forward_ = true;
   if (!shared_) return io.y;
 
-  SharedOut sh =
-      timed("moe.shared.fwd", device_, [&] { return SharedOut{shared_->forward(in.x)}; });
+  if (side) side->join();
   hooks_.run(sh);
   return xmoe::ops::add(io.y, sh.y);
 }
@@ -257,9 +281,17 @@ Tensor MoELayer::backward(const Tensor& dy) {
   LayerOutGrad out{dy};
   hooks_.run(out);
 
+  // Beside the routed backward on the side stream, joined before dx is summed; a hook on their
+  // gradient sees it at once, in stage order.
+  SideStream* side = shared_ ? shared_side() : nullptr;
   SharedGrad sg;
   if (shared_) {
-    sg = timed("moe.shared.bwd", device_, [&] { return SharedGrad{shared_->backward(out.d_y)}; });
+    sg = timed("moe.shared.bwd", device_, [&] {
+      std::optional<SideStream::Scope> on_side;
+      if (side) on_side.emplace(*side);
+      return SharedGrad{shared_->backward(out.d_y)};
+    });
+    if (side && hooks_.has<SharedGrad>()) side->join();
     hooks_.run(sg);
   }
   const bool reduces = dispatcher_->reduces_in_combine();
@@ -278,6 +310,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
   CombineGrad cg;
   DispatchGrad dg;
   if (pipelined) {
+    if (side && shared_routing_only_) side->join();
     // Combine, Expert and Dispatch backward chunk by chunk (moe/pipeline.h).
     dg = timed("moe.pipeline.bwd", device_, [&] {
       const ChunkBounds bounds = even_chunks(num_local, pipeline_bwd_);
@@ -298,6 +331,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
       return CombineGrad{std::move(d_out), std::move(d_cw)};
     });
     hooks_.run(cg);
+    if (side && shared_routing_only_) side->join();
 
     ExpertGrad eg = timed("moe.expert.bwd", device_, [&] {
       // The experts get the only reference to their output gradient (and the rows it came from)
@@ -330,6 +364,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
 
   Tensor dx = take(og.d_x);
   xmoe::ops::add_(dx, gg.d_x);
+  if (side) side->join();
   if (shared_) xmoe::ops::add_(dx, sg.d_x);
   have_forward_ = false;  // trained on: its load stays in the pending bias update
   release();

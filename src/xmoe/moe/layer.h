@@ -29,6 +29,7 @@
 #include "xmoe/config/config.h"
 #include "xmoe/core/activation_bytes.h"
 #include "xmoe/core/parameter.h"
+#include "xmoe/core/side_stream.h"
 #include "xmoe/moe/dispatch.h"
 #include "xmoe/moe/expert.h"
 #include "xmoe/moe/expert_permutation.h"
@@ -193,6 +194,9 @@ class MoELayer : public Module {
   void collect_parameters(std::vector<Parameter*>& out) override;
 
  private:
+  /// The shared experts' side stream for this pass's device, or null where they run in line
+  /// (moe.shared_overlap off, or the CPU).
+  SideStream* shared_side();
   void make_dispatcher_(int ranks_per_node);
   void record_coactivation_pairs(const Tensor& topk_idx);
 
@@ -207,6 +211,10 @@ class MoELayer : public Module {
   std::unique_ptr<Experts> experts_;
   IOrder iorder_;
   std::unique_ptr<SharedExperts> shared_;  // null when num_shared_experts = 0
+  // The shared experts' stream beside the routed path (moe.shared_overlap, CUDA); made on the
+  // first pass that uses it.
+  std::unique_ptr<SideStream> shared_side_;
+  bool shared_routing_only_ = false;  // moe.shared_overlap = routing: joined before the experts
   Hooks hooks_;
 
   // State of the last forward.

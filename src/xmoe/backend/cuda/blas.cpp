@@ -12,6 +12,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,40 +42,36 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS' recommendation 
 struct BlasContext {
   cublasHandle_t handle = nullptr;
   void* workspace = nullptr;
-  Stream stream = nullptr;  // stream the handle is bound to
   // [inputs bf16][output bf16]: cleared once cublasGemmGroupedBatchedEx declines those dtypes
   bool grouped_supported[2][2] = {{true, true}, {true, true}};
-  std::mutex mutex;  // one handle per device: calls are serialised
+  std::mutex mutex;  // one handle per stream: its calls are serialised
 };
 
-/// The cuBLAS handle of the current device, bound to `stream`. The 32 MiB workspace is held
-/// outside the caching allocator (it lives as long as the process and is not a tensor).
+/// The cuBLAS handle of the current device and `stream`, bound to it once. Each stream has its
+/// own handle and 32 MiB workspace: GEMMs on two streams (a SideStream's beside the compute
+/// stream's) may run at once, and a shared workspace would be written by both. The workspaces
+/// are held outside the caching allocator (they live as long as the process, not tensors).
 BlasContext& blas_context(Stream stream) {
   static std::mutex mutex;
-  static auto* contexts = new std::vector<std::unique_ptr<BlasContext>>();  // leaked on purpose
+  // per device: stream -> context; leaked on purpose
+  static auto* contexts = new std::vector<std::map<Stream, std::unique_ptr<BlasContext>>>();
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  BlasContext* ctx = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (contexts->size() <= static_cast<size_t>(device))
-      contexts->resize(static_cast<size_t>(device) + 1);
-    auto& slot = (*contexts)[static_cast<size_t>(device)];
-    if (!slot) {
-      slot = std::make_unique<BlasContext>();
-      CUBLAS_CHECK(cublasCreate(&slot->handle));
-      CUDA_CHECK(cudaMalloc(&slot->workspace, kWorkspaceBytes));
-      CUBLAS_CHECK(cublasSetMathMode(slot->handle, CUBLAS_DEFAULT_MATH));
-    }
-    ctx = slot.get();
-  }
-  if (ctx->stream != stream || ctx->stream == nullptr) {
-    // cublasSetStream resets the workspace to cuBLAS' own pool, so set ours again after it.
+  std::lock_guard<std::mutex> lock(mutex);
+  if (contexts->size() <= static_cast<size_t>(device))
+    contexts->resize(static_cast<size_t>(device) + 1);
+  std::unique_ptr<BlasContext>& slot = (*contexts)[static_cast<size_t>(device)][stream];
+  if (!slot) {
+    auto ctx = std::make_unique<BlasContext>();
+    CUBLAS_CHECK(cublasCreate(&ctx->handle));
+    CUDA_CHECK(cudaMalloc(&ctx->workspace, kWorkspaceBytes));
+    CUBLAS_CHECK(cublasSetMathMode(ctx->handle, CUBLAS_DEFAULT_MATH));
+    // cublasSetStream resets the workspace to cuBLAS' own pool, so set ours after it.
     CUBLAS_CHECK(cublasSetStream(ctx->handle, stream));
     CUBLAS_CHECK(cublasSetWorkspace(ctx->handle, ctx->workspace, kWorkspaceBytes));
-    ctx->stream = stream;
+    slot = std::move(ctx);
   }
-  return *ctx;
+  return *slot;
 }
 
 cudaDataType_t cuda_type(DType dt, const char* op) {

@@ -359,7 +359,7 @@ Allocator& pinned_host_allocator() {
   return *allocator;
 }
 
-void* create_copy_stream(int device) {
+void* create_stream(int device) {
   cuda::check_device(device);
   cuda::DeviceScope scope(device);
   cudaStream_t stream = nullptr;
@@ -367,11 +367,19 @@ void* create_copy_stream(int device) {
   return stream;
 }
 
-void destroy_copy_stream(int device, void* stream) {
+void destroy_stream(int device, void* stream) {
   if (!stream) return;
   cuda::DeviceScope scope(device);
   cudaStreamSynchronize(static_cast<cudaStream_t>(stream));  // no throw: a destructor path
   cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+void* current_stream(int device) {
+  return cuda::current_stream(device);
+}
+
+void set_current_stream(int device, void* stream) {
+  cuda::set_current_stream(device, static_cast<cuda::Stream>(stream));
 }
 
 void copy_bytes_async(void* dst, Device dst_device, const void* src, Device src_device,

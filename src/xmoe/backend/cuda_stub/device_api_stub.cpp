@@ -48,10 +48,16 @@ namespace {
 Allocator& pinned_host_allocator() {
   no_cuda("pinned host memory");
 }
-void* create_copy_stream(int) {
-  no_cuda("a copy stream");
+void* create_stream(int) {
+  no_cuda("a stream");
 }
-void destroy_copy_stream(int, void*) {}
+void destroy_stream(int, void*) {}
+void* current_stream(int) {
+  no_cuda("a stream");
+}
+void set_current_stream(int, void*) {
+  no_cuda("a stream");
+}
 void copy_bytes_async(void*, Device, const void*, Device, size_t, void*) {
   no_cuda("an asynchronous copy");
 }
