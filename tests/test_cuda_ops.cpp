@@ -525,30 +525,23 @@ std::vector<OpCase> parity_cases() {
            return Tensors{f.out, f.lse, g.dq, g.dk, g.dv};
          }});
   }
-  c.push_back(
-      {"cross_entropy",
-       [] {
-         return Tensors{randn({23, 300}, 64, 2.f), rand_index(23, 300, 65, 0.2f)};
-       },
-       [](Tensors& in) {
-         auto r = ops::cross_entropy(in[0], in[1]);
-         Tensor d = ops::cross_entropy_backward(in[0], in[1], r, 0.5f);
-         Tensor logits = in[0].clone();
-         ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
-         return Tensors{scalar(r.loss), r.lse, d, logits, scalar(static_cast<double>(r.count))};
-       }});
-  c.push_back(  // rows of whole 16-byte vectors: the one-pass kernels
-      {"cross_entropy_vector_rows",
-       [] {
-         return Tensors{randn({23, 4096}, 66, 4.f), rand_index(23, 4096, 67, 0.2f)};
-       },
-       [](Tensors& in) {
-         auto r = ops::cross_entropy(in[0], in[1]);
-         Tensor d = ops::cross_entropy_backward(in[0], in[1], r, 0.5f);
-         Tensor logits = in[0].clone();
-         ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
-         return Tensors{scalar(r.loss), r.lse, d, logits, scalar(static_cast<double>(r.count))};
-       }});
+  // Rows of 300 (two element-wise passes) and of 4096, whole 16-byte vectors (one pass).
+  for (const int64_t v : {300, 4096}) {
+    const uint64_t seed = v == 300 ? 64 : 66;
+    const float scale = v == 300 ? 2.f : 4.f;
+    c.push_back(
+        {v == 300 ? "cross_entropy" : "cross_entropy_vector_rows",
+         [v, seed, scale] {
+           return Tensors{randn({23, v}, seed, scale), rand_index(23, v, seed + 1, 0.2f)};
+         },
+         [](Tensors& in) {
+           auto r = ops::cross_entropy(in[0], in[1]);
+           Tensor d = ops::cross_entropy_backward(in[0], in[1], r, 0.5f);
+           Tensor logits = in[0].clone();
+           ops::cross_entropy_backward_(logits, in[1], r, 0.5f);
+           return Tensors{scalar(r.loss), r.lse, d, logits, scalar(static_cast<double>(r.count))};
+         }});
+  }
   // MoE ops. The row ops and the layout have their cases in test_cuda_moe.cpp (CudaMoeOps,
   // CudaMoeOrder); these are the rest. Routing tensors are f32 on both devices (all kept).
   c.push_back({"moe_aux_losses", aux_inputs, aux_run, {0, 2, 3, 4}});
