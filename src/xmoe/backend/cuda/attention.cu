@@ -306,13 +306,6 @@ void allow_smem(Kernel kernel, size_t bytes) {
                                     static_cast<int>(bytes)));
 }
 
-// The tensor-core kernels copy rows in 16-byte pieces.
-bool aligned16(std::initializer_list<const void*> ptrs) {
-  for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
-}
-
 AttentionBackend backend_from_env() {
   return env::choice("XMOE_ATTENTION") == "native" ? AttentionBackend::native
                                                    : AttentionBackend::cudnn;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 
 #include "xmoe/backend/cuda/cuda_check.cuh"
 #include "xmoe/backend/cuda/kernels.h"
@@ -125,6 +126,14 @@ constexpr int kBlock = 256;
 inline unsigned grid_for(int64_t n, int64_t per_block = kBlock) {
   const int64_t blocks = (n + per_block - 1) / per_block;
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
+}
+
+// Whether every pointer is 16-byte aligned (null counts as aligned): the condition of the
+// kernels that move 16 bytes per access.
+inline bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
 }
 
 template <class T>

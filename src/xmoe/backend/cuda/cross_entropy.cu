@@ -137,8 +137,7 @@ __global__ void __launch_bounds__(kBlock)
 }
 
 bool vector_rows(const void* a, const void* b, int64_t v) {
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return v % 8 == 0 && aligned(a) && aligned(b);
+  return v % 8 == 0 && aligned16({a, b});
 }
 
 }  // namespace

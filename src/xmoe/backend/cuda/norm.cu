@@ -31,8 +31,7 @@ int64_t num_partials(int64_t rows) {
 }
 
 bool warp_path(const void* x, const void* y, const void* w, int64_t d) {
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return d % 8 == 0 && d <= kWarpRowMax && aligned(x) && aligned(y) && aligned(w);
+  return d % 8 == 0 && d <= kWarpRowMax && aligned16({x, y, w});
 }
 
 // Lane `lane` of a warp-path kernel holds columns warp_col(lane, c), c < CH (CH * 256 >= d).
@@ -237,8 +236,9 @@ __global__ void __launch_bounds__(kNormBlock)
   }
 }
 
-bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+// The backward's row-vector path, alignment aside.
+bool row_vector_path(int64_t d) {
+  return d % 8 == 0 && d <= kRowVectorMax;
 }
 
 }  // namespace
@@ -246,7 +246,7 @@ bool aligned16(const void* p) {
 void rmsnorm_forward(const RmsNormArgs& g, Stream stream) {
   if (g.rows == 0) return;
   if (g.a && !g.sum) fail("[rmsnorm] a residual branch without a sum to write");
-  const bool warp = warp_path(g.x, g.y, g.w, g.d) && aligned16(g.sum) && aligned16(g.a);
+  const bool warp = warp_path(g.x, g.y, g.w, g.d) && aligned16({g.sum, g.a});
   dispatch_float(g.x_dt, "rmsnorm", [&](auto xtag) {
     using T = typename decltype(xtag)::type;
     dispatch_float(g.a ? g.a_dt : g.x_dt, "rmsnorm", [&](auto atag) {
@@ -277,10 +277,6 @@ void rmsnorm_forward(const RmsNormArgs& g, Stream stream) {
   });
 }
 
-bool row_vector_path(int64_t d) {
-  return d % 8 == 0 && d <= kRowVectorMax;
-}
-
 size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d) {
   // The row-vector path has the more partials; an unaligned call takes the block path's fewer.
   const int64_t parts = row_vector_path(d) ? clamp_partials(rows, kRowBlocks) : num_partials(rows);
@@ -290,9 +286,8 @@ size_t rmsnorm_backward_workspace_bytes(int64_t rows, int64_t d) {
 void rmsnorm_backward(const RmsNormGradArgs& g, void* workspace, Stream stream) {
   if (g.rows == 0 || g.d == 0) return;
   auto* partial = static_cast<float*>(workspace);
-  const bool vector = row_vector_path(g.d) && aligned16(g.x) && aligned16(g.dx) && aligned16(g.w) &&
-                      aligned16(g.dy) && aligned16(workspace) && aligned16(g.residual) &&
-                      aligned16(g.dx_copy);
+  const bool vector =
+      row_vector_path(g.d) && aligned16({g.x, g.dx, g.w, g.dy, workspace, g.residual, g.dx_copy});
   dispatch_float(g.x_dt, "rmsnorm_backward", [&](auto xtag) {
     using T = typename decltype(xtag)::type;
     dispatch_float(g.dy_dt, "rmsnorm_backward", [&](auto gtag) {
