@@ -7,8 +7,8 @@
 //
 // The host runs the ops in program order, so the caching allocator sees the same requests (and
 // the same live and peak bytes) as without a side stream. A block allocated on the side returns
-// to the side's free list (docs/cuda.md, "Streams and synchronisation"), whose next user waits for the
-// compute stream first (begin()); a compute-stream tensor the side reads must be held until the
+// to the side's free list (docs/cuda.md, "Streams and synchronisation"), whose next user waits for
+// the compute stream first (begin()); a compute-stream tensor the side reads must be held until the
 // compute stream has joined.
 // On the CPU every call is a no-op: the work runs in program order, through the same code.
 #include "xmoe/core/device.h"
