@@ -1208,8 +1208,20 @@ TEST(CudaPerf, DISABLED_ModelShapes) {
     Tensor dw = Tensor::zeros({1024}, bf, kCuda);
     report("rmsnorm_backward", "16384x1024",
            time_ms([&] { ops::rmsnorm_backward(x, w, r.rstd, x, dw); }), 0);
-    // The block's norm backward: the f32 residual stream, a bf16 gradient, the residual's
-    // gradient added and a bf16 copy written (16 bytes per value; the GB/s count those).
+    // The block's FFN norm forward: the f32 stream plus attention's f32 output, the sum written
+    // in f32 and the norm in bf16 (14 bytes per value), and its norm backward: the f32 residual
+    // stream, a bf16 gradient, the residual's gradient added and a bf16 copy written (16 bytes
+    // per value; the GB/s count those).
+    for (const int64_t d : {1024, 2048, 7168}) {
+      const int64_t rows = 16384;
+      const Tensor xf = Tensor::zeros({rows, d}, DType::f32, kCuda);
+      const Tensor wf = Tensor::zeros({d}, DType::f32, kCuda);
+      const double ms = time_ms([&] { ops::add_rmsnorm(xf, xf, wf, 1e-6f, bf); });
+      std::printf(
+          "{\"op\": \"add_rmsnorm\", \"shape\": \"%ldx%ld\", \"ms\": %.4f, "
+          "\"gb_per_s\": %.0f}\n",
+          static_cast<long>(rows), static_cast<long>(d), ms, 14.0 * rows * d / (ms * 1e-3) / 1e9);
+    }
     for (const int64_t d : {1024, 2048, 7168}) {
       const int64_t rows = 16384;
       const Tensor xf = Tensor::zeros({rows, d}, DType::f32, kCuda);

@@ -2,9 +2,9 @@
 // forward may first add a residual branch (x + a, written out as the new residual stream) and
 // write y in another dtype; the backward may read dy in another dtype, add the residual
 // stream's gradient and write a bf16 copy of dx beside it. Each saves whole passes over [T, d].
-// 16-byte aligned rows with d % 8 == 0: the forward takes one warp per row (d <= 1024), the
-// backward one block per row with 8 columns per thread (d <= 8192), both with 16-byte accesses.
-// Other rows: one block per row, element by element.
+// 16-byte aligned rows with d % 8 == 0: the forward takes one warp per row up to d = 1024, and
+// above it, as the backward does, one block per row with 8 columns per thread (d <= 8192); both
+// with 16-byte accesses. Other rows: one block per row, element by element.
 // The weight gradient is summed deterministically: worker b (a block) owns rows
 // b, b + P, b + 2P, ... (P depends only on the row count and d) and writes its partial sums to
 // its own row of a (P, d) workspace; then each column's P partials are added in a fixed order.
@@ -178,6 +178,44 @@ unsigned warp_grid(int64_t rows, int64_t most) {
   return static_cast<unsigned>((clamp_partials(rows, most) + kRowWarps - 1) / kRowWarps);
 }
 
+// Forward of rows wider than a warp's (1024 < d <= 8192, d % 8 == 0): one block per row with 8
+// columns per thread, as the backward below.
+template <class T, class A, class O, class W>
+__global__ void __launch_bounds__(1024)
+    rmsnorm_forward_row_kernel(O* y, T* sum, float* rstd, const T* x, const A* a, const W* w,
+                               int64_t rows, int64_t d, float eps) {
+  __shared__ float scratch[32];
+  const int64_t j = static_cast<int64_t>(threadIdx.x) * 8;
+  const bool owns = j < d;
+  float wv[8];
+  if (owns) load8(wv, w + j);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t o = r * d + j;
+    float xv[8];
+    float ss = 0.f;
+    if (owns) {
+      load8(xv, x + o);
+      if (a) {
+        float av[8];
+        load8(av, a + o);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xv[e] = round_to<T>(xv[e] + av[e]);
+        store8(sum + o, xv);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += xv[e] * xv[e];
+    }
+    ss = block_sum(ss, scratch);
+    const float rs = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
+    if (threadIdx.x == 0) rstd[r] = rs;
+    if (!owns) continue;
+    float out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = xv[e] * rs * wv[e];
+    store8(y + o, out);
+  }
+}
+
 template <class T, class A, class O, class W>
 __global__ void __launch_bounds__(kNormBlock)
     rmsnorm_forward_kernel(O* y, T* sum, float* rstd, const T* x, const A* a, const W* w,
@@ -236,7 +274,7 @@ __global__ void __launch_bounds__(kNormBlock)
   }
 }
 
-// The backward's row-vector path, alignment aside.
+// The row-vector path (forward and backward), alignment aside.
 bool row_vector_path(int64_t d) {
   return d % 8 == 0 && d <= kRowVectorMax;
 }
@@ -246,7 +284,9 @@ bool row_vector_path(int64_t d) {
 void rmsnorm_forward(const RmsNormArgs& g, Stream stream) {
   if (g.rows == 0) return;
   if (g.a && !g.sum) fail("[rmsnorm] a residual branch without a sum to write");
-  const bool warp = warp_path(g.x, g.y, g.w, g.d) && aligned16({g.sum, g.a});
+  const bool aligned = aligned16({g.x, g.y, g.w, g.sum, g.a});
+  const bool warp = warp_path(g.x, g.y, g.w, g.d) && aligned;
+  const bool vector = !warp && row_vector_path(g.d) && aligned;
   dispatch_float(g.x_dt, "rmsnorm", [&](auto xtag) {
     using T = typename decltype(xtag)::type;
     dispatch_float(g.a ? g.a_dt : g.x_dt, "rmsnorm", [&](auto atag) {
@@ -266,6 +306,10 @@ void rmsnorm_forward(const RmsNormArgs& g, Stream stream) {
                   <<<warp_grid(g.rows, 65536), kRowWarps * 32, 0, stream>>>(y, sum, g.rstd, x, a, w,
                                                                             g.rows, g.d, g.eps);
             });
+          } else if (vector) {
+            const unsigned threads = static_cast<unsigned>((g.d / 8 + 31) / 32 * 32);
+            rmsnorm_forward_row_kernel<T, A, O, W><<<grid_for(g.rows, 1), threads, 0, stream>>>(
+                y, sum, g.rstd, x, a, w, g.rows, g.d, g.eps);
           } else {
             rmsnorm_forward_kernel<T, A, O, W><<<grid_for(g.rows, 1), kNormBlock, 0, stream>>>(
                 y, sum, g.rstd, x, a, w, g.rows, g.d, g.eps);
