@@ -3,6 +3,7 @@
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/parameter.h"
 #include "xmoe/core/rng.h"
+#include "xmoe/core/side_stream.h"
 #include "xmoe/core/tensor.h"
 
 using namespace xmoe;
@@ -216,4 +217,21 @@ TEST(Parameter, DropMasterWeightsKeepsTheBf16WeightsOnly) {
   EXPECT_TRUE(q.value.shares_storage(copy));
   EXPECT_FALSE(q.compute_copy.defined());
   EXPECT_THROW(q.drop_master_weights(DType::f32), Error);
+}
+
+// The MoE layers share the device's one side stream (one stream, free list and cuBLAS
+// workspace, not one per layer) while any holds it; on the CPU there is nothing to share. Its
+// stream is made on the first begin(), so this needs no GPU.
+TEST(SideStream, OnePerDeviceWhileHeld) {
+  std::shared_ptr<SideStream> a = SideStream::for_device(Device::cuda(0));
+  std::shared_ptr<SideStream> b = SideStream::for_device(Device::cuda(0));
+  EXPECT_EQ(a.get(), b.get());
+  EXPECT_NE(SideStream::for_device(Device::cuda(1)).get(), a.get());
+  EXPECT_EQ(SideStream::for_device(Device::cuda(1))->device(), Device::cuda(1));
+  const std::weak_ptr<SideStream> held = a;
+  a.reset();
+  b.reset();
+  EXPECT_TRUE(held.expired()) << "the registry must not keep a side stream alive";
+  EXPECT_NE(SideStream::for_device(Device::cpu()).get(),
+            SideStream::for_device(Device::cpu()).get());
 }

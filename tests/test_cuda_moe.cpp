@@ -589,9 +589,10 @@ INSTANTIATE_TEST_SUITE_P(Gates, CudaMoeLayer, ::testing::ValuesIn(layer_cases())
 
 // moe.shared_overlap: the shared experts on a side stream beside the routed path (routing, all)
 // give the bits of the in-line run (off; the same kernels, each stream in order), over two
-// training steps at a size where the two streams' kernels do overlap (bf16 activations, 8192
-// tokens, d 512, two shared experts of 512). A missing join or a block reused across the
-// streams shows as differing bits.
+// training steps of two stacked layers at a size where the two streams' kernels do overlap
+// (bf16 activations, 8192 tokens, d 512, two shared experts of 512). The layers share the
+// device's one side stream (SideStream::for_device). A missing join or a block reused across
+// the streams shows as differing bits.
 TEST(CudaMoeSharedOverlap, SideStreamGivesTheInlineBits) {
   XMOE_REQUIRE_CUDA();
   const int64_t tokens = 8192, d = 512;
@@ -606,21 +607,27 @@ TEST(CudaMoeSharedOverlap, SideStreamGivesTheInlineBits) {
   };
   const auto run = [&](const char* overlap) {
     c.shared_overlap = overlap;
-    MoELayer layer(c, d, "moe", 11, 0.05f, 0.02f);
-    for (Parameter* p : layer.parameters()) {
-      p->value = p->value.to(kCuda);
-      p->grad = p->grad.to(kCuda);
+    MoELayer first(c, d, "moe0", 11, 0.05f, 0.02f), second(c, d, "moe1", 12, 0.05f, 0.02f);
+    for (MoELayer* layer : {&first, &second}) {
+      for (Parameter* p : layer->parameters()) {
+        p->value = p->value.to(kCuda);
+        p->grad = p->grad.to(kCuda);
+      }
     }
     Run r;
     for (uint64_t step = 0; step < 2; ++step) {
       const Tensor x = ops::cast(randn({tokens, d}, 300 + step).to(kCuda), DType::bf16);
       const Tensor dy = ops::cast(randn({tokens, d}, 400 + step).to(kCuda), DType::bf16);
-      const Tensor y = layer.forward(x, 1024);
+      const Tensor y = second.forward(ops::cast(first.forward(x, 1024), DType::bf16), 1024);
       r.y.push_back(host_f32(y).to_vector<float>());
-      layer.set_aux_grad_scale(1.f);
-      r.dx.push_back(host_f32(layer.backward(dy)).to_vector<float>());
+      first.set_aux_grad_scale(1.f);
+      second.set_aux_grad_scale(1.f);
+      const Tensor dh = ops::cast(second.backward(dy), DType::bf16);
+      r.dx.push_back(host_f32(first.backward(dh)).to_vector<float>());
     }
-    for (Parameter* p : layer.parameters()) r.grads.push_back(host_f32(p->grad).to_vector<float>());
+    for (MoELayer* layer : {&first, &second})
+      for (Parameter* p : layer->parameters())
+        r.grads.push_back(host_f32(p->grad).to_vector<float>());
     return r;
   };
   const Run inline_run = run("off");

@@ -1,5 +1,7 @@
 #include "xmoe/core/side_stream.h"
 
+#include <map>
+#include <mutex>
 #include <utility>
 
 #include "xmoe/core/device_api.h"
@@ -13,6 +15,20 @@ SideStream::~SideStream() {
   backend::destroy_event(ready_);
   backend::destroy_event(done_);
   backend::destroy_stream(device_.index, stream_);  // waits for the side's work
+}
+
+std::shared_ptr<SideStream> SideStream::for_device(Device device) {
+  if (!device.is_cuda()) return std::make_shared<SideStream>(device);  // no stream to share
+  static std::mutex mutex;
+  static std::map<int, std::weak_ptr<SideStream>> sides;  // CUDA index -> side; users own it
+  std::lock_guard<std::mutex> lock(mutex);
+  std::weak_ptr<SideStream>& slot = sides[device.index];
+  std::shared_ptr<SideStream> side = slot.lock();
+  if (!side) {
+    side = std::make_shared<SideStream>(device);
+    slot = side;
+  }
+  return side;
 }
 
 void SideStream::begin() {

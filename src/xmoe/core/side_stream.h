@@ -11,6 +11,8 @@
 // the compute stream first (begin()); a compute-stream tensor the side reads must be held until the
 // compute stream has joined.
 // On the CPU every call is a no-op: the work runs in program order, through the same code.
+#include <memory>
+
 #include "xmoe/core/device.h"
 
 namespace xmoe {
@@ -18,6 +20,10 @@ namespace xmoe {
 class SideStream {
  public:
   explicit SideStream(Device device) : device_(device) {}
+  /// The device's one side stream while any user holds it, else a new one: users that begin,
+  /// end and join in turn (the MoE layers, one after another) share its stream, its free list
+  /// and its cuBLAS workspace instead of holding one each.
+  static std::shared_ptr<SideStream> for_device(Device device);
   ~SideStream();
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;

@@ -80,7 +80,7 @@ MoELayer::~MoELayer() = default;
 SideStream* MoELayer::shared_side() {
   if (cfg_.shared_overlap == "off" || !device_.is_cuda()) return nullptr;
   if (!shared_side_ || shared_side_->device() != device_)
-    shared_side_ = std::make_unique<SideStream>(device_);
+    shared_side_ = SideStream::for_device(device_);
   return shared_side_.get();
 }
 

@@ -211,9 +211,10 @@ class MoELayer : public Module {
   std::unique_ptr<Experts> experts_;
   IOrder iorder_;
   std::unique_ptr<SharedExperts> shared_;  // null when num_shared_experts = 0
-  // The shared experts' stream beside the routed path (moe.shared_overlap, CUDA); made on the
-  // first pass that uses it.
-  std::unique_ptr<SideStream> shared_side_;
+  // The shared experts' stream beside the routed path (moe.shared_overlap, CUDA), taken on the
+  // first pass that uses it: the device's one, which every MoE layer shares (they run in turn
+  // and each joins it before it returns).
+  std::shared_ptr<SideStream> shared_side_;
   bool shared_routing_only_ = false;  // moe.shared_overlap = routing: joined before the experts
   Hooks hooks_;
 
