@@ -477,6 +477,49 @@ TEST(MoeGate, AuxGradScaleTensorIsTheHostScale) {
   }
 }
 
+// Gate::backward_add (the layer's path: the linear routers add dx in their GEMM) adds what
+// backward returns into the given dx and leaves the router's gradient as backward does.
+TEST(MoeGate, BackwardAddIsBackwardAdded) {
+  const int64_t T = 32, d = 16;
+  const Tensor x = randn({T, d}, 31), dw = randn({T, 2}, 32), base = randn({T, d}, 33);
+  for (const std::string name : {"softmax_topk", "sigmoid", "xmoe"}) {
+    for (const std::string router : {"f32", "bf16"}) {
+      if (name == "xmoe" && router == "bf16") continue;  // the cosine router is f32 only
+      SCOPED_TRACE(name + " router " + router);
+      MoeConfig c = small_config(name);
+      c.aux_loss_weight = 0.1f;
+      c.router_dtype = router;
+      auto run = [&](bool add) {
+        auto gate = make_gate({c, d, "g", 3, 0.5f, nullptr});
+        gate->forward(x, 8);
+        Tensor dx = base.clone();
+        if (add) {
+          gate->backward_add(dw, dx);
+        } else {
+          xmoe::ops::add_(dx, gate->backward(dw));
+        }
+        std::vector<Parameter*> ps;
+        gate->collect_parameters(ps);
+        return std::pair{dx.to_vector<float>(), ps[0]->grad.to_vector<float>()};
+      };
+      const auto [added, grad_added] = run(true);
+      const auto [expected, grad] = run(false);
+      ASSERT_EQ(added.size(), expected.size());
+      for (size_t i = 0; i < added.size(); ++i)
+        EXPECT_NEAR(added[i], expected[i], 1e-6f * (1.f + std::abs(expected[i]))) << i;
+      EXPECT_EQ(grad_added, grad);
+      Tensor wrong = Tensor::zeros({T + 1, d});
+      if (name != "xmoe")  // the default backward_add leaves the shape check to add_
+        EXPECT_TRUE(contains(error_of([&] {
+                               auto gate = make_gate({c, d, "g", 3, 0.5f, nullptr});
+                               gate->forward(x, 8);
+                               gate->backward_add(dw, wrong);
+                             }),
+                             "dx"));
+    }
+  }
+}
+
 TEST(MoeGate, RegistryListsKnownGates) {
   auto names = gate_registry().names();
   EXPECT_EQ(names, (std::vector<std::string>{"sigmoid", "softmax_topk", "switch", "xmoe"}));

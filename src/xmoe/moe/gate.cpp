@@ -42,6 +42,10 @@ int64_t Gate::check_forward_args(const Tensor& x, int64_t seq_len, const Tensor&
   return T;
 }
 
+void Gate::backward_add(const Tensor& d_topk_weight, Tensor& dx) {
+  xmoe::ops::add_(dx, backward(d_topk_weight));
+}
+
 AuxLossWeights Gate::aux_weights() const {
   return {cfg_.aux_loss_weight, cfg_.seq_aux_loss_weight, cfg_.z_loss_weight};
 }

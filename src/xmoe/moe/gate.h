@@ -50,6 +50,10 @@ class Gate : public Module {
   /// d_topk_weight [T, k] -> dx [T, d]; accumulates the router's parameter gradients, including
   /// those of the weighted aux losses of the last forward.
   virtual Tensor backward(const Tensor& d_topk_weight) = 0;
+  /// backward with its dx added into `dx` [T, d] (the layer's input gradient so far, in its
+  /// dtype, each element rounded once): the linear routers add in their GEMM's epilogue, where
+  /// a [T, d] f32 result and a pass to add it would cost three times the bytes.
+  virtual void backward_add(const Tensor& d_topk_weight, Tensor& dx);
   /// Upstream gradient of the aux losses in the next backward (default 1): the trainer's
   /// loss scale, e.g. 1/grad_accum, so the aux term is weighted like the cross-entropy; times
   /// device_scale where defined (f32, one element, on the layer's device: read by the kernels,

@@ -353,17 +353,22 @@ Tensor MoELayer::backward(const Tensor& dy) {
   });
   hooks_.run(og);
 
+  Tensor dx = take(og.d_x);
+  // The gate adds its dx into the order's (in its GEMM) unless a hook looks at it alone.
+  const bool gate_adds = !hooks_.has<GateGrad>();
   GateGrad gg = timed("moe.gate.bwd", device_, [&] {
     // Weights a hook replaced are constants: only the aux losses reach the router then.
     Tensor dw = take(og.d_topk_weight);
     if (gate_output_replaced_) dw = Tensor::zeros(dw.shape(), dw.dtype(), dw.device());
     gate_->set_aux_grad_scale(aux_grad_scale_, aux_grad_device_scale_);
-    return GateGrad{gate_->backward(dw)};
+    if (!gate_adds) return GateGrad{gate_->backward(dw)};
+    gate_->backward_add(dw, dx);
+    return GateGrad{};
   });
-  hooks_.run(gg);
-
-  Tensor dx = take(og.d_x);
-  xmoe::ops::add_(dx, gg.d_x);
+  if (!gate_adds) {
+    hooks_.run(gg);
+    xmoe::ops::add_(dx, gg.d_x);
+  }
   if (side) side->join();
   if (shared_) xmoe::ops::add_(dx, sg.d_x);
   have_forward_ = false;  // trained on: its load stays in the pending bias update

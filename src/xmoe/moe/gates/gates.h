@@ -29,6 +29,8 @@ class LinearRouter {
   Tensor logits() const;
   /// dlogits [T, E] f32: weight.grad += x^T dlogits; returns dx [T, d] f32 = dlogits W^T.
   Tensor backward(const Tensor& dlogits);
+  /// backward with dlogits W^T added into dx [T, d] (f32 or bf16) by the GEMM (beta = 1).
+  void backward_add(const Tensor& dlogits, Tensor& dx);
   void release() { x_ = Tensor(); }
 
  private:
@@ -39,6 +41,9 @@ class LinearRouter {
   /// f32 router on bf16 activations on a GPU: the GEMMs run on bf16 tensor cores with the f32
   /// operands split into exact bf16 terms (as accurate as f32 GEMMs, no f32 copy of x).
   bool splits() const;
+  /// weight.grad += x^T dlogits, then dlogits W^T: into *dx_into (added) where given, else
+  /// returned as a new f32 tensor.
+  Tensor backward_impl(const Tensor& dlogits, Tensor* dx_into);
 
   Parameter weight_;
   bool bf16_;

@@ -61,18 +61,33 @@ Tensor LinearRouter::logits() const {
 }
 
 Tensor LinearRouter::backward(const Tensor& dlogits) {
+  return backward_impl(dlogits, nullptr);
+}
+
+void LinearRouter::backward_add(const Tensor& dlogits, Tensor& dx) {
+  check_shape(dx, {x_.size(0), x_.size(1)}, "moe router backward", "dx");
+  backward_impl(dlogits, &dx);
+}
+
+Tensor LinearRouter::backward_impl(const Tensor& dlogits, Tensor* dx_into) {
   XMOE_CHECK(x_.defined(), "[moe router] backward without a forward");
+  // dx = a b^T: written as a new f32 tensor, or added into dx_into by the GEMM.
+  const auto input_grad = [&](const Tensor& a, const Tensor& b) {
+    if (!dx_into) return xmoe::ops::matmul_f32(a, b, false, true);
+    xmoe::ops::matmul_into(*dx_into, a, b, false, true, 1.f, 1.f);
+    return Tensor();
+  };
   if (splits()) {
     const Tensor& w = weight_.weights_f32();
     const Tensor dw3 = xmoe::ops::matmul_f32(x_, xmoe::ops::split_bf16_columns(dlogits, kAllTerms),
                                              true, false);  // x^T [dl_hi | dl_lo | dl_lo2]
     xmoe::ops::sum_column_blocks_into(weight_.grad, dw3, 3, true);
-    return xmoe::ops::matmul_f32(xmoe::ops::split_bf16_columns(dlogits, kLeftTerms),
-                                 xmoe::ops::split_bf16_columns(w, kRightTerms), false, true);
+    return input_grad(xmoe::ops::split_bf16_columns(dlogits, kLeftTerms),
+                      xmoe::ops::split_bf16_columns(w, kRightTerms));
   }
   const Tensor dl = operand(dlogits);
   xmoe::ops::matmul_into(weight_.grad, operand(x_), dl, true, false, 1.f, 1.f);  // dW += x^T dl
-  return xmoe::ops::matmul_f32(dl, weight_operand(), false, true);               // dx = dl W^T
+  return input_grad(dl, weight_operand());                                       // dx = dl W^T
 }
 
 }  // namespace xmoe::moe

@@ -41,26 +41,10 @@ class SigmoidGate final : public Gate {
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
-    XMOE_CHECK(weights_.defined(), "[moe gate sigmoid] backward without a forward");
-    if (!scores_.defined()) {  // router recompute: forward's ops on the kept x
-      logits_ = router_.logits();
-      scores_ = xmoe::ops::sigmoid(logits_);
-      probs_ = xmoe::ops::renormalize_rows(scores_, 1.0f, psums_);
-    }
-    check_shape(d_topk_weight, weights_.shape(), "moe gate sigmoid", "d_topk_weight");
-    const int64_t T = scores_.size(0);
-    const Device dev = scores_.device();
-    Tensor dscores = Tensor::zeros({T, num_experts_}, DType::f32, dev);
-    xmoe::ops::put_along_rows_add(
-        dscores, idx_,
-        xmoe::ops::renormalize_rows_backward(weights_, wsums_, d_topk_weight, cfg_.routed_scaling));
-    Tensor dprobs = Tensor::zeros({T, num_experts_}, DType::f32, dev);
-    Tensor dlogits = Tensor::zeros({T, num_experts_}, DType::f32, dev);
-    aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits,
-                        aux_grad_device_scale_);
-    xmoe::ops::add_(dscores, xmoe::ops::renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
-    xmoe::ops::add_(dlogits, xmoe::ops::sigmoid_backward(scores_, dscores));
-    return router_.backward(dlogits);
+    return router_.backward(logits_grad(d_topk_weight));
+  }
+  void backward_add(const Tensor& d_topk_weight, Tensor& dx) override {
+    router_.backward_add(logits_grad(d_topk_weight), dx);
   }
 
   void update_bias(std::span<const int64_t> load) override {
@@ -90,6 +74,30 @@ class SigmoidGate final : public Gate {
   }
 
  private:
+  /// d_topk_weight -> dlogits [T, E] f32 (the routing and the aux losses).
+  Tensor logits_grad(const Tensor& d_topk_weight) {
+    XMOE_CHECK(weights_.defined(), "[moe gate sigmoid] backward without a forward");
+    if (!scores_.defined()) {  // router recompute: forward's ops on the kept x
+      logits_ = router_.logits();
+      scores_ = xmoe::ops::sigmoid(logits_);
+      probs_ = xmoe::ops::renormalize_rows(scores_, 1.0f, psums_);
+    }
+    check_shape(d_topk_weight, weights_.shape(), "moe gate sigmoid", "d_topk_weight");
+    const int64_t T = scores_.size(0);
+    const Device dev = scores_.device();
+    Tensor dscores = Tensor::zeros({T, num_experts_}, DType::f32, dev);
+    xmoe::ops::put_along_rows_add(
+        dscores, idx_,
+        xmoe::ops::renormalize_rows_backward(weights_, wsums_, d_topk_weight, cfg_.routed_scaling));
+    Tensor dprobs = Tensor::zeros({T, num_experts_}, DType::f32, dev);
+    Tensor dlogits = Tensor::zeros({T, num_experts_}, DType::f32, dev);
+    aux_losses_backward(logits_, aux_state_, aux_grad_weights(), dprobs, dlogits,
+                        aux_grad_device_scale_);
+    xmoe::ops::add_(dscores, xmoe::ops::renormalize_rows_backward(probs_, psums_, dprobs, 1.0f));
+    xmoe::ops::add_(dlogits, xmoe::ops::sigmoid_backward(scores_, dscores));
+    return dlogits;
+  }
+
   /// Top-k of scores + bias, within the topk_groups best groups. Returns i32 [T, k].
   Tensor select(const Tensor& scores) {
     // The bias is a buffer, not a parameter: it follows the scores to their device on first use.

@@ -20,9 +20,10 @@ class SoftmaxTopkGate final : public Gate {
   }
 
   Tensor backward(const Tensor& d_topk_weight) override {
-    if (!routing_.has_routing_tensors()) routing_.restore(router_.logits());
-    return router_.backward(
-        routing_.backward(d_topk_weight, aux_grad_scale_, aux_grad_device_scale_));
+    return router_.backward(logits_grad(d_topk_weight));
+  }
+  void backward_add(const Tensor& d_topk_weight, Tensor& dx) override {
+    router_.backward_add(logits_grad(d_topk_weight), dx);
   }
 
   void collect_parameters(std::vector<Parameter*>& out) override {
@@ -35,6 +36,11 @@ class SoftmaxTopkGate final : public Gate {
   }
 
  private:
+  Tensor logits_grad(const Tensor& d_topk_weight) {
+    if (!routing_.has_routing_tensors()) routing_.restore(router_.logits());
+    return routing_.backward(d_topk_weight, aux_grad_scale_, aux_grad_device_scale_);
+  }
+
   std::string name_;
   LinearRouter router_;
   SoftmaxRouting routing_;
