@@ -25,6 +25,10 @@
 #   layer      the MoE layer on the default shapes, bf16 and FP8 experts
 #   sonic      the MoE layer on SonicMoE's five shapes, bf16 and FP8, and torch._grouped_mm
 #   peer       the PyTorch moe-1b step (bench/peers/train_torch.py)
+#   kernels    every kernel of two moe-1b steps, in launch order, timed by ncu (kernels.csv),
+#              and the second step summed by kernel name (kernels.txt)
+#   shared     moe-1b with model.moe.shared_overlap off, routing and all, alternated, twice each
+#   perf       the CudaPerf model-shape lines of test_cuda_ops (the norms, cross-entropy, ...)
 #   curve      moe-1b 1000 steps with bf16 then FP8 experts on the KJV Bible (real_data.sh fp8)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,6 +117,23 @@ run() {
       peer)
         python3 bench/peers/train_torch.py --preset moe-1b --warmup 3 --steps 8 2>&1 |
           grep summary | tee "$out/peer.jsonl" ;;
+      kernels)
+        # One metric needs no replay; the clocks are left alone (METHOD.md).
+        timeout 400 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+          --print-units base $b/bin/bench_train_step --preset moe-1b --device cuda --warmup 1 \
+          --steps 1 >"$out/kernels.csv" 2>"$out/kernels.err" || status=1
+        python3 scripts/ncu_kernels.py "$out/kernels.csv" | tee "$out/kernels.txt" | head -60 ;;
+      shared)
+        for t in 1 2; do
+          for o in off routing all; do
+            echo "== shared_overlap=$o"
+            $b/bin/bench_train_step --preset moe-1b --device cuda --steps 20 \
+              --set model.moe.shared_overlap=$o 2>&1 | grep summary
+          done
+        done | tee "$out/shared.log" ;;
+      perf)
+        $b/tests/test_cuda_ops --gtest_also_run_disabled_tests --gtest_filter='CudaPerf*' \
+          2>&1 | grep '^{' | tee "$out/perf.jsonl" ;;
       curve)
         STEPS=1000 XMOE=$b/bin/xmoe bash bench/real_data.sh fp8 .gpu/kjv >"$out/curve.log" 2>&1 ||
           status=1
