@@ -26,7 +26,7 @@
 #   sonic      the MoE layer on SonicMoE's five shapes, bf16 and FP8, and torch._grouped_mm
 #   peer       the PyTorch moe-1b step (bench/peers/train_torch.py)
 #   kernels    every kernel of two moe-1b steps, in launch order, timed by ncu (kernels.csv),
-#              and the second step summed by kernel name (kernels.txt)
+#              and the second step summed by kernel name (kernels.txt); kernels-fp8: FP8 experts
 #   shared     moe-1b with model.moe.shared_overlap off, routing and all, alternated, twice each
 #   perf       the CudaPerf model-shape lines of test_cuda_ops (the norms, cross-entropy, ...)
 #   curve      moe-1b 1000 steps with bf16 then FP8 experts on the KJV Bible (real_data.sh fp8)
@@ -117,12 +117,15 @@ run() {
       peer)
         python3 bench/peers/train_torch.py --preset moe-1b --warmup 3 --steps 8 2>&1 |
           grep summary | tee "$out/peer.jsonl" ;;
-      kernels)
+      kernels | kernels-fp8)
         # One metric needs no replay; the clocks are left alone (METHOD.md).
+        local dt=bf16
+        [[ $part == kernels-fp8 ]] && dt=fp8
         timeout 400 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
           --print-units base $b/bin/bench_train_step --preset moe-1b --device cuda --warmup 1 \
-          --steps 1 >"$out/kernels.csv" 2>"$out/kernels.err" || status=1
-        python3 scripts/ncu_kernels.py "$out/kernels.csv" | tee "$out/kernels.txt" | head -60 ;;
+          --steps 1 --set model.moe.expert_dtype=$dt >"$out/$part.csv" 2>"$out/$part.err" ||
+          status=1
+        python3 scripts/ncu_kernels.py "$out/$part.csv" | tee "$out/$part.txt" | head -40 ;;
       shared)
         for t in 1 2; do
           for o in off routing all; do
