@@ -152,8 +152,9 @@ TEST(CudaMoeOps, MatchCpu) {
     EXPECT_CLOSE(row_dot_f32(a.to(kCuda), b.to(kCuda)), ops::row_dot(a, b), 1e-5, "row_dot_f32");
   }
   // The fused I-Order backward against the CPU's gather + dot + scale: the scalar path (d = 19)
-  // and the 16-byte path (d = 64), f32 rows, and bf16 rows with f32 or bf16 dy; -1 slots.
-  for (const int64_t dd : {d, int64_t{64}}) {
+  // and the 16-byte path (d = 64, and 2056: a lane's last piece short), f32 rows, and bf16
+  // rows with f32 or bf16 dy; -1 slots.
+  for (const int64_t dd : {d, int64_t{64}, int64_t{2056}}) {
     Tensor dy = randn({N, dd}, 12), rows = randn({M, dd}, 13), w = randn({M}, 14);
     const WeightedGather ref = gather_weighted_rows_dot(dy, rows, index, w);
     const WeightedGather got =

@@ -367,15 +367,21 @@ std::vector<OpCase> parity_cases() {
                  Tensor y = ops::sigmoid(in[0]);
                  return Tensors{y, ops::sigmoid_backward(y, in[1])};
                }});
-  c.push_back({"swiglu",
-               [] {
-                 return Tensors{randn({11, 2 * 48}, 26, 2.f), randn({11, 48}, 27)};
-               },
-               [](Tensors& in) {
-                 Tensor in_place = in[0].clone();
-                 ops::swiglu_backward_(in_place, in[1]);
-                 return Tensors{ops::swiglu(in[0]), ops::swiglu_backward(in[0], in[1]), in_place};
-               }});
+  // f = 48: 8 columns per thread (16-byte accesses); f = 13: one per thread.
+  for (const int64_t f : {48, 13}) {
+    c.push_back({"swiglu_f" + std::to_string(f),
+                 [f] {
+                   return Tensors{randn({11, 2 * f}, 26, 2.f), randn({11, f}, 27)};
+                 },
+                 [](Tensors& in) {
+                   Tensor in_place = in[0].clone();
+                   ops::swiglu_backward_(in_place, in[1]);
+                   Tensor dh = in[0].clone(), value = in[1].clone();
+                   ops::swiglu_backward_with_value_(dh, value);
+                   return Tensors{ops::swiglu(in[0]), ops::swiglu_backward(in[0], in[1]), in_place,
+                                  dh, value};
+                 }});
+  }
   // normalisation
   auto rmsnorm_run = [](Tensors& in) {
     auto r = ops::rmsnorm(in[0], in[1], 1e-5f);
@@ -441,17 +447,20 @@ std::vector<OpCase> parity_cases() {
                },
                [](Tensors& in) { return Tensors{ops::row_dot(in[0], in[1])}; }});
   // elementwise and reductions
-  c.push_back({"elementwise",
-               [] {
-                 return Tensors{randn({9, 31}, 47), randn({9, 31}, 48)};
-               },
-               [](Tensors& in) {
-                 Tensor s = ops::add(in[0], in[1]), m = ops::mul(in[0], in[1]);
-                 Tensor a = in[0].clone();
-                 ops::add_(a, in[1], -0.75f);
-                 ops::scale_(in[1], 3.0f);
-                 return Tensors{s, m, a, in[1]};
-               }});
+  // 279 values: one per thread; 288: add and add_ take 8 per thread.
+  for (const int64_t cols : {31, 32}) {
+    c.push_back({"elementwise_" + std::to_string(cols),
+                 [cols] {
+                   return Tensors{randn({9, cols}, 47), randn({9, cols}, 48)};
+                 },
+                 [](Tensors& in) {
+                   Tensor s = ops::add(in[0], in[1]), m = ops::mul(in[0], in[1]);
+                   Tensor a = in[0].clone();
+                   ops::add_(a, in[1], -0.75f);
+                   ops::scale_(in[1], 3.0f);
+                   return Tensors{s, m, a, in[1]};
+                 }});
+  }
   c.push_back({"reductions",
                [] {
                  return Tensors{randn({1000, 77}, 49)};
@@ -486,17 +495,20 @@ std::vector<OpCase> parity_cases() {
                  ops::embedding_backward(in[3], in[1], in[2]);
                  return Tensors{out, in[3]};
                }});
-  c.push_back({"rope",
-               [] {
-                 return Tensors{randn({2, 9, 3, 16}, 56)};
-               },
-               [](Tensors& in) {
-                 const ops::RopeTables t = ops::rope_tables(12, 16, 10000.f, device_of(in));
-                 Tensor y = ops::rope(in[0], t);
-                 Tensor back = ops::rope_backward(y, t);
-                 ops::rope_(in[0], t);
-                 return Tensors{y, back, in[0]};
-               }});
+  // head_dim 16: 8 pairs per thread; 12: one per thread.
+  for (const int64_t hd : {16, 12}) {
+    c.push_back({"rope_hd" + std::to_string(hd),
+                 [hd] {
+                   return Tensors{randn({2, 9, 3, hd}, 56)};
+                 },
+                 [hd](Tensors& in) {
+                   const ops::RopeTables t = ops::rope_tables(12, hd, 10000.f, device_of(in));
+                   Tensor y = ops::rope(in[0], t);
+                   Tensor back = ops::rope_backward(y, t);
+                   ops::rope_(in[0], t);
+                   return Tensors{y, back, in[0]};
+                 }});
+  }
   struct Attn {
     const char* name;
     int64_t b, s, h, hkv, hd;

@@ -108,6 +108,11 @@ TEST(Ops, SoftmaxSigmoidSwigluGradients) {
   Tensor in_place = h.clone();
   ops::swiglu_backward_(in_place, ra);
   EXPECT_EQ(in_place.to_vector<float>(), ops::swiglu_backward(h, ra).to_vector<float>());
+  // With the value: dh as above, and da turned into swiglu(h) of h as it was (the same bits).
+  Tensor dh = h.clone(), value = ra.clone();
+  ops::swiglu_backward_with_value_(dh, value);
+  EXPECT_EQ(dh.to_vector<float>(), in_place.to_vector<float>());
+  EXPECT_EQ(value.to_vector<float>(), ops::swiglu(h).to_vector<float>());
   const float g = h.data<float>()[0], u = h.data<float>()[4];
   EXPECT_NEAR(ops::swiglu(h).data<float>()[0], g / (1 + std::exp(-g)) * u, 1e-6);
   EXPECT_THROW(ops::swiglu(randn({2, 3}, 1)), Error);

@@ -46,11 +46,10 @@ Tensor DenseFFN::backward(const Tensor& dy_in) {
   const Tensor dy = parallel::gather_rows(tp_.get(), dy_in);
   Tensor dh = h_.defined() ? h_ : ops::matmul(x_, gate_up_.compute());  // h, becomes dh below
   h_ = Tensor();
-  Tensor a = ops::swiglu(dh);  // [T, h]
+  Tensor a = ops::matmul(dy, down_.compute(), false, /*trans_b=*/true);  // da, then a
+  ops::swiglu_backward_with_value_(dh, a);  // in place: h becomes dh, da becomes swiglu(h)
   ops::matmul_into(down_.grad, a, dy, /*trans_a=*/true, false, 1.f, 1.f);
   a = Tensor();
-  const Tensor da = ops::matmul(dy, down_.compute(), false, /*trans_b=*/true);
-  ops::swiglu_backward_(dh, da);  // in place: h is not needed again
   ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, 1.f);
   Tensor dx = ops::matmul_f32(dh, gate_up_.compute(), false, true);
   x_ = Tensor();

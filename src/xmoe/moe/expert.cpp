@@ -221,12 +221,12 @@ class SwigluExperts final : public Experts {
       const std::span<const int64_t> csizes = c.sizes(groups_);
       const int64_t c0 = c.row_begin - group_row_[g0], c1 = c.row_end - group_row_[g0];
       Tensor h_c = dh.rows(c0, c1), dout_c = dout.rows(c0, c1);
+      // da [n_c, f] becomes swiglu(h) in the pass that turns h into dh [n_c, 2f]: the down
+      // weight gradient's input without a pass (or a buffer) of its own.
+      Tensor a = expert_gemm(dout_c, Weight::down, c.group_begin, c.group_end, csizes, true);
+      xmoe::ops::swiglu_backward_with_value_(h_c, a);
       Tensor dwd_c = down_.grad.rows(c.group_begin, c.group_end);
-      xmoe::ops::grouped_matmul_weight_grad(dwd_c, xmoe::ops::swiglu(h_c), dout_c, csizes,
-                                            accumulate_down_);
-      Tensor da = expert_gemm(dout_c, Weight::down, c.group_begin, c.group_end, csizes,
-                              true);         // [n_c, f]
-      xmoe::ops::swiglu_backward_(h_c, da);  // [n_c, 2f]
+      xmoe::ops::grouped_matmul_weight_grad(dwd_c, a, dout_c, csizes, accumulate_down_);
     }
     dout = Tensor();
     Tensor dwgu = gate_up_.grad.rows(g0, g1);

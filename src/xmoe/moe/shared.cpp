@@ -28,12 +28,12 @@ Tensor SharedExperts::forward(const Tensor& x) {
 Tensor SharedExperts::backward(const Tensor& dy) {
   XMOE_CHECK(h_.defined(), "[moe shared] backward without a forward");
   const Tensor g = xmoe::ops::as_dtype(dy, x_.dtype());
-  Tensor a = xmoe::ops::swiglu(h_);  // [T, Sf]
   const auto beta = [](Parameter& p) { return p.take_grad_overwrite() ? 0.f : 1.f; };
+  Tensor dh = std::exchange(h_, Tensor());            // h, turned into dh in place
+  Tensor a = xmoe::ops::matmul(g, wd_, false, true);  // da [T, Sf], turned into swiglu(h)
+  xmoe::ops::swiglu_backward_with_value_(dh, a);
   xmoe::ops::matmul_into(down_.grad, a, g, true, false, 1.f, beta(down_));  // dWd += a^T dy (f32)
   a = Tensor();
-  Tensor dh = std::exchange(h_, Tensor());  // h, turned into dh in place
-  xmoe::ops::swiglu_backward_(dh, xmoe::ops::matmul(g, wd_, false, true));
   xmoe::ops::matmul_into(gate_up_.grad, x_, dh, true, false, 1.f, beta(gate_up_));  // += x^T dh
   return xmoe::ops::matmul(dh, wgu_, false, true);                                  // [T, d]
 }

@@ -252,18 +252,18 @@ Tensor swiglu(const Tensor& h) {
 }
 
 namespace {
-/// dh may be h itself: both kernels read a row's gate and up before writing either gradient.
-void swiglu_backward_into(Tensor& dh, const Tensor& h, const Tensor& da) {
+/// dh may be h itself and value da: both kernels read a row's gate, up and da before writing.
+void swiglu_backward_into(Tensor& dh, const Tensor& h, const Tensor& da, Tensor* value = nullptr) {
   require_float("swiglu_backward", "h", h);
   require_like("swiglu_backward", "da", da, "h", h);
   require_2d("swiglu_backward", "h", h);
   check_shape(da, {h.size(0), h.size(1) / 2}, "swiglu_backward", "da");
   if (h.is_cpu()) {
     cpu::swiglu_backward(dh.data<float>(), h.data<float>(), da.data<float>(), h.size(0),
-                         h.size(1) / 2);
+                         h.size(1) / 2, value ? value->data<float>() : nullptr);
   } else {
     cuda::swiglu_backward(dh.raw(), h.raw(), da.raw(), h.dtype(), h.size(0), h.size(1) / 2,
-                          stream_of(h));
+                          stream_of(h), value ? value->raw() : nullptr);
   }
 }
 }  // namespace
@@ -276,6 +276,10 @@ Tensor swiglu_backward(const Tensor& h, const Tensor& da) {
 
 void swiglu_backward_(Tensor& h, const Tensor& da) {
   swiglu_backward_into(h, h, da);
+}
+
+void swiglu_backward_with_value_(Tensor& h, Tensor& da) {
+  swiglu_backward_into(h, h, da, &da);
 }
 
 // ---- normalisation --------------------------------------------------------------------------

@@ -60,6 +60,10 @@ Tensor swiglu(const Tensor& h);
 Tensor swiglu_backward(const Tensor& h, const Tensor& da);
 /// swiglu_backward in place: h becomes dh (backward needs h no more; saves an [N, 2f] buffer).
 void swiglu_backward_(Tensor& h, const Tensor& da);
+/// swiglu_backward_ that also turns da into swiglu(h) (of h as it was): the value the
+/// down-projection's weight gradient reads, in the same pass instead of a swiglu pass before
+/// it, and in da's storage instead of a buffer of its own.
+void swiglu_backward_with_value_(Tensor& h, Tensor& da);
 
 // ---- normalisation --------------------------------------------------------------------------
 

@@ -57,7 +57,8 @@ void swiglu_forward(float* a, const float* h, int64_t rows, int64_t f) {
   }
 }
 
-void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, int64_t f) {
+void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, int64_t f,
+                     float* value) {
   // a = silu(g) * u; silu'(g) = s * (1 + g * (1 - s)) with s = sigmoid(g)
 #pragma omp parallel for schedule(static) if (rows * f > kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
@@ -66,11 +67,13 @@ void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, i
     const float* dar = da + r * f;
     float* dg = dh + r * 2 * f;
     float* du = dg + f;
+    float* ar = value ? value + r * f : nullptr;
 #pragma omp simd
-    for (int64_t j = 0; j < f; ++j) {  // both read before either is written: dh may be h
-      const float gj = g[j], uj = u[j], s = 1.0f / (1.0f + std::exp(-gj));
-      dg[j] = dar[j] * uj * s * (1.0f + gj * (1.0f - s));
-      du[j] = dar[j] * gj * s;
+    for (int64_t j = 0; j < f; ++j) {  // all read before any is written: dh may be h, a da
+      const float gj = g[j], uj = u[j], dj = dar[j], s = 1.0f / (1.0f + std::exp(-gj));
+      dg[j] = dj * uj * s * (1.0f + gj * (1.0f - s));
+      du[j] = dj * gj * s;
+      if (ar) ar[j] = gj / (1.0f + std::exp(-gj)) * uj;  // swiglu_forward's expression
     }
   }
 }

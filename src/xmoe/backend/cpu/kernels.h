@@ -48,7 +48,9 @@ void sigmoid_forward(float* y, const float* x, int64_t n);
 void sigmoid_backward(float* dx, const float* y, const float* dy, int64_t n);
 // h [N, 2f] = [gate | up]; a [N, f] = silu(gate) * up
 void swiglu_forward(float* a, const float* h, int64_t rows, int64_t f);
-void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, int64_t f);
+/// value, where given: swiglu(h) written too (it may be da: each element is read first).
+void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, int64_t f,
+                     float* value = nullptr);
 
 // sum = x + a, then y = rmsnorm(sum) in the same pass over each row (a and sum null: the norm
 // of x).

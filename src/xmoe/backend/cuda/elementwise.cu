@@ -1,5 +1,8 @@
 // Elementwise kernels: casts, add/mul/scale, sigmoid, SwiGLU. One thread per element in a
-// grid-stride loop; f32 math whatever the storage dtype.
+// grid-stride loop; f32 math whatever the storage dtype. The model's large ones (add, add_,
+// SwiGLU forward and backward) take 8 elements per thread with 16-byte accesses where the
+// sizes are multiples of 8 and the pointers 16-byte aligned: the same per-element math, so the
+// same bits, at about twice the bandwidth of one element per thread.
 #include "xmoe/backend/cuda/common.cuh"
 
 namespace xmoe::cuda {
@@ -19,6 +22,31 @@ __global__ void add_kernel(A* c, const A* a, const B* b, int64_t n) {
 template <class A, class B>
 __global__ void add_inplace_kernel(A* a, const B* b, float alpha, int64_t n) {
   XMOE_GRID_STRIDE(i, n) a[i] = from_float<A>(to_float(a[i]) + alpha * to_float(b[i]));
+}
+
+// The vector forms: n8 = n / 8 groups of 8 elements.
+template <class A, class B>
+__global__ void add_vec_kernel(A* c, const A* a, const B* b, int64_t n8) {
+  XMOE_GRID_STRIDE(i, n8) {
+    float av[8], bv[8];
+    load8(av, a + 8 * i);
+    load8(bv, b + 8 * i);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) av[e] = av[e] + bv[e];
+    store8(c + 8 * i, av);
+  }
+}
+
+template <class A, class B>
+__global__ void add_inplace_vec_kernel(A* a, const B* b, float alpha, int64_t n8) {
+  XMOE_GRID_STRIDE(i, n8) {
+    float av[8], bv[8];
+    load8(av, a + 8 * i);
+    load8(bv, b + 8 * i);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) av[e] = av[e] + alpha * bv[e];
+    store8(a + 8 * i, av);
+  }
 }
 
 // Exact bf16 terms of an f32 (cpu::split_bf16_columns); up to 6 output blocks.
@@ -84,15 +112,59 @@ __global__ void swiglu_forward_kernel(T* a, const T* h, int64_t rows, int64_t f)
 }
 
 // a = silu(g) * u; silu'(g) = s * (1 + g * (1 - s)) with s = sigmoid(g)
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float& dg, float& du) {
+  const float s = 1.0f / (1.0f + expf(-g));
+  dg = d * u * s * (1.0f + g * (1.0f - s));
+  du = d * g * s;
+}
+
+// value (not null): swiglu(h) too, over da's elements where it is da (each read first).
 template <class T>
-__global__ void swiglu_backward_kernel(T* dh, const T* h, const T* da, int64_t rows, int64_t f) {
+__global__ void swiglu_backward_kernel(T* dh, T* value, const T* h, const T* da, int64_t rows,
+                                       int64_t f) {
   XMOE_GRID_STRIDE(i, rows * f) {
     const int64_t r = i / f, j = i - r * f;
     const float g = to_float(h[r * 2 * f + j]), u = to_float(h[r * 2 * f + f + j]);
-    const float d = to_float(da[i]);
-    const float s = 1.0f / (1.0f + expf(-g));
-    dh[r * 2 * f + j] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));  // dh may be h
-    dh[r * 2 * f + f + j] = from_float<T>(d * g * s);
+    float dg, du;
+    swiglu_grad(g, u, to_float(da[i]), dg, du);
+    dh[r * 2 * f + j] = from_float<T>(dg);  // dh may be h
+    dh[r * 2 * f + f + j] = from_float<T>(du);
+    if (value) value[i] = from_float<T>(swiglu_value(g, u));
+  }
+}
+
+// The vector forms: f8 = f / 8 groups of 8 columns per row.
+template <class T>
+__global__ void swiglu_forward_vec_kernel(T* a, const T* h, int64_t rows, int64_t f8) {
+  XMOE_GRID_STRIDE(i, rows * f8) {
+    const int64_t r = i / f8, j = (i - r * f8) * 8, f = f8 * 8;
+    float g[8], u[8];
+    load8(g, h + r * 2 * f + j);
+    load8(u, h + r * 2 * f + f + j);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) g[e] = swiglu_value(g[e], u[e]);
+    store8(a + r * f + j, g);
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_vec_kernel(T* dh, T* value, const T* h, const T* da, int64_t rows,
+                                           int64_t f8) {
+  XMOE_GRID_STRIDE(i, rows * f8) {
+    const int64_t r = i / f8, j = (i - r * f8) * 8, f = f8 * 8;
+    float g[8], u[8], d[8], dg[8], du[8];
+    load8(g, h + r * 2 * f + j);
+    load8(u, h + r * 2 * f + f + j);
+    load8(d, da + r * f + j);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) swiglu_grad(g[e], u[e], d[e], dg[e], du[e]);
+    store8(dh + r * 2 * f + j, dg);  // dh may be h: this thread read its elements first
+    store8(dh + r * 2 * f + f + j, du);
+    if (value) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) g[e] = swiglu_value(g[e], u[e]);
+      store8(value + r * f + j, g);
+    }
   }
 }
 
@@ -117,8 +189,13 @@ void add(void* c, const void* a, DType a_dt, const void* b, DType b_dt, int64_t 
     using A = typename decltype(atag)::type;
     dispatch_float(b_dt, "add", [&](auto btag) {
       using B = typename decltype(btag)::type;
-      add_kernel<A, B><<<grid_for(n), kBlock, 0, stream>>>(
-          static_cast<A*>(c), static_cast<const A*>(a), static_cast<const B*>(b), n);
+      if (n % 8 == 0 && aligned16({c, a, b})) {
+        add_vec_kernel<A, B><<<grid_for(n / 8), kBlock, 0, stream>>>(
+            static_cast<A*>(c), static_cast<const A*>(a), static_cast<const B*>(b), n / 8);
+      } else {
+        add_kernel<A, B><<<grid_for(n), kBlock, 0, stream>>>(
+            static_cast<A*>(c), static_cast<const A*>(a), static_cast<const B*>(b), n);
+      }
       CUDA_CHECK_LAUNCH();
     });
   });
@@ -131,8 +208,13 @@ void add_inplace(void* a, DType a_dt, const void* b, DType b_dt, float alpha, in
     using A = typename decltype(atag)::type;
     dispatch_float(b_dt, "add_", [&](auto btag) {
       using B = typename decltype(btag)::type;
-      add_inplace_kernel<A, B><<<grid_for(n), kBlock, 0, stream>>>(
-          static_cast<A*>(a), static_cast<const B*>(b), alpha, n);
+      if (n % 8 == 0 && aligned16({a, b})) {
+        add_inplace_vec_kernel<A, B><<<grid_for(n / 8), kBlock, 0, stream>>>(
+            static_cast<A*>(a), static_cast<const B*>(b), alpha, n / 8);
+      } else {
+        add_inplace_kernel<A, B><<<grid_for(n), kBlock, 0, stream>>>(
+            static_cast<A*>(a), static_cast<const B*>(b), alpha, n);
+      }
       CUDA_CHECK_LAUNCH();
     });
   });
@@ -200,19 +282,32 @@ void swiglu_forward(void* a, const void* h, DType dt, int64_t rows, int64_t f, S
   if (rows * f == 0) return;
   dispatch_float(dt, "swiglu", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    swiglu_forward_kernel<T><<<grid_for(rows * f), kBlock, 0, stream>>>(
-        static_cast<T*>(a), static_cast<const T*>(h), rows, f);
+    if (f % 8 == 0 && aligned16({a, h})) {
+      swiglu_forward_vec_kernel<T><<<grid_for(rows * f / 8), kBlock, 0, stream>>>(
+          static_cast<T*>(a), static_cast<const T*>(h), rows, f / 8);
+    } else {
+      swiglu_forward_kernel<T><<<grid_for(rows * f), kBlock, 0, stream>>>(
+          static_cast<T*>(a), static_cast<const T*>(h), rows, f);
+    }
     CUDA_CHECK_LAUNCH();
   });
 }
 
 void swiglu_backward(void* dh, const void* h, const void* da, DType dt, int64_t rows, int64_t f,
-                     Stream stream) {
+                     Stream stream, void* value) {
   if (rows * f == 0) return;
   dispatch_float(dt, "swiglu_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    swiglu_backward_kernel<T><<<grid_for(rows * f), kBlock, 0, stream>>>(
-        static_cast<T*>(dh), static_cast<const T*>(h), static_cast<const T*>(da), rows, f);
+    auto* out = static_cast<T*>(dh);
+    auto* a = static_cast<T*>(value);
+    const auto* hh = static_cast<const T*>(h);
+    const auto* d = static_cast<const T*>(da);
+    if (f % 8 == 0 && aligned16({dh, h, da, value})) {
+      swiglu_backward_vec_kernel<T>
+          <<<grid_for(rows * f / 8), kBlock, 0, stream>>>(out, a, hh, d, rows, f / 8);
+    } else {
+      swiglu_backward_kernel<T><<<grid_for(rows * f), kBlock, 0, stream>>>(out, a, hh, d, rows, f);
+    }
     CUDA_CHECK_LAUNCH();
   });
 }

@@ -92,8 +92,9 @@ void sigmoid_forward(void* y, const void* x, DType dt, int64_t n, Stream stream)
 void sigmoid_backward(void* dx, const void* y, const void* dy, DType dt, int64_t n, Stream stream);
 // h (rows, 2f) = [gate | up] -> a (rows, f) = silu(gate) * up
 void swiglu_forward(void* a, const void* h, DType dt, int64_t rows, int64_t f, Stream stream);
+// value, where not null: swiglu(h) written too (it may be da: each element is read first).
 void swiglu_backward(void* dh, const void* h, const void* da, DType dt, int64_t rows, int64_t f,
-                     Stream stream);
+                     Stream stream, void* value = nullptr);
 
 // ---- reductions (reduce.cu) -----------------------------------------------------------------
 

@@ -110,7 +110,7 @@ void sigmoid_backward(void*, const void*, const void*, DType, int64_t, Stream) {
 void swiglu_forward(void*, const void*, DType, int64_t, int64_t, Stream) {
   no_cuda("swiglu");
 }
-void swiglu_backward(void*, const void*, const void*, DType, int64_t, int64_t, Stream) {
+void swiglu_backward(void*, const void*, const void*, DType, int64_t, int64_t, Stream, void*) {
   no_cuda("swiglu_backward");
 }
 
