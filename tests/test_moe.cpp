@@ -509,13 +509,14 @@ TEST(MoeGate, BackwardAddIsBackwardAdded) {
         EXPECT_NEAR(added[i], expected[i], 1e-6f * (1.f + std::abs(expected[i]))) << i;
       EXPECT_EQ(grad_added, grad);
       Tensor wrong = Tensor::zeros({T + 1, d});
-      if (name != "xmoe")  // the default backward_add leaves the shape check to add_
+      if (name != "xmoe") {  // the default backward_add leaves the shape check to add_
         EXPECT_TRUE(contains(error_of([&] {
                                auto gate = make_gate({c, d, "g", 3, 0.5f, nullptr});
                                gate->forward(x, 8);
                                gate->backward_add(dw, wrong);
                              }),
                              "dx"));
+      }
     }
   }
 }
