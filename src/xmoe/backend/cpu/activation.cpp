@@ -69,7 +69,7 @@ void swiglu_backward(float* dh, const float* h, const float* da, int64_t rows, i
     float* du = dg + f;
     float* ar = value ? value + r * f : nullptr;
 #pragma omp simd
-    for (int64_t j = 0; j < f; ++j) {  // all read before any is written: dh may be h, a da
+    for (int64_t j = 0; j < f; ++j) {  // all read before any write: dh may be h, value da
       const float gj = g[j], uj = u[j], dj = dar[j], s = 1.0f / (1.0f + std::exp(-gj));
       dg[j] = dj * uj * s * (1.0f + gj * (1.0f - s));
       du[j] = dj * gj * s;
