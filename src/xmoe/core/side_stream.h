@@ -37,13 +37,16 @@ class SideStream {
   /// The compute stream waits (on the device; the host goes on) for the side's marked work.
   void join();
 
-  /// begin() for a scope, and end() when it closes (an exception included).
+  /// begin() for a scope, and end() when it closes (an exception included); a null side makes
+  /// the scope a no-op (the ops stay on the compute stream).
   class Scope {
    public:
-    explicit Scope(SideStream& side) : side_(side) { side_.begin(); }
+    explicit Scope(SideStream* side) : side_(side) {
+      if (side_) side_->begin();
+    }
     ~Scope() {
       try {
-        side_.end();
+        if (side_) side_->end();
       } catch (...) {  // a destructor must not throw; a device error surfaces at the next op
       }
     }
@@ -51,7 +54,7 @@ class SideStream {
     Scope& operator=(const Scope&) = delete;
 
    private:
-    SideStream& side_;
+    SideStream* side_;
   };
 
  private:

@@ -163,8 +163,7 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   SharedOut sh;
   if (shared_) {
     sh = timed("moe.shared.fwd", device_, [&] {
-      std::optional<SideStream::Scope> on_side;
-      if (side) on_side.emplace(*side);
+      const SideStream::Scope on_side(side);
       return SharedOut{shared_->forward(in.x)};
     });
   }
@@ -287,8 +286,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
   SharedGrad sg;
   if (shared_) {
     sg = timed("moe.shared.bwd", device_, [&] {
-      std::optional<SideStream::Scope> on_side;
-      if (side) on_side.emplace(*side);
+      const SideStream::Scope on_side(side);
       return SharedGrad{shared_->backward(out.d_y)};
     });
     if (side && hooks_.has<SharedGrad>()) side->join();
