@@ -28,6 +28,8 @@
 #   kernels    every kernel of two moe-1b steps, in launch order, timed by ncu (kernels.csv),
 #              and the second step summed by kernel name (kernels.txt); kernels-fp8: FP8 experts
 #   shared     moe-1b with model.moe.shared_overlap off, routing and all, alternated, twice each
+#   variants   moe-1b under each of VARIANTS' ;-separated lists of --set values (key=value ...),
+#              alternated, twice each
 #   perf       the CudaPerf model-shape lines of test_cuda_ops (the norms, cross-entropy, ...)
 #   curve      moe-1b 1000 steps with bf16 then FP8 experts on the KJV Bible (real_data.sh fp8)
 set -uo pipefail
@@ -134,6 +136,20 @@ run() {
               --set model.moe.shared_overlap=$o 2>&1 | grep summary
           done
         done | tee "$out/shared.log" ;;
+      variants)
+        # VARIANTS="a=1 b=2;a=3": moe-1b with each ;-separated list of --set values, alternated,
+        # twice each
+        local v sets
+        for t in 1 2; do
+          IFS=';' read -ra sets <<<"${VARIANTS:-}"
+          for v in "${sets[@]}"; do
+            echo "== $v"
+            local args=()
+            for kv in $v; do args+=(--set "$kv"); done
+            $b/bin/bench_train_step --preset moe-1b --device cuda --steps 20 "${args[@]}" 2>&1 |
+              grep summary
+          done
+        done | tee "$out/variants.log" ;;
       perf)
         $b/tests/test_cuda_ops --gtest_also_run_disabled_tests --gtest_filter='CudaPerf*' \
           2>&1 | grep '^{' | tee "$out/perf.jsonl" ;;
