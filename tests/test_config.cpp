@@ -228,8 +228,8 @@ TEST(Config, KeyTableCoversEveryField) {
     EXPECT_FALSE(k.doc.empty()) << k.name;
     EXPECT_EQ(config_get(Config{}, k.name), k.default_value);
   }
-  // 13 model + 27 model.moe + 4 data + 28 train + 11 parallel fields in config.h.
-  EXPECT_EQ(config_keys().size(), 13u + 27u + 4u + 28u + 11u);
+  // 13 model + 28 model.moe + 4 data + 28 train + 11 parallel fields in config.h.
+  EXPECT_EQ(config_keys().size(), 13u + 28u + 4u + 28u + 11u);
 }
 
 // train.offload_delayed_update_from needs the offloaded optimizer with whole gradient buffers,

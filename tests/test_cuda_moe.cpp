@@ -131,6 +131,16 @@ TEST(CudaMoeOps, MatchCpu) {
     EXPECT_CLOSE(
         gather_sum_rows(ops::cast(xv.to(kCuda), DType::bf16), slots.to(kCuda), w.to(kCuda)), rb,
         2e-2, "gather_sum_rows bf16");
+    // With an addend (the shared experts' output): both paths, f32 and bf16.
+    Tensor add = randn({13, dv}, 10), add_s = randn({13, d}, 11);
+    EXPECT_CLOSE(gather_sum_rows(xv.to(kCuda), slots.to(kCuda), w.to(kCuda), add.to(kCuda)),
+                 gather_sum_rows(xv, slots, w, add), 1e-5, "gather_sum_rows vec addend");
+    EXPECT_CLOSE(gather_sum_rows(x.to(kCuda), slots.to(kCuda), w.to(kCuda), add_s.to(kCuda)),
+                 gather_sum_rows(x, slots, w, add_s), 1e-5, "gather_sum_rows addend");
+    EXPECT_CLOSE(gather_sum_rows(ops::cast(xv.to(kCuda), DType::bf16), slots.to(kCuda), w.to(kCuda),
+                                 ops::cast(add.to(kCuda), DType::bf16)),
+                 gather_sum_rows(bf16_rounded(xv), slots, w, bf16_rounded(add)), 2e-2,
+                 "gather_sum_rows bf16 addend");
     Tensor gref = gather_rows_masked(xv, index);
     EXPECT_CLOSE(gather_rows_masked(xv.to(kCuda), index.to(kCuda)), gref, 0, "gather_rows vec");
     EXPECT_CLOSE(gather_rows_masked(ops::cast(xv.to(kCuda), DType::bf16), index.to(kCuda)),
@@ -231,12 +241,14 @@ TEST(CudaMoeOrder, DeviceLayoutEqualsTheCpuCountingSort) {
     std::string impl;
     float cf;
   };
-  // Several 512-pair chunks with a ragged end, many experts, skewed loads, empty experts.
-  const std::vector<Case> cases = {{3001, 4, 37, false, "pft", 1.f},
-                                   {2048, 8, 256, true, "pft", 1.f},
-                                   {5, 2, 64, false, "pft", 1.f},
-                                   {1500, 2, 16, true, "padded", 0.8f},
-                                   {1500, 2, 16, false, "padded", 2.0f}};
+  // Several 128-pair chunks with a ragged end, many experts, skewed loads, empty experts; the
+  // scan's chunk slices (E < 1024: 27 slices of E = 37, 16 of moe-1b's 768 chunks at E = 64)
+  // and its one-thread-per-expert form (E = 700, E = 1500 > its 1024 threads).
+  const std::vector<Case> cases = {
+      {3001, 4, 37, false, "pft", 1.f},    {2048, 8, 256, true, "pft", 1.f},
+      {5, 2, 64, false, "pft", 1.f},       {16384, 6, 64, true, "pft", 1.f},
+      {700, 4, 700, false, "pft", 1.f},    {900, 3, 1500, true, "pft", 1.f},
+      {1500, 2, 16, true, "padded", 0.8f}, {1500, 2, 16, false, "padded", 2.0f}};
   for (const Case& c : cases) {
     const std::string what = c.impl + " T=" + std::to_string(c.T) + " k=" + std::to_string(c.k) +
                              " E=" + std::to_string(c.E);

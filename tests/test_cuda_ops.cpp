@@ -409,13 +409,35 @@ std::vector<OpCase> parity_cases() {
   // selection and indexing
   c.push_back({"topk",
                [] {
-                 return Tensors{rand_ties({17, 64}, 32), randn({3, 512}, 33)};
+                 return Tensors{rand_ties({17, 64}, 32), randn({3, 512}, 33),
+                                randn({5, 100}, 34, 2.f), rand_ties({6, 513}, 35)};
                },
                [](Tensors& in) {
                  auto a = ops::topk(in[0], 6);
                  auto b = ops::topk(in[1], 16);
-                 return Tensors{a.values, a.indices, b.values, b.indices};
+                 // rows in registers (a part of the last lane value used) and read again
+                 auto c = ops::topk(in[2], 8);
+                 auto d = ops::topk(in[3], 3);
+                 return Tensors{a.values, a.indices, b.values, b.indices,
+                                c.values, c.indices, d.values, d.indices};
                }});
+  // The router's probabilities and picks in one pass (f32, as the router runs): rows in
+  // registers, the two-pass path above 512 columns, ties.
+  c.push_back({"softmax_topk",
+               [] {
+                 return Tensors{rand_ties({17, 64}, 36), randn({9, 100}, 37, 3.f),
+                                randn({3, 600}, 38), randn({40, 7}, 39)};
+               },
+               [](Tensors& in) {
+                 Tensors out;
+                 const int64_t ks[] = {6, 8, 16, 7};
+                 for (size_t i = 0; i < 4; ++i) {
+                   auto r = ops::softmax_topk(in[i], ks[i]);
+                   out.insert(out.end(), {r.probs, r.top.values, r.top.indices});
+                 }
+                 return out;
+               },
+               {0, 1, 2, 3}});
   c.push_back({"gather_rows",
                [] {
                  return Tensors{randn({20, 48}, 34), rand_index(33, 20, 35)};
@@ -739,6 +761,51 @@ TEST(CudaDeterminism, ScatterAttentionNormAreBitwiseRepeatable) {
     return dw.to_vector<float>();
   };
   EXPECT_EQ(dweight(), dweight());
+}
+
+// softmax_topk writes the bits of softmax then topk on the device, f32 and bf16, at every
+// register width and in the two-pass path.
+TEST(CudaSoftmaxTopk, WritesTheBitsOfSoftmaxThenTopk) {
+  XMOE_REQUIRE_CUDA();
+  const std::pair<int64_t, int64_t> shapes[] = {{300, 8},  {300, 33}, {4096, 64}, {200, 100},
+                                                {70, 256}, {30, 500}, {5, 700}};
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    for (const auto& [rows, cols] : shapes) {
+      Tensor x = ops::cast(rand_ties({rows, cols}, 80 + static_cast<uint64_t>(cols)).to(kCuda), dt);
+      const int64_t k = std::min<int64_t>(cols, 6);
+      const ops::SoftmaxTopKResult fused = ops::softmax_topk(x, k);
+      const Tensor probs = ops::softmax(x);
+      const ops::TopKResult top = ops::topk(probs, k);
+      const std::string what = fmt::format("{} x {} {}", rows, cols, dtype_name(dt));
+      EXPECT_EQ(host_f32(fused.probs).to_vector<float>(), host_f32(probs).to_vector<float>())
+          << what;
+      EXPECT_EQ(host_f32(fused.top.values).to_vector<float>(),
+                host_f32(top.values).to_vector<float>())
+          << what;
+      EXPECT_EQ(fused.top.indices.to_vector<int32_t>(), top.indices.to_vector<int32_t>()) << what;
+    }
+  }
+}
+
+// The gradient norm's sum of squares over more partials than one level of the final sum takes
+// (4096 per block; 4096-element chunks): three levels at 2^26 + 5 elements. The values are
+// small whole numbers, so every order of adding gives the exact sum; and the run repeats its bits.
+TEST(CudaMultiSumSquares, SumsOverSeveralLevelsOfPartials) {
+  XMOE_REQUIRE_CUDA();
+  const int64_t n = (int64_t{1} << 26) + 5;
+  std::vector<float> host(static_cast<size_t>(n));
+  double expected = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    host[static_cast<size_t>(i)] = static_cast<float>(i % 5) - 2.0f;
+    expected += static_cast<double>((i % 5 - 2) * (i % 5 - 2));
+  }
+  const Tensor big = Tensor::from_vector(host, {n}, kCuda);
+  const Tensor small = Tensor::full({7}, 3.0f, kCuda);
+  const std::vector<Tensor> xs = {small, big, small};
+  const double got = ops::multi_sum_squares(xs).item();
+  EXPECT_EQ(got, expected + 2 * 7 * 9.0);
+  EXPECT_EQ(ops::multi_sum_squares(xs).item(), got);
+  EXPECT_EQ(ops::multi_sum_squares(std::vector<Tensor>{small}).item(), 63.0);
 }
 
 // The block's fused norms (x + a then the norm in bf16; the backward from a bf16 gradient with

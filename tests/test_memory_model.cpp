@@ -46,6 +46,11 @@ TEST_F(MemoryModelTest, MoEVariants) {
   c.model.moe.impl = "padded";
   c.train.out_dir = (root_ / "run-padded").string();
   expect_predicted(c, "padded, capacity 1.25");
+  // The experts' input rows kept to backward instead of gathered again.
+  c.model.moe.impl = "pft";
+  c.model.moe.keep_expert_rows = true;
+  c.train.out_dir = (root_ / "run-keep-rows").string();
+  expect_predicted(c, "top-4 of 32, experts' rows kept");
 }
 
 TEST_F(MemoryModelTest, Fp8Experts) {
@@ -59,6 +64,10 @@ TEST_F(MemoryModelTest, Fp8Experts) {
   c.train.grad_accum = 2;
   c.train.out_dir = (root_ / "run-fp8-accumulating").string();
   expect_predicted(c, "tiny, fp8 experts, 2 micro-batches");
+  // moe.keep_expert_rows changes nothing: the quantiser gathers x, there are no rows to keep.
+  c.model.moe.keep_expert_rows = true;
+  c.train.out_dir = (root_ / "run-fp8-keep-rows").string();
+  expect_predicted(c, "tiny, fp8 experts, 2 micro-batches, keep_expert_rows");
 }
 
 TEST_F(MemoryModelTest, OffloadedOptimizerStagingOnTheCpu) {

@@ -165,6 +165,11 @@ TEST(MoeOps, GatherSumRowsHasTheBitsOfTheScatterItReplaces) {
     scatter_add_rows_masked(ref, src, tok_t, weighted ? w : Tensor());
     Tensor got = gather_sum_rows(src, slot_t, weighted ? w : Tensor());
     EXPECT_EQ(got.to_vector<float>(), ref.to_vector<float>()) << "weighted " << weighted;
+    // An addend is added last: the bits of the sum, then add_.
+    Tensor add = randn({T, d}, 8);
+    Tensor summed = gather_sum_rows(src, slot_t, weighted ? w : Tensor(), add);
+    xmoe::ops::add_(ref, add);
+    EXPECT_EQ(summed.to_vector<float>(), ref.to_vector<float>()) << "weighted " << weighted;
   }
   EXPECT_TRUE(
       contains(error_of([&] {

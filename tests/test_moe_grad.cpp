@@ -14,6 +14,7 @@
 #include "gradcheck.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/moe/layer.h"
+#include "xmoe/moe/padded.h"
 
 using namespace xmoe;
 using namespace xmoe::moe;
@@ -258,6 +259,20 @@ TEST(MoeGrad, ExpertRowsAreGatheredAgainNotKept) {
     EXPECT_GE(kept.saved - gathered.saved, gathered.routed_rows * kD * 4)
         << impl << ": " << kept.saved << " vs " << gathered.saved;
     EXPECT_LE(gathered.forward_peak, kept.forward_peak) << impl;  // the rows go once h is made
+    // moe.keep_expert_rows keeps them with no hook: the same bits, exactly the rows more kept
+    // (the hook's clone aside, the same bytes as the hook's run).
+    MoeConfig keep = c;
+    keep.keep_expert_rows = true;
+    const Pass kept_by_config = run_pass(keep, [](MoELayer&) {});
+    EXPECT_EQ(kept_by_config.grads, gathered.grads) << impl;
+    EXPECT_EQ(kept_by_config.y, gathered.y) << impl;
+    EXPECT_EQ(
+        kept_by_config.saved - gathered.saved,
+        (std::string(impl) == "pft"
+             ? gathered.routed_rows
+             : c.num_experts * padded_capacity(c.capacity_factor, kT, c.top_k, c.num_experts)) *
+            kD * 4)
+        << impl;
   }
 }
 

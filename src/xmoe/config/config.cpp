@@ -89,9 +89,9 @@ const std::vector<Key>& table() {
       XMOE_KEY(model.moe.shared_overlap, any(), {"off", "routing", "all"},
                "CUDA: the shared experts on a second stream: off; routing (beside the gate, the "
                "order and dispatch forward, the I-Order and combine backward; joined before the "
-               "routed experts' GEMMs); all (beside the whole routed path, joined before the "
-               "sum). The same bits either way (docs/moe.md, \"Shared experts beside the routed "
-               "path\"). No effect on the CPU"),
+               "routed experts' GEMMs); all (the default: beside the whole routed path, joined "
+               "before the sum). The same bits either way (docs/moe.md, \"Shared experts beside "
+               "the routed path\"). No effect on the CPU"),
       XMOE_KEY(model.moe.gate, any(), {"softmax_topk", "sigmoid", "switch", "xmoe"},
                "gate function: GShard/Mixtral softmax top-k, DeepSeek-V3 sigmoid, Switch top-1, "
                "X-MoE cosine router"),
@@ -136,6 +136,12 @@ const std::vector<Key>& table() {
                "128 for activations and 128 x 128 for weights, f32 accumulation; CUTLASS' "
                "block-scaled kernel on Hopper, emulated elsewhere). Weight gradients, master "
                "weights and optimizer state keep their dtypes (docs/fp8.md)"),
+      XMOE_KEY(model.moe.keep_expert_rows, any(), {},
+               "keep the routed experts' input rows [T*k, d] from forward to backward instead of "
+               "gathering them again from x in backward: one gather pass less per MoE layer, for "
+               "T*k*d values more per layer (where one rank's dispatch moves no rows and nothing "
+               "is chunked; else they are kept anyway). Not with FP8 experts, whose quantiser "
+               "gathers x itself (docs/moe.md, \"Activation memory\")"),
       XMOE_KEY(model.moe.expert_chunks, at_least(0), {},
                "the experts' SwiGLU output and its gradient [N, f] are made this many row chunks "
                "at a time (cut between experts), so the layer never holds them for all N rows; "

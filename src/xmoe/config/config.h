@@ -14,8 +14,8 @@ struct MoeConfig {
   int expert_hidden = 128;     ///< f: hidden width of one routed expert
   int num_shared_experts = 1;  ///< always-on experts (one SwiGLU of width shared * f)
   /// off | routing | all (CUDA): the shared experts on a second stream beside the routed path's
-  /// routing stages, or beside all of it (same bits either way)
-  std::string shared_overlap = "off";
+  /// routing stages, or beside all of it (the default: same bits, faster on an H100)
+  std::string shared_overlap = "all";
   std::string gate = "softmax_topk";  ///< softmax_topk | sigmoid | switch | xmoe
   // softmax_topk
   /// softmax over all E then top-k (GShard), else top-k then softmax (Mixtral)
@@ -45,6 +45,9 @@ struct MoeConfig {
   /// FP8 E4M3 with block scales (docs/fp8.md)
   std::string expert_dtype = "bf16";
   int expert_chunks = 0;  ///< the experts' [N, f] activations in this many row chunks (0: auto)
+  /// keep the experts' input rows [N, d] for backward instead of gathering them again from x
+  /// (one gather pass less per layer for N * d * 2 bytes more per layer; docs/moe.md)
+  bool keep_expert_rows = false;
   /// off | auto | N: Dispatch, Expert and Combine in N chunks of local experts (docs/pipeline.md)
   std::string pipeline = "off";
   std::string pipeline_backward = "same";  ///< same | off | auto | N: the backward's chunks

@@ -5,7 +5,7 @@
 namespace xmoe::moe {
 
 Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
-                       const TokenLayout& layout) {
+                       const TokenLayout& layout, const Tensor& addend) {
   const char* op = "moe iorder";
   const int64_t N = layout.num_rows();
   check_shape(rows_out, {N, -1}, op, "rows_out");
@@ -15,8 +15,9 @@ Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
   token_ids_ = layout.token_ids;
   // Each token sums its own k rows (slot_to_row names them; dropped slots are -1, padding rows
   // are named by none). y has the rows' dtype: a bf16 token's sum is taken in f32, rounded once.
-  return xmoe::ops::gather_sum_rows(
-      rows_out, layout.slot_to_row.reshape({layout.num_tokens, layout.top_k}), combine_weights);
+  return xmoe::ops::gather_sum_rows(rows_out,
+                                    layout.slot_to_row.reshape({layout.num_tokens, layout.top_k}),
+                                    combine_weights, addend);
 }
 
 IOrder::Grads IOrder::backward(const Tensor& dy) {

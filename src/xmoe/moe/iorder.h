@@ -10,8 +10,10 @@ namespace xmoe::moe {
 
 class IOrder {
  public:
-  /// rows_out [N, d], combine_weights [N] (one per row of `layout`) -> y [T, d].
-  Tensor forward(const Tensor& rows_out, const Tensor& combine_weights, const TokenLayout& layout);
+  /// rows_out [N, d], combine_weights [N] (one per row of `layout`) -> y [T, d], plus addend
+  /// [T, d] where given (the shared experts' output: the sum in the same pass).
+  Tensor forward(const Tensor& rows_out, const Tensor& combine_weights, const TokenLayout& layout,
+                 const Tensor& addend = Tensor());
   struct Grads {
     Tensor d_rows;             ///< [N, d]
     Tensor d_combine_weights;  ///< [N]

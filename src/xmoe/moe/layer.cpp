@@ -232,8 +232,10 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
     // storage) and no hook replaced it: keep x (the router holds it anyway) and the PFT indices
     // instead of the rows [N, d], which go once h is made, and gather them again where backward
     // needs them.
+    // moe.keep_expert_rows keeps them instead (FP8 experts gather x themselves: none to keep).
+    const bool keep_rows = cfg_.keep_expert_rows && !experts_->fuses_gather();
     const bool regather =
-        rows_gathered_by_experts || (!rows_replaced && !expert_in_replaced &&
+        rows_gathered_by_experts || (!keep_rows && !rows_replaced && !expert_in_replaced &&
                                      dsp.expert_in.raw() == o.rows.raw() && pipeline_bwd_ == 1);
     o.rows = Tensor();  // dispatched: the experts hold what they need
     if (side && shared_routing_only_) side->join();
@@ -254,6 +256,10 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
   }
   hooks_.run(c);
 
+  // y = routed + shared in the I-Order's pass, where no hook looks at either alone.
+  const bool shared_in_iorder =
+      shared_ && !reduces && !hooks_.has<IOrderOut>() && !hooks_.has<SharedOut>();
+  if (shared_in_iorder && side) side->join();
   IOrderOut io = timed("moe.iorder.fwd", device_, [&] {
     if (reduces) {  // rows_out: weighted partial sums [G, d] of tokens handle_.group_tokens
       Tensor y = Tensor::zeros({T, d_model_}, x_in.dtype(), x_in.device());
@@ -261,15 +267,19 @@ Tensor MoELayer::forward(const Tensor& x_in, int64_t seq_len) {
       return IOrderOut{std::move(y)};
     }
     // The I-Order keeps the only reference to rows_out, so its backward can overwrite them.
-    return IOrderOut{iorder_.forward(take(c.rows_out), take(o.combine_weights), layout)};
+    return IOrderOut{iorder_.forward(take(c.rows_out), take(o.combine_weights), layout,
+                                     shared_in_iorder ? take(sh.y) : Tensor())};
   });
   hooks_.run(io);
   have_forward_ = true;
-  if (!shared_) return io.y;
+  if (!shared_ || shared_in_iorder) return io.y;
 
   if (side) side->join();
   hooks_.run(sh);
-  return xmoe::ops::add(io.y, sh.y);
+  // In place where nothing else holds y: the fused pass's peak.
+  if (!io.y.sole_owner()) return xmoe::ops::add(io.y, sh.y);
+  xmoe::ops::add_(io.y, sh.y);
+  return io.y;
 }
 
 Tensor MoELayer::backward(const Tensor& dy) {
@@ -345,13 +355,22 @@ Tensor MoELayer::backward(const Tensor& dy) {
   }
   hooks_.run(dg);
 
+  // dx = the order's + the shared experts' in the order's pass, where no hook looks at either.
+  const bool shared_in_order = shared_ && !hooks_.has<OrderGrad>() && !hooks_.has<SharedGrad>();
+  if (shared_in_order && side) side->join();
   OrderGrad og = timed("moe.order.bwd", device_, [&] {
-    Order::Grads gr = order_->backward(take(dg.d_rows), take(cg.d_combine_weights));
+    Order::Grads gr = order_->backward(take(dg.d_rows), take(cg.d_combine_weights),
+                                       shared_in_order ? take(sg.d_x) : Tensor());
     return OrderGrad{std::move(gr.dx), std::move(gr.d_topk_weight)};
   });
   hooks_.run(og);
 
   Tensor dx = take(og.d_x);
+  // The shared experts' dx before the gate's, as the fused pass adds it; freed once added.
+  if (shared_ && !shared_in_order) {
+    if (side) side->join();
+    xmoe::ops::add_(dx, take(sg.d_x));
+  }
   // The gate adds its dx into the order's (in its GEMM) unless a hook looks at it alone.
   const bool gate_adds = !hooks_.has<GateGrad>();
   GateGrad gg = timed("moe.gate.bwd", device_, [&] {
@@ -367,8 +386,6 @@ Tensor MoELayer::backward(const Tensor& dy) {
     hooks_.run(gg);
     xmoe::ops::add_(dx, gg.d_x);
   }
-  if (side) side->join();
-  if (shared_) xmoe::ops::add_(dx, sg.d_x);
   have_forward_ = false;  // trained on: its load stays in the pending bias update
   release();
   return dx;
@@ -398,12 +415,14 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
       c.pipeline_backward == "same"
           ? fwd_chunks
           : std::min<int64_t>(pipeline_chunks_for(c.pipeline_backward, ep), local);
-  // The experts keep their input rows unless one rank's dispatch moved nothing and neither pass
-  // is chunked (then backward gathers them again from x).
-  const bool keeps_rows = ep > 1 || fwd_chunks > 1 || bwd_chunks > 1;
   // expert_dtype = fp8 (docs/fp8.md): the quantised weights, both layouts, from forward to
   // backward; each GEMM's quantised rows for its duration (the largest: dh, [N, 2f]).
   const bool fp8 = c.expert_dtype == "fp8";
+  // The experts keep their input rows unless one rank's dispatch moved nothing and neither pass
+  // is chunked (then backward gathers them again from x), or moe.keep_expert_rows asks (FP8
+  // experts then still gather x in their quantiser: no rows to keep).
+  const bool keeps_rows =
+      ep > 1 || fwd_chunks > 1 || bwd_chunks > 1 || (c.keep_expert_rows && !fp8);
   const auto blocks = [](int64_t v) { return (v + 127) / 128; };
   const int64_t fp8_weights = fp8 ? local * (2 * d * 2 * f + 8 * blocks(d) * blocks(2 * f)) +
                                         local * (2 * f * d + 8 * blocks(f) * blocks(d))

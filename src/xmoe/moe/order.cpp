@@ -71,7 +71,8 @@ Tensor Order::gather(const Tensor& x) const {
                         : xmoe::ops::gather_rows(x, layout_.token_ids);
 }
 
-Order::Grads Order::backward(const Tensor& d_rows, const Tensor& d_combine_weights) const {
+Order::Grads Order::backward(const Tensor& d_rows, const Tensor& d_combine_weights,
+                             const Tensor& dx_addend) const {
   const TokenLayout& l = layout_;
   XMOE_CHECK(l.token_ids.defined(), "[moe order] backward without a forward");
   const int64_t N = l.num_rows();
@@ -79,7 +80,8 @@ Order::Grads Order::backward(const Tensor& d_rows, const Tensor& d_combine_weigh
   check_shape(d_combine_weights, {N}, "moe order backward", "d_combine_weights");
   Grads g;
   // Each token sums its own k rows (slot_to_row names them): no scatter, no sort.
-  g.dx = xmoe::ops::gather_sum_rows(d_rows, l.slot_to_row.reshape({l.num_tokens, l.top_k}));
+  g.dx = xmoe::ops::gather_sum_rows(d_rows, l.slot_to_row.reshape({l.num_tokens, l.top_k}),
+                                    Tensor(), dx_addend);
   Tensor dcw = xmoe::ops::as_dtype(d_combine_weights, DType::f32).reshape({N, 1});
   g.d_topk_weight = l.padded ? xmoe::ops::gather_rows_masked(dcw, l.slot_to_row)
                              : xmoe::ops::gather_rows(dcw, l.slot_to_row);

@@ -55,8 +55,10 @@ class Order {
     Tensor dx;             ///< [T, d]: row gradients added back into their tokens
     Tensor d_topk_weight;  ///< [T, k]: combine-weight gradients back in (token, slot) order
   };
-  /// d_rows [N, d] and d_combine_weights [N] -> Grads.
-  Grads backward(const Tensor& d_rows, const Tensor& d_combine_weights) const;
+  /// d_rows [N, d] and d_combine_weights [N] -> Grads; dx_addend [T, d] where given is added
+  /// to dx in the same pass (the shared experts' dx).
+  Grads backward(const Tensor& d_rows, const Tensor& d_combine_weights,
+                 const Tensor& dx_addend = Tensor()) const;
   void release() { layout_ = {}; }
 
  protected:

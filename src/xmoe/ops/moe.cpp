@@ -85,7 +85,8 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
                                weight.defined() ? weight.data<float>() : nullptr, m, d);
 }
 
-Tensor gather_sum_rows(const Tensor& src, const Tensor& slots, const Tensor& weight) {
+Tensor gather_sum_rows(const Tensor& src, const Tensor& slots, const Tensor& weight,
+                       const Tensor& addend) {
   const char* op = "gather_sum_rows";
   require_float(op, "src", src);
   require_index(op, "slots", slots, "src", src);
@@ -97,13 +98,17 @@ Tensor gather_sum_rows(const Tensor& src, const Tensor& slots, const Tensor& wei
     XMOE_CHECK(weight.numel() == n, "[{}] weight has {} elements for {} rows", op, weight.numel(),
                n);
   }
+  if (addend.defined()) {
+    require_like(op, "addend", addend, "src", src);
+    check_shape(addend, {T, d}, op, "addend");
+  }
   Tensor out = Tensor::empty({T, d}, src.dtype(), src.device());
   if (!src.is_cpu()) {
     XMOE_CHECK(k >= 1 && k <= 32, "[{}] {} slots per row; CUDA takes 1..32", op, k);
     if (detail::cuda_check_indices()) detail::check_index_values(op, "slots", slots, n, true);
     cuda::gather_sum_rows(out.raw(), out.dtype(), src.raw(), src.dtype(), slots.data<int32_t>(),
-                          weight.defined() ? weight.raw() : nullptr, DType::f32, T, k, n, d,
-                          stream_of(src));
+                          weight.defined() ? weight.raw() : nullptr, DType::f32,
+                          addend.defined() ? addend.raw() : nullptr, T, k, n, d, stream_of(src));
     return out;
   }
   const int32_t* sl = slots.data<int32_t>();
@@ -111,7 +116,8 @@ Tensor gather_sum_rows(const Tensor& src, const Tensor& slots, const Tensor& wei
     XMOE_CHECK(sl[i] < n, "[{}] slots[{}] = {} out of range for src {}", op, i, sl[i],
                shape_str(src.shape()));
   cpu::gather_sum_rows(out.data<float>(), src.data<float>(), sl,
-                       weight.defined() ? weight.data<float>() : nullptr, T, k, d);
+                       weight.defined() ? weight.data<float>() : nullptr,
+                       addend.defined() ? addend.data<float>() : nullptr, T, k, d);
   return out;
 }
 

@@ -25,7 +25,10 @@ void scatter_add_rows_masked(Tensor& out, const Tensor& src, const Tensor& index
 /// zeros when slots is the inverse of its index, as the MoE layout's slot_to_row is. src [N, d],
 /// slots i32 [T, k] (k <= 32 on CUDA) -> [T, d] of src's dtype. No sort and no write conflicts,
 /// so it runs in parallel over t (the scatter is sequential on the CPU, sorted on CUDA).
-Tensor gather_sum_rows(const Tensor& src, const Tensor& slots, const Tensor& weight = Tensor());
+/// addend [T, d] of src's dtype (undefined: none) is added to each sum after its rows, in f32
+/// before the one rounding: a sum and the add after it in one pass.
+Tensor gather_sum_rows(const Tensor& src, const Tensor& slots, const Tensor& weight = Tensor(),
+                       const Tensor& addend = Tensor());
 /// x[i, :] *= w[i] in place; x [N, d], w f32 [N].
 void scale_rows_(Tensor& x, const Tensor& w);
 /// out[i] = a[i] . b[i] as f32 [N] (also for bf16 rows a, b [N, d]).

@@ -420,6 +420,24 @@ TopKResult topk(const Tensor& x, int64_t k) {
   return r;
 }
 
+SoftmaxTopKResult softmax_topk(const Tensor& x, int64_t k) {
+  require_float("softmax_topk", "x", x);
+  require_2d("softmax_topk", "x", x);
+  XMOE_CHECK(k >= 1 && k <= x.size(1), "[softmax_topk] k = {} must be in [1, {}] (columns of x)", k,
+             x.size(1));
+  if (x.is_cpu()) {
+    Tensor probs = softmax(x);
+    TopKResult top = topk(probs, k);
+    return {std::move(probs), std::move(top)};
+  }
+  SoftmaxTopKResult r{Tensor::empty(x.shape(), x.dtype(), x.device()),
+                      {Tensor::empty({x.size(0), k}, x.dtype(), x.device()),
+                       Tensor::empty({x.size(0), k}, DType::i32, x.device())}};
+  cuda::softmax_topk(r.probs.raw(), r.top.values.raw(), r.top.indices.data<int32_t>(), x.raw(),
+                     x.dtype(), x.size(0), x.size(1), k, stream_of(x));
+  return r;
+}
+
 namespace {
 /// i32 1-d index on x's device. Its values are checked on the CPU always, on CUDA only with
 /// XMOE_CUDA_CHECK_INDICES=1 (the check waits for the device).

@@ -107,6 +107,13 @@ struct TopKResult {
 };
 /// Top-k of each row of x [N, E].
 TopKResult topk(const Tensor& x, int64_t k);
+struct SoftmaxTopKResult {
+  Tensor probs;    ///< [N, E] softmax(x) over the last dimension
+  TopKResult top;  ///< topk(probs, k)
+};
+/// softmax(x) and its top-k, the bits of softmax then topk; on CUDA one pass over rows of up to
+/// 512 columns (the router's probabilities and its picks).
+SoftmaxTopKResult softmax_topk(const Tensor& x, int64_t k);
 
 /// out[i] = x[index[i]]: x [N, d], index i32 [M] -> [M, d].
 Tensor gather_rows(const Tensor& x, const Tensor& index);

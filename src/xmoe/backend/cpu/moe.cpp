@@ -39,7 +39,7 @@ void scatter_add_rows_masked(float* out, const float* src, const int32_t* index,
 }
 
 void gather_sum_rows(float* out, const float* src, const int32_t* slots, const float* weight,
-                     int64_t t, int64_t k, int64_t d) {
+                     const float* addend, int64_t t, int64_t k, int64_t d) {
   // No write conflicts (each token sums its own rows), so parallel over tokens.
 #pragma omp parallel if (t * k * d > (1 << 15))
   {
@@ -57,6 +57,11 @@ void gather_sum_rows(float* out, const float* src, const int32_t* slots, const f
         const float* srow = src + static_cast<int64_t>(rows[q]) * d;
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) orow[j] += wi * srow[j];
+      }
+      if (addend) {
+        const float* arow = addend + i * d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) orow[j] += arow[j];
       }
     }
   }

@@ -17,9 +17,9 @@ void gather_rows_masked(float* out, const float* x, const int32_t* index, int64_
 void scatter_add_rows_masked(float* out, const float* src, const int32_t* index,
                              const float* weight, int64_t m, int64_t d);
 // out (t, d)[i] = sum over r = slots (t, k)[i, j] >= 0 of weight[r] * src[r], added in
-// increasing r; weight may be null (1)
+// increasing r; weight may be null (1); addend (t, d), where not null, added to each sum last
 void gather_sum_rows(float* out, const float* src, const int32_t* slots, const float* weight,
-                     int64_t t, int64_t k, int64_t d);
+                     const float* addend, int64_t t, int64_t k, int64_t d);
 // x (n, d)[i, :] *= w[i]
 void scale_rows(float* x, const float* w, int64_t n, int64_t d);
 // In place over rows (n, d): dot[i] = rows[i] . dy[index[i]], then rows[i] = dy[index[i]] *

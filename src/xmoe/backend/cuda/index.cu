@@ -43,11 +43,12 @@ __global__ void gather_rows_kernel(W* out, const W* x, const int32_t* index, int
 
 // One warp per output row t: lane j < k holds source row slots[t * k + j] (none when outside
 // [0, n_src)); the rows are ranked by index (lane order breaks ties) so lane q holds the q-th
-// smallest, then added in that order in f32. VEC: 8 columns per access (d % 8 == 0, 16-byte
-// aligned rows).
+// smallest, then added in that order in f32, then addend's row where it is not null. VEC: 8
+// columns per access (d % 8 == 0, 16-byte aligned rows).
 template <class O, class S, class W, bool VEC>
-__global__ void gather_sum_rows_kernel(O* out, const S* src, const W* weight, const int32_t* slots,
-                                       int64_t n_out, int k, int64_t n_src, int64_t d) {
+__global__ void gather_sum_rows_kernel(O* out, const S* src, const W* weight, const O* addend,
+                                       const int32_t* slots, int64_t n_out, int k, int64_t n_src,
+                                       int64_t d) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); t < n_out;
@@ -86,6 +87,12 @@ __global__ void gather_sum_rows_kernel(O* out, const S* src, const W* weight, co
             for (int e = 0; e < 8; ++e) acc[e] += wq * v[e];
           }
         }
+        if (c < d && addend) {
+          float v[8];
+          load8(v, addend + t * d + c);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] += v[e];
+        }
         if (c < d) store8(o + c, acc);
       }
     } else {
@@ -97,6 +104,7 @@ __global__ void gather_sum_rows_kernel(O* out, const S* src, const W* weight, co
           const float wq = __shfl_sync(kAll, sorted_w, q);
           if (c < d) acc += wq * to_float(src[row * d + c]);
         }
+        if (c < d && addend) acc += to_float(addend[t * d + c]);
         if (c < d) o[c] = from_float<O>(acc);
       }
     }
@@ -267,12 +275,11 @@ void dispatch_sum_types(void* out, DType out_dt, const void* src, DType src_dt, 
 }  // namespace
 
 void gather_sum_rows(void* out, DType out_dt, const void* src, DType src_dt, const int32_t* slots,
-                     const void* weight, DType weight_dt, int64_t n_out, int64_t k, int64_t n_src,
-                     int64_t d, Stream stream) {
+                     const void* weight, DType weight_dt, const void* addend, int64_t n_out,
+                     int64_t k, int64_t n_src, int64_t d, Stream stream) {
   if (n_out == 0 || d == 0) return;
   if (k < 1 || k > 32) fail("[gather_sum_rows] k (source rows per output row) outside 1..32");
-  const bool vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  const bool vec = d % 8 == 0 && aligned16({out, src, addend});
   const unsigned grid = grid_for(n_out, kWarps);
   const int kk = static_cast<int>(k);
   dispatch_sum_types(out, out_dt, src, src_dt, weight, weight_dt, "gather_sum_rows",
@@ -280,12 +287,13 @@ void gather_sum_rows(void* out, DType out_dt, const void* src, DType src_dt, con
                        using O = std::remove_pointer_t<decltype(o)>;
                        using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
                        using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+                       const auto* a = static_cast<const O*>(addend);
                        if (vec) {
                          gather_sum_rows_kernel<O, S, W, true>
-                             <<<grid, kBlock, 0, stream>>>(o, s, w, slots, n_out, kk, n_src, d);
+                             <<<grid, kBlock, 0, stream>>>(o, s, w, a, slots, n_out, kk, n_src, d);
                        } else {
                          gather_sum_rows_kernel<O, S, W, false>
-                             <<<grid, kBlock, 0, stream>>>(o, s, w, slots, n_out, kk, n_src, d);
+                             <<<grid, kBlock, 0, stream>>>(o, s, w, a, slots, n_out, kk, n_src, d);
                        }
                        CUDA_CHECK_LAUNCH();
                      });

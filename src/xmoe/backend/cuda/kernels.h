@@ -161,6 +161,10 @@ void rmsnorm_backward(const RmsNormGradArgs& args, void* workspace, Stream strea
 // values (rows, k) of dt, descending; indices (rows, k) i32; ties go to the lower index.
 void topk(void* values, int32_t* indices, const void* x, DType dt, int64_t rows, int64_t cols,
           int64_t k, Stream stream);
+// probs = softmax(x) over the last dimension, then topk of probs: one pass over rows of up to 512
+// columns (the bits of softmax_forward then topk), the two passes above that.
+void softmax_topk(void* probs, void* values, int32_t* indices, const void* x, DType dt,
+                  int64_t rows, int64_t cols, int64_t k, Stream stream);
 // dst (groups, cap, d): group g's rows src[offsets[g] .. offsets[g + 1]) (at most cap of them)
 // first, zero rows after; offsets (groups + 1) int64 on the device.
 void pad_groups(void* dst, const void* src, DType dt, const int64_t* offsets, int64_t groups,
@@ -171,9 +175,10 @@ void gather_rows(void* out, const void* x, DType dt, const int32_t* index, int64
 // out[t] (n_out, d) = sum over j < k of weight[r] * src[r] (n_src, d), r = slots[t * k + j]
 // (i32 (n_out, k); rows outside [0, n_src) are skipped; weight (n_src) may be null = 1), added
 // in f32 in increasing r: the bits of scatter_add_rows into zeros, without its sort. k <= 32.
+// addend (n_out, d) of out_dt, where not null, is added to each f32 sum last, before the store.
 void gather_sum_rows(void* out, DType out_dt, const void* src, DType src_dt, const int32_t* slots,
-                     const void* weight, DType weight_dt, int64_t n_out, int64_t k, int64_t n_src,
-                     int64_t d, Stream stream);
+                     const void* weight, DType weight_dt, const void* addend, int64_t n_out,
+                     int64_t k, int64_t n_src, int64_t d, Stream stream);
 size_t scatter_add_rows_workspace_bytes(int64_t m, int64_t n_out);
 // out[index[i]] (n_out, d) += weight[i] * src[i] (m, d); weight (m) may be null (= 1).
 // Deterministic: the entries are sorted by destination row (stable radix sort on the device),

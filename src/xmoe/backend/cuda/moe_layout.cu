@@ -7,7 +7,8 @@
 //      records its pair index (atomicMin: the first bad pair).
 //   2. scan (one block): load_e = sum_c chunk_counts[c, e]; start_e = exclusive prefix over e
 //      (PFT) or 0 (padded); chunk_counts[c, e] becomes start_e + sum_{c' < c} chunk_counts[c', e]:
-//      where chunk c's first pair of expert e goes.
+//      where chunk c's first pair of expert e goes. With fewer than 1024 experts each expert's
+//      chunks are cut into slices, one thread each, so the block's threads all walk chunks.
 //   3. scatter: one warp per chunk walks its pairs 32 at a time in pair order; lanes with the
 //      same expert find each other (__match_any_sync) and take consecutive positions in lane
 //      order. Within an expert the rows are therefore in pair order, i.e. (token, slot) order,
@@ -19,7 +20,10 @@ namespace xmoe::cuda {
 
 namespace {
 
-constexpr int64_t kChunk = 512;
+// Pairs per chunk: small enough that the scatter's one warp per chunk fills the GPU (768 warps at
+// moe-1b's 98,304 pairs).
+constexpr int64_t kChunk = 128;
+constexpr int kScanThreads = 1024;
 
 size_t align256(size_t b) {
   return (b + 255) / 256 * 256;
@@ -45,15 +49,39 @@ __global__ void layout_histogram_kernel(int32_t* chunk_counts, unsigned long lon
     chunk_counts[blockIdx.x * experts + e] = hist[e];
 }
 
-__global__ void layout_scan_kernel(int32_t* chunk_counts, int64_t* load, int64_t* start,
-                                   int64_t chunks, int64_t experts, bool padded) {
-  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+// blockDim.x == kScanThreads. Thread t owns expert t % experts and slice t / experts of its
+// chunks (slices = kScanThreads / experts, at least 1); where experts > kScanThreads a thread
+// owns every kScanThreads-th expert, all chunks (one slice).
+__global__ void __launch_bounds__(kScanThreads)
+    layout_scan_kernel(int32_t* chunk_counts, int64_t* load, int64_t* start, int64_t chunks,
+                       int64_t experts, bool padded) {
+  __shared__ int32_t slice_sum[kScanThreads];  // [slice][expert] while experts < kScanThreads
+  const int64_t slices = experts < kScanThreads ? kScanThreads / experts : 1;
+  const int64_t per_slice = (chunks + slices - 1) / slices;
+  const int64_t t = threadIdx.x;
+  const bool sliced = slices > 1;
+  // 1. Each slice's count per expert.
+  if (sliced && t < slices * experts) {
+    const int64_t e = t % experts, s = t / experts;
+    const int64_t c1 = (s + 1) * per_slice < chunks ? (s + 1) * per_slice : chunks;
+    int32_t total = 0;
+    for (int64_t c = s * per_slice; c < c1; ++c) total += chunk_counts[c * experts + e];
+    slice_sum[t] = total;
+  }
+  __syncthreads();
+  // 2. Each expert's load.
+  for (int64_t e = t; e < experts; e += blockDim.x) {
     int64_t total = 0;
-    for (int64_t c = 0; c < chunks; ++c) total += chunk_counts[c * experts + e];
+    if (sliced) {
+      for (int64_t s = 0; s < slices; ++s) total += slice_sum[s * experts + e];
+    } else {
+      for (int64_t c = 0; c < chunks; ++c) total += chunk_counts[c * experts + e];
+    }
     load[e] = total;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  // 3. Where each expert's rows start.
+  if (t == 0) {
     int64_t run = 0;
     for (int64_t e = 0; e < experts; ++e) {
       start[e] = padded ? 0 : run;
@@ -61,12 +89,28 @@ __global__ void layout_scan_kernel(int32_t* chunk_counts, int64_t* load, int64_t
     }
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
-    int64_t run = start[e];
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int32_t n = chunk_counts[c * experts + e];
-      chunk_counts[c * experts + e] = static_cast<int32_t>(run);
-      run += n;
+  // 4. Where each (chunk, expert)'s rows start: each slice from its expert's start plus the
+  // slices before it.
+  if (sliced) {
+    if (t < slices * experts) {
+      const int64_t e = t % experts, s = t / experts;
+      int64_t run = start[e];
+      for (int64_t p = 0; p < s; ++p) run += slice_sum[p * experts + e];
+      const int64_t c1 = (s + 1) * per_slice < chunks ? (s + 1) * per_slice : chunks;
+      for (int64_t c = s * per_slice; c < c1; ++c) {
+        const int32_t n = chunk_counts[c * experts + e];
+        chunk_counts[c * experts + e] = static_cast<int32_t>(run);
+        run += n;
+      }
+    }
+  } else {
+    for (int64_t e = t; e < experts; e += blockDim.x) {
+      int64_t run = start[e];
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int32_t n = chunk_counts[c * experts + e];
+        chunk_counts[c * experts + e] = static_cast<int32_t>(run);
+        run += n;
+      }
     }
   }
 }
@@ -162,8 +206,8 @@ void moe_layout(const int32_t* topk_idx, const float* topk_weight, int64_t pairs
       chunk_counts, reinterpret_cast<unsigned long long*>(counts + experts), topk_idx, pairs,
       experts);
   CUDA_CHECK_LAUNCH();
-  layout_scan_kernel<<<1, 1024, 0, stream>>>(chunk_counts, counts, start, chunks, experts,
-                                             capacity > 0);
+  layout_scan_kernel<<<1, kScanThreads, 0, stream>>>(chunk_counts, counts, start, chunks, experts,
+                                                     capacity > 0);
   CUDA_CHECK_LAUNCH();
   layout_scatter_kernel<<<static_cast<unsigned>(chunks), 32, smem, stream>>>(
       chunk_counts, topk_idx, topk_weight, pairs, top_k, experts, capacity, token_ids, expert_ids,

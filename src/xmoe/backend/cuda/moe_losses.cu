@@ -36,19 +36,27 @@ __device__ double warp_row_lse(const float* row, int64_t experts, int lane) {
   return m + log(s);
 }
 
+// Block s * pieces + p counts piece p (kCountPiece choices) of sequence s's choices and adds its
+// counts into seq_count (zeroed first): float adds of whole numbers below 2^24 are exact, so the
+// sums do not depend on the order the blocks add in.
+constexpr int64_t kCountPiece = 1024;
+
 __global__ void seq_count_kernel(float* seq_count, const int32_t* topk_idx, int64_t seq_len,
                                  int64_t top_k, int64_t experts) {
   extern __shared__ int32_t hist[];
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
   __syncthreads();
-  const int64_t s = blockIdx.x, n = seq_len * top_k;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+  const int64_t n = seq_len * top_k, pieces = (n + kCountPiece - 1) / kCountPiece;
+  const int64_t s = blockIdx.x / pieces;
+  const int64_t begin = (blockIdx.x - s * pieces) * kCountPiece;
+  const int64_t end = begin + kCountPiece < n ? begin + kCountPiece : n;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     const int32_t e = topk_idx[s * n + i];
     if (e >= 0 && e < experts) atomicAdd(&hist[e], 1);
   }
   __syncthreads();
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x)
-    seq_count[s * experts + e] = static_cast<float>(hist[e]);
+    if (hist[e] != 0) atomicAdd(&seq_count[s * experts + e], static_cast<float>(hist[e]));
 }
 
 // Sequences are summed in chunks of kChunk tokens, all in parallel (one thread per (sequence,
@@ -225,8 +233,13 @@ void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const floa
   const int64_t seqs = tokens / seq_len, chunks = chunks_of(seq_len);
   const size_t smem = static_cast<size_t>(experts) * sizeof(int32_t);
   if (smem > 48 * 1024) fail("[moe aux losses] more than 12288 experts");
-  seq_count_kernel<<<static_cast<unsigned>(seqs), kBlock, smem, stream>>>(seq_count, topk_idx,
-                                                                          seq_len, top_k, experts);
+  if (seq_len * top_k >= (int64_t{1} << 24))
+    fail("[moe aux losses] a sequence of 2^24 or more expert choices");
+  CUDA_CHECK(
+      cudaMemsetAsync(seq_count, 0, static_cast<size_t>(seqs * experts) * sizeof(float), stream));
+  const int64_t pieces = (seq_len * top_k + kCountPiece - 1) / kCountPiece;
+  seq_count_kernel<<<static_cast<unsigned>(seqs * pieces), kBlock, smem, stream>>>(
+      seq_count, topk_idx, seq_len, top_k, experts);
   CUDA_CHECK_LAUNCH();
   double* lse_partial = scratch;                 // [kLseBlocks]
   double* chunk_partial = scratch + kLseBlocks;  // [S, chunks, E]

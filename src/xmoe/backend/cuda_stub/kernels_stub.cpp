@@ -146,11 +146,14 @@ void rmsnorm_backward(const RmsNormGradArgs&, void*, Stream) {
 void topk(void*, int32_t*, const void*, DType, int64_t, int64_t, int64_t, Stream) {
   no_cuda("topk");
 }
+void softmax_topk(void*, void*, int32_t*, const void*, DType, int64_t, int64_t, int64_t, Stream) {
+  no_cuda("softmax_topk");
+}
 void gather_rows(void*, const void*, DType, const int32_t*, int64_t, int64_t, int64_t, Stream) {
   no_cuda("gather_rows");
 }
-void gather_sum_rows(void*, DType, const void*, DType, const int32_t*, const void*, DType, int64_t,
-                     int64_t, int64_t, int64_t, Stream) {
+void gather_sum_rows(void*, DType, const void*, DType, const int32_t*, const void*, DType,
+                     const void*, int64_t, int64_t, int64_t, int64_t, Stream) {
   no_cuda("gather_sum_rows");
 }
 size_t scatter_add_rows_workspace_bytes(int64_t, int64_t) {

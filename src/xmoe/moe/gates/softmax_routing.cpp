@@ -6,14 +6,25 @@ namespace xmoe::moe {
 
 GateOutput SoftmaxRouting::forward(const Tensor& logits, int64_t seq_len, const Tensor& fixed_idx,
                                    comm::Group* world) {
-  logits_ = logits;                     // [T, E]
-  probs_ = xmoe::ops::softmax(logits);  // [T, E], for the balance losses (and GShard weights)
+  logits_ = logits;  // [T, E]
   GateOutput out;
   if (o_.softmax_before_topk) {
-    idx_ = fixed_idx.defined() ? fixed_idx : xmoe::ops::topk(probs_, o_.top_k).indices;
-    Tensor v = xmoe::ops::take_along_rows(probs_, idx_);  // [T, k]
+    // probs [T, E] (for the balance losses and the weights), the picks and their values [T, k]:
+    // one pass where the routing is not fixed
+    Tensor v;
+    if (fixed_idx.defined()) {
+      probs_ = xmoe::ops::softmax(logits);
+      idx_ = fixed_idx;
+      v = xmoe::ops::take_along_rows(probs_, idx_);
+    } else {
+      xmoe::ops::SoftmaxTopKResult st = xmoe::ops::softmax_topk(logits, o_.top_k);
+      probs_ = std::move(st.probs);
+      idx_ = std::move(st.top.indices);
+      v = std::move(st.top.values);
+    }
     weights_ = o_.renormalize ? xmoe::ops::renormalize_rows(v, 1.0f, sums_) : v;
   } else {
+    probs_ = xmoe::ops::softmax(logits);  // [T, E], for the balance losses
     idx_ = fixed_idx.defined() ? fixed_idx : xmoe::ops::topk(logits, o_.top_k).indices;
     weights_ = xmoe::ops::softmax(xmoe::ops::take_along_rows(logits, idx_));  // [T, k], sums to 1
   }
