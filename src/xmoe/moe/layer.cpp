@@ -453,8 +453,11 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   const int64_t grad_temp = c.expert_grad_dtype == "bf16" && dtype == DType::f32
                                 ? 6 * (c.num_experts / ep) * d * 2 * f
                                 : 0;
-  const int64_t weight_phase =
-      shared_dx + d_cw + grad_temp + (recompute ? h : 0) - (ep > 1 ? out : 0);
+  // By then d_out (over out's storage where dispatch moved nothing) is gone, and the input rows
+  // are the kept ones or gathered again for it.
+  const bool out_gone = ep > 1 || (fwd_chunks == 1 && bwd_chunks == 1);
+  const int64_t weight_phase = shared_dx + d_cw + grad_temp + (recompute ? h : 0) -
+                               (out_gone ? out : 0) + (keeps_rows ? 0 : in_rows);
   // dispatch back and order: d_rows [N, d] (and the received ones), dx [T, d]; h and out gone
   const int64_t freed = (recompute ? 0 : h) + out + (keeps_rows ? in_rows : 0);
   const int64_t order_phase =
