@@ -10,6 +10,7 @@ two (before, after), prints both columns and the difference, largest change firs
 """
 import collections
 import csv
+import signal
 import sys
 
 
@@ -51,6 +52,7 @@ def main(paths):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the output quietly
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     main(sys.argv[1:])

@@ -18,6 +18,7 @@
 // Routing must agree exactly (it is discrete): the router runs in f32 on both sides (also with
 // bf16 activations) and its weights are large (init_std 0.5) so the top-k gaps are far above
 // rounding; the tests check the expert choice exactly before comparing values.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -349,6 +350,47 @@ TEST(CudaMoeAux, TwoRanksFinaliseToTheWholeBatch) {
   EXPECT_EQ(dn[0], ref_dn[0] / 2);
   EXPECT_EQ(dn[1], ref_dn[1] / 2);
   EXPECT_EQ(dn[2], ref_dn[2] / 2);
+}
+
+// The GShard routing's backward in one pass writes the bits of the passes it replaces (dv put
+// into zeros, the aux terms, softmax's backward, the add), for each mix of aux weights, with the
+// scale on the host or the device, an E that is not a multiple of 32, and on the CPU.
+TEST(CudaMoeAux, SoftmaxRoutingBackwardIsThePassesItReplaces) {
+  XMOE_REQUIRE_CUDA();
+  for (const int64_t E : {int64_t{64}, int64_t{37}}) {
+    const int64_t T = 96, k = 6, L = 32;
+    const Tensor z = randn({T, E}, 51, 2.f).to(kCuda);
+    const ops::SoftmaxTopKResult st = ops::softmax_topk(z, k);
+    const Tensor dv = randn({T, k}, 52).to(kCuda);
+    const Tensor scale = Tensor::full({1}, 0.37f, kCuda);
+    for (const AuxLossWeights w :
+         {AuxLossWeights{0.f, 0.f, 0.f}, AuxLossWeights{0.01f, 0.f, 0.f},
+          AuxLossWeights{0.01f, 0.003f, 0.f}, AuxLossWeights{0.01f, 0.003f, 0.002f}}) {
+      for (const bool on_device : {false, true}) {
+        SCOPED_TRACE(fmt::format("E {} w {} {} {} device scale {}", E, w.load_balance,
+                                 w.seq_balance, w.z_loss, on_device));
+        AuxLossState state;
+        aux_losses(st.probs, st.top.indices, z, L, w, state);
+        const Tensor s = on_device ? scale : Tensor();
+        Tensor dprobs = Tensor::zeros({T, E}, DType::f32, kCuda);
+        Tensor dlogits = Tensor::zeros({T, E}, DType::f32, kCuda);
+        ops::put_along_rows_add(dprobs, st.top.indices, dv);
+        aux_losses_backward(z, state, w, dprobs, dlogits, s);
+        ops::add_(dlogits, ops::softmax_backward(st.probs, dprobs));
+        const Tensor fused = softmax_routing_backward(st.probs, st.top.indices, dv, z, state, w, s);
+        EXPECT_EQ(fused.to_vector<float>(), dlogits.to_vector<float>());
+        // the CPU's composition of the same ops, within f32 rounding
+        AuxLossState cpu_state;
+        const Tensor probs_h = st.probs.to(Device::cpu()), z_h = z.to(Device::cpu());
+        const Tensor idx_h = st.top.indices.to(Device::cpu());
+        aux_losses(probs_h, idx_h, z_h, L, w, cpu_state);
+        EXPECT_CLOSE(fused,
+                     softmax_routing_backward(probs_h, idx_h, dv.to(Device::cpu()), z_h, cpu_state,
+                                              w, on_device ? scale.to(Device::cpu()) : Tensor()),
+                     1e-5, "softmax_routing_backward");
+      }
+    }
+  }
 }
 
 // ---- the layer ---------------------------------------------------------------------------------

@@ -85,4 +85,16 @@ void aux_losses_backward(const Tensor& z_logits, const AuxLossState& st, const A
                               device_scale);
 }
 
+Tensor softmax_routing_backward(const Tensor& probs, const Tensor& idx, const Tensor& dv,
+                                const Tensor& z_logits, const AuxLossState& st,
+                                const AuxLossWeights& w, const Tensor& device_scale) {
+  ProfileScope scope("moe.aux_loss.bwd", probs.device());
+  const char* op = "moe softmax routing backward";
+  check_shape(probs, {st.tokens, st.experts}, op, "probs");
+  XMOE_CHECK(st.denoms.defined(), "[{}] backward without a forward", op);
+  return xmoe::ops::moe_softmax_routing_backward(probs, idx, dv, z_logits, st.frac, st.seq_count,
+                                                 st.denoms, st.seq_len, st.top_k, w.load_balance,
+                                                 w.seq_balance, w.z_loss, device_scale);
+}
+
 }  // namespace xmoe::moe

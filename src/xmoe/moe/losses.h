@@ -109,4 +109,11 @@ AuxLossTerms aux_losses(const Tensor& probs, const Tensor& topk_idx, const Tenso
 void aux_losses_backward(const Tensor& z_logits, const AuxLossState& state, const AuxLossWeights& w,
                          Tensor& dprobs, Tensor& dlogits, const Tensor& device_scale = Tensor());
 
+/// dlogits [T, E] of the GShard softmax routing (P = softmax(z_logits), weights P[idx], their
+/// gradient dv [T, k]) with the aux losses' terms: what put_along_rows_add, aux_losses_backward,
+/// softmax_backward and the add give, in one pass on CUDA (ops::moe_softmax_routing_backward).
+Tensor softmax_routing_backward(const Tensor& probs, const Tensor& idx, const Tensor& dv,
+                                const Tensor& z_logits, const AuxLossState& state,
+                                const AuxLossWeights& w, const Tensor& device_scale = Tensor());
+
 }  // namespace xmoe::moe

@@ -439,30 +439,42 @@ MoeAuxTerms moe_aux_finalize(const Tensor& all_stats, int64_t top_k, int64_t seq
   return t;
 }
 
+namespace {
+/// The aux-loss backward's inputs beside a [T, E] f32 tensor (their device and shapes).
+void check_aux_backward_args(const char* op, const char* ref_name, const Tensor& dprobs,
+                             const Tensor& z_logits, const Tensor& frac, const Tensor& seq_count,
+                             const Tensor& denoms, int64_t seq_len, int64_t top_k,
+                             const Tensor& scale) {
+  require_on(op, "z_logits", z_logits, DType::f32, ref_name, dprobs);
+  const int64_t T = dprobs.size(0), E = dprobs.size(1);
+  check_shape(z_logits, {T, E}, op, "z_logits");
+  XMOE_CHECK(seq_len > 0 && T % seq_len == 0 && top_k >= 1,
+             "[{}] {} tokens are not a multiple of seq_len {} (top_k {})", op, T, seq_len, top_k);
+  // f_e as moe_aux_finalize leaves it: f64 on the CPU (the reference keeps it exact), f32 on CUDA
+  require_on(op, "frac", frac, dprobs.is_cpu() ? DType::f64 : DType::f32, ref_name, dprobs);
+  check_shape(frac, {E}, op, "frac");
+  require_on(op, "seq_count", seq_count, DType::f32, ref_name, dprobs);
+  check_shape(seq_count, {T / seq_len, E}, op, "seq_count");
+  require_on(op, "denoms", denoms, DType::f64, ref_name, dprobs);
+  check_shape(denoms, {3}, op, "denoms");
+  if (scale.defined()) {
+    require_on(op, "scale", scale, DType::f32, ref_name, dprobs);
+    XMOE_CHECK(scale.numel() == 1, "[{}] scale has {} elements, expected 1", op, scale.numel());
+  }
+}
+}  // namespace
+
 void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, const Tensor& frac,
                       const Tensor& seq_count, const Tensor& denoms, int64_t seq_len, int64_t top_k,
                       float w_lb, float w_seq, float w_z, const Tensor& scale) {
   const char* op = "moe_aux_backward";
   require_on(op, "dprobs", dprobs, DType::f32, "dprobs", dprobs);
   require_on(op, "dlogits", dlogits, DType::f32, "dprobs", dprobs);
-  require_on(op, "z_logits", z_logits, DType::f32, "dprobs", dprobs);
   check_shape(dprobs, {-1, -1}, op, "dprobs");
   const int64_t T = dprobs.size(0), E = dprobs.size(1);
   check_shape(dlogits, {T, E}, op, "dlogits");
-  check_shape(z_logits, {T, E}, op, "z_logits");
-  XMOE_CHECK(seq_len > 0 && T % seq_len == 0 && top_k >= 1,
-             "[{}] {} tokens are not a multiple of seq_len {} (top_k {})", op, T, seq_len, top_k);
-  // f_e as moe_aux_finalize leaves it: f64 on the CPU (the reference keeps it exact), f32 on CUDA
-  require_on(op, "frac", frac, dprobs.is_cpu() ? DType::f64 : DType::f32, "dprobs", dprobs);
-  check_shape(frac, {E}, op, "frac");
-  require_on(op, "seq_count", seq_count, DType::f32, "dprobs", dprobs);
-  check_shape(seq_count, {T / seq_len, E}, op, "seq_count");
-  require_on(op, "denoms", denoms, DType::f64, "dprobs", dprobs);
-  check_shape(denoms, {3}, op, "denoms");
-  if (scale.defined()) {
-    require_on(op, "scale", scale, DType::f32, "dprobs", dprobs);
-    XMOE_CHECK(scale.numel() == 1, "[{}] scale has {} elements, expected 1", op, scale.numel());
-  }
+  check_aux_backward_args(op, "dprobs", dprobs, z_logits, frac, seq_count, denoms, seq_len, top_k,
+                          scale);
   if (dprobs.is_cpu()) {
     const float s = scale.defined() ? scale.data<float>()[0] : 1.f;
     w_lb *= s, w_seq *= s, w_z *= s;
@@ -475,6 +487,38 @@ void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, c
                          frac.data<float>(), seq_count.data<float>(), denoms.data<double>(), T, E,
                          seq_len, top_k, w_lb, w_seq, w_z,
                          scale.defined() ? scale.data<float>() : nullptr, stream_of(dprobs));
+}
+
+Tensor moe_softmax_routing_backward(const Tensor& probs, const Tensor& idx, const Tensor& dv,
+                                    const Tensor& z_logits, const Tensor& frac,
+                                    const Tensor& seq_count, const Tensor& denoms, int64_t seq_len,
+                                    int64_t top_k, float w_lb, float w_seq, float w_z,
+                                    const Tensor& scale) {
+  const char* op = "moe_softmax_routing_backward";
+  require_on(op, "probs", probs, DType::f32, "probs", probs);
+  check_shape(probs, {-1, -1}, op, "probs");
+  const int64_t T = probs.size(0), E = probs.size(1);
+  require_on(op, "idx", idx, DType::i32, "probs", probs);
+  check_shape(idx, {T, -1}, op, "idx");
+  require_on(op, "dv", dv, DType::f32, "probs", probs);
+  check_shape(dv, idx.shape(), op, "dv");
+  Tensor dlogits = Tensor::zeros({T, E}, DType::f32, probs.device());
+  if (probs.is_cpu()) {  // the ops it fuses, in order (moe_aux_backward checks the rest)
+    Tensor dprobs = Tensor::zeros({T, E}, DType::f32, probs.device());
+    put_along_rows_add(dprobs, idx, dv);
+    moe_aux_backward(dprobs, dlogits, z_logits, frac, seq_count, denoms, seq_len, top_k, w_lb,
+                     w_seq, w_z, scale);
+    add_(dlogits, softmax_backward(probs, dprobs));
+    return dlogits;
+  }
+  check_aux_backward_args(op, "probs", probs, z_logits, frac, seq_count, denoms, seq_len, top_k,
+                          scale);
+  cuda::moe_softmax_routing_backward(
+      dlogits.data<float>(), probs.data<float>(), idx.data<int32_t>(), dv.data<float>(),
+      idx.size(1), z_logits.data<float>(), frac.data<float>(), seq_count.data<float>(),
+      denoms.data<double>(), T, E, seq_len, top_k, w_lb, w_seq, w_z,
+      scale.defined() ? scale.data<float>() : nullptr, stream_of(probs));
+  return dlogits;
 }
 
 // ---- gates ----------------------------------------------------------------------------------

@@ -123,6 +123,15 @@ MoeAuxTerms moe_aux_finalize(const Tensor& all_stats, int64_t top_k, int64_t seq
 void moe_aux_backward(Tensor& dprobs, Tensor& dlogits, const Tensor& z_logits, const Tensor& frac,
                       const Tensor& seq_count, const Tensor& denoms, int64_t seq_len, int64_t top_k,
                       float w_lb, float w_seq, float w_z, const Tensor& scale = Tensor());
+/// dlogits f32 [T, E] of the GShard softmax routing (P = softmax(logits), weights P[idx]): dv
+/// f32 [T, k] put at idx i32 [T, k] into dP, moe_aux_backward's terms added (dP; the z-loss's
+/// into dlogits), then softmax's backward added: the bits of put_along_rows_add into zeros,
+/// moe_aux_backward, softmax_backward and add_, in one pass on CUDA.
+Tensor moe_softmax_routing_backward(const Tensor& probs, const Tensor& idx, const Tensor& dv,
+                                    const Tensor& z_logits, const Tensor& frac,
+                                    const Tensor& seq_count, const Tensor& denoms, int64_t seq_len,
+                                    int64_t top_k, float w_lb, float w_seq, float w_z,
+                                    const Tensor& scale = Tensor());
 
 // ---- gates ----------------------------------------------------------------------------------
 

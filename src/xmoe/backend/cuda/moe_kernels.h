@@ -88,6 +88,15 @@ void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, cons
                       const float* seq_count, const double* denoms, int64_t tokens, int64_t experts,
                       int64_t seq_len, int64_t top_k, float w_lb, float w_seq, float w_z,
                       const float* scale, Stream stream);
+// dlogits (tokens, experts) = put dv (tokens, k) at idx into zeros, moe_aux_backward's terms,
+// softmax's backward through probs, added to the z-loss's term: those ops' bits in one pass, one
+// warp per token row.
+void moe_softmax_routing_backward(float* dlogits, const float* probs, const int32_t* idx,
+                                  const float* dv, int64_t k, const float* z_logits,
+                                  const float* frac, const float* seq_count, const double* denoms,
+                                  int64_t tokens, int64_t experts, int64_t seq_len, int64_t top_k,
+                                  float w_lb, float w_seq, float w_z, const float* scale,
+                                  Stream stream);
 
 // ---- gates (moe_gates.cu) -------------------------------------------------------------------
 

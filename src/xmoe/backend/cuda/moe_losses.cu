@@ -69,6 +69,23 @@ int64_t chunks_of(int64_t seq_len) {
   return (seq_len + kChunk - 1) / kChunk;
 }
 
+// acc + v[first] + v[first + stride] + ... (count terms, in that order), the loads issued kBatch
+// at a time ahead of their adds: these short sums were a chain of dependent loads.
+template <int kBatch, class T>
+__device__ __forceinline__ double add_strided(double acc, const T* v, int64_t count,
+                                              int64_t stride) {
+  int64_t i = 0;
+  for (; i + kBatch <= count; i += kBatch) {
+    T b[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) b[u] = v[(i + u) * stride];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) acc += b[u];
+  }
+  for (; i < count; ++i) acc += v[i * stride];
+  return acc;
+}
+
 __global__ void chunk_psum_kernel(double* partial, const float* probs, int64_t seqs,
                                   int64_t seq_len, int64_t experts) {
   const int64_t chunks = (seq_len + kChunk - 1) / kChunk;
@@ -76,9 +93,7 @@ __global__ void chunk_psum_kernel(double* partial, const float* probs, int64_t s
     const int64_t e = i % experts, sc = i / experts, s = sc / chunks, c = sc % chunks;
     const int64_t t0 = s * seq_len + c * kChunk;
     const int64_t t1 = s * seq_len + min(seq_len, (c + 1) * kChunk);
-    double acc = 0;
-    for (int64_t t = t0; t < t1; ++t) acc += probs[t * experts + e];
-    partial[i] = acc;
+    partial[i] = add_strided<16>(0.0, probs + t0 * experts + e, t1 - t0, experts);
   }
 }
 
@@ -86,17 +101,18 @@ __global__ void seq_psum_kernel(double* seq_psum, const double* partial, int64_t
                                 int64_t chunks, int64_t experts) {
   XMOE_GRID_STRIDE(i, seqs * experts) {
     const int64_t s = i / experts, e = i % experts;
-    double acc = 0;
-    for (int64_t c = 0; c < chunks; ++c) acc += partial[(s * chunks + c) * experts + e];
-    seq_psum[i] = acc;
+    seq_psum[i] = add_strided<8>(0.0, partial + s * chunks * experts + e, chunks, experts);
   }
 }
 
-// Per-block partial sums of lse_t^2 (one warp per token row, kLseBlocks blocks; float max and
-// double sum of exp, as the CPU), then one block adds the partials into stats[2E + 1].
-__global__ void lse_squares_partial_kernel(double* partial, const float* z, int64_t tokens,
-                                           int64_t experts) {
-  __shared__ double scratch[kBlock];
+// Per-block partial sums of lse_t^2 (one warp per token row, kLseBlocks blocks of kLseThreads:
+// two rows a warp at moe-1b's 16384 tokens; float max and double sum of exp, as the CPU), then
+// one block adds the partials into stats[2E + 1].
+constexpr int kLseThreads = 1024;
+
+__global__ void __launch_bounds__(kLseThreads)
+    lse_squares_partial_kernel(double* partial, const float* z, int64_t tokens, int64_t experts) {
+  __shared__ double scratch[kLseThreads];
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   double acc = 0;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); t < tokens;
@@ -215,6 +231,58 @@ __global__ void aux_z_grad_kernel(float* dlogits, const float* z, const double* 
   }
 }
 
+// moe_softmax_routing_backward: per row, dP_e = (0 + dv_q for each q with idx_q = e, in q order)
+// + the load- and sequence-balance terms (aux_probs_grad_kernel's), dot = sum P dP (lane-strided,
+// then the butterfly: softmax_backward_kernel's order), dlogits_e = (0 + z term) + P_e (dP_e -
+// dot). dP is made twice (for the dot, then for the output) rather than stored: the same bits.
+__global__ void softmax_routing_backward_kernel(float* dlogits, const float* probs,
+                                                const int32_t* idx, const float* dv, int64_t k,
+                                                const float* z, const float* frac,
+                                                const float* seq_count, const double* denoms,
+                                                int64_t tokens, int64_t experts, int64_t seq_len,
+                                                int64_t top_k, float w_lb_, float w_seq_,
+                                                float w_z_, const float* scale) {
+  // aux_probs_grad_kernel runs (and makes its coefficients) only where a weight is non-zero
+  const bool probs_terms = w_lb_ != 0.f || w_seq_ != 0.f;
+  const double w_lb = probs_terms ? scaled_weight(w_lb_, scale) : 0.0;
+  const double w_seq = probs_terms ? scaled_weight(w_seq_, scale) : 0.0;
+  const double E = static_cast<double>(experts);
+  const double lb_coef = w_lb != 0.0 ? w_lb * E / denoms[0] : 0.0;
+  const double seq_coef =
+      w_seq != 0.0 ? w_seq * E / (static_cast<double>(seq_len * top_k) * denoms[1]) : 0.0;
+  const bool z_on = w_z_ != 0.f;
+  const double z_coef = z_on ? scaled_weight(w_z_, scale) * 2.0 / denoms[2] : 0.0;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); t < tokens;
+       t += static_cast<int64_t>(gridDim.x) * warps) {
+    const int64_t o = t * experts;
+    const int32_t* it = idx + t * k;
+    const float* vt = dv + t * k;
+    const float* ct = seq_count + (t / seq_len) * experts;
+    auto d_prob = [&](int64_t e) {
+      float g = 0.f;
+      for (int64_t q = 0; q < k; ++q)
+        if (it[q] == e) g = g + vt[q];
+      if (lb_coef != 0.0) g += static_cast<float>(lb_coef * frac[e]);
+      if (seq_coef != 0.0) g += static_cast<float>(seq_coef * ct[e]);
+      return g;
+    };
+    float dot = 0.f;
+    for (int64_t e = lane; e < experts; e += 32) dot += probs[o + e] * d_prob(e);
+    dot = warp_sum(dot);
+    double c = 0.0, lse = 0.0;
+    if (z_on) {
+      lse = warp_row_lse(z + o, experts, lane);
+      c = z_coef * lse;
+    }
+    for (int64_t e = lane; e < experts; e += 32) {
+      const float zt = z_on ? 0.f + static_cast<float>(c * exp(z[o + e] - lse)) : 0.f;
+      // rounded as the separate passes round (no FMA across them)
+      dlogits[o + e] = __fadd_rn(zt, __fmul_rn(probs[o + e], d_prob(e) - dot));
+    }
+  }
+}
+
 }  // namespace
 
 int64_t moe_aux_stats_scratch(int64_t tokens, int64_t experts, int64_t seq_len) {
@@ -249,8 +317,8 @@ void moe_aux_stats(double* stats, float* seq_count, double* seq_psum, const floa
   seq_psum_kernel<<<grid_for(seqs * experts), kBlock, 0, stream>>>(seq_psum, chunk_partial, seqs,
                                                                    chunks, experts);
   CUDA_CHECK_LAUNCH();
-  lse_squares_partial_kernel<<<kLseBlocks, kBlock, 0, stream>>>(lse_partial, z_logits, tokens,
-                                                                experts);
+  lse_squares_partial_kernel<<<kLseBlocks, kLseThreads, 0, stream>>>(lse_partial, z_logits, tokens,
+                                                                     experts);
   CUDA_CHECK_LAUNCH();
   lse_squares_total_kernel<<<1, 512, 0, stream>>>(stats, lse_partial, experts);
   CUDA_CHECK_LAUNCH();
@@ -282,6 +350,19 @@ void moe_aux_backward(float* dprobs, float* dlogits, const float* z_logits, cons
         dlogits, z_logits, denoms, tokens, experts, w_z, scale);
     CUDA_CHECK_LAUNCH();
   }
+}
+
+void moe_softmax_routing_backward(float* dlogits, const float* probs, const int32_t* idx,
+                                  const float* dv, int64_t k, const float* z_logits,
+                                  const float* frac, const float* seq_count, const double* denoms,
+                                  int64_t tokens, int64_t experts, int64_t seq_len, int64_t top_k,
+                                  float w_lb, float w_seq, float w_z, const float* scale,
+                                  Stream stream) {
+  if (tokens == 0 || experts == 0) return;
+  softmax_routing_backward_kernel<<<grid_for(tokens, kBlock / 32), kBlock, 0, stream>>>(
+      dlogits, probs, idx, dv, k, z_logits, frac, seq_count, denoms, tokens, experts, seq_len,
+      top_k, w_lb, w_seq, w_z, scale);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace xmoe::cuda

@@ -71,6 +71,12 @@ void moe_aux_backward(float*, float*, const float*, const float*, const float*, 
                       Stream) {
   no_cuda("moe aux losses backward");
 }
+void moe_softmax_routing_backward(float*, const float*, const int32_t*, const float*, int64_t,
+                                  const float*, const float*, const float*, const double*, int64_t,
+                                  int64_t, int64_t, int64_t, float, float, float, const float*,
+                                  Stream) {
+  no_cuda("moe softmax routing backward");
+}
 void moe_group_limited_scores(float*, const float*, const float*, int64_t, int64_t, int64_t,
                               int64_t, Stream) {
   no_cuda("moe gate sigmoid");

@@ -39,19 +39,19 @@ Tensor SoftmaxRouting::backward(const Tensor& d_topk_weight, float aux_scale,
   XMOE_CHECK(weights_.defined(), "[moe gate] backward without a forward");
   XMOE_CHECK(probs_.defined(), "[moe gate] backward before the routing tensors were restored");
   check_shape(d_topk_weight, weights_.shape(), "moe gate backward", "d_topk_weight");
+  if (o_.softmax_before_topk) {  // dv into dP, the aux terms, softmax's backward: one pass
+    Tensor dv = o_.renormalize
+                    ? xmoe::ops::renormalize_rows_backward(weights_, sums_, d_topk_weight, 1.0f)
+                    : d_topk_weight;
+    return softmax_routing_backward(probs_, idx_, dv, logits_, aux_state_, o_.aux.scaled(aux_scale),
+                                    aux_device_scale);
+  }
   const int64_t T = probs_.size(0), E = probs_.size(1);
   Tensor dprobs = Tensor::zeros({T, E}, DType::f32, probs_.device());
   // direct contributions (Mixtral weights, z-loss)
   Tensor dlogits = Tensor::zeros({T, E}, DType::f32, probs_.device());
-  if (o_.softmax_before_topk) {
-    Tensor dv = o_.renormalize
-                    ? xmoe::ops::renormalize_rows_backward(weights_, sums_, d_topk_weight, 1.0f)
-                    : d_topk_weight;
-    xmoe::ops::put_along_rows_add(dprobs, idx_, dv);
-  } else {
-    xmoe::ops::put_along_rows_add(dlogits, idx_,
-                                  xmoe::ops::softmax_backward(weights_, d_topk_weight));
-  }
+  xmoe::ops::put_along_rows_add(dlogits, idx_,
+                                xmoe::ops::softmax_backward(weights_, d_topk_weight));
   aux_losses_backward(logits_, aux_state_, o_.aux.scaled(aux_scale), dprobs, dlogits,
                       aux_device_scale);
   xmoe::ops::add_(dlogits, xmoe::ops::softmax_backward(probs_, dprobs));
