@@ -127,6 +127,7 @@ run() {
           --print-units base $b/bin/bench_train_step --preset moe-1b --device cuda --warmup 1 \
           --steps 1 --set model.moe.expert_dtype=$dt >"$out/$part.csv" 2>"$out/$part.err" ||
           status=1
+        python3 scripts/ncu_kernels.py --parts "$out/$part.csv" | tee "$out/$part-parts.txt"
         python3 scripts/ncu_kernels.py "$out/$part.csv" | tee "$out/$part.txt" | head -40 ;;
       shared)
         for t in 1 2; do

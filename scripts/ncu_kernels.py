@@ -3,15 +3,56 @@
 
 A step ends with AdamW: the kernels after the previous step's last adamw_kernel launch are the
 last step's. With one CSV, prints ms per kernel name, largest first, and the step's total; with
-two (before, after), prints both columns and the difference, largest change first.
+two (before, after), prints both columns and the difference, largest change first. With
+--parts, the same by part of the step (the routed experts' grouped GEMMs, attention, AdamW, ...:
+the table docs/benchmarks.md keeps of where a step goes).
 
-  python3 scripts/ncu_kernels.py kernels.csv
-  python3 scripts/ncu_kernels.py before.csv after.csv
+  python3 scripts/ncu_kernels.py [--parts] kernels.csv
+  python3 scripts/ncu_kernels.py [--parts] before.csv after.csv
 """
 import collections
 import csv
+import re
 import signal
 import sys
+
+# (part, pattern over the kernel name), first match wins; unmatched kernels are "other".
+PARTS = [
+    ("routed experts' grouped GEMMs",
+     r"GroupProblemShape|write_problems|write_fp8_problems|sm90::.*add_partials"),
+    ("attention (cuDNN / xmoe)", r"cudnn|sdpa|flash|attention"),
+    # the f32 router's split into bf16 terms and their sum are its GEMM's
+    ("other GEMMs (cuBLAS)", r"nvjet|cublas|gemm|split_bf16_columns|sum_column_blocks"),
+    ("AdamW", r"adamw"),
+    ("gradient norm", r"sum_squares|sum_partials"),
+    ("FP8 quantisers", r"quantize"),
+    ("order / I-Order gathers", r"gather_rows|gather_weighted_rows_dot|gather_sum_rows"),
+    ("router, layout, aux losses",
+     r"topk|softmax|layout|seq_count|seq_psum|chunk_psum|lse_|totals|aux_|put_along|take_along"
+     r"|routing"),
+    ("norms", r"rmsnorm"),
+    ("SwiGLU", r"swiglu"),
+    ("RoPE", r"rope"),
+    ("cross-entropy", r"cross_entropy"),
+    ("embedding backward", r"scatter_rows|scatter_keys|RadixSort|segment_offsets|find_bad_index"),
+    ("elementwise (add, cast, scale)", r"add_|cast|scale|copy|fill"),
+]
+
+
+def part_of(name):
+    for part, pattern in PARTS:
+        if re.search(pattern, name):
+            return part
+    return "other"
+
+
+def by_part(total, count):
+    """(part -> ms, part -> launches) from kernel name -> ms, launches."""
+    t, c = collections.Counter(), collections.Counter()
+    for key, ms in total.items():
+        t[part_of(key)] += ms
+        c[part_of(key)] += count[key]
+    return t, c
 
 
 def last_step(path):
@@ -36,14 +77,17 @@ def last_step(path):
     return total, count, len(step)
 
 
-def main(paths):
+def main(paths, parts=False):
+    steps = [last_step(p) for p in paths]
+    if parts:
+        steps = [(*by_part(t, c), n) for t, c, n in steps]
     if len(paths) == 1:
-        total, count, n = last_step(paths[0])
+        total, count, n = steps[0]
         print(f"kernels {n}, total {sum(total.values()):.2f} ms (the last step)")
         for key, ms in total.most_common():
             print(f"{ms:9.3f} ms {count[key]:6d}x  {key}")
         return
-    (a, ca, na), (b, cb, nb) = last_step(paths[0]), last_step(paths[1])
+    (a, ca, na), (b, cb, nb) = steps
     print(f"kernels {na} -> {nb}, total {sum(a.values()):.2f} -> {sum(b.values()):.2f} ms")
     keys = sorted(set(a) | set(b), key=lambda k: -abs(b[k] - a[k]))
     for key in keys:
@@ -53,6 +97,7 @@ def main(paths):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the output quietly
-    if len(sys.argv) not in (2, 3):
+    args = [a for a in sys.argv[1:] if a != "--parts"]
+    if len(args) not in (1, 2):
         sys.exit(__doc__)
-    main(sys.argv[1:])
+    main(args, parts="--parts" in sys.argv[1:])
