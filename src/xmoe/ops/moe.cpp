@@ -440,25 +440,25 @@ MoeAuxTerms moe_aux_finalize(const Tensor& all_stats, int64_t top_k, int64_t seq
 }
 
 namespace {
-/// The aux-loss backward's inputs beside a [T, E] f32 tensor (their device and shapes).
-void check_aux_backward_args(const char* op, const char* ref_name, const Tensor& dprobs,
+/// The aux-loss backward's inputs against ref [T, E] (named ref_name): device, dtypes, shapes.
+void check_aux_backward_args(const char* op, const char* ref_name, const Tensor& ref,
                              const Tensor& z_logits, const Tensor& frac, const Tensor& seq_count,
                              const Tensor& denoms, int64_t seq_len, int64_t top_k,
                              const Tensor& scale) {
-  require_on(op, "z_logits", z_logits, DType::f32, ref_name, dprobs);
-  const int64_t T = dprobs.size(0), E = dprobs.size(1);
+  require_on(op, "z_logits", z_logits, DType::f32, ref_name, ref);
+  const int64_t T = ref.size(0), E = ref.size(1);
   check_shape(z_logits, {T, E}, op, "z_logits");
   XMOE_CHECK(seq_len > 0 && T % seq_len == 0 && top_k >= 1,
              "[{}] {} tokens are not a multiple of seq_len {} (top_k {})", op, T, seq_len, top_k);
   // f_e as moe_aux_finalize leaves it: f64 on the CPU (the reference keeps it exact), f32 on CUDA
-  require_on(op, "frac", frac, dprobs.is_cpu() ? DType::f64 : DType::f32, ref_name, dprobs);
+  require_on(op, "frac", frac, ref.is_cpu() ? DType::f64 : DType::f32, ref_name, ref);
   check_shape(frac, {E}, op, "frac");
-  require_on(op, "seq_count", seq_count, DType::f32, ref_name, dprobs);
+  require_on(op, "seq_count", seq_count, DType::f32, ref_name, ref);
   check_shape(seq_count, {T / seq_len, E}, op, "seq_count");
-  require_on(op, "denoms", denoms, DType::f64, ref_name, dprobs);
+  require_on(op, "denoms", denoms, DType::f64, ref_name, ref);
   check_shape(denoms, {3}, op, "denoms");
   if (scale.defined()) {
-    require_on(op, "scale", scale, DType::f32, ref_name, dprobs);
+    require_on(op, "scale", scale, DType::f32, ref_name, ref);
     XMOE_CHECK(scale.numel() == 1, "[{}] scale has {} elements, expected 1", op, scale.numel());
   }
 }
