@@ -20,7 +20,8 @@
 #   tests      the CUDA test binaries (one rank for mpi_test_cuda_train)
 #   memory     test_cuda_memory_model (the memory model against the allocator)
 #   step       moe-1b training step, twice (bench_train_step --steps 20)
-#   ab         the packed base build's step against this one, alternated, twice each
+#   ab         the packed base build's step against this one, alternated, twice each (under
+#              each of AB_SETS' ;-separated lists of --set values, key=value ...)
 #   breakdown  where a moe-1b step goes (--breakdown), bf16 and FP8 experts
 #   layer      the MoE layer on the default shapes, bf16 and FP8 experts
 #   sonic      the MoE layer on SonicMoE's five shapes, bf16 and FP8, and torch._grouped_mm
@@ -91,12 +92,21 @@ run() {
           $b/bin/bench_train_step --preset moe-1b --device cuda --steps 20 2>&1 | grep summary
         done | tee "$out/step.jsonl" ;;
       ab)
+        # AB_SETS="a=1;a=2": the pair under each ;-separated list of --set values (default: none)
         [[ -f .gpu/base.tar.xz ]] || { echo "no .gpu/base.tar.xz: pack BASE_DIR"; status=1; continue; }
         mkdir -p build/gpu-visit-base && xz -dc .gpu/base.tar.xz | tar xf - -C build/gpu-visit-base
-        for t in 1 2; do
-          for dt in build/gpu-visit-base/bin $b/bin; do
-            echo "== $dt"
-            $dt/bench_train_step --preset moe-1b --device cuda --steps 20 2>&1 | grep summary
+        local ab_sets v dt
+        IFS=';' read -ra ab_sets <<<"${AB_SETS:-}"
+        ((${#ab_sets[@]} == 0)) && ab_sets=("")
+        for v in "${ab_sets[@]}"; do
+          local args=()
+          for kv in $v; do args+=(--set "$kv"); done
+          for t in 1 2; do
+            for dt in build/gpu-visit-base/bin $b/bin; do
+              echo "== $dt $v"
+              $dt/bench_train_step --preset moe-1b --device cuda --steps 20 "${args[@]}" 2>&1 |
+                grep summary
+            done
           done
         done | tee "$out/ab.log" ;;
       breakdown)

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdio>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "xmoe/comm/group.h"
 #include "xmoe/moe/layer.h"
 #include "xmoe/ops/fp8.h"
+#include "xmoe/ops/moe.h"
 #include "xmoe/ops/ops.h"
 
 using namespace xmoe;
@@ -28,14 +30,24 @@ Tensor bf16_on_gpu(const Tensor& x) {
   return ops::cast(x.to(kCuda), DType::bf16);
 }
 
+/// An order stage's index i32 [n] on the GPU: row r reads token (61 r + 7) % tokens, and row 40
+/// is a padding slot (-1); with `beyond`, row 41 reads one past the last token.
+Tensor order_index(int64_t n, int64_t tokens, bool beyond) {
+  std::vector<int32_t> ids(n);
+  for (int64_t r = 0; r < n; ++r) ids[r] = static_cast<int32_t>((r * 61 + 7) % tokens);
+  ids[40] = -1;
+  if (beyond) ids[41] = static_cast<int32_t>(tokens);
+  return Tensor::from_vector(ids, {n}).to(kCuda);
+}
+
 }  // namespace
 
 TEST(CudaFp8, QuantisersWriteTheCpuBytesAndScales) {
   XMOE_REQUIRE_CUDA();
   const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
   // k = 200: partial blocks (the one-block-per-warp kernel); 1408 (11 blocks: a half-empty last
-  // pair) and 256: whole blocks (the wide kernel); bf16 and f32 rows.
-  for (const int64_t k : {200, 1408, 256})
+  // pair), 384, 256 and 128: whole blocks (the wide kernel); bf16 and f32 rows.
+  for (const int64_t k : {200, 1408, 384, 256, 128})
     for (DType dt : {DType::bf16, DType::f32}) {
       SCOPED_TRACE(fmt::format("k {} {}", k, dtype_name(dt)));
       const Tensor x = ops::cast(randn({467, k}, 1).to(kCuda), dt);
@@ -82,6 +94,38 @@ TEST(CudaFp8, SwigluQuantiserWritesTheTwoPassBytes) {
     }
 }
 
+// SwiGLU's backward with dh's FP8 rows writes the bytes of swiglu_backward_with_value_, then
+// quantize_rows_fp8 of dh, bitwise: dh, swiglu(h) and dh's bytes and scales, written in two runs
+// of groups into one buffer.
+TEST(CudaFp8, SwigluBackwardQuantiserWritesTheTwoPassBytes) {
+  XMOE_REQUIRE_CUDA();
+  const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
+  // f = 128, 256, 384, 1408 (1, 2, 3, 11 blocks a row) and 200 (a partial block).
+  for (const int64_t f : {128, 256, 384, 1408, 200})
+    for (DType dt : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE(fmt::format("f {} {}", f, dtype_name(dt)));
+      const Tensor h = ops::cast(randn({467, 2 * f}, 15, 2.0f).to(kCuda), dt);
+      const Tensor da = ops::cast(randn({467, f}, 16).to(kCuda), dt);
+      Tensor h_ref = h.clone(), da_ref = da.clone();
+      ops::swiglu_backward_with_value_(h_ref, da_ref);
+      const ops::Fp8Rows ref = ops::quantize_rows_fp8(h_ref, sizes);
+      Tensor h_q = h.clone(), da_q = da.clone();
+      ops::Fp8Rows q = ops::empty_fp8_rows(2 * f, sizes, kCuda);
+      for (const auto& [g0, g1, r0, r1] :
+           std::vector<std::array<int64_t, 4>>{{0, 3, 0, 337}, {3, 5, 337, 467}}) {
+        Tensor hc = h_q.rows(r0, r1), dac = da_q.rows(r0, r1);
+        ops::Fp8Rows qc = q.groups(g0, g1);
+        ops::swiglu_backward_with_value_fp8_(hc, dac, qc);
+      }
+      EXPECT_TRUE(xmoe::testing::bitwise_equal(h_q, h_ref));
+      EXPECT_TRUE(xmoe::testing::bitwise_equal(da_q, da_ref));
+      EXPECT_EQ(q.data.to(Device::cpu()).to_vector<uint8_t>(),
+                ref.data.to(Device::cpu()).to_vector<uint8_t>());
+      EXPECT_EQ(q.scales.to(Device::cpu()).to_vector<float>(),
+                ref.scales.to(Device::cpu()).to_vector<float>());
+    }
+}
+
 // The gathering quantiser (the FP8 experts' input read from x through the order's indices) writes
 // the bytes and scales of quantising the gathered rows, on every kernel path, and reads an index
 // out of range as a row of zeros, as gather_rows does on the device.
@@ -89,11 +133,7 @@ TEST(CudaFp8, GatherQuantiserWritesTheGatheredBytes) {
   XMOE_REQUIRE_CUDA();
   const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
   const int64_t n = 467, tokens = 151;
-  std::vector<int32_t> ids(n);
-  for (int64_t r = 0; r < n; ++r) ids[r] = static_cast<int32_t>((r * 61 + 7) % tokens);
-  ids[40] = -1;
-  ids[41] = static_cast<int32_t>(tokens);
-  const Tensor index = Tensor::from_vector(ids, {n}).to(kCuda);
+  const Tensor index = order_index(n, tokens, true);
   for (const int64_t k : {200, 130, 2048, 256})
     for (DType dt : {DType::bf16, DType::f32}) {
       SCOPED_TRACE(fmt::format("k {} {}", k, dtype_name(dt)));
@@ -147,8 +187,11 @@ TEST(CudaFp8, GroupedMatmulMatchesTheCpuProducts) {
 
 namespace {
 
-/// hook_rows: a hook on the order stage's rows, which makes the layer gather them itself.
-std::vector<Tensor> run_layer(Device dev, const std::string& expert_dtype, bool hook_rows = false) {
+/// hook_rows: a hook on the order stage's rows, which makes the layer gather them itself;
+/// hook_combine_grad: one on the experts' output gradient, which makes them quantise it
+/// themselves (not read the I-Order's FP8 rows).
+std::vector<Tensor> run_layer(Device dev, const std::string& expert_dtype, bool hook_rows = false,
+                              bool hook_combine_grad = false) {
   MoeConfig c;
   c.num_experts = 16;
   c.top_k = 4;
@@ -159,6 +202,7 @@ std::vector<Tensor> run_layer(Device dev, const std::string& expert_dtype, bool 
   auto one = comm::make_single_group();
   moe::MoELayer layer(c, d, "moe", 7, 0.02f, 0.02f, moe::LayerGroups{one, one});
   if (hook_rows) layer.hooks().on<moe::OrderOut>([](moe::OrderOut&) {});
+  if (hook_combine_grad) layer.hooks().on<moe::CombineGrad>([](moe::CombineGrad&) {});
   for (Parameter* p : layer.parameters()) {
     p->value = p->value.to(dev);
     p->grad = p->grad.to(dev);
@@ -190,6 +234,48 @@ TEST(CudaFp8, MoeLayerQuantisesItsRowsStraightFromX) {
   ASSERT_EQ(fused.size(), gathered.size());
   for (size_t i = 0; i < fused.size(); ++i)
     EXPECT_EQ(fused[i].to_vector<float>(), gathered[i].to_vector<float>()) << "tensor " << i;
+}
+
+// The I-Order's backward that also writes d_rows' FP8 rows writes the bytes of the plain pass
+// and of quantize_rows_fp8 after it: d_rows, the dots, the FP8 bytes and scales, bitwise (dy
+// f32 or the rows' dtype, in place or not, a padding row; d = 200: a partial block).
+TEST(CudaFp8, IOrderBackwardWritesTheFp8RowsOfItsGradient) {
+  XMOE_REQUIRE_CUDA();
+  const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
+  const int64_t n = 467, tokens = 151;
+  const Tensor index = order_index(n, tokens, false);
+  const Tensor weight = randn({n}, 17).to(kCuda);
+  for (const int64_t d : {1024, 384, 128, 200})
+    for (DType dt : {DType::bf16, DType::f32})
+      for (const bool dy_f32 : {false, true})
+        for (const bool in_place : {false, true}) {
+          SCOPED_TRACE(fmt::format("d {} {} dy {} in place {}", d, dtype_name(dt),
+                                   dy_f32 ? "f32" : "rows'", in_place));
+          const Tensor rows = ops::cast(randn({n, d}, 18).to(kCuda), dt);
+          const Tensor dy = ops::cast(randn({tokens, d}, 19).to(kCuda), dy_f32 ? DType::f32 : dt);
+          const ops::WeightedGather ref =
+              ops::gather_weighted_rows_dot(dy, rows.clone(), index, weight);
+          const ops::Fp8Rows ref_q = ops::quantize_rows_fp8(ref.d_rows, sizes);
+          const ops::WeightedGather got =
+              ops::gather_weighted_rows_dot(dy, rows.clone(), index, weight, in_place, sizes);
+          EXPECT_TRUE(xmoe::testing::bitwise_equal(got.d_rows, ref.d_rows));
+          EXPECT_TRUE(xmoe::testing::bitwise_equal(got.dot, ref.dot));
+          EXPECT_TRUE(xmoe::testing::bitwise_equal(got.d_rows_fp8.data, ref_q.data));
+          EXPECT_TRUE(xmoe::testing::bitwise_equal(got.d_rows_fp8.scales, ref_q.scales));
+          EXPECT_EQ(got.d_rows_fp8.group_sizes, sizes);
+        }
+}
+
+// The layer whose experts read their output gradient's FP8 rows from the I-Order's pass computes
+// the bits of the one whose experts quantise it themselves (a hook on that gradient).
+TEST(CudaFp8, MoeLayerTakesItsOutputGradientInFp8FromTheIOrder) {
+  XMOE_REQUIRE_CUDA();
+  const std::vector<Tensor> fused = run_layer(kCuda, "fp8"),
+                            quantised_by_experts = run_layer(kCuda, "fp8", false, true);
+  ASSERT_EQ(fused.size(), quantised_by_experts.size());
+  for (size_t i = 0; i < fused.size(); ++i)
+    EXPECT_EQ(fused[i].to_vector<float>(), quantised_by_experts[i].to_vector<float>())
+        << "tensor " << i;
 }
 
 TEST(CudaFp8, MoeLayerFollowsTheCpuLayer) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -124,6 +125,53 @@ TEST(Fp8, SwigluQuantiserQuantisesTheActivation) {
   EXPECT_THROW(ops::swiglu_quantize_rows_fp8(h, std::vector<int64_t>{37, 130}), Error);
 }
 
+// A run of groups of quantised rows is the quantisation of those groups' rows alone: the bytes
+// and scales of consecutive groups lie together (how the FP8 experts' backward writes dh's FP8
+// rows chunk by chunk into one buffer).
+TEST(Fp8, GroupsOfQuantisedRowsAreTheirRowsQuantised) {
+  const std::vector<int64_t> sizes{37, 0, 130, 1, 9};
+  const Tensor x = randn({177, 300}, 11, 2.0f);
+  const ops::Fp8Rows all = ops::quantize_rows_fp8(x, sizes);
+  const ops::Fp8Rows middle = all.groups(1, 4);  // rows [37, 168)
+  const ops::Fp8Rows alone =
+      ops::quantize_rows_fp8(x.rows(37, 168), std::vector<int64_t>{0, 130, 1});
+  EXPECT_EQ(middle.group_sizes, alone.group_sizes);
+  EXPECT_EQ(middle.data.to_vector<uint8_t>(), alone.data.to_vector<uint8_t>());
+  EXPECT_EQ(middle.scales.to_vector<float>(), alone.scales.to_vector<float>());
+  EXPECT_EQ(all.groups(2, 2).data.size(0), 0);
+  EXPECT_THROW(all.groups(3, 6), Error);
+  const ops::Fp8Rows empty = ops::empty_fp8_rows(300, sizes, Device::cpu());
+  EXPECT_EQ(empty.data.shape(), (Shape{177, 300}));
+  EXPECT_EQ(empty.scales.numel(), 177 * 3);
+}
+
+// SwiGLU's backward with its FP8 output: h becomes dh and da swiglu(h) as in
+// swiglu_backward_with_value_, and the rows written, group by group into one buffer, are
+// quantize_rows_fp8(dh).
+TEST(Fp8, SwigluBackwardQuantiserQuantisesDh) {
+  const std::vector<int64_t> sizes{37, 0, 130, 1};
+  const Tensor h = randn({168, 2 * 200}, 12, 2.0f), da = randn({168, 200}, 13);
+  Tensor h_ref = h.clone(), da_ref = da.clone();
+  ops::swiglu_backward_with_value_(h_ref, da_ref);
+  const ops::Fp8Rows ref = ops::quantize_rows_fp8(h_ref, sizes);
+  Tensor h_q = h.clone(), da_q = da.clone();
+  ops::Fp8Rows q = ops::empty_fp8_rows(400, sizes, Device::cpu());
+  for (const auto& [g0, g1, r0, r1] :
+       std::vector<std::array<int64_t, 4>>{{0, 2, 0, 37}, {2, 4, 37, 168}}) {
+    Tensor hc = h_q.rows(r0, r1), dac = da_q.rows(r0, r1);
+    ops::Fp8Rows qc = q.groups(g0, g1);
+    ops::swiglu_backward_with_value_fp8_(hc, dac, qc);
+  }
+  EXPECT_EQ(h_q.to_vector<float>(), h_ref.to_vector<float>());
+  EXPECT_EQ(da_q.to_vector<float>(), da_ref.to_vector<float>());
+  EXPECT_EQ(q.data.to_vector<uint8_t>(), ref.data.to_vector<uint8_t>());
+  EXPECT_EQ(q.scales.to_vector<float>(), ref.scales.to_vector<float>());
+  Tensor bad_da = randn({168, 199}, 14);
+  EXPECT_THROW(ops::swiglu_backward_with_value_fp8_(h_q, bad_da, q), Error);
+  ops::Fp8Rows short_q = q.groups(0, 3);
+  EXPECT_THROW(ops::swiglu_backward_with_value_fp8_(h_q, da_q, short_q), Error);
+}
+
 // The gathering quantiser (the FP8 experts' input read from x through the order's indices) is
 // the quantiser of the gathered rows, and refuses a bad index.
 TEST(Fp8, GatherQuantiserQuantisesTheGatheredRows) {
@@ -177,10 +225,14 @@ namespace {
 
 /// y, dx and the expert gradients of one forward/backward of a CPU MoE layer.
 /// The layer's output, input gradient and parameter gradients. hook_rows: a hook on the order
-/// stage's rows (which makes the layer gather them itself); allocated: the bytes allocated.
+/// stage's rows (which makes the layer gather them itself); allocated: the bytes allocated;
+/// hook_combine_grad: a hook on the experts' output gradient (which makes them quantise it
+/// themselves instead of reading the I-Order's FP8 rows).
 std::vector<Tensor> run_layer(const std::string& expert_dtype, bool hook_rows = false,
-                              int64_t* allocated = nullptr) {
+                              int64_t* allocated = nullptr, bool hook_combine_grad = false,
+                              const std::string& impl = "pft") {
   MoeConfig c;
+  c.impl = impl;
   c.num_experts = 8;
   c.top_k = 2;
   c.expert_hidden = 128;
@@ -190,6 +242,7 @@ std::vector<Tensor> run_layer(const std::string& expert_dtype, bool hook_rows = 
   auto one = comm::make_single_group();
   moe::MoELayer layer(c, d, "moe", 7, 0.02f, 0.02f, moe::LayerGroups{one, one});
   if (hook_rows) layer.hooks().on<moe::OrderOut>([](moe::OrderOut&) {});
+  if (hook_combine_grad) layer.hooks().on<moe::CombineGrad>([](moe::CombineGrad&) {});
   const Tensor x = randn({T, d}, 1), dy = randn({T, d}, 2, 0.1f);
   layer.zero_grad();
   const int64_t before = memory_stats().total_bytes;
@@ -200,6 +253,18 @@ std::vector<Tensor> run_layer(const std::string& expert_dtype, bool hook_rows = 
     out.push_back(p->grad.clone());
   }
   return out;
+}
+
+/// Three FP8 SwiGLU experts (all local) of d_model d and hidden f.
+std::unique_ptr<moe::Experts> fp8_experts(int64_t d, int64_t f, uint64_t seed) {
+  moe::ExpertArgs a;
+  a.prefix = "moe";
+  a.num_experts = a.num_local = 3;
+  a.d_model = d;
+  a.hidden = f;
+  a.seed = seed;
+  a.fp8 = true;
+  return moe::make_experts("swiglu", a);
 }
 
 }  // namespace
@@ -232,18 +297,51 @@ TEST(Fp8, MoeLayerQuantisesItsRowsStraightFromX) {
   EXPECT_EQ(gathered_bytes - fused_bytes, int64_t{512} * 2 * 256 * 4);
 }
 
+// With one process and no hook between them, the I-Order's backward writes the experts' output
+// gradient in FP8 too, and the experts read it instead of quantising it again: the same bits
+// as with a hook on that gradient (then the experts quantise it themselves).
+TEST(Fp8, MoeLayerTakesItsOutputGradientInFp8FromTheIOrder) {
+  for (const char* impl : {"pft", "padded"}) {
+    SCOPED_TRACE(impl);
+    const std::vector<Tensor> fused = run_layer("fp8", false, nullptr, false, impl),
+                              quantised_by_experts = run_layer("fp8", false, nullptr, true, impl);
+    ASSERT_EQ(fused.size(), quantised_by_experts.size());
+    for (size_t i = 0; i < fused.size(); ++i)
+      EXPECT_EQ(fused[i].to_vector<float>(), quantised_by_experts[i].to_vector<float>())
+          << "tensor " << i;
+  }
+}
+
+// Experts given their output gradient's FP8 rows read them (rows of 2 dy: scales twice dy's,
+// the same bytes, so the data gradient doubles exactly) and, given dy's own rows, compute the
+// bits of quantising dy themselves.
+TEST(Fp8, ExpertsReadTheOutputGradientsFp8RowsTheyAreGiven) {
+  const std::unique_ptr<moe::Experts> experts = fp8_experts(256, 128, 21);
+  const std::vector<int64_t> sizes{5, 0, 9};
+  const Tensor x = randn({14, 256}, 22), dy = randn({14, 256}, 23);
+  auto data_grad = [&](const ops::Fp8Rows* rows) {
+    experts->forward(x, sizes);
+    return (rows ? experts->backward(dy, *rows) : experts->backward(dy)).to_vector<float>();
+  };
+  const std::vector<float> plain = data_grad(nullptr);
+  const ops::Fp8Rows own = ops::quantize_rows_fp8(dy, sizes);
+  EXPECT_EQ(data_grad(&own), plain);
+  Tensor dy2 = dy.clone();
+  ops::scale_(dy2, 2.f);
+  const ops::Fp8Rows twice = ops::quantize_rows_fp8(dy2, sizes);
+  EXPECT_EQ(twice.data.to_vector<uint8_t>(), own.data.to_vector<uint8_t>());
+  std::vector<float> doubled = data_grad(&twice);
+  for (float& v : doubled) v /= 2.f;
+  EXPECT_EQ(doubled, plain);
+  EXPECT_THROW(experts->backward(dy, ops::quantize_rows_fp8(dy, std::vector<int64_t>{14, 0, 0})),
+               Error);
+}
+
 // keep_weights (the trainer's micro-batches of one step): the experts quantise their weights
 // once and reuse the FP8 copies across passes, so a change to the weights in between is not
 // seen until keep_weights(false) drops them; without it every forward quantises afresh.
 TEST(Fp8, ExpertsKeepTheirQuantisedWeightsUntilReleased) {
-  moe::ExpertArgs a;
-  a.prefix = "moe";
-  a.num_experts = a.num_local = 3;
-  a.d_model = 64;
-  a.hidden = 96;
-  a.seed = 11;
-  a.fp8 = true;
-  const std::unique_ptr<moe::Experts> experts = moe::make_experts("swiglu", a);
+  const std::unique_ptr<moe::Experts> experts = fp8_experts(64, 96, 11);
   const std::vector<int64_t> sizes{5, 0, 9};
   const Tensor x = randn({14, 64}, 12), dy = randn({14, 64}, 13);
   auto pass = [&] {

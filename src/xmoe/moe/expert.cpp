@@ -55,6 +55,17 @@ class SwigluExperts final : public Experts {
     XMOE_CHECK(!parts_.empty(), "[moe experts] backward without a forward");
     return backward_part(std::move(d_out), 0, static_cast<int64_t>(groups_.size()));
   }
+  bool reads_fp8_output_grad() const override { return fp8_; }
+  Tensor backward(Tensor d_out, xmoe::ops::Fp8Rows d_out_fp8) override {
+    XMOE_CHECK(d_out_fp8.group_sizes == groups_,
+               "[moe experts] d_out's FP8 rows are not in the forward's {} groups", groups_.size());
+    check_shape(d_out_fp8.data, d_out.shape(), "moe experts backward", "d_out_fp8.data");
+    // Rows of another dtype would be quantised after their cast to the rows' dtype.
+    if (fp8_ && d_out.dtype() == rows_dtype_) dout_fp8_ = std::move(d_out_fp8);
+    Tensor d_rows = backward(std::move(d_out));
+    dout_fp8_ = {};
+    return d_rows;
+  }
 
   void begin_forward(std::span<const int64_t> group_sizes) override {
     XMOE_CHECK(static_cast<int64_t>(group_sizes.size()) == gate_up_.value.size(0),
@@ -217,27 +228,44 @@ class SwigluExperts final : public Experts {
     Tensor dh = part.h.defined() ? part.h.rows(r0, r1)
                                  : expert_gemm(rows, Weight::gate_up, g0, g1, sizes, false);  // h
     if (whole) part.h = Tensor();
+    // FP8: that pass also writes dh's FP8 rows, chunk by chunk into their groups of dh_q, for
+    // the gate/up data gradient (dh itself stays for the weight gradient).
+    xmoe::ops::Fp8Rows dh_q =
+        fp8_ ? xmoe::ops::empty_fp8_rows(dh.size(1), sizes, dh.device()) : xmoe::ops::Fp8Rows{};
     for (const Chunk& c : chunks(Part{g0, g1, group_row_[g0], group_row_[g1], {}, {}, 0})) {
       const std::span<const int64_t> csizes = c.sizes(groups_);
       const int64_t c0 = c.row_begin - group_row_[g0], c1 = c.row_end - group_row_[g0];
       Tensor h_c = dh.rows(c0, c1), dout_c = dout.rows(c0, c1);
       // da [n_c, f] becomes swiglu(h) in the pass that turns h into dh [n_c, 2f]: the down
       // weight gradient's input without a pass (or a buffer) of its own.
-      Tensor a = expert_gemm(dout_c, Weight::down, c.group_begin, c.group_end, csizes, true);
-      xmoe::ops::swiglu_backward_with_value_(h_c, a);
+      Tensor a = down_data_grad(dout_c, c.group_begin, c.group_end, csizes);
+      if (fp8_) {
+        xmoe::ops::Fp8Rows dh_qc = dh_q.groups(c.group_begin - g0, c.group_end - g0);
+        xmoe::ops::swiglu_backward_with_value_fp8_(h_c, a, dh_qc);
+      } else {
+        xmoe::ops::swiglu_backward_with_value_(h_c, a);
+      }
       Tensor dwd_c = down_.grad.rows(c.group_begin, c.group_end);
       xmoe::ops::grouped_matmul_weight_grad(dwd_c, a, dout_c, csizes, accumulate_down_);
     }
     dout = Tensor();
+    if (!into) dout_fp8_ = {};  // the backward's only piece: its FP8 rows are used
     Tensor dwgu = gate_up_.grad.rows(g0, g1);
     xmoe::ops::grouped_matmul_weight_grad(dwgu, rows.defined() ? rows : input_rows(part), dh, sizes,
                                           accumulate_gate_up_);
     rows = Tensor();
     part.groups_left -= g1 - g0;
     if (part.groups_left == 0) part.rows = part.h = Tensor();
-    if (!into) return expert_gemm(dh, Weight::gate_up, g0, g1, sizes, true);  // [n, d]
-    expert_gemm_into(*into, dh, Weight::gate_up, g0, g1, sizes, true);
-    return *into;
+    const int64_t n = dh.size(0);
+    const Device device = dh.device();
+    if (fp8_) dh = Tensor();  // its FP8 rows are what the data gradient reads
+    Tensor d_rows = into ? *into : Tensor::empty({n, gate_up_.value.size(1)}, rows_dtype_, device);
+    if (fp8_) {
+      xmoe::ops::grouped_matmul_fp8_into(d_rows, dh_q, qgu_.groups(g0, g1), true);
+    } else {
+      expert_gemm_into(d_rows, dh, Weight::gate_up, g0, g1, sizes, true);
+    }
+    return d_rows;  // [n, d]
   }
 
   int64_t num_groups() const { return static_cast<int64_t>(groups_.size()); }
@@ -281,6 +309,16 @@ class SwigluExperts final : public Experts {
     Tensor y = Tensor::empty({x.size(0), trans ? w.size(1) : w.size(2)}, rows_dtype_, x.device());
     expert_gemm_into(y, x, which, g0, g1, sizes, trans);
     return y;
+  }
+
+  /// da = d_out @ w_down^T over groups [g0, g1) of the forward (FP8: from d_out's FP8 rows
+  /// where the backward was given them).
+  Tensor down_data_grad(const Tensor& dout, int64_t g0, int64_t g1,
+                        std::span<const int64_t> sizes) const {
+    if (!dout_fp8_.data.defined()) return expert_gemm(dout, Weight::down, g0, g1, sizes, true);
+    Tensor da = Tensor::empty({dout.size(0), down_.value.size(1)}, rows_dtype_, dout.device());
+    xmoe::ops::grouped_matmul_fp8_into(da, dout_fp8_.groups(g0, g1), qd_.groups(g0, g1), true);
+    return da;
   }
 
   /// A forward's input: the rows, or (FP8, forward_gathered) x [T, d] and the index of its rows.
@@ -360,6 +398,7 @@ class SwigluExperts final : public Experts {
   bool accumulate_down_ = false, accumulate_gate_up_ = false;
   Tensor wgu_, wd_;  // the weights in the rows' dtype (the parameters themselves when f32)
   xmoe::ops::Fp8Weights qgu_, qd_;  // fp8: the weights quantised instead
+  xmoe::ops::Fp8Rows dout_fp8_;     // fp8: d_out's FP8 rows, during backward(d_out, d_out_fp8)
   DType rows_dtype_ = DType::f32;
   bool weights_ready_ = false;
   bool keep_weights_ = false;  // keep_weights(true): the weights do not change between passes

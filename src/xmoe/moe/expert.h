@@ -16,6 +16,7 @@
 
 #include "xmoe/core/parameter.h"
 #include "xmoe/moe/registry.h"
+#include "xmoe/ops/fp8.h"
 
 namespace xmoe::moe {
 
@@ -49,6 +50,13 @@ class Experts : public Module {
   /// d_out [N, d] -> d_rows [N, d]; accumulates the weight gradients. d_out by value: a caller
   /// that moves it in lets the experts free it (and their saved rows) as soon as they are used.
   virtual Tensor backward(Tensor d_out) = 0;
+  /// Whether backward(d_out, d_out_fp8) saves a pass (FP8 experts: their down projection's data
+  /// gradient reads d_out in FP8).
+  virtual bool reads_fp8_output_grad() const = 0;
+  /// backward(d_out) given d_out's FP8 rows in the forward's groups (ops::quantize_rows_fp8's
+  /// bytes and scales, which the I-Order's backward writes in its pass where the rows did not
+  /// move): the same result without quantising d_out again.
+  virtual Tensor backward(Tensor d_out, xmoe::ops::Fp8Rows d_out_fp8) = 0;
   virtual void release() = 0;
 
   // Parts (the pipelined layer, moe.pipeline): forward and backward over consecutive groups,

@@ -20,7 +20,7 @@ Tensor IOrder::forward(const Tensor& rows_out, const Tensor& combine_weights,
                                     combine_weights, addend);
 }
 
-IOrder::Grads IOrder::backward(const Tensor& dy) {
+IOrder::Grads IOrder::backward(const Tensor& dy, std::span<const int64_t> fp8_groups) {
   XMOE_CHECK(rows_out_.defined(), "[moe iorder] backward without a forward");
   check_shape(dy, {-1, rows_out_.size(1)}, "moe iorder backward", "dy");
   // One pass on CUDA (gather of dy by token, the dot for d_combine_weights, the scale); the CPU
@@ -30,11 +30,12 @@ IOrder::Grads IOrder::backward(const Tensor& dy) {
   // thread overwrites it).
   Tensor rows = std::move(rows_out_);
   const bool in_place = rows.sole_owner();
-  xmoe::ops::WeightedGather r =
-      xmoe::ops::gather_weighted_rows_dot(dy, rows, token_ids_, combine_weights_, in_place);
+  xmoe::ops::WeightedGather r = xmoe::ops::gather_weighted_rows_dot(
+      dy, rows, token_ids_, combine_weights_, in_place, fp8_groups);
   Grads g;
   g.d_rows = std::move(r.d_rows);
   g.d_combine_weights = std::move(r.dot);
+  g.d_rows_fp8 = std::move(r.d_rows_fp8);
   return g;
 }
 

@@ -4,7 +4,10 @@
 // Backward: d_rows[r] = w[r] * dy[token(r)] and d_combine_weights[r] = out[r] . dy[token(r)],
 // which the order stage maps back to the gate's topk_weight. Where the stage holds the only
 // reference to out, backward writes d_rows over it.
+#include <span>
+
 #include "xmoe/moe/order.h"
+#include "xmoe/ops/fp8.h"
 
 namespace xmoe::moe {
 
@@ -15,10 +18,13 @@ class IOrder {
   Tensor forward(const Tensor& rows_out, const Tensor& combine_weights, const TokenLayout& layout,
                  const Tensor& addend = Tensor());
   struct Grads {
-    Tensor d_rows;             ///< [N, d]
-    Tensor d_combine_weights;  ///< [N]
+    Tensor d_rows;                  ///< [N, d]
+    Tensor d_combine_weights;       ///< [N]
+    xmoe::ops::Fp8Rows d_rows_fp8;  ///< with fp8_groups
   };
-  Grads backward(const Tensor& dy);
+  /// fp8_groups (not empty): d_rows' FP8 rows too, in groups of those sizes, in the same pass
+  /// (ops::gather_weighted_rows_dot): FP8 experts read them where their rows are these rows.
+  Grads backward(const Tensor& dy, std::span<const int64_t> fp8_groups = {});
   void release() { rows_out_ = combine_weights_ = token_ids_ = Tensor(); }
 
  private:

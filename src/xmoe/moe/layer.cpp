@@ -303,18 +303,27 @@ Tensor MoELayer::backward(const Tensor& dy) {
     hooks_.run(sg);
   }
   const bool reduces = dispatcher_->reduces_in_combine();
+  const int64_t num_local = cfg_.num_experts / ep_size_;
+  const bool pipelined =
+      pipeline_bwd_ > 1 && num_local > 1 && !hooks_.has<CombineGrad>() && !hooks_.has<ExpertGrad>();
+  // FP8 experts read their output gradient in FP8: the I-Order's pass writes it too where the
+  // rows reach the experts as they leave it (one rank, unpipelined) and no hook looks between.
+  const bool fp8_grad_in_iorder = experts_->reads_fp8_output_grad() && !reduces && ep_size_ == 1 &&
+                                  !pipelined && !hooks_.has<IOrderGrad>() &&
+                                  !hooks_.has<CombineGrad>();
+  xmoe::ops::Fp8Rows d_out_fp8;
   IOrderGrad ig = timed("moe.iorder.bwd", device_, [&] {
     if (reduces)  // d(partial sums) [G, d]; d_combine_weights come from combine_backward
       return IOrderGrad{xmoe::ops::gather_rows(out.d_y, handle_.group_tokens), Tensor()};
-    IOrder::Grads gr = iorder_.backward(out.d_y);
+    IOrder::Grads gr = iorder_.backward(
+        out.d_y, fp8_grad_in_iorder ? std::span<const int64_t>(handle_.recv_tokens_per_expert)
+                                    : std::span<const int64_t>());
+    d_out_fp8 = std::move(gr.d_rows_fp8);
     return IOrderGrad{std::move(gr.d_rows), std::move(gr.d_combine_weights)};
   });
   hooks_.run(ig);
   iorder_.release();
 
-  const int64_t num_local = cfg_.num_experts / ep_size_;
-  const bool pipelined =
-      pipeline_bwd_ > 1 && num_local > 1 && !hooks_.has<CombineGrad>() && !hooks_.has<ExpertGrad>();
   CombineGrad cg;
   DispatchGrad dg;
   if (pipelined) {
@@ -332,6 +341,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
         reduces ? dispatcher_->combine_weights_grad(handle_) : take(ig.d_combine_weights);
     experts_->release();
   } else {
+    const void* d_rows_out = ig.d_rows_out.raw();
     cg = timed("moe.combine.bwd", device_, [&] {
       Tensor d_out = dispatcher_->combine_backward(take(ig.d_rows_out), handle_);
       Tensor d_cw =
@@ -344,6 +354,9 @@ Tensor MoELayer::backward(const Tensor& dy) {
     ExpertGrad eg = timed("moe.expert.bwd", device_, [&] {
       // The experts get the only reference to their output gradient (and the rows it came from)
       // and free it mid-backward: [N, d] less at the peak.
+      if (d_out_fp8.data.defined() && cg.d_expert_out.raw() == d_rows_out)
+        return ExpertGrad{experts_->backward(take(cg.d_expert_out), std::move(d_out_fp8))};
+      d_out_fp8 = {};
       return ExpertGrad{experts_->backward(take(cg.d_expert_out))};
     });
     hooks_.run(eg);
@@ -431,7 +444,12 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   // into the compute dtype first.
   const int64_t fp8_dequantised =
       fp8 && dtype == DType::f32 ? recv * 2 * f * 4 + local * d * 2 * f * 4 : 0;
-  const int64_t fp8_rows = fp8 ? recv * (2 * f + 4 * blocks(2 * f)) + fp8_dequantised : 0;
+  const int64_t dh_q = fp8 ? recv * (2 * f + 4 * blocks(2 * f)) : 0;  // dh's FP8 rows
+  // d_out's FP8 rows, written by the I-Order's backward where the rows do not move (MoELayer::
+  // backward) and held through the experts' data-gradient GEMMs
+  const bool dout_q_in_iorder = fp8 && ep == 1 && bwd_chunks == 1 && c.dispatch != "rbd";
+  const int64_t dout_q = dout_q_in_iorder ? recv * (d + 4 * blocks(d)) : 0;
+  const int64_t fp8_rows = dh_q + (fp8 ? fp8_dequantised : 0);
   ActivationBytes a;
   a.saved = x + gate_saved_bytes_for(c, tokens, rc.router) + layout + (recompute ? 0 : h) +
             (keeps_rows ? in_rows : 0) + out + shared_h + fp8_weights;
@@ -444,9 +462,10 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   // Backward, stage by stage, above what is still saved:
   const int64_t shared_phase = sf > 0 ? tokens * sf * cb + shared_dx : 0;
   const int64_t d_cw = n * 4;  // the combine weights' gradient
-  // experts: one chunk's a or da, and with recompute the re-gathered rows and h
-  const int64_t expert_phase =
-      shared_dx + d_cw + recv * f / chunks * cb + (recompute ? h + (keeps_rows ? 0 : in_rows) : 0);
+  // experts: one chunk's a or da, and with recompute the re-gathered rows and h; FP8: dh's
+  // quantised rows, written chunk by chunk beside dh
+  const int64_t expert_phase = shared_dx + d_cw + recv * f / chunks * cb + dh_q + dout_q +
+                               (recompute ? h + (keeps_rows ? 0 : in_rows) : 0);
   // the gate/up weight gradient: the input rows in place of d_out; bf16 gradients of f32
   // activations go through an f32 [E_local, d, 2f] and its bf16 cast (ops
   // grouped_matmul_weight_grad)
@@ -456,7 +475,7 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   // By then d_out (over out's storage where dispatch moved nothing) is gone, and the input rows
   // are the kept ones or gathered again for it.
   const bool out_gone = ep > 1 || (fwd_chunks == 1 && bwd_chunks == 1);
-  const int64_t weight_phase = shared_dx + d_cw + grad_temp + (recompute ? h : 0) -
+  const int64_t weight_phase = shared_dx + d_cw + grad_temp + (recompute ? h : 0) + dh_q -
                                (out_gone ? out : 0) + (keeps_rows ? 0 : in_rows);
   // dispatch back and order: d_rows [N, d] (and the received ones), dx [T, d]; h and out gone
   const int64_t freed = (recompute ? 0 : h) + out + (keeps_rows ? in_rows : 0);
@@ -475,8 +494,11 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
       bwd_chunks > 1 ? shared_dx + d_cw + out + (ep > 1 ? 3 : 1) * in_rows / bwd_chunks +
                            recv / bwd_chunks * f / chunks * cb + (recompute ? h / bwd_chunks : 0)
                      : 0;
-  // fp8: the gate/up data gradient, dh's quantised copy beside d_rows being made
-  const int64_t fp8_phase = fp8 ? shared_dx + d_cw + fp8_rows + recv * d * cb : 0;
+  // fp8: the gate/up data gradient, dh's quantised copy beside d_rows being made (dh itself,
+  // h's storage, is gone unless a piecewise backward keeps it for its next piece)
+  const bool dh_gone = !recompute && fwd_chunks == bwd_chunks;
+  const int64_t fp8_phase =
+      fp8 ? shared_dx + d_cw + fp8_rows + recv * d * cb - (dh_gone ? h : 0) : 0;
   a.backward_extra = std::max({shared_phase, combine_phase, expert_phase, weight_phase, order_phase,
                                gate_phase, pipeline_phase, fp8_phase});
   a.kept = weights_kept ? fp8_weights : 0;

@@ -52,6 +52,24 @@ Fp8Rows empty_fp8_rows(const char* op, int64_t n, int64_t k, std::span<const int
 
 }  // namespace
 
+Fp8Rows Fp8Rows::groups(int64_t begin, int64_t end) const {
+  XMOE_CHECK(0 <= begin && begin <= end && end <= static_cast<int64_t>(group_sizes.size()),
+             "[Fp8Rows::groups] [{}, {}) outside {} groups", begin, end, group_sizes.size());
+  int64_t r0 = 0;
+  for (int64_t g = 0; g < begin; ++g) r0 += group_sizes[static_cast<size_t>(g)];
+  int64_t r1 = r0;
+  for (int64_t g = begin; g < end; ++g) r1 += group_sizes[static_cast<size_t>(g)];
+  const int64_t kb = blocks(data.size(1));
+  return {data.rows(r0, r1),
+          scales.rows(r0 * kb, r1 * kb),
+          {group_sizes.begin() + begin, group_sizes.begin() + end}};
+}
+
+Fp8Rows empty_fp8_rows(int64_t k, std::span<const int64_t> group_sizes, Device device) {
+  return empty_fp8_rows("empty_fp8_rows", total_rows("empty_fp8_rows", group_sizes), k, group_sizes,
+                        device);
+}
+
 Fp8Rows quantize_rows_fp8(const Tensor& x, std::span<const int64_t> group_sizes) {
   const char* op = "quantize_rows_fp8";
   require_float(op, "x", x);
@@ -81,6 +99,31 @@ Fp8Rows swiglu_quantize_rows_fp8(const Tensor& h, std::span<const int64_t> group
                                  group_sizes.data(), static_cast<int64_t>(group_sizes.size()), f,
                                  stream_of(h));
   return q;
+}
+
+void swiglu_backward_with_value_fp8_(Tensor& h, Tensor& da, Fp8Rows& dh_q) {
+  const char* op = "swiglu_backward_with_value_fp8_";
+  require_float(op, "h", h);
+  XMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "[{}] h must be [N, 2f], got {}", op,
+             shape_str(h.shape()));
+  const int64_t n = h.size(0), f = h.size(1) / 2;
+  check_shape(da, {n, f}, op, "da");
+  XMOE_CHECK(da.dtype() == h.dtype() && da.device() == h.device(),
+             "[{}] da must be {} on {} like h", op, dtype_name(h.dtype()), h.device().str());
+  require_fp8_rows(op, dh_q);
+  check_shape(dh_q.data, {n, 2 * f}, op, "dh_q.data");
+  XMOE_CHECK(dh_q.data.device() == h.device(), "[{}] dh_q on {}, h on {}", op,
+             dh_q.data.device().str(), h.device().str());
+  const auto groups = static_cast<int64_t>(dh_q.group_sizes.size());
+  if (h.is_cpu()) {  // the two passes
+    swiglu_backward_with_value_(h, da);
+    cpu::quantize_rows_fp8(dh_q.data.data<uint8_t>(), dh_q.scales.data<float>(), h.data<float>(),
+                           dh_q.group_sizes.data(), groups, 2 * f);
+    return;
+  }
+  cuda::swiglu_backward_quantize_fp8(h.raw(), da.raw(), h.dtype(), dh_q.data.data<uint8_t>(),
+                                     dh_q.scales.data<float>(), dh_q.group_sizes.data(), groups, f,
+                                     stream_of(h));
 }
 
 Fp8Rows gather_quantize_rows_fp8(const Tensor& x, const Tensor& index,

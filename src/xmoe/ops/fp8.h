@@ -17,12 +17,22 @@ struct Fp8Rows {
   Tensor data;    ///< [N, K] u8 e4m3 bytes
   Tensor scales;  ///< f32 per row and 128 columns, grouped as cpu::quantize_rows_fp8 lays them
   std::vector<int64_t> group_sizes;
+  /// Groups [begin, end) (views: a group's bytes and scales lie together, in group order).
+  Fp8Rows groups(int64_t begin, int64_t end) const;
 };
+/// Uninitialised FP8 rows of k columns in groups of group_sizes rows, on `device`.
+Fp8Rows empty_fp8_rows(int64_t k, std::span<const int64_t> group_sizes, Device device);
 /// x [N, K] (f32 or bf16) in groups of group_sizes rows.
 Fp8Rows quantize_rows_fp8(const Tensor& x, std::span<const int64_t> group_sizes);
 /// quantize_rows_fp8(swiglu(h), group_sizes) for h [N, 2f]: on CUDA one pass that never writes
 /// swiglu(h) (the expert forward's down-projection input); the same bytes and scales.
 Fp8Rows swiglu_quantize_rows_fp8(const Tensor& h, std::span<const int64_t> group_sizes);
+/// swiglu_backward_with_value_(h, da) (h [N, 2f] becomes dh, da [N, f] becomes swiglu(h)), and
+/// dh's FP8 rows, quantize_rows_fp8(dh, dh_q.group_sizes)'s bytes and scales, written into dh_q
+/// (empty_fp8_rows(2f, ...) or groups of it). The FP8 experts' backward: dh feeds the gate/up
+/// data-gradient GEMM in FP8 and their weight gradient in h's dtype (CUDA: two passes today,
+/// one that never reads dh back is next).
+void swiglu_backward_with_value_fp8_(Tensor& h, Tensor& da, Fp8Rows& dh_q);
 /// quantize_rows_fp8(gather_rows(x, index), group_sizes) for x [M, K], index i32 [N]: one pass
 /// that never writes the gathered rows [N, K] (the FP8 experts' input straight from the order
 /// stage's indices).

@@ -149,13 +149,19 @@ Tensor row_dot_f32(const Tensor& a, const Tensor& b) {
 }
 
 WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, const Tensor& index,
-                                        const Tensor& weight, bool overwrite_rows) {
+                                        const Tensor& weight, bool overwrite_rows,
+                                        std::span<const int64_t> fp8_groups) {
   const char* op = "gather_weighted_rows_dot";
   check_shape(rows, {-1, -1}, op, "rows");
   const int64_t n = rows.size(0), d = rows.size(1);
   check_shape(dy, {-1, d}, op, "dy");
   check_shape(index, {n}, op, "index");
   check_shape(weight, {n}, op, "weight");
+  if (rows.is_cpu() && !fp8_groups.empty()) {  // the reference: the op, then its rows quantised
+    WeightedGather g = gather_weighted_rows_dot(dy, rows, index, weight, overwrite_rows);
+    g.d_rows_fp8 = quantize_rows_fp8(g.d_rows, fp8_groups);
+    return g;
+  }
   if (rows.is_cpu() && !overwrite_rows) {  // the reference: the three ops in sequence
     WeightedGather g;
     g.d_rows = gather_rows_masked(as_dtype(dy, rows.dtype()), index);
@@ -172,7 +178,7 @@ WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, co
     for (int64_t i = 0; i < n; ++i)
       XMOE_CHECK(idx[i] < dy.size(0), "[{}] index[{}] = {} out of range [0, {})", op, i, idx[i],
                  dy.size(0));
-    WeightedGather g{rows, Tensor::empty({n}, DType::f32)};
+    WeightedGather g{rows, Tensor::empty({n}, DType::f32), {}};
     cpu::gather_weighted_rows_dot_inplace(g.d_rows.data<float>(), g.dot.data<float>(),
                                           dy.data<float>(), idx, weight.data<float>(), n, d);
     return g;
@@ -187,10 +193,17 @@ WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, co
   if (detail::cuda_check_indices())
     detail::check_index_values(op, "index", index, dy.size(0), true);
   WeightedGather g{overwrite_rows ? rows : Tensor::empty({n, d}, rows.dtype(), rows.device()),
-                   Tensor::empty({n}, DType::f32, rows.device())};
-  cuda::moe_gather_weighted_rows_dot(g.d_rows.raw(), g.dot.data<float>(), dy.raw(), dy.dtype(),
-                                     rows.raw(), rows.dtype(), index.data<int32_t>(),
-                                     weight.data<float>(), n, dy.size(0), d, stream_of(rows));
+                   Tensor::empty({n}, DType::f32, rows.device()),
+                   {}};
+  if (!fp8_groups.empty()) g.d_rows_fp8 = empty_fp8_rows(d, fp8_groups, rows.device());
+  XMOE_CHECK(fp8_groups.empty() || g.d_rows_fp8.data.size(0) == n,
+             "[{}] FP8 groups of {} rows for {} rows", op, g.d_rows_fp8.data.size(0), n);
+  cuda::moe_gather_weighted_rows_dot(
+      g.d_rows.raw(), g.dot.data<float>(), dy.raw(), dy.dtype(), rows.raw(), rows.dtype(),
+      index.data<int32_t>(), weight.data<float>(), n, dy.size(0), d, stream_of(rows),
+      fp8_groups.empty() ? nullptr : g.d_rows_fp8.data.data<uint8_t>(),
+      fp8_groups.empty() ? nullptr : g.d_rows_fp8.scales.data<float>(), fp8_groups.data(),
+      static_cast<int64_t>(fp8_groups.size()));
   return g;
 }
 

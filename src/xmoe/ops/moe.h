@@ -7,9 +7,11 @@
 // index tensors i32 on the same device, where an index < 0 marks an empty (padding) slot. No op
 // here waits for the device unless it says so.
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "xmoe/core/tensor.h"
+#include "xmoe/ops/fp8.h"
 
 namespace xmoe::ops {
 
@@ -39,12 +41,17 @@ Tensor row_dot_f32(const Tensor& a, const Tensor& b);
 /// [N], weight f32 [N]. Equals gather, row_dot_f32, scale_rows_ in sequence; CUDA fuses them.
 /// overwrite_rows: d_rows is written into rows' storage (each element is read before it is
 /// overwritten), saving an [N, d] allocation; rows is then d_rows.
+/// fp8_groups (not empty): also d_rows' FP8 rows in groups of those sizes, the bytes and scales
+/// of quantize_rows_fp8(d_rows, fp8_groups) (the FP8 experts' output gradient, read by their
+/// down projection's data-gradient GEMM; CUDA: a pass after this one today).
 struct WeightedGather {
-  Tensor d_rows;  ///< [N, d]
-  Tensor dot;     ///< f32 [N]
+  Tensor d_rows;       ///< [N, d]
+  Tensor dot;          ///< f32 [N]
+  Fp8Rows d_rows_fp8;  ///< with fp8_groups
 };
 WeightedGather gather_weighted_rows_dot(const Tensor& dy, const Tensor& rows, const Tensor& index,
-                                        const Tensor& weight, bool overwrite_rows = false);
+                                        const Tensor& weight, bool overwrite_rows = false,
+                                        std::span<const int64_t> fp8_groups = {});
 /// x itself when it has `dtype`, else cast(x, dtype).
 Tensor as_dtype(const Tensor& x, DType dtype);
 /// out[i, j] = x[i, idx[i, j]]: x [N, E], idx i32 [N, k] -> [N, k].

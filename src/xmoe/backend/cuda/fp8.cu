@@ -401,6 +401,16 @@ void swiglu_quantize_rows_fp8(uint8_t* q, float* scales, const void* h, DType dt
                                  "swiglu_quantize_rows_fp8");
 }
 
+void swiglu_backward_quantize_fp8(void* h, void* da, DType dt, uint8_t* q, float* scales,
+                                  const int64_t* group_sizes, int64_t groups, int64_t f,
+                                  Stream stream) {
+  const RowGroups g = row_groups(group_sizes, groups, "swiglu_backward_with_value_fp8_");
+  const int64_t rows = g.start[groups];
+  swiglu_backward(h, h, da, dt, rows, f, stream, da);
+  quantize_rows<RowKind::plain>(q, scales, h, dt, group_sizes, groups, 2 * f, stream,
+                                "swiglu_backward_with_value_fp8_");
+}
+
 void gather_quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
                               const int32_t* index, int64_t x_rows, const int64_t* group_sizes,
                               int64_t groups, int64_t k, Stream stream) {

@@ -40,6 +40,11 @@ void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
 // write, in dt) in one pass: the same bytes and scales, no a in memory.
 void swiglu_quantize_rows_fp8(uint8_t* q, float* scales, const void* h, DType dt,
                               const int64_t* group_sizes, int64_t groups, int64_t f, Stream stream);
+// swiglu_backward(h, h, da, value = da) (h [rows, 2f] becomes dh, da [rows, f] swiglu(h)), then
+// quantize_rows_fp8 of that dh (today the two passes; one pass that never reads dh back is next).
+void swiglu_backward_quantize_fp8(void* h, void* da, DType dt, uint8_t* q, float* scales,
+                                  const int64_t* group_sizes, int64_t groups, int64_t f,
+                                  Stream stream);
 // quantize_rows_fp8 of rows index[r] of x [x_rows, k] (as gather_rows: an index out of range is
 // a row of zeros) in one pass: the same bytes and scales, no gathered copy in memory.
 void gather_quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,

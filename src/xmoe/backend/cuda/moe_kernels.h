@@ -21,9 +21,13 @@ void moe_row_dot_f32(float* out, const void* a, const void* b, DType dt, int64_t
 // d_rows (n, d) [dt] = w[i] * dy[idx[i]], dot (n) f32 = rows[i] . dy[idx[i]]; dy (t, d) is f32 or
 // dt; an index outside [0, t) gives a zero row and 0. d_rows may be rows (each element is read
 // before the same thread overwrites it).
+// With q (not null), also d_rows' FP8 rows (quantize_rows_fp8's bytes and scales, in groups of
+// group_sizes rows); today a quantising pass after this one (the same pass is next).
 void moe_gather_weighted_rows_dot(void* d_rows, float* dot, const void* dy, DType dy_dt,
                                   const void* rows, DType dt, const int32_t* idx, const float* w,
-                                  int64_t n, int64_t t, int64_t d, Stream stream);
+                                  int64_t n, int64_t t, int64_t d, Stream stream,
+                                  uint8_t* q = nullptr, float* scales = nullptr,
+                                  const int64_t* group_sizes = nullptr, int64_t groups = 0);
 // out (n, k) = x (n, e)[i, idx[i, j]]; an index outside [0, e) gives 0.
 void moe_take_along_rows(void* out, const void* x, DType dt, const int32_t* idx, int64_t n,
                          int64_t e, int64_t k, Stream stream);

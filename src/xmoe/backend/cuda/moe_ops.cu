@@ -3,6 +3,7 @@
 // summed by one warp (or one thread for the short routing rows), so results do not depend on
 // timing; f32 math on f32 or bf16 storage.
 #include "xmoe/backend/cuda/common.cuh"
+#include "xmoe/backend/cuda/kernels.h"
 #include "xmoe/backend/cuda/moe_kernels.h"
 
 namespace xmoe::cuda {
@@ -188,8 +189,14 @@ void moe_row_dot_f32(float* out, const void* a, const void* b, DType dt, int64_t
 
 void moe_gather_weighted_rows_dot(void* d_rows, float* dot, const void* dy, DType dy_dt,
                                   const void* rows, DType dt, const int32_t* idx, const float* w,
-                                  int64_t n, int64_t t, int64_t d, Stream stream) {
+                                  int64_t n, int64_t t, int64_t d, Stream stream, uint8_t* q,
+                                  float* scales, const int64_t* group_sizes, int64_t groups) {
   if (n == 0) return;
+  if (q) {  // the plain pass, then its rows quantised
+    moe_gather_weighted_rows_dot(d_rows, dot, dy, dy_dt, rows, dt, idx, w, n, t, d, stream);
+    quantize_rows_fp8(q, scales, d_rows, dt, group_sizes, groups, d, stream);
+    return;
+  }
   const bool vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(d_rows) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(rows) % 16 == 0;

@@ -52,6 +52,10 @@ void swiglu_quantize_rows_fp8(uint8_t*, float*, const void*, DType, const int64_
                               int64_t, Stream) {
   no_cuda("swiglu_quantize_rows_fp8");
 }
+void swiglu_backward_quantize_fp8(void*, void*, DType, uint8_t*, float*, const int64_t*, int64_t,
+                                  int64_t, Stream) {
+  no_cuda("swiglu_backward_with_value_fp8_");
+}
 void gather_quantize_rows_fp8(uint8_t*, float*, const void*, DType, const int32_t*, int64_t,
                               const int64_t*, int64_t, int64_t, Stream) {
   no_cuda("gather_quantize_rows_fp8");

@@ -52,7 +52,8 @@ void moe_layout(const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t
   no_cuda("moe order");
 }
 void moe_gather_weighted_rows_dot(void*, float*, const void*, DType, const void*, DType,
-                                  const int32_t*, const float*, int64_t, int64_t, int64_t, Stream) {
+                                  const int32_t*, const float*, int64_t, int64_t, int64_t, Stream,
+                                  uint8_t*, float*, const int64_t*, int64_t) {
   no_cuda("gather_weighted_rows_dot");
 }
 void moe_aux_stats(double*, float*, double*, const float*, const int32_t*, const float*, int64_t,
