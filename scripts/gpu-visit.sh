@@ -78,8 +78,10 @@ run() {
     case $part in
       tests)
         for t in test_cuda_ops test_cuda_moe test_cuda_model test_cuda_fp8; do
+          dt=$SECONDS
           $b/tests/$t --gtest_filter=-'CudaPerf*' >"$out/$t.log" 2>&1 || status=1
           grep -E "^\[  (PASSED|FAILED) |Failure$" "$out/$t.log" | sed "s/^/$t: /"
+          echo "$t: $((SECONDS - dt)) s"
         done
         mpirun --oversubscribe -np 1 $b/tests/mpi_test_cuda_train >"$out/mpi_test_cuda_train.log" 2>&1 ||
           status=1
