@@ -5,7 +5,7 @@
 // counters (live tensors; on CUDA also the bytes reserved by the caching allocator).
 // The first --warmup steps (default 2) are not measured: allocator and cuBLAS warm-up.
 //   bench_train_step [--preset tiny|moe-1b|...[,...]] [--device cpu|cuda|cuda:N] [--steps N]
-//                    [--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown]
+//                    [--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown] [--timeline]
 //                    [--set key=value ...]
 // --set train.offload_optimizer=true runs the offloaded update: the summary line then gives
 // its median time per step (median_optimizer_ms, also without offload), the device bytes
@@ -27,6 +27,11 @@
 // "train_step_summary" line with "status": "out_of_memory" and the bytes asked, free and total,
 // frees everything and the next preset runs; any other error prints "status": "error" with the
 // message. The exit code is 1 when some preset failed for a reason other than memory.
+// --timeline (CUDA): after the timed steps, one more step with the device timeline recorded
+// (core/device_timeline.h: CUPTI's records of every kernel, copy and memset, in place): a
+// "train_step_timeline" line with the step's device span, busy and idle ms, the idle ms that
+// passed before the host had called the next launch, the longest gaps (what ran before and
+// after each) and the idle ms before each kernel name, largest first.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -41,6 +46,8 @@
 #include "xmoe/config/config.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/device_api.h"
+#include "xmoe/core/device_timeline.h"
+#include "xmoe/core/error.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
@@ -64,14 +71,14 @@ Tensor random_tokens(int64_t b, int64_t s, int64_t vocab, Rng& rng, Device devic
   std::fprintf(stderr,
                "usage: bench_train_step [--preset NAME[,NAME...]] [--device cpu|cuda|cuda:N] "
                "[--steps N] [--warmup N] [--dtype auto|f32|bf16] [--dense] [--breakdown] "
-               "[--set key=value ...]\n");
+               "[--timeline] [--set key=value ...]\n");
   std::exit(2);
 }
 
 struct Options {
   std::string device_name, dtype_name_arg = "auto";
   int steps = 10, warmup = 2;
-  bool dense = false, breakdown = false;
+  bool dense = false, breakdown = false, timeline = false;
   std::vector<std::string> sets;
 };
 
@@ -211,6 +218,45 @@ void run_preset(const std::string& preset_name, const Options& o) {
   std::printf("%s\n", j.dump().c_str());
   std::fflush(stdout);
 
+  if (o.timeline) {
+    XMOE_CHECK(device.is_cuda(), "[bench_train_step] --timeline needs a CUDA device");
+    const Tensor ids = random_tokens(accum * batch, seq, vocab, rng, device);
+    const Tensor targets = random_tokens(accum * batch, seq, vocab, rng, device);
+    backend::start_device_timeline();
+    Timer t;
+    train_step(ids, targets);
+    const double step_ms = t.millis();
+    const std::vector<DeviceActivity> records = backend::stop_device_timeline();
+    const TimelineSummary sum = summarize_timeline(records);
+    auto ms = [](int64_t ns) { return static_cast<double>(ns) / 1e6; };
+    nlohmann::ordered_json tl;
+    tl["bench"] = "train_step_timeline";
+    tl["preset"] = preset_name;
+    tl["device"] = device.str();
+    tl["step_ms"] = step_ms;  // the host's, with CUPTI recording
+    tl["span_ms"] = ms(sum.span_ns);
+    tl["busy_ms"] = ms(sum.busy_ns);
+    tl["idle_ms"] = ms(sum.idle_ns);
+    tl["host_late_ms"] = ms(sum.host_late_ns);
+    tl["kernels"] = sum.kernels;
+    tl["memcpys"] = sum.memcpys;
+    tl["memsets"] = sum.memsets;
+    nlohmann::ordered_json gaps = nlohmann::ordered_json::array();
+    for (const IdleGap& g : sum.longest)
+      gaps.push_back({{"us", static_cast<double>(g.ns()) / 1e3},
+                      {"host_late_us", static_cast<double>(g.host_late_ns) / 1e3},
+                      {"before", g.before},
+                      {"after", g.after}});
+    tl["longest_gaps"] = gaps;
+    nlohmann::ordered_json before = nlohmann::ordered_json::array();
+    for (size_t i = 0; i < sum.idle_before.size() && i < 20; ++i)
+      before.push_back(
+          {{"name", sum.idle_before[i].first}, {"idle_ms", ms(sum.idle_before[i].second)}});
+    tl["idle_before"] = before;
+    std::printf("%s\n", tl.dump().c_str());
+    std::fflush(stdout);
+  }
+
   if (breakdown) {
     constexpr int kProfiledSteps = 2;
     profiling::reset();
@@ -285,6 +331,8 @@ int main(int argc, char** argv) {
       o.dense = true;
     else if (!std::strcmp(argv[i], "--breakdown"))
       o.breakdown = true;
+    else if (!std::strcmp(argv[i], "--timeline"))
+      o.timeline = true;
     else if (!std::strcmp(argv[i], "--set"))
       o.sets.push_back(next());
     else

@@ -8,7 +8,8 @@
 #
 # pack writes .gpu/ (git-ignored): bins.tar.xz (build/cuda's xmoe, benchmarks and CUDA tests),
 # lib/ (the shared libraries whose sonames the GPU machine's Ubuntu lacks: spdlog, fmt,
-# yaml-cpp; docs/benchmarks.md, "GPU benchmarks: how to run"), base.tar.xz (BASE_DIR's
+# yaml-cpp; docs/benchmarks.md, "GPU benchmarks: how to run"; and CUPTI's, which the timeline
+# opens at run time), base.tar.xz (BASE_DIR's
 # bin/bench_train_step, an earlier build's, for the `ab` part) and, where Debian's bible-kjv and
 # a CPU xmoe are here, kjv/ (the real-data corpus of bench/real_data.sh) for the `curve` part.
 # Build the binaries first:
@@ -28,6 +29,8 @@
 #   peer       the PyTorch moe-1b step (bench/peers/train_torch.py)
 #   kernels    every kernel of two moe-1b steps, in launch order, timed by ncu (kernels.csv),
 #              and the second step summed by kernel name (kernels.txt); kernels-fp8: FP8 experts
+#   timeline   where a moe-1b step leaves the GPU idle, in place (bench_train_step --timeline:
+#              CUPTI's records), bf16 and FP8 experts
 #   shared     moe-1b with model.moe.shared_overlap off, routing and all, alternated, twice each
 #   variants   moe-1b under each of VARIANTS' ;-separated lists of --set values (key=value ...),
 #              alternated, twice each
@@ -49,6 +52,11 @@ pack() {
   # The GPU machine has spdlog, fmt and yaml-cpp under other sonames (docs/DEVICE.md).
   ldd build/cuda/bin/xmoe | awk '/libspdlog|libfmt|libyaml-cpp/ { print $3 }' |
     xargs -r -I{} cp -L {} .gpu/lib/
+  local cupti
+  for cupti in /usr/local/cuda/lib64/libcupti.so.13 /usr/local/cuda-13.0/lib/libcupti.so.13 \
+    /usr/local/cuda/extras/CUPTI/lib64/libcupti.so.13; do
+    [[ -f $cupti ]] && { cp -L "$cupti" .gpu/lib/ && break; }
+  done
   if [[ -n "$base" ]]; then
     (cd "$base" && tar cf - bin/bench_train_step) | xz -1 -T0 >.gpu/base.tar.xz
   fi
@@ -141,6 +149,25 @@ run() {
           status=1
         python3 scripts/ncu_kernels.py --parts "$out/$part.csv" | tee "$out/$part-parts.txt"
         python3 scripts/ncu_kernels.py "$out/$part.csv" | tee "$out/$part.txt" | head -40 ;;
+      timeline)
+        for dt in bf16 fp8; do
+          $b/bin/bench_train_step --preset moe-1b --device cuda --warmup 3 --steps 3 --timeline \
+            --set model.moe.expert_dtype=$dt 2>&1 | grep -E '"train_step_(summary|timeline)"' ||
+            status=1
+        done | tee "$out/timeline.jsonl" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    j = json.loads(line)
+    if j["bench"] != "train_step_timeline":
+        continue
+    print("step %.2f ms: span %.2f, busy %.2f, idle %.2f (host late %.2f); %d kernels" % (
+        j["step_ms"], j["span_ms"], j["busy_ms"], j["idle_ms"], j["host_late_ms"], j["kernels"]))
+    for g in j["longest_gaps"][:8]:
+        print("  gap %8.1f us (host late %8.1f): %s -> %s" % (
+            g["us"], g["host_late_us"], g["before"][:50], g["after"][:50]))
+    for b in j["idle_before"][:12]:
+        print("  idle before %-60s %.3f ms" % (b["name"][:60], b["idle_ms"]))
+' ;;
       shared)
         for t in 1 2; do
           for o in off routing all; do

@@ -30,6 +30,7 @@
 #include "xmoe/backend/cuda/runtime.h"
 #include "xmoe/core/allocator.h"
 #include "xmoe/core/device_api.h"
+#include "xmoe/core/device_timeline.h"
 #include "xmoe/core/rng.h"
 #include "xmoe/core/timer.h"
 #include "xmoe/ops/model_ops.h"
@@ -1360,6 +1361,37 @@ TEST(CudaBuild, ClearErrors) {
       "[cross_entropy] targets[2] = 9 out of range [0, 4)"));
   EXPECT_TRUE(
       throws_containing([&] { ops::cast(rand_index(3, 3, 93).to(kCuda), DType::f32); }, "[cast]"));
+}
+
+// The device timeline records what ran, where and when: the kernels of two ops, in order, with
+// their launch calls before them, and the copy back to the host.
+TEST(CudaTimeline, RecordsKernelsCopiesAndTheirLaunches) {
+  XMOE_REQUIRE_CUDA();
+  const Tensor a = randn({1024, 1024}, 1).to(kCuda), b = randn({1024, 1024}, 2).to(kCuda);
+  backend::start_device_timeline();
+  const Tensor c = ops::mul(ops::add(a, b), a);
+  const std::vector<float> host = c.to_vector<float>();
+  const std::vector<DeviceActivity> records = backend::stop_device_timeline();
+  int64_t kernels = 0, copies_back = 0;
+  for (size_t i = 0; i < records.size(); ++i) {
+    const DeviceActivity& r = records[i];
+    SCOPED_TRACE(r.name);
+    EXPECT_FALSE(r.name.empty());
+    EXPECT_LE(r.start_ns, r.end_ns);
+    if (i > 0) EXPECT_LE(records[i - 1].start_ns, r.start_ns);
+    if (r.kind == DeviceActivity::Kind::kernel) {
+      ++kernels;
+      EXPECT_GE(r.launch_ns, 0) << "a kernel without its launch call";
+      EXPECT_LE(r.launch_ns, r.start_ns);
+    }
+    if (r.kind == DeviceActivity::Kind::memcpy && r.name == "memcpy DtoH") ++copies_back;
+  }
+  EXPECT_GE(kernels, 2);
+  EXPECT_GE(copies_back, 1);
+  const TimelineSummary s = summarize_timeline(records);
+  EXPECT_GT(s.busy_ns, 0);
+  EXPECT_EQ(s.span_ns, s.busy_ns + s.idle_ns);
+  EXPECT_THROW(backend::stop_device_timeline(), Error);  // not recording any more
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // The region profiler (core/profile.h): nesting, aggregation by name under a parent, reset,
-// off records nothing; and the regions a training step of a micro MoE model reports.
+// off records nothing; and the regions a training step of a micro MoE model reports. The device
+// timeline's analysis (core/device_timeline.h) on records made up here.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -9,6 +10,7 @@
 
 #include "training_fixture.h"
 #include "xmoe/core/allocator.h"
+#include "xmoe/core/device_timeline.h"
 #include "xmoe/core/env.h"
 #include "xmoe/core/profile.h"
 #include "xmoe/model/transformer.h"
@@ -233,4 +235,61 @@ TEST_F(Profile, TrainingStepReportsEveryModuleAndStage) {
   }
   // The forward and backward passes are most of a step.
   EXPECT_GT(r.at(f).total_ms + r.at(b).total_ms, 0.0);
+}
+
+namespace {
+DeviceActivity activity(std::string name, int64_t start, int64_t end, int64_t launch = -1,
+                        DeviceActivity::Kind kind = DeviceActivity::Kind::kernel) {
+  return {kind, std::move(name), start, end, 7, launch};
+}
+}  // namespace
+
+// Busy is the union of the intervals (overlapping streams count once); each gap names what ran
+// before and after it, and the part of it that passed before the host called the next launch.
+TEST(DeviceTimeline, IdleGapsBetweenTheUnionOfActivities) {
+  const std::vector<DeviceActivity> records = {
+      // given out of order: the analysis sorts by start
+      activity("c", 1000, 1100, /*launch=*/950),                  // gap 600..1000: launched at 950
+      activity("a", 0, 500),                                      // busy 0..600 with b
+      activity("b", 100, 600, -1, DeviceActivity::Kind::memcpy),  // overlaps a
+      activity("d", 1100, 1200, /*launch=*/900),                  // no gap
+      activity("e", 1500, 1600, /*launch=*/1000,
+               DeviceActivity::Kind::memset),      // gap 1200..1500, queued
+      activity("c", 1700, 1800, /*launch=*/2000),  // gap 1600..1700, host late (clamped)
+  };
+  const TimelineSummary s = summarize_timeline(records);
+  EXPECT_EQ(s.span_ns, 1800);
+  EXPECT_EQ(s.busy_ns, 600 + 200 + 100 + 100);
+  EXPECT_EQ(s.idle_ns, 400 + 300 + 100);
+  EXPECT_EQ(s.host_late_ns, 350 + 0 + 100);
+  EXPECT_EQ(s.kernels, 4);
+  EXPECT_EQ(s.memcpys, 1);
+  EXPECT_EQ(s.memsets, 1);
+  ASSERT_EQ(s.longest.size(), 3u);
+  EXPECT_EQ(s.longest[0].ns(), 400);
+  EXPECT_EQ(s.longest[0].before, "b");  // b, not a, reaches 600
+  EXPECT_EQ(s.longest[0].after, "c");
+  EXPECT_EQ(s.longest[0].host_late_ns, 350);
+  EXPECT_EQ(s.longest[1].ns(), 300);
+  EXPECT_EQ(s.longest[1].before, "d");
+  EXPECT_EQ(s.longest[1].after, "e");
+  EXPECT_EQ(s.longest[1].host_late_ns, 0);
+  ASSERT_EQ(s.idle_before.size(), 2u);
+  EXPECT_EQ(s.idle_before[0], (std::pair<std::string, int64_t>{"c", 500}));
+  EXPECT_EQ(s.idle_before[1], (std::pair<std::string, int64_t>{"e", 300}));
+  EXPECT_EQ(summarize_timeline(records, 1).longest.size(), 1u);
+  EXPECT_EQ(summarize_timeline({}).span_ns, 0);
+}
+
+TEST(DeviceTimeline, ShortKernelNames) {
+  EXPECT_EQ(short_kernel_name("void xmoe::(anonymous namespace)::gather_rows_kernel<uint4>(uint4*, "
+                              "const uint4*, int const*, long)"),
+            "gather_rows_kernel<uint4>");
+  EXPECT_EQ(short_kernel_name("void cutlass::device_kernel<gemm::GemmUniversal<int, (anonymous "
+                              "namespace)::X>>(Params)"),
+            "device_kernel<gemm::GemmUniversal<int, (anonymous namespace)::X>>");
+  EXPECT_EQ(short_kernel_name("cudnn_generated_fort_native_sdpa_sm90_flash_bprop"),
+            "cudnn_generated_fort_native_sdpa_sm90_flash_bprop");
+  EXPECT_EQ(short_kernel_name("xmoe::adamw_kernel(float*)"), "adamw_kernel");
+  EXPECT_EQ(short_kernel_name(std::string(200, 'k'), 20), std::string(17, 'k') + "...");
 }

@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "xmoe/core/device_api.h"
+#include "xmoe/core/device_timeline.h"
 #include "xmoe/core/error.h"
 
 namespace xmoe::backend {
@@ -73,6 +74,13 @@ void stream_wait_event(int, void*, void*) {
 }
 void host_wait_event(void*) {
   no_cuda("an event");
+}
+
+void start_device_timeline() {
+  no_cuda("the device timeline");
+}
+std::vector<DeviceActivity> stop_device_timeline() {
+  no_cuda("the device timeline");
 }
 
 }  // namespace xmoe::backend
