@@ -31,7 +31,8 @@
 // (core/device_timeline.h: CUPTI's records of every kernel, copy and memset, in place): a
 // "train_step_timeline" line with the step's device span, busy and idle ms, the idle ms that
 // passed before the host had called the next launch, the longest gaps (what ran before and
-// after each) and the idle ms before each kernel name, largest first.
+// after each), the idle ms before each kernel name, largest first, and every name's summed ms
+// and launches (scripts/ncu_kernels.py reads them as it reads ncu's CSV).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -253,6 +254,10 @@ void run_preset(const std::string& preset_name, const Options& o) {
       before.push_back(
           {{"name", sum.idle_before[i].first}, {"idle_ms", ms(sum.idle_before[i].second)}});
     tl["idle_before"] = before;
+    nlohmann::ordered_json names = nlohmann::ordered_json::array();
+    for (const TimelineSummary::NameTotal& n : sum.by_name)
+      names.push_back({{"name", n.name}, {"ms", ms(n.ns)}, {"count", n.count}});
+    tl["by_name"] = names;
     std::printf("%s\n", tl.dump().c_str());
     std::fflush(stdout);
   }

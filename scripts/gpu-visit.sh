@@ -150,24 +150,34 @@ run() {
         python3 scripts/ncu_kernels.py --parts "$out/$part.csv" | tee "$out/$part-parts.txt"
         python3 scripts/ncu_kernels.py "$out/$part.csv" | tee "$out/$part.txt" | head -40 ;;
       timeline)
+        # In place and in seconds (ncu replays each kernel: minutes): idle time, gaps, and the
+        # kernels by name and by part (scripts/ncu_kernels.py reads these files as its CSVs).
         for dt in bf16 fp8; do
           $b/bin/bench_train_step --preset moe-1b --device cuda --warmup 3 --steps 3 --timeline \
-            --set model.moe.expert_dtype=$dt 2>&1 | grep -E '"train_step_(summary|timeline)"' ||
+            --set model.moe.expert_dtype=$dt >"$out/timeline-$dt.jsonl" 2>"$out/timeline-$dt.err" ||
             status=1
-        done | tee "$out/timeline.jsonl" | python3 -c '
+          python3 -c '
 import json, sys
-for line in sys.stdin:
+for line in open(sys.argv[1]):
+    if not line.startswith("{"):
+        continue
     j = json.loads(line)
+    if j["bench"] == "train_step_summary":
+        print("%s: timed step %.2f ms" % (sys.argv[2], j.get("median_step_ms", float("nan"))))
     if j["bench"] != "train_step_timeline":
         continue
-    print("step %.2f ms: span %.2f, busy %.2f, idle %.2f (host late %.2f); %d kernels" % (
+    print("recorded step %.2f ms: span %.2f, busy %.2f, idle %.2f (host late %.2f); %d kernels" % (
         j["step_ms"], j["span_ms"], j["busy_ms"], j["idle_ms"], j["host_late_ms"], j["kernels"]))
     for g in j["longest_gaps"][:8]:
         print("  gap %8.1f us (host late %8.1f): %s -> %s" % (
             g["us"], g["host_late_us"], g["before"][:50], g["after"][:50]))
     for b in j["idle_before"][:12]:
         print("  idle before %-60s %.3f ms" % (b["name"][:60], b["idle_ms"]))
-' ;;
+' "$out/timeline-$dt.jsonl" "$dt"
+          python3 scripts/ncu_kernels.py --parts "$out/timeline-$dt.jsonl"
+        done | tee "$out/timeline.txt"
+        python3 scripts/ncu_kernels.py "$out/timeline-bf16.jsonl" "$out/timeline-fp8.jsonl" \
+          >"$out/timeline-diff.txt" 2>&1 ;;
       shared)
         for t in 1 2; do
           for o in off routing all; do

@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""Sums the last training step's kernels by name from an ncu CSV (gpu-visit.sh, part kernels).
+"""Sums the last training step's kernels by name from an ncu CSV (gpu-visit.sh, part kernels)
+or from bench_train_step --timeline's JSON lines (part timeline: CUPTI's in-place durations of
+one step, the last "train_step_timeline" line of the file).
 
-A step ends with AdamW: the kernels after the previous step's last adamw_kernel launch are the
-last step's. With one CSV, prints ms per kernel name, largest first, and the step's total; with
+In a CSV, a step ends with AdamW: the kernels after the previous step's last adamw_kernel
+launch are the last step's. With one CSV, prints ms per kernel name, largest first, and the step's total; with
 two (before, after), prints both columns and the difference, largest change first. With
 --parts, the same by part of the step (the routed experts' grouped GEMMs, attention, AdamW, ...:
 the table docs/benchmarks.md keeps of where a step goes).
 
   python3 scripts/ncu_kernels.py [--parts] kernels.csv
   python3 scripts/ncu_kernels.py [--parts] before.csv after.csv
+  python3 scripts/ncu_kernels.py [--parts] timeline-bf16.jsonl timeline-fp8.jsonl
 """
 import collections
 import csv
+import json
 import re
 import signal
 import sys
@@ -55,8 +59,28 @@ def by_part(total, count):
     return t, c
 
 
+def timeline_step(path):
+    """last_step's triple from the file's last train_step_timeline line (kernels only)."""
+    line = None
+    with open(path) as f:
+        for l in f:
+            if l.startswith("{") and '"train_step_timeline"' in l:
+                line = json.loads(l)
+    if line is None:
+        sys.exit(f"{path}: no train_step_timeline line")
+    total, count = collections.Counter(), collections.Counter()
+    for n in line["by_name"]:
+        if n["name"].startswith(("memcpy", "memset")):
+            continue
+        total[n["name"][:110]] += n["ms"]
+        count[n["name"][:110]] += n["count"]
+    return total, count, sum(count.values())
+
+
 def last_step(path):
     """(kernel name -> ms, kernel name -> launches, launches) of the CSV's last step."""
+    if path.endswith(".jsonl"):
+        return timeline_step(path)
     rows = []
     with open(path, newline="") as f:
         lines = [l for l in f if l.startswith('"')]  # ncu's CSV lines, not the program's output

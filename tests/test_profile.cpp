@@ -277,6 +277,12 @@ TEST(DeviceTimeline, IdleGapsBetweenTheUnionOfActivities) {
   ASSERT_EQ(s.idle_before.size(), 2u);
   EXPECT_EQ(s.idle_before[0], (std::pair<std::string, int64_t>{"c", 500}));
   EXPECT_EQ(s.idle_before[1], (std::pair<std::string, int64_t>{"e", 300}));
+  ASSERT_EQ(s.by_name.size(), 5u);  // c twice: 200 ns; a 500, b 500 (the first of equals: a)
+  EXPECT_EQ(s.by_name[0].name, "a");
+  EXPECT_EQ(s.by_name[0].ns, 500);
+  EXPECT_EQ(s.by_name[2].name, "c");
+  EXPECT_EQ(s.by_name[2].ns, 200);
+  EXPECT_EQ(s.by_name[2].count, 2);
   EXPECT_EQ(summarize_timeline(records, 1).longest.size(), 1u);
   EXPECT_EQ(summarize_timeline({}).span_ns, 0);
 }

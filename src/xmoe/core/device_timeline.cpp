@@ -10,8 +10,13 @@ TimelineSummary summarize_timeline(std::span<const DeviceActivity> records, size
   if (records.empty()) return s;
   std::vector<const DeviceActivity*> order;
   order.reserve(records.size());
+  std::map<std::string, TimelineSummary::NameTotal> by_name;
   for (const DeviceActivity& r : records) {
     order.push_back(&r);
+    TimelineSummary::NameTotal& total = by_name[r.name];
+    total.name = r.name;
+    total.ns += r.end_ns - r.start_ns;
+    ++total.count;
     switch (r.kind) {
       case DeviceActivity::Kind::kernel:
         ++s.kernels;
@@ -60,6 +65,9 @@ TimelineSummary summarize_timeline(std::span<const DeviceActivity> records, size
   s.idle_before.assign(idle_before.begin(), idle_before.end());
   std::stable_sort(s.idle_before.begin(), s.idle_before.end(),
                    [](const auto& a, const auto& b) { return a.second > b.second; });
+  for (auto& [name, total] : by_name) s.by_name.push_back(std::move(total));
+  std::stable_sort(s.by_name.begin(), s.by_name.end(),
+                   [](const auto& a, const auto& b) { return a.ns > b.ns; });
   return s;
 }
 

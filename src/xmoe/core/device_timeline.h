@@ -51,6 +51,13 @@ struct TimelineSummary {
   std::vector<IdleGap> longest;  ///< the longest gaps, longest first
   /// Idle ns before each activity name (the gaps it ended), largest first.
   std::vector<std::pair<std::string, int64_t>> idle_before;
+  /// Each activity name's summed duration and count, longest first (streams that overlap both
+  /// count: the sum may pass busy_ns).
+  struct NameTotal {
+    std::string name;
+    int64_t ns = 0, count = 0;
+  };
+  std::vector<NameTotal> by_name;
 };
 
 /// The summary of `records` (any order); keeps the `longest` longest gaps.
