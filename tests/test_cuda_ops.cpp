@@ -1378,7 +1378,9 @@ TEST(CudaTimeline, RecordsKernelsCopiesAndTheirLaunches) {
     SCOPED_TRACE(r.name);
     EXPECT_FALSE(r.name.empty());
     EXPECT_LE(r.start_ns, r.end_ns);
-    if (i > 0) EXPECT_LE(records[i - 1].start_ns, r.start_ns);
+    if (i > 0) {
+      EXPECT_LE(records[i - 1].start_ns, r.start_ns);
+    }
     if (r.kind == DeviceActivity::Kind::kernel) {
       ++kernels;
       EXPECT_GE(r.launch_ns, 0) << "a kernel without its launch call";
