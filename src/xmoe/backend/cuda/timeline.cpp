@@ -131,10 +131,14 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
           const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
           auto [it, fresh] = rec.names.try_emplace(k->name);
           if (fresh) {
-            int status = 0;
-            char* plain = abi::__cxa_demangle(k->name, nullptr, nullptr, &status);
-            it->second = short_kernel_name(status == 0 && plain ? plain : k->name);
-            std::free(plain);
+            if (k->name == nullptr) {
+              it->second = "(unnamed kernel)";
+            } else {
+              int status = 0;
+              char* plain = abi::__cxa_demangle(k->name, nullptr, nullptr, &status);
+              it->second = short_kernel_name(status == 0 && plain ? plain : k->name);
+              std::free(plain);
+            }
           }
           rec.activities.push_back({DeviceActivity::Kind::kernel, it->second,
                                     static_cast<int64_t>(k->start), static_cast<int64_t>(k->end),
