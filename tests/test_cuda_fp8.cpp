@@ -30,6 +30,14 @@ Tensor bf16_on_gpu(const Tensor& x) {
   return ops::cast(x.to(kCuda), DType::bf16);
 }
 
+/// a and b hold the same FP8 bytes and the same scales (wherever each lives).
+void expect_same_fp8_rows(const ops::Fp8Rows& a, const ops::Fp8Rows& b) {
+  EXPECT_EQ(a.data.to(Device::cpu()).to_vector<uint8_t>(),
+            b.data.to(Device::cpu()).to_vector<uint8_t>());
+  EXPECT_EQ(a.scales.to(Device::cpu()).to_vector<float>(),
+            b.scales.to(Device::cpu()).to_vector<float>());
+}
+
 /// An order stage's index i32 [n] on the GPU: row r reads token (61 r + 7) % tokens, and row 40
 /// is a padding slot (-1); with `beyond`, row 41 reads one past the last token.
 Tensor order_index(int64_t n, int64_t tokens, bool beyond) {
@@ -53,8 +61,7 @@ TEST(CudaFp8, QuantisersWriteTheCpuBytesAndScales) {
       const Tensor x = ops::cast(randn({467, k}, 1).to(kCuda), dt);
       const ops::Fp8Rows g = ops::quantize_rows_fp8(x, sizes);
       const ops::Fp8Rows c = ops::quantize_rows_fp8(host_f32(x), sizes);
-      EXPECT_EQ(g.data.to(Device::cpu()).to_vector<uint8_t>(), c.data.to_vector<uint8_t>());
-      EXPECT_EQ(g.scales.to(Device::cpu()).to_vector<float>(), c.scales.to_vector<float>());
+      expect_same_fp8_rows(g, c);
       EXPECT_EQ(normalised_error(ops::dequantize_rows_fp8(g, DType::f32),
                                  ops::dequantize_rows_fp8(c, DType::f32)),
                 0.0);
@@ -83,10 +90,7 @@ TEST(CudaFp8, SwigluQuantiserWritesTheTwoPassBytes) {
       const Tensor h = ops::cast(randn({467, 2 * f}, 5, 2.0f).to(kCuda), dt);
       const ops::Fp8Rows fused = ops::swiglu_quantize_rows_fp8(h, sizes);
       const ops::Fp8Rows two_pass = ops::quantize_rows_fp8(ops::swiglu(h), sizes);
-      EXPECT_EQ(fused.data.to(Device::cpu()).to_vector<uint8_t>(),
-                two_pass.data.to(Device::cpu()).to_vector<uint8_t>());
-      EXPECT_EQ(fused.scales.to(Device::cpu()).to_vector<float>(),
-                two_pass.scales.to(Device::cpu()).to_vector<float>());
+      expect_same_fp8_rows(fused, two_pass);
       const ops::Fp8Rows cpu = ops::swiglu_quantize_rows_fp8(host_f32(h), sizes);
       EXPECT_LT(normalised_error(ops::dequantize_rows_fp8(fused, DType::f32),
                                  ops::dequantize_rows_fp8(cpu, DType::f32)),
@@ -119,10 +123,7 @@ TEST(CudaFp8, SwigluBackwardQuantiserWritesTheTwoPassBytes) {
       }
       EXPECT_TRUE(xmoe::testing::bitwise_equal(h_q, h_ref));
       EXPECT_TRUE(xmoe::testing::bitwise_equal(da_q, da_ref));
-      EXPECT_EQ(q.data.to(Device::cpu()).to_vector<uint8_t>(),
-                ref.data.to(Device::cpu()).to_vector<uint8_t>());
-      EXPECT_EQ(q.scales.to(Device::cpu()).to_vector<float>(),
-                ref.scales.to(Device::cpu()).to_vector<float>());
+      expect_same_fp8_rows(q, ref);
     }
 }
 
@@ -140,10 +141,7 @@ TEST(CudaFp8, GatherQuantiserWritesTheGatheredBytes) {
       const Tensor x = ops::cast(randn({tokens, k}, 9, 2.0f).to(kCuda), dt);
       const ops::Fp8Rows fused = ops::gather_quantize_rows_fp8(x, index, sizes);
       const ops::Fp8Rows two_pass = ops::quantize_rows_fp8(ops::gather_rows(x, index), sizes);
-      EXPECT_EQ(fused.data.to(Device::cpu()).to_vector<uint8_t>(),
-                two_pass.data.to(Device::cpu()).to_vector<uint8_t>());
-      EXPECT_EQ(fused.scales.to(Device::cpu()).to_vector<float>(),
-                two_pass.scales.to(Device::cpu()).to_vector<float>());
+      expect_same_fp8_rows(fused, two_pass);
     }
 }
 

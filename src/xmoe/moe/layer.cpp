@@ -449,7 +449,7 @@ ActivationBytes MoELayer::activation_bytes_for(const MoeConfig& c, int64_t d, in
   // backward) and held through the experts' data-gradient GEMMs
   const bool dout_q_in_iorder = fp8 && ep == 1 && bwd_chunks == 1 && c.dispatch != "rbd";
   const int64_t dout_q = dout_q_in_iorder ? recv * (d + 4 * blocks(d)) : 0;
-  const int64_t fp8_rows = dh_q + (fp8 ? fp8_dequantised : 0);
+  const int64_t fp8_rows = dh_q + fp8_dequantised;
   ActivationBytes a;
   a.saved = x + gate_saved_bytes_for(c, tokens, rc.router) + layout + (recompute ? 0 : h) +
             (keeps_rows ? in_rows : 0) + out + shared_h + fp8_weights;
