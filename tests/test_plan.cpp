@@ -29,6 +29,9 @@ TEST(Cluster, BuiltInsHaveTheirDataSheets) {
   EXPECT_EQ(frontier.gpu_memory, int64_t{64} << 30);
   EXPECT_DOUBLE_EQ(frontier.inter.bandwidth, 12.5e9);  // 4 x 25 GB/s over 8 GCDs
   EXPECT_EQ(frontier.world(), 8);
+  EXPECT_DOUBLE_EQ(h100.fp8_flops, 1979e12);
+  EXPECT_DOUBLE_EQ(h200.fp8_flops, 1979e12);
+  EXPECT_EQ(frontier.fp8_flops, 0);  // MI250X: no FP8 matrix units
   EXPECT_CONTAINS(error_of([] { builtin_cluster("dgx-a100"); }), "unknown cluster 'dgx-a100'");
 }
 
@@ -72,6 +75,10 @@ TEST(Cluster, FileErrorsNameTheFileAndTheKey) {
                   "c.yaml: device = 'tpu' must be cuda or cpu");
   EXPECT_CONTAINS(err("base: dgx-a100\n"), "c.yaml: base: [cluster] unknown cluster 'dgx-a100'");
   EXPECT_CONTAINS(err("gpus_per_node: 8\n"), "c.yaml: gpu_memory_gib is missing");
+  EXPECT_CONTAINS(err("base: frontier\nfp8_tflops: 400\n"),
+                  "c.yaml: fp8_tflops is set, fp8_gemm_efficiency is missing");
+  EXPECT_CONTAINS(err("base: dgx-h100\nfp8_gemm_efficiency: 0\n"),
+                  "c.yaml: fp8_gemm_efficiency = 0 must be > 0");
   EXPECT_CONTAINS(err("[1, 2]"), "c.yaml: expected a map of keys");
   EXPECT_CONTAINS(error_of([] { resolve_cluster("/no/such/cluster.yaml"); }),
                   "neither a built-in cluster");
@@ -121,6 +128,49 @@ TEST(StepTime, AProfileModelIsUsedAtItsMeasuredGroupSize) {
   // No all_gather model: the cluster's link.
   EXPECT_NEAR(r.collective(sched::Task::all_gather, {8, 1}, 1e6), 7 * 5e-6 + 7.0 / 8 * 1e6 / 450e9,
               1e-12);
+}
+
+TEST(StepTime, Fp8ExpertsTakeTheFp8RateForwardAndDataGradient) {
+  Config c = preset("moe-1b");
+  c.train.batch_size = 4;
+  c.model.moe.expert_dtype = "fp8";
+  Config b = c;
+  b.model.moe.expert_dtype = "bf16";
+  // FP8 at twice bf16's rate and elementwise work nearly free: FP8 saves half of each expert
+  // forward and data-gradient GEMM's FLOP time, and its quantising passes cost ~nothing.
+  Cluster cl = cluster_from_yaml(
+      "base: dgx-h100\nfp8_tflops: 1978\nfp8_gemm_efficiency: 0.6\nmemory_bandwidth_gbs: 1e12\n",
+      "fast.yaml");
+  const Rates r(cl);
+  const train::MemoryModel mem = train::predict_memory(c);
+  const auto moe_compute = [&](const Config& config) {
+    const StepTime t = predict_step_time(config, mem, r, {});
+    for (const TimeTerm& term : t.terms)
+      if (term.name == "MoE compute fwd+bwd") return term.seconds;
+    ADD_FAILURE() << "no MoE compute term";
+    return 0.0;
+  };
+  const int64_t rows = c.train.batch_size * c.train.seq_len * c.model.moe.top_k;
+  const int64_t d = c.model.d_model, f = c.model.moe.expert_hidden;
+  using sched::Task;
+  double saved = 0;
+  for (const auto& [in, out] : {std::pair{d, 2 * f}, std::pair{f, d}})
+    saved += r.gemm(Task::gemm_forward, rows, in, out) -
+             r.gemm(Task::gemm_forward, rows, in, out, true) +
+             r.gemm(Task::gemm_backward_data, rows, out, in) -
+             r.gemm(Task::gemm_backward_data, rows, out, in, true);
+  EXPECT_NEAR(saved, 0.5 * (2.0 * rows * d * 2 * f + 2.0 * rows * f * d) * 2 / (989e12 * 0.6),
+              1e-12);
+  const int layers = c.model.num_layers - c.model.first_dense_layers;
+  EXPECT_NEAR(moe_compute(b) - moe_compute(c), layers * saved, 1e-6 * layers * saved);
+  // No FP8 rate, no FP8 plan: frontier's GPUs, or a profile without FP8 models.
+  const Rates frontier(builtin_cluster("frontier"));
+  EXPECT_CONTAINS(error_of([&] { predict_step_time(c, mem, frontier, {}); }),
+                  "cluster frontier declares no FP8 rate");
+  EXPECT_CONTAINS(error_of([&] { make_plan(c, frontier, {}); }), "declares no FP8 rate");
+  const Rates profiled(cl, sched::Profile{});
+  EXPECT_CONTAINS(error_of([&] { predict_step_time(c, mem, profiled, {}); }),
+                  "the profile has no FP8 GEMM models (measure them with xmoe profile --fp8");
 }
 
 TEST(StepTime, RbdCrossesFewerBytesBetweenNodes) {

@@ -204,6 +204,37 @@ TEST(ProfileFile, PredictsFromTheRightModel) {
                   "all_reduce is not a GEMM kind");
 }
 
+TEST(ProfileFile, Fp8GemmModelsAnswerOnlyFp8Questions) {
+  Profile p = sample_profile();
+  // An FP8 model of the exact bf16 shape 1024x512 and an FP8 quantiser.
+  TaskModel fp8 = model_of(Task::gemm_forward, 3e-6, 2e-12);
+  fp8.in = 128, fp8.out = 256, fp8.groups = 8, fp8.dtype = "fp8";
+  TaskModel quantize = model_of(Task::quantize_rows_fp8, 1e-6, 5e-10);
+  quantize.width = 256;
+  EXPECT_FALSE(p.has_fp8_gemm(Task::gemm_forward));
+  EXPECT_FALSE(p.predict_quantize_fp8(1e6).has_value());
+  p.models.push_back(fp8);
+  p.models.push_back(quantize);
+  EXPECT_TRUE(p.has_fp8_gemm(Task::gemm_forward));
+  EXPECT_FALSE(p.has_fp8_gemm(Task::gemm_backward_data));
+  // bf16 at 128x256 takes the bf16 model of that shape; FP8 at 1024x512 the one FP8 model.
+  EXPECT_NEAR(p.predict_gemm(Task::gemm_forward, 64, 128, 256), 2e-6 + 1e-11 * 2 * 64 * 128 * 256,
+              1e-12);
+  EXPECT_NEAR(p.predict_gemm(Task::gemm_forward, 64, 1024, 512, true),
+              3e-6 + 2e-12 * 2 * 64 * 1024 * 512, 1e-12);
+  EXPECT_NEAR(*p.predict_quantize_fp8(1e6), 1e-6 + 5e-4, 1e-12);
+  EXPECT_CONTAINS(error_of([&] { p.predict_gemm(Task::gemm_backward_data, 1, 8, 8, true); }),
+                  "no FP8 gemm_backward_data model (xmoe profile --fp8 measures them)");
+  // The file keeps them apart.
+  TempDir dir;
+  save_profile(p, dir / "fp8.json");
+  const Profile q = load_profile(dir / "fp8.json");
+  EXPECT_EQ(profile_to_json(q), profile_to_json(p));
+  EXPECT_EQ(q.models[7].dtype, "fp8");
+  EXPECT_EQ(q.models[8].task, Task::quantize_rows_fp8);
+  EXPECT_EQ(q.models[8].width, 256);
+}
+
 TEST(ProfileFile, CorruptFilesNameTheFileAndTheKey) {
   TempDir dir;
   const std::string good = profile_to_json(sample_profile());
@@ -284,6 +315,37 @@ TEST(Profiler, QuickOneProcessProfileFitsTheComputeTasks) {
   EXPECT_TRUE(std::isfinite(p.heldout_error()));
   EXPECT_GE(p.predict_gemm(Task::gemm_forward, 4096, 32, 48),
             p.predict_gemm(Task::gemm_forward, 16, 32, 48));
+}
+
+TEST(Profiler, Fp8MeasuresTheFp8ExpertsGemmsAndQuantiser) {
+  ProfileOptions o;
+  o.quick = true;
+  o.fp8 = true;
+  o.gemm_shapes = {{128, 256}};
+  o.attention_shapes = {{16, 32}};
+  int steps = 0, total = 0;
+  o.progress = [&](const ProfileProgress& p) { steps = p.done, total = p.total; };
+  const Profile p = run_profile(comm::make_single_group(), Device::cpu(), o);
+  EXPECT_EQ(steps, total);
+  // The 8 models of the default profile, FP8 forward and data gradient, the quantiser.
+  ASSERT_EQ(p.models.size(), 11u);
+  int fp8_gemms = 0;
+  for (const TaskModel& m : p.models) {
+    if (is_gemm(m.task) && m.dtype == "fp8") {
+      ++fp8_gemms;
+      EXPECT_NE(m.task, Task::gemm_backward_weight);  // FP8 experts' weight gradient is bf16
+      EXPECT_EQ(m.in, 128);
+      EXPECT_EQ(m.out, 256);
+    }
+    EXPECT_TRUE(std::isfinite(m.fit.beta) && m.fit.beta >= 0) << task_name(m.task);
+  }
+  EXPECT_EQ(fp8_gemms, 2);
+  EXPECT_TRUE(p.has_fp8_gemm(Task::gemm_forward) && p.has_fp8_gemm(Task::gemm_backward_data));
+  const TaskModel* q = p.find(Task::quantize_rows_fp8, comm::LinkClass::intra_node);
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(q->width, 256);
+  EXPECT_EQ(q->fit.unit, "byte");
+  EXPECT_GT(p.predict_gemm(Task::gemm_forward, 4096, 128, 256, true), 0.0);
 }
 
 TEST(Profiler, GemmShapeFlag) {

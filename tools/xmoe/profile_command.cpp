@@ -77,12 +77,16 @@ ProfileCommand::ProfileCommand(CLI::App& app)
                    "Per size over the repetitions: median, or min on a machine shared with "
                    "other work")
       ->check(CLI::IsMember({"median", "min"}));
+  cmd_->add_flag("--fp8", fp8_,
+                 "Also the FP8 experts' GEMMs and row quantiser (for xmoe plan of "
+                 "model.moe.expert_dtype = fp8)");
   cmd_->add_flag("--quiet", quiet_, "No progress bar");
   cmd_->footer(
       "Examples:\n"
       "  xmoe profile --quick                                # this CPU, one process\n"
       "  mpirun -np 4 xmoe profile --ranks-per-node 2        # intra- and inter-node models\n"
-      "  mpirun -np 8 xmoe profile --device cuda --out h100x8.json");
+      "  mpirun -np 8 xmoe profile --device cuda --out h100x8.json\n"
+      "  xmoe profile --device cuda --fp8 --out h100-fp8.json  # FP8 experts' GEMMs too");
 }
 
 void ProfileCommand::run() const {
@@ -94,6 +98,7 @@ void ProfileCommand::run() const {
   for (const std::string& s : attention_shapes_)
     options.attention_shapes.push_back(sched::parse_attention_shape(s, "--attention-shape"));
   options.gemm_groups = gemm_groups_;
+  options.fp8 = fp8_;
   const fs::path out = fs::absolute(out_);
   XMOE_CHECK(fs::is_directory(out.parent_path()),
              "[profile] --out {}: the folder {} does not exist", out_, out.parent_path().string());

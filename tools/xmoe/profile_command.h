@@ -21,6 +21,7 @@ class ProfileCommand {
   std::string out_ = "profile.json";
   std::string device_ = "cpu";
   bool quick_ = false;
+  bool fp8_ = false;
   bool quiet_ = false;
   std::string statistic_ = "median";
   int ranks_per_node_ = 0;

@@ -19,7 +19,9 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 /// DGX H100 / H200: 8 GPUs on NVLink 4 (450 GB/s per direction per GPU), 8 × 400 Gb/s
 /// InfiniBand per node (50 GB/s per GPU). Rates are the data sheets'; gemm_efficiency is the
-/// share of the bf16 peak large grouped GEMMs reach (docs/plan.md).
+/// share of the bf16 peak large grouped GEMMs reach, fp8_gemm_efficiency the share of the FP8
+/// peak xmoe's block-scaled FP8 grouped GEMM reached on an H100 (617-1023 TFLOP/s at the expert
+/// shapes of docs/fp8.md, "Speed"; docs/plan.md).
 Cluster dgx(const std::string& name, double memory_gib, double hbm_gbs) {
   Cluster c;
   c.name = name;
@@ -29,6 +31,8 @@ Cluster dgx(const std::string& name, double memory_gib, double hbm_gbs) {
   c.host_memory = static_cast<int64_t>(2048 * kGiB);
   c.peak_flops = 989e12;
   c.gemm_efficiency = 0.6;
+  c.fp8_flops = 1979e12;
+  c.fp8_gemm_efficiency = 0.4;
   c.memory_bandwidth = hbm_gbs * kGB * 0.7;  // elementwise kernels reach ~70% of HBM
   c.host_bandwidth = 50 * kGB;               // PCIe 5 x16
   c.intra = {450 * kGB, 5e-6};
@@ -38,7 +42,7 @@ Cluster dgx(const std::string& name, double memory_gib, double hbm_gbs) {
 
 /// Frontier: 4 MI250X per node = 8 GCDs of 64 GiB HBM2e (1.6 TB/s, 191.5 TFLOP/s bf16 each),
 /// Infinity Fabric between GCDs (50 GB/s per direction for a GCD's all-to-all share), 4 × 25
-/// GB/s Slingshot NICs per node (12.5 GB/s per GCD), 512 GiB DDR4 per node.
+/// GB/s Slingshot NICs per node (12.5 GB/s per GCD), 512 GiB DDR4 per node. No FP8 matrix units.
 Cluster frontier() {
   Cluster c;
   c.name = "frontier";
@@ -162,6 +166,10 @@ Cluster cluster_from_yaml(const std::string& text, const std::string& source) {
        [&](const YAML::Node& n) { c.peak_flops = r.number(n, "peak_tflops", 0, true) * 1e12; }},
       {"gemm_efficiency",
        [&](const YAML::Node& n) { c.gemm_efficiency = r.fraction(n, "gemm_efficiency"); }},
+      {"fp8_tflops",
+       [&](const YAML::Node& n) { c.fp8_flops = r.number(n, "fp8_tflops", 0, false) * 1e12; }},
+      {"fp8_gemm_efficiency",
+       [&](const YAML::Node& n) { c.fp8_gemm_efficiency = r.fraction(n, "fp8_gemm_efficiency"); }},
       {"memory_bandwidth_gbs",
        [&](const YAML::Node& n) {
          c.memory_bandwidth = r.number(n, "memory_bandwidth_gbs", 0, true) * kGB;
@@ -195,6 +203,8 @@ Cluster cluster_from_yaml(const std::string& text, const std::string& source) {
   for (const auto& [name, present] : required)
     XMOE_CHECK(present, "[cluster] {}: {} is missing (or give base: <built-in cluster>)", source,
                name);
+  XMOE_CHECK(c.fp8_flops == 0 || c.fp8_gemm_efficiency > 0,
+             "[cluster] {}: fp8_tflops is set, fp8_gemm_efficiency is missing", source);
   if (c.host_bandwidth <= 0) c.host_bandwidth = c.intra.bandwidth > 0 ? c.intra.bandwidth : 1e12;
   return c;
 }
@@ -211,11 +221,15 @@ Cluster resolve_cluster(const std::string& name_or_path) {
 
 std::string describe(const Cluster& c) {
   return fmt::format(
-      "{}: {} nodes x {} {} of {:.0f} GiB ({} in all); {:.0f} TFLOP/s peak, GEMMs at {:.0f}%; "
+      "{}: {} nodes x {} {} of {:.0f} GiB ({} in all); {:.0f} TFLOP/s peak, GEMMs at {:.0f}%{}; "
       "intra-node {:.0f} GB/s, inter-node {:.1f} GB/s per GPU",
       c.name, c.nodes, c.gpus_per_node, c.device == "cpu" ? "ranks" : "GPUs",
       static_cast<double>(c.gpu_memory) / kGiB, c.world(), c.peak_flops / 1e12,
-      100 * c.gemm_efficiency, c.intra.bandwidth / kGB, c.inter.bandwidth / kGB);
+      100 * c.gemm_efficiency,
+      c.fp8_flops > 0 ? fmt::format(" (FP8 {:.0f}, at {:.0f}%)", c.fp8_flops / 1e12,
+                                    100 * c.fp8_gemm_efficiency)
+                      : "",
+      c.intra.bandwidth / kGB, c.inter.bandwidth / kGB);
 }
 
 }  // namespace xmoe::plan

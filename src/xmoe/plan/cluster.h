@@ -28,8 +28,12 @@ struct Cluster {
   /// The fraction of host_memory the offloaded optimizer's pinned memory may take (the rest: the
   /// OS, the process, the model's host copy before it reaches the GPUs).
   double usable_host_memory = 0.9;
-  double peak_flops = 0;        ///< dense bf16 FLOP/s per GPU (MFU's denominator)
-  double gemm_efficiency = 0;   ///< fraction of peak_flops the GEMMs reach (no profile)
+  double peak_flops = 0;       ///< dense bf16 FLOP/s per GPU (MFU's denominator)
+  double gemm_efficiency = 0;  ///< fraction of peak_flops the GEMMs reach (no profile)
+  /// Dense FP8 (e4m3) FLOP/s per GPU, 0 where the GPU has no FP8 matrix units; with
+  /// fp8_gemm_efficiency, the FP8 experts' GEMMs (model.moe.expert_dtype = fp8) without a profile.
+  double fp8_flops = 0;
+  double fp8_gemm_efficiency = 0;
   double memory_bandwidth = 0;  ///< bytes/s per GPU: elementwise work streams at this rate
   double host_bandwidth = 0;    ///< bytes/s per GPU of the host link (offload transfers)
   Link intra;                   ///< between GPUs of one node (NVLink, Infinity Fabric)

@@ -106,6 +106,8 @@ Plan make_plan(const Config& base, const Rates& rates, const PlanOptions& o) {
   const Cluster& cl = rates.cluster();
   const int world = cl.world(), g = cl.gpus_per_node;
   const int experts = base.model.moe.num_experts;
+  // Refused here, once, rather than by every layout below (where an error means "does not fit").
+  if (base.model.moe.expert_dtype == "fp8") rates.require_fp8();
   Plan plan;
   plan.cluster = cl;
   std::map<std::tuple<int, int, bool, int, int, size_t, size_t, size_t, int, int>,

@@ -58,12 +58,35 @@ GroupSpan group_span(int size, int stride, int ranks_per_node) {
 Rates::Rates(Cluster cluster, std::optional<sched::Profile> profile)
     : cluster_(std::move(cluster)), profile_(std::move(profile)) {}
 
-double Rates::gemm(Task kind, int64_t rows, int64_t in, int64_t out) const {
+double Rates::gemm(Task kind, int64_t rows, int64_t in, int64_t out, bool fp8) const {
   if (rows <= 0) return 0;
-  if (profile_) return profile_->predict_gemm(kind, rows, in, out);
+  if (fp8) require_fp8();
+  if (profile_) return profile_->predict_gemm(kind, rows, in, out, fp8);
+  const double rate = fp8 ? cluster_.fp8_flops * cluster_.fp8_gemm_efficiency
+                          : cluster_.peak_flops * cluster_.gemm_efficiency;
   return kGemmLatency + 2.0 * static_cast<double>(rows) * static_cast<double>(in) *
-                            static_cast<double>(out) /
-                            (cluster_.peak_flops * cluster_.gemm_efficiency);
+                            static_cast<double>(out) / rate;
+}
+
+void Rates::require_fp8() const {
+  if (profile_) {
+    XMOE_CHECK(profile_->has_fp8_gemm(Task::gemm_forward) &&
+                   profile_->has_fp8_gemm(Task::gemm_backward_data),
+               "[plan] model.moe.expert_dtype = fp8, but the profile has no FP8 GEMM models "
+               "(measure them with xmoe profile --fp8, or plan without --profile)");
+    return;
+  }
+  XMOE_CHECK(cluster_.fp8_flops > 0,
+             "[plan] model.moe.expert_dtype = fp8, but cluster {} declares no FP8 rate "
+             "(fp8_tflops: its GPUs have no FP8 matrix units, or the file leaves it out)",
+             cluster_.name);
+}
+
+double Rates::quantize_fp8(double bytes) const {
+  if (bytes <= 0) return 0;
+  if (profile_)
+    if (const auto t = profile_->predict_quantize_fp8(bytes)) return *t;
+  return stream(bytes);
 }
 
 double Rates::stream(double bytes) const {
@@ -155,6 +178,10 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   const int64_t rows =
       std::llround(static_cast<double>(Tm * moe.top_k) * (ep > 1 ? o.load_imbalance : 1.0));
   const model::RecomputeOptions rc = model::parse_recompute(m.recompute);
+  // FP8 experts: their forward and data-gradient GEMMs on FP8 operands, the weight gradient in
+  // the compute dtype.
+  const bool fp8 = moe.expert_dtype == "fp8";
+  if (fp8) rates.require_fp8();
 
   const GroupSpan tp_span = group_span(tp, 1, g);
   const GroupSpan ep_span = group_span(ep, ssmb ? 1 : tp, g);
@@ -192,14 +219,31 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   // The MoE layer: router, the experts' grouped GEMMs over the busiest rank's rows, shared
   // experts, the row gathers and the weighted scatter-add of I-Order.
   const double router_f = fwd(Tm, d, moe.num_experts);
-  const double experts_f = fwd(rows, d, 2 * f) + fwd(rows, f, d);
+  auto expert_fwd = [&](int64_t n, int64_t in, int64_t out) {
+    return rates.gemm(Task::gemm_forward, n, in, out, fp8);
+  };
+  auto expert_bwd = [&](int64_t n, int64_t in, int64_t out) {
+    return rates.gemm(Task::gemm_backward_data, n, out, in, fp8) +
+           rates.gemm(Task::gemm_backward_weight, n, in, out);
+  };
+  const double experts_f = expert_fwd(rows, d, 2 * f) + expert_fwd(rows, f, d);
+  // FP8's quantising passes beyond the bf16 layer's: the local experts' weights once per
+  // forward (read, then written in both layouts the GEMMs read), and in backward dy's and dh's
+  // rows for the data-gradient GEMMs (read, written a byte an element and a scale per 128).
+  // Forward's quantisers replace the gather and SwiGLU passes moe_stream counts.
+  const double q_row_bytes = elem + 1 + 4.0 / 128;
+  const double quantize_f =
+      fp8 ? rates.quantize_fp8(3.0 * (moe.num_experts / ep) * d * f * (elem + 2)) : 0;
+  const double quantize_b = fp8 ? rates.quantize_fp8(rows * (d + 2 * f) * q_row_bytes) : 0;
   const double shared_f = sf > 0 ? fwd(Tm, d, 2 * sf) + fwd(Tm, sf, d) : 0;
   const double moe_stream = rates.stream(rows * d * (elem + 4) + 3.0 * rows * f * elem +
                                          4.0 * Tm * moe.num_experts * 4 + 4.0 * Tm * d * 4);
-  const double moe_f = router_f + experts_f + shared_f + moe_stream;
-  const double moe_b = bwd(Tm, d, moe.num_experts) + bwd(rows, d, 2 * f) + bwd(rows, f, d) +
-                       (sf > 0 ? bwd(Tm, d, 2 * sf) + bwd(Tm, sf, d) : 0) + 2 * moe_stream;
-  const double moe_recompute = (rc.moe ? fwd(rows, d, 2 * f) : 0) + (rc.router ? router_f : 0);
+  const double moe_f = router_f + experts_f + shared_f + moe_stream + quantize_f;
+  const double moe_b = bwd(Tm, d, moe.num_experts) + expert_bwd(rows, d, 2 * f) +
+                       expert_bwd(rows, f, d) + (sf > 0 ? bwd(Tm, d, 2 * sf) + bwd(Tm, sf, d) : 0) +
+                       2 * moe_stream + quantize_b;
+  const double moe_recompute =
+      (rc.moe ? expert_fwd(rows, d, 2 * f) : 0) + (rc.router ? router_f : 0);
   // Dispatch + combine, forward and backward: 4 all-to-alls of the routed rows.
   double a2a = 0;
   const int per_node = ep_span.ranks / ep_span.nodes;

@@ -54,8 +54,15 @@ class Rates {
   explicit Rates(Cluster cluster, std::optional<sched::Profile> profile = std::nullopt);
   const Cluster& cluster() const { return cluster_; }
   bool profiled() const { return profile_.has_value(); }
-  /// One GEMM (sched::Task gemm kinds): x[rows, in] @ w[in, out].
-  double gemm(sched::Task kind, int64_t rows, int64_t in, int64_t out) const;
+  /// One GEMM (sched::Task gemm kinds): x[rows, in] @ w[in, out]. `fp8`: on FP8 operands (the
+  /// profile's FP8 models, else the cluster's FP8 rate; require_fp8 says whether there is one).
+  double gemm(sched::Task kind, int64_t rows, int64_t in, int64_t out, bool fp8 = false) const;
+  /// Throws unless FP8 GEMMs can be timed: the profile has FP8 models (xmoe profile --fp8) or,
+  /// without a profile, the cluster declares fp8_tflops.
+  void require_fp8() const;
+  /// Quantising rows to FP8 that read and write `bytes` in all: the profile's model, else
+  /// streaming them.
+  double quantize_fp8(double bytes) const;
   /// Elementwise work that reads and writes `bytes` in all.
   double stream(double bytes) const;
   /// Bytes one AdamW element streams: the gradient read (4), the master weight read and written

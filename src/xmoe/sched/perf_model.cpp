@@ -18,9 +18,10 @@ namespace {
 using nlohmann::json;
 
 constexpr std::array<std::string_view, kNumTasks> kTaskNames = {
-    "all_to_all_v", "all_gather",         "reduce_scatter",       "all_reduce",
-    "gemm_forward", "gemm_backward_data", "gemm_backward_weight", "gather_rows",
-    "scatter_rows", "attention_forward",  "attention_backward",   "adamw"};
+    "all_to_all_v",     "all_gather",         "reduce_scatter",       "all_reduce",
+    "gemm_forward",     "gemm_backward_data", "gemm_backward_weight", "gather_rows",
+    "scatter_rows",     "attention_forward",  "attention_backward",   "adamw",
+    "quantize_rows_fp8"};
 constexpr const char* kFormat = "xmoe-profile";
 constexpr int kFormatVersion = 1;
 
@@ -143,14 +144,15 @@ TaskModel read_model(const Reader& r, const json& m, const std::string& where) {
   return tm;
 }
 
-/// The model of `kind` whose shape (a, b) is nearest (a0, b0) in log2 distance, or nullptr.
-template <typename Shape>
+/// The model of `kind` (among those `keep` accepts) whose shape (a, b) is nearest (a0, b0) in
+/// log2 distance, or nullptr.
+template <typename Shape, typename Keep>
 const TaskModel* nearest_model(const std::vector<TaskModel>& models, Task kind, Shape shape,
-                               int64_t a0, int64_t b0) {
+                               int64_t a0, int64_t b0, Keep keep) {
   const TaskModel* best = nullptr;
   double best_distance = 0;
   for (const TaskModel& m : models) {
-    if (m.task != kind) continue;
+    if (m.task != kind || !keep(m)) continue;
     const auto [a, b] = shape(m);
     const double distance = std::abs(std::log2(static_cast<double>(a) / a0)) +
                             std::abs(std::log2(static_cast<double>(b) / b0));
@@ -210,16 +212,29 @@ double Profile::predict_collective(Task task, comm::LinkClass link, double bytes
   return m->fit.predict(bytes);
 }
 
-double Profile::predict_gemm(Task kind, int64_t rows, int64_t in, int64_t out) const {
+double Profile::predict_gemm(Task kind, int64_t rows, int64_t in, int64_t out, bool fp8) const {
   XMOE_CHECK(is_gemm(kind), "[profile] predict_gemm: {} is not a GEMM kind", task_name(kind));
   XMOE_CHECK(rows >= 0 && in > 0 && out > 0,
              "[profile] predict_gemm: rows {} in {} out {} (need rows >= 0, in and out > 0)", rows,
              in, out);
   const TaskModel* best = nearest_model(
-      models, kind, [](const TaskModel& m) { return std::pair(m.in, m.out); }, in, out);
-  XMOE_CHECK(best != nullptr, "[profile] the profile has no {} model", task_name(kind));
+      models, kind, [](const TaskModel& m) { return std::pair(m.in, m.out); }, in, out,
+      [fp8](const TaskModel& m) { return (m.dtype == "fp8") == fp8; });
+  XMOE_CHECK(best != nullptr, "[profile] the profile has no {}{} model{}", fp8 ? "FP8 " : "",
+             task_name(kind), fp8 ? " (xmoe profile --fp8 measures them)" : "");
   return best->fit.predict(2.0 * static_cast<double>(rows) * static_cast<double>(in) *
                            static_cast<double>(out));
+}
+
+bool Profile::has_fp8_gemm(Task kind) const {
+  return std::any_of(models.begin(), models.end(),
+                     [kind](const TaskModel& m) { return m.task == kind && m.dtype == "fp8"; });
+}
+
+std::optional<double> Profile::predict_quantize_fp8(double bytes) const {
+  const TaskModel* m = find(Task::quantize_rows_fp8, comm::LinkClass::intra_node);
+  if (!m) return std::nullopt;
+  return m->fit.predict(bytes);
 }
 
 double Profile::predict_rows(Task task, double bytes) const {
@@ -239,7 +254,7 @@ std::optional<double> Profile::predict_attention(Task kind, int64_t pairs, int64
              seq_len);
   const TaskModel* best = nearest_model(
       models, kind, [](const TaskModel& m) { return std::pair(m.head_dim, m.seq_len); }, head_dim,
-      seq_len);
+      seq_len, [](const TaskModel&) { return true; });
   if (!best) return std::nullopt;
   const double s = static_cast<double>(seq_len);
   return best->fit.predict(4.0 * static_cast<double>(pairs) * s * s *

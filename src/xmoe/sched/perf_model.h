@@ -45,8 +45,9 @@ enum class Task : uint8_t {
   attention_forward,
   attention_backward,
   adamw,
+  quantize_rows_fp8,  ///< FP8 row quantisation (1 x 128 blocks): bytes read and written
 };
-inline constexpr int kNumTasks = 12;
+inline constexpr int kNumTasks = 13;
 
 std::string_view task_name(Task task);
 /// The task called `name`; throws naming the known tasks.
@@ -67,7 +68,8 @@ struct TaskModel {
   int64_t in = 0, out = 0, groups = 0;                 ///< GEMMs: w [groups, in, out]
   int64_t head_dim = 0, seq_len = 0;                   ///< attention
   int64_t width = 0;                                   ///< row tasks: elements per row
-  std::string dtype;                                   ///< "f32", "bf16"
+  /// "f32", "bf16"; GEMMs on FP8 operands (xmoe profile --fp8): "fp8"
+  std::string dtype;
   LinearModel fit;
   std::vector<double> x, t;                  ///< the fitted samples (t in seconds)
   std::vector<double> heldout_x, heldout_t;  ///< samples between them, not fitted
@@ -110,8 +112,14 @@ struct Profile {
   }
   /// Predicted seconds of one grouped GEMM kind over `rows` rows of width `in` into `out`
   /// columns: the model of that shape, else of the measured shape nearest in log(in) and
-  /// log(out), at 2 * rows * in * out FLOPs.
-  double predict_gemm(Task kind, int64_t rows, int64_t in, int64_t out) const;
+  /// log(out), at 2 * rows * in * out FLOPs. `fp8`: among the models of FP8 operands (dtype
+  /// "fp8"), else among the others.
+  double predict_gemm(Task kind, int64_t rows, int64_t in, int64_t out, bool fp8 = false) const;
+  /// Whether the profile has FP8 GEMM models of `kind`.
+  bool has_fp8_gemm(Task kind) const;
+  /// Predicted seconds of quantising rows to FP8 that read and write `bytes` in all; nullopt
+  /// without a model.
+  std::optional<double> predict_quantize_fp8(double bytes) const;
   /// Predicted seconds of gather_rows or scatter_rows moving `bytes`.
   double predict_rows(Task task, double bytes) const;
   /// Predicted seconds of attention_forward or attention_backward over `pairs` (sequence, head)

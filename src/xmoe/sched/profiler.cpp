@@ -12,6 +12,7 @@
 #include "xmoe/core/device_api.h"
 #include "xmoe/core/error.h"
 #include "xmoe/core/timer.h"
+#include "xmoe/ops/fp8.h"
 #include "xmoe/ops/model_ops.h"
 #include "xmoe/ops/ops.h"
 #include "xmoe/ops/optim.h"
@@ -91,6 +92,10 @@ class Profiler {
   void sweep(TaskModel& model, const Sweep& sweep, const std::string& label, Measure&& measure);
   void collectives(const std::shared_ptr<comm::Group>& group, comm::LinkClass link);
   void gemms(GemmShape shape);
+  /// The FP8 experts' GEMMs (forward and data gradient; operands quantised beforehand, as the
+  /// quantising passes time on their own: quantize_rows()).
+  void fp8_gemms(GemmShape shape);
+  void quantize_rows();
   void attention(AttentionShape shape);
   void rows();
   void adamw();
@@ -228,6 +233,52 @@ void Profiler::gemms(GemmShape shape) {
   }
 }
 
+void Profiler::fp8_gemms(GemmShape shape) {
+  const int64_t G = options_.gemm_groups;
+  const ops::Fp8Weights w = ops::quantize_weights_fp8(filled({G, shape.in, shape.out}));
+  for (Task task : {Task::gemm_forward, Task::gemm_backward_data}) {
+    const bool data_grad = task == Task::gemm_backward_data;
+    TaskModel model;
+    model.task = task;
+    model.in = shape.in;
+    model.out = shape.out;
+    model.groups = G;
+    model.dtype = "fp8";
+    const std::string label = fmt::format("{} {}x{} fp8", task_name(task), shape.in, shape.out);
+    sweep(model, plan_.gemm_rows, label, [&](double rows_d) -> std::pair<double, double> {
+      const int64_t rows = std::max<int64_t>(1, std::llround(rows_d));
+      std::vector<int64_t> sizes(static_cast<size_t>(G), rows / G);
+      for (int64_t g = 0; g < rows % G; ++g) ++sizes[static_cast<size_t>(g)];
+      // forward: x [rows, in] @ w; data gradient: dy [rows, out] @ w^T
+      const ops::Fp8Rows x =
+          ops::quantize_rows_fp8(filled({rows, data_grad ? shape.out : shape.in}), sizes);
+      Tensor y = Tensor::empty({rows, data_grad ? shape.in : shape.out}, compute_dtype_, device_);
+      const double flops = 2.0 * static_cast<double>(rows) * shape.in * shape.out;
+      return {flops, time(*world_, [&] { ops::grouped_matmul_fp8_into(y, x, w, data_grad); })};
+    });
+  }
+}
+
+void Profiler::quantize_rows() {
+  // Rows of whole 128-column blocks (as the experts' d and f are), at least the row width.
+  const int64_t W = std::max<int64_t>(128, (options_.row_width + 127) / 128 * 128);
+  const double elem = static_cast<double>(dtype_size(compute_dtype_));
+  // Read in the compute dtype; written: a byte an element and an f32 scale per 128.
+  const double row_bytes = static_cast<double>(W) * (elem + 1) + static_cast<double>(W) / 32;
+  TaskModel model;
+  model.task = Task::quantize_rows_fp8;
+  model.width = W;
+  model.dtype = std::string(dtype_name(compute_dtype_));
+  sweep(model, plan_.row_bytes, std::string(task_name(model.task)),
+        [&](double bytes) -> std::pair<double, double> {
+          const int64_t n = std::max<int64_t>(1, std::llround(bytes / row_bytes));
+          const Tensor x = filled({n, W});
+          const int64_t groups[] = {n};
+          return {static_cast<double>(n) * row_bytes,
+                  time(*world_, [&] { (void)ops::quantize_rows_fp8(x, groups); })};
+        });
+}
+
 void Profiler::attention(AttentionShape shape) {
   const int64_t S = shape.seq_len, hd = shape.head_dim;
   for (Task task : {Task::attention_forward, Task::attention_backward}) {
@@ -356,12 +407,19 @@ Profile Profiler::run() {
            3 * points(plan_.gemm_rows) * static_cast<int>(shapes.size()) +
            2 * points(plan_.attention_pairs) * static_cast<int>(attention_shapes.size()) +
            3 * points(plan_.row_bytes);
+  if (options_.fp8)
+    total_ +=
+        2 * points(plan_.gemm_rows) * static_cast<int>(shapes.size()) + points(plan_.row_bytes);
 
   // Intra-node: each node's ranks, all nodes at once; inter-node: one rank per node, as
   // hierarchical dispatch (RBD) uses them. Splits are collective over the world.
   if (intra) collectives(world_->split(topo.node_of(rank), rank), comm::LinkClass::intra_node);
   if (inter) collectives(world_->split(topo.local_rank(rank), rank), comm::LinkClass::inter_node);
   for (const GemmShape& s : shapes) gemms(s);
+  if (options_.fp8) {
+    for (const GemmShape& s : shapes) fp8_gemms(s);
+    quantize_rows();
+  }
   for (const AttentionShape& s : attention_shapes) attention(s);
   rows();
   adamw();

@@ -49,6 +49,9 @@ struct ProfileOptions {
   std::vector<AttentionShape> attention_shapes;  ///< empty: default_attention_shapes
   int64_t gemm_groups = 8;                       ///< experts per grouped GEMM (rows split evenly)
   int64_t row_width = 256;  ///< elements per row for gather_rows / scatter_rows
+  /// Also the FP8 experts' GEMMs (model.moe.expert_dtype = fp8: forward and data gradient on
+  /// quantised operands) and the FP8 row quantiser, for `xmoe plan` of an FP8 config.
+  bool fp8 = false;
   /// Per size, over the repetitions: "median" (the typical time; the default) or "min" (the
   /// machine's best, robust to other processes descheduling a rank on a shared machine).
   std::string statistic = "median";
