@@ -36,6 +36,8 @@
 #   variants   moe-1b under each of VARIANTS' ;-separated lists of --set values (key=value ...),
 #              alternated, twice each
 #   perf       the CudaPerf model-shape lines of test_cuda_ops (the norms, cross-entropy, ...)
+#   profile    xmoe profile --device cuda --fp8 (profile.json), then xmoe plan of moe-1b on one
+#              dgx-h100 node from it, bf16 and FP8 experts (the FP8 GEMM models, measured)
 #   curve      moe-1b 1000 steps with bf16 then FP8 experts on the KJV Bible (real_data.sh fp8)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -219,6 +221,14 @@ for line in open(sys.argv[1]):
       perf)
         $b/tests/test_cuda_ops --gtest_also_run_disabled_tests --gtest_filter='CudaPerf*' \
           2>&1 | grep '^{' | tee "$out/perf.jsonl" ;;
+      profile)
+        $b/bin/xmoe profile --device cuda --fp8 --quiet --out "$out/profile.json" \
+          >"$out/profile.log" 2>&1 || status=1
+        grep -E "fp8|gemm|check" "$out/profile.log"
+        for dt in bf16 fp8; do
+          $b/bin/xmoe plan --preset moe-1b --cluster dgx-h100 --profile "$out/profile.json" \
+            --top 1 --set model.moe.expert_dtype=$dt 2>&1 | tail -2
+        done | tee "$out/plan.log" ;;
       curve)
         STEPS=1000 XMOE=$b/bin/xmoe bash bench/real_data.sh fp8 .gpu/kjv >"$out/curve.log" 2>&1 ||
           status=1
