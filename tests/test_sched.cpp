@@ -410,6 +410,35 @@ TEST(PipelinePlan, ChunkTimesFollowTheModels) {
   EXPECT_EQ(predict_chunk(p, shape_of(1), 1, false).dispatch, 0.0);
 }
 
+TEST(PipelinePlan, Fp8ExpertsTimeTheirForwardAndDataGradientOnFp8Models) {
+  Profile p = pipeline_profile(1e-9, 1e-11);
+  // FP8 models 4x faster; the weight gradient has none (it stays bf16).
+  for (Task t : {Task::gemm_forward, Task::gemm_backward_data}) {
+    TaskModel m = model_of(t, 5e-6, 0.25e-11);
+    m.in = 64, m.out = 128, m.groups = 8, m.dtype = "fp8";
+    p.models.push_back(m);
+  }
+  PipelineShape s = shape_of(2);
+  s.fp8 = true;
+  const double bytes = 4096.0 * 4 * 64 * 4, permute = 2 * (1e-6 + 1e-10 * bytes);
+  const double flops = 2.0 * 4096 * 4 * 64 * 64 * 3;
+  EXPECT_NEAR(predict_chunk(p, s, 1, false).experts, permute + 2 * 5e-6 + 0.25e-11 * flops, 1e-12);
+  // backward: the data gradient at the FP8 rate, the weight gradient at bf16's
+  EXPECT_NEAR(predict_chunk(p, s, 1, true).experts, permute + 4 * 5e-6 + (0.25e-11 + 1e-11) * flops,
+              1e-12);
+  // A run with FP8 experts whose profile has no FP8 models takes the default and says why.
+  TempDir dir;
+  save_profile(pipeline_profile(2e-9, 3e-11), dir / "profile.json");
+  Config c;
+  c.train.out_dir = dir.str();
+  c.model.moe.num_experts = 16;
+  c.model.moe.pipeline = "auto";
+  c.model.moe.expert_dtype = "fp8";
+  const PipelineChoice chosen = resolve_pipeline(c, 4096, 2, 1, 4);
+  EXPECT_EQ(chosen.forward, 2);
+  EXPECT_CONTAINS(chosen.source, "xmoe profile --fp8");
+}
+
 TEST(PipelinePlan, ChoosesChunksWhereTheyPay) {
   // Exchange and experts of similar cost: chunks hide one behind the other.
   const Profile balanced = pipeline_profile(2e-9, 3e-11);

@@ -278,9 +278,12 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
                                      .expert_hidden = f,
                                      .local_experts = local,
                                      .ep = ep,
-                                     .elem_bytes = static_cast<int64_t>(elem)};
+                                     .elem_bytes = static_cast<int64_t>(elem),
+                                     .fp8 = fp8};
     const sched::ChunkRates chunk_rates{
-        [&](Task kind, int64_t n, int64_t in, int64_t out) { return rates.gemm(kind, n, in, out); },
+        [&](Task kind, int64_t n, int64_t in, int64_t out, bool on_fp8) {
+          return rates.gemm(kind, n, in, out, on_fp8);
+        },
         [&](double bytes) { return rates.stream(bytes); },
         [&](double bytes) {
           return rbd ? rates.all_to_all({per_node, 1}, bytes * (per_node - 1) / per_node, 0)

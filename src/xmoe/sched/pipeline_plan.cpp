@@ -11,8 +11,8 @@
 namespace xmoe::sched {
 
 ChunkRates profile_chunk_rates(const Profile& p, comm::LinkClass link) {
-  return {[&p](Task kind, int64_t rows, int64_t in, int64_t out) {
-            return p.predict_gemm(kind, rows, in, out);
+  return {[&p](Task kind, int64_t rows, int64_t in, int64_t out, bool fp8) {
+            return p.predict_gemm(kind, rows, in, out, fp8);
           },
           [&p](double bytes) { return p.predict_rows(Task::gather_rows, bytes); },
           [&p, link](double bytes) { return p.predict_dispatch(bytes, link); }};
@@ -31,13 +31,13 @@ ChunkTimes predict_chunk(const ChunkRates& rates, const PipelineShape& s, int ch
   // The permutations into and out of expert order run beside the GEMMs (compute).
   t.experts = 2 * permute;
   if (!backward) {
-    t.experts +=
-        rates.gemm(Task::gemm_forward, n, d, 2 * f) + rates.gemm(Task::gemm_forward, n, f, d);
+    t.experts += rates.gemm(Task::gemm_forward, n, d, 2 * f, s.fp8) +
+                 rates.gemm(Task::gemm_forward, n, f, d, s.fp8);
   } else {
-    t.experts += rates.gemm(Task::gemm_backward_weight, n, f, d) +
-                 rates.gemm(Task::gemm_backward_data, n, f, d) +
-                 rates.gemm(Task::gemm_backward_weight, n, d, 2 * f) +
-                 rates.gemm(Task::gemm_backward_data, n, d, 2 * f);
+    t.experts += rates.gemm(Task::gemm_backward_weight, n, f, d, false) +
+                 rates.gemm(Task::gemm_backward_data, n, f, d, s.fp8) +
+                 rates.gemm(Task::gemm_backward_weight, n, d, 2 * f, false) +
+                 rates.gemm(Task::gemm_backward_data, n, d, 2 * f, s.fp8);
   }
   return t;
 }
@@ -119,6 +119,7 @@ PipelineChoice resolve_pipeline(const Config& config, int64_t tokens, int ep, in
   shape.ep = ep;
   shape.elem_bytes = elem_bytes;
   shape.link = ep_nodes > 1 ? comm::LinkClass::inter_node : comm::LinkClass::intra_node;
+  shape.fp8 = m.expert_dtype == "fp8";
   const std::string path = run_profile_path(config);
   PipelineChoice chosen;
   if (path.empty()) {

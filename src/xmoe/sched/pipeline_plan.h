@@ -31,7 +31,10 @@ struct PipelineShape {
   int64_t d_model = 0, expert_hidden = 0;
   int64_t local_experts = 1;  ///< E / ep: at most this many chunks
   int ep = 1;
-  int64_t elem_bytes = 4;                              ///< of the activations (4 f32, 2 bf16)
+  int64_t elem_bytes = 4;  ///< of the activations (4 f32, 2 bf16)
+  /// model.moe.expert_dtype = fp8: the experts' forward and data-gradient GEMMs on FP8 operands
+  /// (the profile's FP8 models), their weight gradient in bf16.
+  bool fp8 = false;
   comm::LinkClass link = comm::LinkClass::intra_node;  ///< of the ep group's widest link
 };
 
@@ -44,8 +47,8 @@ struct ChunkTimes {
 /// planner's rates (plan/step_time.h: a cluster's declared rates, and its links for an ep group
 /// placed over nodes).
 struct ChunkRates {
-  /// One GEMM (Task::gemm_* kinds) of x[rows, in] @ w[in, out].
-  std::function<double(Task, int64_t rows, int64_t in, int64_t out)> gemm;
+  /// One GEMM (Task::gemm_* kinds) of x[rows, in] @ w[in, out], on FP8 operands where `fp8`.
+  std::function<double(Task, int64_t rows, int64_t in, int64_t out, bool fp8)> gemm;
   /// A permutation of rows (gather_rows) moving `bytes`.
   std::function<double(double bytes)> permute;
   /// One all_to_all_v over the ep group of `bytes` a rank.
