@@ -163,6 +163,20 @@ TEST(StepTime, Fp8ExpertsTakeTheFp8RateForwardAndDataGradient) {
               1e-12);
   const int layers = c.model.num_layers - c.model.first_dense_layers;
   EXPECT_NEAR(moe_compute(b) - moe_compute(c), layers * saved, 1e-6 * layers * saved);
+  // FP8 at bf16's rate: FP8 costs exactly its quantising passes, dy's and dh's rows in every
+  // micro-batch's backward and the local experts' weights once per step.
+  const Cluster same_rate =
+      cluster_from_yaml("base: dgx-h100\nfp8_tflops: 989\nfp8_gemm_efficiency: 0.6\n", "s.yaml");
+  const Rates s(same_rate);
+  c.train.grad_accum = b.train.grad_accum = 2;
+  const auto moe_compute_on = [&](const Config& config, const Rates& rates) {
+    for (const TimeTerm& term : predict_step_time(config, mem, rates, {}).terms)
+      if (term.name == "MoE compute fwd+bwd") return term.seconds;
+    return 0.0;
+  };
+  const double elem = 2, rows_q = s.stream(rows * (d + 2 * f) * (elem + 1 + 4.0 / 128));
+  const double weights_q = s.stream(3.0 * c.model.moe.num_experts * d * f * (elem + 2));
+  EXPECT_NEAR(moe_compute_on(c, s) - moe_compute_on(b, s), layers * (2 * rows_q + weights_q), 1e-9);
   // No FP8 rate, no FP8 plan: frontier's GPUs, or a profile without FP8 models.
   const Rates frontier(builtin_cluster("frontier"));
   EXPECT_CONTAINS(error_of([&] { predict_step_time(c, mem, frontier, {}); }),

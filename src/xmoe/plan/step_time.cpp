@@ -227,18 +227,18 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
            rates.gemm(Task::gemm_backward_weight, n, in, out);
   };
   const double experts_f = expert_fwd(rows, d, 2 * f) + expert_fwd(rows, f, d);
-  // FP8's quantising passes beyond the bf16 layer's: the local experts' weights once per
-  // forward (read, then written in both layouts the GEMMs read), and in backward dy's and dh's
-  // rows for the data-gradient GEMMs (read, written a byte an element and a scale per 128).
-  // Forward's quantisers replace the gather and SwiGLU passes moe_stream counts.
+  // FP8's quantising passes beyond the bf16 layer's: the local experts' weights once per step
+  // (the micro-batches share them; read, then written in both layouts the GEMMs read), and in
+  // backward dy's and dh's rows for the data-gradient GEMMs (read, written a byte an element and
+  // a scale per 128). Forward's quantisers replace the gather and SwiGLU passes moe_stream counts.
   const double q_row_bytes = elem + 1 + 4.0 / 128;
-  const double quantize_f =
+  const double quantize_weights =
       fp8 ? rates.quantize_fp8(3.0 * (moe.num_experts / ep) * d * f * (elem + 2)) : 0;
   const double quantize_b = fp8 ? rates.quantize_fp8(rows * (d + 2 * f) * q_row_bytes) : 0;
   const double shared_f = sf > 0 ? fwd(Tm, d, 2 * sf) + fwd(Tm, sf, d) : 0;
   const double moe_stream = rates.stream(rows * d * (elem + 4) + 3.0 * rows * f * elem +
                                          4.0 * Tm * moe.num_experts * 4 + 4.0 * Tm * d * 4);
-  const double moe_f = router_f + experts_f + shared_f + moe_stream + quantize_f;
+  const double moe_f = router_f + experts_f + shared_f + moe_stream;
   const double moe_b = bwd(Tm, d, moe.num_experts) + expert_bwd(rows, d, 2 * f) +
                        expert_bwd(rows, f, d) + (sf > 0 ? bwd(Tm, d, 2 * sf) + bwd(Tm, sf, d) : 0) +
                        2 * moe_stream + quantize_b;
@@ -309,7 +309,8 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   const int moe_layers = m.num_layers - dense_layers;
   const double micro = c.train.grad_accum;
   const double forward =
-      micro * (m.num_layers * attn_f + dense_layers * dense_f + moe_layers * moe_f + head_f);
+      micro * (m.num_layers * attn_f + dense_layers * dense_f + moe_layers * moe_f + head_f) +
+      moe_layers * quantize_weights;
   const double backward =
       micro * (m.num_layers * attn_b + dense_layers * dense_b + moe_layers * moe_b + head_b);
   const double recompute = micro * (m.num_layers * attn_recompute + moe_layers * moe_recompute +
@@ -376,20 +377,21 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   t.optimizer = optimizer;
   t.hidden = moe_hidden + sync_hidden + offload_hidden;
   t.total = t.compute + t.communication + t.optimizer - t.hidden;
-  t.terms = {{"attention fwd+bwd", micro * m.num_layers * (attn_f + attn_b)},
-             {"dense FFN fwd+bwd", micro * dense_layers * (dense_f + dense_b)},
-             {"MoE compute fwd+bwd", micro * moe_layers * (moe_f + moe_b)},
-             {"LM head + loss fwd+bwd", micro * (head_f + head_b)},
-             {"recompute", recompute},
-             {"tp collectives", tp_comm},
-             {"dispatch + combine", dispatch},
-             {"MoE chunk start-ups", startups},
-             {"gradient sync", sync},
-             {"zero parameter gather", gather},
-             {"optimizer", optimizer},
-             {"hidden: MoE pipeline", -moe_hidden},
-             {"hidden: gradient sync in backward", -sync_hidden},
-             {"hidden: offload copies in backward", -offload_hidden}};
+  t.terms = {
+      {"attention fwd+bwd", micro * m.num_layers * (attn_f + attn_b)},
+      {"dense FFN fwd+bwd", micro * dense_layers * (dense_f + dense_b)},
+      {"MoE compute fwd+bwd", micro * moe_layers * (moe_f + moe_b) + moe_layers * quantize_weights},
+      {"LM head + loss fwd+bwd", micro * (head_f + head_b)},
+      {"recompute", recompute},
+      {"tp collectives", tp_comm},
+      {"dispatch + combine", dispatch},
+      {"MoE chunk start-ups", startups},
+      {"gradient sync", sync},
+      {"zero parameter gather", gather},
+      {"optimizer", optimizer},
+      {"hidden: MoE pipeline", -moe_hidden},
+      {"hidden: gradient sync in backward", -sync_hidden},
+      {"hidden: offload copies in backward", -offload_hidden}};
   return t;
 }
 
