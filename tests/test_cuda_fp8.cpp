@@ -53,8 +53,9 @@ Tensor order_index(int64_t n, int64_t tokens, bool beyond) {
 TEST(CudaFp8, QuantisersWriteTheCpuBytesAndScales) {
   XMOE_REQUIRE_CUDA();
   const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
-  // k = 200: partial blocks (the one-block-per-warp kernel); 1408 (11 blocks: a half-empty last
-  // pair), 384, 256 and 128: whole blocks (the wide kernel); bf16 and f32 rows.
+  // k = 200: partial blocks (the one-block-per-warp kernel); 1408, 384, 256 and 128: whole
+  // blocks (the wide kernel, whose warps take 8 blocks of 1 to 8 rows, across group boundaries);
+  // bf16 and f32 rows.
   for (const int64_t k : {200, 1408, 384, 256, 128})
     for (DType dt : {DType::bf16, DType::f32}) {
       SCOPED_TRACE(fmt::format("k {} {}", k, dtype_name(dt)));
@@ -66,15 +67,19 @@ TEST(CudaFp8, QuantisersWriteTheCpuBytesAndScales) {
                                  ops::dequantize_rows_fp8(c, DType::f32)),
                 0.0);
     }
-  for (DType dt : {DType::bf16, DType::f32}) {
-    const Tensor w = ops::cast(randn({3, 200, 300}, 2, 0.02f).to(kCuda), dt);
-    const ops::Fp8Weights gw = ops::quantize_weights_fp8(w),
-                          cw = ops::quantize_weights_fp8(host_f32(w));
-    EXPECT_EQ(gw.data.to(Device::cpu()).to_vector<uint8_t>(), cw.data.to_vector<uint8_t>());
-    EXPECT_EQ(gw.data_t.to(Device::cpu()).to_vector<uint8_t>(), cw.data_t.to_vector<uint8_t>());
-    EXPECT_EQ(gw.scales.to(Device::cpu()).to_vector<float>(), cw.scales.to_vector<float>());
-    EXPECT_EQ(gw.scales_t.to(Device::cpu()).to_vector<float>(), cw.scales_t.to_vector<float>());
-  }
+  // Weights: edge tiles and whole ones (those transposed through swizzled shared memory).
+  for (const Shape& shape : {Shape{3, 200, 300}, Shape{2, 256, 384}})
+    for (DType dt : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE(
+          fmt::format("weights {}x{}x{} {}", shape[0], shape[1], shape[2], dtype_name(dt)));
+      const Tensor w = ops::cast(randn(shape, 2, 0.02f).to(kCuda), dt);
+      const ops::Fp8Weights gw = ops::quantize_weights_fp8(w),
+                            cw = ops::quantize_weights_fp8(host_f32(w));
+      EXPECT_EQ(gw.data.to(Device::cpu()).to_vector<uint8_t>(), cw.data.to_vector<uint8_t>());
+      EXPECT_EQ(gw.data_t.to(Device::cpu()).to_vector<uint8_t>(), cw.data_t.to_vector<uint8_t>());
+      EXPECT_EQ(gw.scales.to(Device::cpu()).to_vector<float>(), cw.scales.to_vector<float>());
+      EXPECT_EQ(gw.scales_t.to(Device::cpu()).to_vector<float>(), cw.scales_t.to_vector<float>());
+    }
 }
 
 // The fused SwiGLU quantiser writes the bytes and scales of swiglu then quantize_rows_fp8 on the
@@ -98,13 +103,14 @@ TEST(CudaFp8, SwigluQuantiserWritesTheTwoPassBytes) {
     }
 }
 
-// SwiGLU's backward with dh's FP8 rows writes the bytes of swiglu_backward_with_value_, then
-// quantize_rows_fp8 of dh, bitwise: dh, swiglu(h) and dh's bytes and scales, written in two runs
-// of groups into one buffer.
+// SwiGLU's backward with dh's FP8 rows in one pass writes the bytes of the two passes it
+// replaces (swiglu_backward_with_value_, then quantize_rows_fp8 of dh), bitwise: dh, swiglu(h)
+// and dh's bytes and scales, written in two runs of groups into one buffer.
 TEST(CudaFp8, SwigluBackwardQuantiserWritesTheTwoPassBytes) {
   XMOE_REQUIRE_CUDA();
   const std::vector<int64_t> sizes{37, 0, 300, 1, 129};
-  // f = 128, 256, 384, 1408 (1, 2, 3, 11 blocks a row) and 200 (a partial block).
+  // f = 128, 256, 384, 1408: the fused kernel (1, 2, 3, 11 blocks a row, warps across rows and
+  // groups); 200: the two passes.
   for (const int64_t f : {128, 256, 384, 1408, 200})
     for (DType dt : {DType::bf16, DType::f32}) {
       SCOPED_TRACE(fmt::format("f {} {}", f, dtype_name(dt)));
@@ -236,7 +242,7 @@ TEST(CudaFp8, MoeLayerQuantisesItsRowsStraightFromX) {
 
 // The I-Order's backward that also writes d_rows' FP8 rows writes the bytes of the plain pass
 // and of quantize_rows_fp8 after it: d_rows, the dots, the FP8 bytes and scales, bitwise (dy
-// f32 or the rows' dtype, in place or not, a padding row; d = 200: a partial block).
+// f32 or the rows' dtype, in place or not, a padding row; d = 200 takes the two passes).
 TEST(CudaFp8, IOrderBackwardWritesTheFp8RowsOfItsGradient) {
   XMOE_REQUIRE_CUDA();
   const std::vector<int64_t> sizes{37, 0, 300, 1, 129};

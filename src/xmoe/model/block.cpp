@@ -64,16 +64,27 @@ void TransformerBlock::set_recompute(const RecomputeOptions& r) {
   if (moe) moe->set_router_recompute(r.router);
 }
 
-Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
-  ProfileScope scope("block.fwd", x.device());
-  // The norms write the compute dtype at once, and the residual add after attention runs in
-  // the FFN norm's pass: no f32 norm outputs, no cast passes. In f32 compute every dtype is f32
-  // and the ops are those of the CPU path.
-  Tensor a = attn_->forward(attn_norm_->forward(x, compute_), batch, seq_len);
-  RMSNorm::AddOut h = ffn_norm_->forward_add(x, a, compute_);
+TransformerBlock::Stream TransformerBlock::forward(const Stream& in, int64_t batch,
+                                                   int64_t seq_len) {
+  ProfileScope scope("block.fwd", in.sum.device());
+  // The norms write the compute dtype at once, and each residual add runs in the pass of the
+  // norm after it (the block below's FFN output in the attention norm's, attention's in the FFN
+  // norm's): no f32 norm outputs, no cast or add passes. In f32 compute every dtype is f32 and
+  // the ops are those of the CPU path.
+  RMSNorm::AddOut x = in.branch.defined()
+                          ? attn_norm_->forward_add(in.sum, in.branch, compute_)
+                          : RMSNorm::AddOut{in.sum, attn_norm_->forward(in.sum, compute_)};
+  Tensor a = attn_->forward(x.y, batch, seq_len);
+  x.y = Tensor();
+  RMSNorm::AddOut h = ffn_norm_->forward_add(x.sum, a, compute_);
   a = Tensor();  // in the sum now: not held through the FFN
-  const Tensor y = ffn_->forward(h.y, seq_len);
-  return ops::add(h.sum, y);  // out of place: the norm keeps the sum, the FFN may keep y
+  // The norm keeps the sum; the FFN's output waits for the next norm (the FFN may keep it too).
+  return {std::move(h.sum), ffn_->forward(h.y, seq_len)};
+}
+
+Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq_len) {
+  const Stream out = forward(Stream{x, Tensor()}, batch, seq_len);
+  return ops::add(out.sum, out.branch);
 }
 
 Tensor TransformerBlock::backward(const Tensor& dy, Tensor dy_compute, Tensor* dx_compute) {

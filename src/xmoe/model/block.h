@@ -44,8 +44,17 @@ class TransformerBlock : public Module {
   TransformerBlock(const ModelConfig& cfg, int index, std::shared_ptr<const ops::RopeTables> rope,
                    uint64_t seed, const parallel::Layout* layout = nullptr);
 
-  /// x [B·S, d] (the f32 residual stream) -> [B·S, d] f32. With tensor parallelism, B is this
-  /// rank's B/P sequences of the micro-batch.
+  /// The residual stream between blocks, x = sum + branch: the branch (the FFN's output, of the
+  /// compute dtype) is left for the next norm to add in its pass; undefined: x = sum.
+  struct Stream {
+    Tensor sum;     ///< [B·S, d] f32
+    Tensor branch;  ///< [B·S, d] or undefined
+  };
+  /// in -> out, the residual add after the FFN left to the next block's attention norm (or the
+  /// final norm): one pass over the stream fewer per block, the same bits. With tensor
+  /// parallelism, B is this rank's B/P sequences of the micro-batch.
+  Stream forward(const Stream& in, int64_t batch, int64_t seq_len);
+  /// x [B·S, d] (the f32 residual stream) -> [B·S, d] f32: the above, the add made here.
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq_len);
   /// dy [B·S, d] -> dx. `dy_compute`: dy in the compute dtype where the caller has it (the
   /// block above wrote it beside its dx; dropped once the FFN has read it), else made here.

@@ -72,10 +72,13 @@ Tensor Transformer::forward(const Tensor& ids) {
   batch_ = mine.size(0);
   logits_ = targets_ = Tensor();
   ProfileScope scope("model.fwd", device_);
-  Tensor x = embed_->forward(mine);  // [T, d]
+  TransformerBlock::Stream x{embed_->forward(mine), Tensor()};  // [T, d]
   for (auto& b : blocks_) x = b->forward(x, batch_, seq_);
-  // The residual stream x is f32; the final norm writes the LM head's input in compute dtype.
-  xf_ = final_norm_->forward(x, compute_);
+  // The residual stream is f32; the final norm adds the last FFN's output in its pass and
+  // writes the LM head's input in compute dtype.
+  xf_ = x.branch.defined() ? final_norm_->forward_add(x.sum, x.branch, compute_).y
+                           : final_norm_->forward(x.sum, compute_);
+  x = {};
   ProfileScope head("lm_head.fwd", device_);
   // logits [T, V] = xf [T, d] @ lm_head [d, V]   (tied: @ embed^T, embed [V, d])
   return lm_head_ ? ops::matmul(xf_, lm_head_->compute())

@@ -29,9 +29,9 @@ Fp8Rows quantize_rows_fp8(const Tensor& x, std::span<const int64_t> group_sizes)
 Fp8Rows swiglu_quantize_rows_fp8(const Tensor& h, std::span<const int64_t> group_sizes);
 /// swiglu_backward_with_value_(h, da) (h [N, 2f] becomes dh, da [N, f] becomes swiglu(h)), and
 /// dh's FP8 rows, quantize_rows_fp8(dh, dh_q.group_sizes)'s bytes and scales, written into dh_q
-/// (empty_fp8_rows(2f, ...) or groups of it). The FP8 experts' backward: dh feeds the gate/up
-/// data-gradient GEMM in FP8 and their weight gradient in h's dtype (CUDA: two passes today,
-/// one that never reads dh back is next).
+/// (empty_fp8_rows(2f, ...) or groups of it): on CUDA with f % 128 == 0 one pass that never
+/// reads dh back (the FP8 experts' backward: dh feeds the gate/up data-gradient GEMM in FP8 and
+/// their weight gradient in h's dtype).
 void swiglu_backward_with_value_fp8_(Tensor& h, Tensor& da, Fp8Rows& dh_q);
 /// quantize_rows_fp8(gather_rows(x, index), group_sizes) for x [M, K], index i32 [N]: one pass
 /// that never writes the gathered rows [N, K] (the FP8 experts' input straight from the order

@@ -515,8 +515,8 @@ Tensor moe_softmax_routing_backward(const Tensor& probs, const Tensor& idx, cons
   check_shape(idx, {T, -1}, op, "idx");
   require_on(op, "dv", dv, DType::f32, "probs", probs);
   check_shape(dv, idx.shape(), op, "dv");
-  Tensor dlogits = Tensor::zeros({T, E}, DType::f32, probs.device());
   if (probs.is_cpu()) {  // the ops it fuses, in order (moe_aux_backward checks the rest)
+    Tensor dlogits = Tensor::zeros({T, E}, DType::f32, probs.device());
     Tensor dprobs = Tensor::zeros({T, E}, DType::f32, probs.device());
     put_along_rows_add(dprobs, idx, dv);
     moe_aux_backward(dprobs, dlogits, z_logits, frac, seq_count, denoms, seq_len, top_k, w_lb,
@@ -526,6 +526,7 @@ Tensor moe_softmax_routing_backward(const Tensor& probs, const Tensor& idx, cons
   }
   check_aux_backward_args(op, "probs", probs, z_logits, frac, seq_count, denoms, seq_len, top_k,
                           scale);
+  Tensor dlogits = Tensor::empty({T, E}, DType::f32, probs.device());  // the kernel writes all
   cuda::moe_softmax_routing_backward(
       dlogits.data<float>(), probs.data<float>(), idx.data<int32_t>(), dv.data<float>(),
       idx.size(1), z_logits.data<float>(), frac.data<float>(), seq_count.data<float>(),

@@ -42,8 +42,8 @@ Tensor row_dot_f32(const Tensor& a, const Tensor& b);
 /// overwrite_rows: d_rows is written into rows' storage (each element is read before it is
 /// overwritten), saving an [N, d] allocation; rows is then d_rows.
 /// fp8_groups (not empty): also d_rows' FP8 rows in groups of those sizes, the bytes and scales
-/// of quantize_rows_fp8(d_rows, fp8_groups) (the FP8 experts' output gradient, read by their
-/// down projection's data-gradient GEMM; CUDA: a pass after this one today).
+/// of quantize_rows_fp8(d_rows, fp8_groups), on CUDA in the same pass (the FP8 experts' output
+/// gradient, read by their down projection's data-gradient GEMM).
 struct WeightedGather {
   Tensor d_rows;       ///< [N, d]
   Tensor dot;          ///< f32 [N]

@@ -40,6 +40,13 @@ __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
 __device__ __forceinline__ float swiglu_value(float g, float u) {
   return g / (1.0f + expf(-g)) * u;
 }
+/// SwiGLU's gradient: a = silu(g) * u, silu'(g) = s * (1 + g * (1 - s)) with s = sigmoid(g); one
+/// expression for every kernel (the fused FP8 quantiser writes the plain backward's bytes).
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float& dg, float& du) {
+  const float s = 1.0f / (1.0f + expf(-g));
+  dg = d * u * s * (1.0f + g * (1.0f - s));
+  du = d * g * s;
+}
 
 constexpr unsigned kFullMask = 0xffffffffu;
 

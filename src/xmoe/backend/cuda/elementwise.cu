@@ -111,13 +111,6 @@ __global__ void swiglu_forward_kernel(T* a, const T* h, int64_t rows, int64_t f)
   }
 }
 
-// a = silu(g) * u; silu'(g) = s * (1 + g * (1 - s)) with s = sigmoid(g)
-__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float& dg, float& du) {
-  const float s = 1.0f / (1.0f + expf(-g));
-  dg = d * u * s * (1.0f + g * (1.0f - s));
-  du = d * g * s;
-}
-
 // value (not null): swiglu(h) too, over da's elements where it is da (each read first).
 template <class T>
 __global__ void swiglu_backward_kernel(T* dh, T* value, const T* h, const T* da, int64_t rows,

@@ -1,33 +1,12 @@
 // FP8 E4M3 block quantisation on the GPU (docs/fp8.md): the same bytes and scales as the CPU
 // reference (backend/cpu/fp8.cpp; CUDA's satfinite round-to-nearest-even conversion, one f32
 // multiply by the block's 448 / amax), read by the sm90 FP8 grouped GEMM.
-#include <cuda_fp8.h>
-
 #include "xmoe/backend/cuda/common.cuh"
-#include "xmoe/core/fp8.h"
+#include "xmoe/backend/cuda/fp8_rows.cuh"
 
 namespace xmoe::cuda {
 
 namespace {
-
-constexpr int kFp8Block = static_cast<int>(fp8::kBlock);
-
-__device__ __forceinline__ uint8_t to_e4m3(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-__device__ __forceinline__ float from_e4m3(uint8_t b) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
-  return __half2float(__half(h));
-}
-/// As fp8::block_scale.
-__device__ __forceinline__ void block_scale(float amax, float& scale, float& inverse) {
-  if (!(amax > 0.f) || isinf(amax)) {
-    scale = inverse = 1.f;
-  } else {
-    scale = amax / fp8::kE4m3Max;
-    inverse = fp8::kE4m3Max / amax;
-  }
-}
 
 __device__ __forceinline__ void load4(float (&v)[4], const bf16_t* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
@@ -38,46 +17,6 @@ __device__ __forceinline__ void load4(float (&v)[4], const bf16_t* p) {
 __device__ __forceinline__ void load4(float (&v)[4], const float* p) {
   const float4 a = *reinterpret_cast<const float4*>(p);
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-}
-
-/// The first row of every group (and the total last), passed by value.
-struct RowGroups {
-  int count = 0;
-  int32_t start[kMaxFp8Groups + 1];
-};
-
-RowGroups row_groups(const int64_t* group_sizes, int64_t groups, const char* op) {
-  if (groups > kMaxFp8Groups) {
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "[%s] %lld groups: the FP8 kernels take at most %d", op,
-                  static_cast<long long>(groups), kMaxFp8Groups);
-    fail(buf);
-  }
-  RowGroups r;
-  r.count = static_cast<int>(groups);
-  int64_t row = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    r.start[g] = static_cast<int32_t>(row);
-    row += group_sizes[g];
-  }
-  r.start[groups] = static_cast<int32_t>(row);
-  return r;
-}
-
-/// The group of row r: its first row o and its rows n (the last group whose start <= r).
-__device__ __forceinline__ void row_group(const RowGroups& groups, int64_t r, int64_t& o,
-                                          int64_t& n) {
-  int lo = 0, hi = groups.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (groups.start[mid] <= r) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  o = groups.start[lo];
-  n = groups.start[lo + 1] - o;
 }
 
 /// Index of row r's scale of column block j (cpu::quantize_rows_fp8's grouped layout: a group's
@@ -206,52 +145,103 @@ __global__ void quantize_rows_kernel(uint8_t* q, float* scales, const RowSource<
 }
 
 /// Rows of whole 128-column blocks (k % 128 == 0, 16-byte aligned): each half-warp quantises one
-/// block, 8 elements a lane in one 16-byte load, and a warp takes kPairs pairs of a row's blocks
-/// at once, so every lane has kPairs loads in flight (the one-block-per-warp kernel above, with
-/// one 8-byte load per lane, is latency-bound at about a quarter of HBM's bandwidth). The same
-/// bytes and scales.
+/// block, 8 elements a lane in one 16-byte load, and a warp takes kWarpBlocks consecutive blocks
+/// of the flattened (row, block) list at once, so every lane has kWarpBlocks / 2 loads in flight
+/// however few blocks a row has (the one-block-per-warp kernel above, with one 8-byte load per
+/// lane, is latency-bound at about a quarter of HBM's bandwidth, and so was this one while a warp
+/// took the blocks of one row: f = 256 gave a lane one load). The same bytes and scales.
 template <class T, RowKind kKind>
 __global__ void quantize_rows_wide_kernel(uint8_t* q, float* scales, const RowSource<T, kKind> x,
                                           const __grid_constant__ RowGroups groups, int64_t k) {
-  constexpr int kPairs = 4;
-  const int64_t kb = k / kFp8Block, rows = groups.start[groups.count];
-  const int64_t chunks = (kb + 2 * kPairs - 1) / (2 * kPairs);  // warp items per row
+  constexpr int kWarpBlocks = 8, kLoads = kWarpBlocks / 2;
+  const int64_t kb = k / kFp8Block, blocks = int64_t{groups.start[groups.count]} * kb;
   const int lane = threadIdx.x & 31, half = lane >> 4, sub = lane & 15;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t item = warp; item < rows * chunks; item += warps) {
-    const int64_t r = item / chunks, first = item % chunks * 2 * kPairs + half;
-    float v[kPairs][8];
+  for (int64_t first = warp * kWarpBlocks; first < blocks; first += warps * kWarpBlocks) {
+    float v[kLoads][8];
 #pragma unroll
-    for (int p = 0; p < kPairs; ++p) {
-      const int64_t j = first + 2 * p;  // this half-warp's block
-      if (j < kb) {
-        x.load(v[p], r, j * kFp8Block + 8 * sub);
+    for (int p = 0; p < kLoads; ++p) {
+      const int64_t b = first + 2 * p + half;  // this half-warp's block
+      if (b < blocks) {
+        x.load(v[p], b / kb, b % kb * kFp8Block + 8 * sub);
       } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[p][e] = 0.f;
       }
     }
-    int64_t o, n;  // the row's group, found once for its blocks
-    row_group(groups, r, o, n);
+    const WarpRowGroups warp_groups(groups, first / kb,
+                                    (min(first + kWarpBlocks, blocks) - 1) / kb);
 #pragma unroll
-    for (int p = 0; p < kPairs; ++p) {
-      float amax = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[p][e]));
-#pragma unroll
-      for (int off = 8; off > 0; off >>= 1)  // within the half-warp
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      const int64_t j = first + 2 * p;
-      if (j >= kb) continue;
+    for (int p = 0; p < kLoads; ++p) {
+      const float amax = half_warp_amax(v[p]);
+      const int64_t b = first + 2 * p + half;
+      if (b >= blocks) continue;
+      const int64_t r = b / kb, j = b % kb;
       float scale, inverse;
       block_scale(amax, scale, inverse);
-      uint2 packed{0, 0};
+      store_e4m3(q + r * k + j * kFp8Block + 8 * sub, v[p], inverse);
+      if (sub == 0) scales[warp_groups.scale_index(r, kb, j)] = scale;
+    }
+  }
+}
+
+/// swiglu_backward_vec_kernel with value = da, and quantize_rows_wide_kernel of the dh it writes,
+/// in one pass (f % 128 == 0, 16-byte aligned): each half-warp takes one 128-column block j of
+/// f, i.e. blocks j (gate) and f / 128 + j (up) of dh, and a warp kWarpBlocks consecutive (row,
+/// j) at once. dh is quantised from its values rounded to T, as the two passes would read them.
+template <class T>
+__global__ void swiglu_backward_quantize_kernel(T* h, T* da, uint8_t* q, float* scales,
+                                                const __grid_constant__ RowGroups groups,
+                                                int64_t f) {
+  constexpr int kWarpBlocks = 4, kLoads = kWarpBlocks / 2;
+  const int64_t fb = f / kFp8Block, kb = 2 * fb, blocks = int64_t{groups.start[groups.count]} * fb;
+  const int lane = threadIdx.x & 31, half = lane >> 4, sub = lane & 15;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t first = warp * kWarpBlocks; first < blocks; first += warps * kWarpBlocks) {
+    float g[kLoads][8], u[kLoads][8], d[kLoads][8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e)
-        (e < 4 ? packed.x : packed.y) |= uint32_t{to_e4m3(v[p][e] * inverse)} << (8 * (e % 4));
-      *reinterpret_cast<uint2*>(q + r * k + j * kFp8Block + 8 * sub) = packed;
-      if (sub == 0) scales[o * kb + j * n + (r - o)] = scale;
+    for (int p = 0; p < kLoads; ++p) {
+      const int64_t b = first + 2 * p + half;
+      if (b < blocks) {
+        const int64_t r = b / fb, c = b % fb * kFp8Block + 8 * sub;
+        load8(g[p], h + r * 2 * f + c);
+        load8(u[p], h + r * 2 * f + f + c);
+        load8(d[p], da + r * f + c);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) g[p][e] = u[p][e] = d[p][e] = 0.f;
+      }
+    }
+    const WarpRowGroups warp_groups(groups, first / fb,
+                                    (min(first + kWarpBlocks, blocks) - 1) / fb);
+#pragma unroll
+    for (int p = 0; p < kLoads; ++p) {
+      float dg[8], du[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        swiglu_grad(g[p][e], u[p][e], d[p][e], dg[e], du[e]);
+        dg[e] = to_float(from_float<T>(dg[e]));  // as stored
+        du[e] = to_float(from_float<T>(du[e]));
+        g[p][e] = swiglu_value(g[p][e], u[p][e]);
+      }
+      const float amax_g = half_warp_amax(dg), amax_u = half_warp_amax(du);
+      const int64_t b = first + 2 * p + half;
+      if (b >= blocks) continue;
+      const int64_t r = b / fb, j = b % fb, c = j * kFp8Block + 8 * sub;
+      store8(h + r * 2 * f + c, dg);  // dh over h: this lane read its elements first
+      store8(h + r * 2 * f + f + c, du);
+      store8(da + r * f + c, g[p]);
+      float scale_g, inverse_g, scale_u, inverse_u;
+      block_scale(amax_g, scale_g, inverse_g);
+      block_scale(amax_u, scale_u, inverse_u);
+      store_e4m3(q + r * 2 * f + c, dg, inverse_g);
+      store_e4m3(q + r * 2 * f + f + c, du, inverse_u);
+      if (sub == 0) {
+        scales[warp_groups.scale_index(r, kb, j)] = scale_g;
+        scales[warp_groups.scale_index(r, kb, fb + j)] = scale_u;
+      }
     }
   }
 }
@@ -270,7 +260,9 @@ __global__ void dequantize_rows_kernel(T* x, const uint8_t* q, const float* scal
 template <class T>
 __global__ void quantize_weights_kernel(uint8_t* q, uint8_t* q_t, float* scales, float* scales_t,
                                         const T* w, int64_t k, int64_t m) {
-  __shared__ alignas(8) uint8_t tile[kFp8Block][kFp8Block + 8];  // [m][k]: read back along k
+  // [m][k] bytes, read back along k; the edge tiles' path pads its rows, the whole tiles' path
+  // swizzles its 8-byte chunks instead (below).
+  __shared__ alignas(16) uint8_t tile[kFp8Block][kFp8Block + 8];
   __shared__ float scratch[32];
   const int64_t kb = (k + kFp8Block - 1) / kFp8Block, mb = (m + kFp8Block - 1) / kFp8Block;
   const int64_t bj = blockIdx.x, bi = blockIdx.y, g = blockIdx.z;
@@ -279,41 +271,52 @@ __global__ void quantize_weights_kernel(uint8_t* q, uint8_t* q_t, float* scales,
   const int cn = static_cast<int>(min(int64_t{kFp8Block}, m - c0));
   const T* wg = w + g * k * m;
   if (rn == kFp8Block && cn == kFp8Block && k % 8 == 0 && m % 8 == 0) {
-    // A whole tile: thread t holds rows t / 16 + 16 i (i < 8), columns 8 (t % 16) + [0, 8) in
-    // registers (one 16- or 32-byte load each), so the tile is read once.
-    constexpr int kRowsPerPass = 16;
-    const int col = 8 * (threadIdx.x % 16), row = threadIdx.x / 16;
+    // A whole tile: thread t holds the 8 x 8 piece at rows 8 (t / 16) + [0, 8), columns
+    // 8 (t % 16) + [0, 8) in registers (eight 16- or 32-byte loads), so the tile is read once
+    // and each thread transposes its own piece. The transposed pieces pass through shared memory
+    // as 8-byte chunks, chunk a of column c stored at a ^ (c / 8): byte stores into padded rows
+    // hit one bank eight times over, the swizzled chunks no bank twice per half-warp.
+    static_assert(kBlock == 16 * 16 && kFp8Block == 16 * 8, "16 x 16 threads of 8 x 8 pieces");
+    const int a = threadIdx.x / 16, b = threadIdx.x % 16;
     float v[8][8];
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      load8(v[i], wg + (r0 + row + kRowsPerPass * i) * m + c0 + col);
+      load8(v[i], wg + (r0 + 8 * a + i) * m + c0 + 8 * b);
 #pragma unroll
       for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
     }
     amax = block_max(amax, scratch);
     float scale, inverse;
     block_scale(amax, scale, inverse);
+    uint32_t rows[8][2];  // row i's 8 bytes
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int r = row + kRowsPerPass * i;
-      uint2 packed{0, 0};
+      rows[i][0] = rows[i][1] = 0;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const uint8_t b = to_e4m3(v[i][e] * inverse);
-        (e < 4 ? packed.x : packed.y) |= uint32_t{b} << (8 * (e % 4));
-        tile[col + e][r] = b;
+      for (int e = 0; e < 8; ++e)
+        rows[i][e / 4] |= uint32_t{to_e4m3(v[i][e] * inverse)} << (8 * (e % 4));
+      *reinterpret_cast<uint2*>(q + g * k * m + (r0 + 8 * a + i) * m + c0 + 8 * b) =
+          uint2{rows[i][0], rows[i][1]};
+    }
+    uint8_t(*tile_t)[kFp8Block] = reinterpret_cast<uint8_t(*)[kFp8Block]>(&tile[0][0]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {  // column 8 b + e's 8 bytes along k
+      uint2 column{0, 0};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t byte = (rows[i][e / 4] >> (8 * (e % 4))) & 0xffu;
+        (i < 4 ? column.x : column.y) |= byte << (8 * (i % 4));
       }
-      *reinterpret_cast<uint2*>(q + g * k * m + (r0 + r) * m + c0 + col) = packed;
+      *reinterpret_cast<uint2*>(&tile_t[8 * b + e][8 * (a ^ b)]) = column;
     }
     __syncthreads();
-    // The transpose, 8 bytes a thread along k.
+    // The transposed tile out, 8 bytes a thread along k (chunk j of column c at j ^ (c / 8)).
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int idx = threadIdx.x + kBlock * i, c = idx / 16, r = 8 * (idx % 16);
-      uint2 packed;
-      memcpy(&packed, &tile[c][r], 8);
-      *reinterpret_cast<uint2*>(q_t + g * k * m + (c0 + c) * k + r0 + r) = packed;
+      const int idx = threadIdx.x + kBlock * i, c = idx / 16, j = idx % 16;
+      *reinterpret_cast<uint2*>(q_t + g * k * m + (c0 + c) * k + r0 + 8 * j) =
+          *reinterpret_cast<const uint2*>(&tile_t[c][8 * (j ^ (c / 8))]);
     }
     if (threadIdx.x == 0) {
       scales[(g * kb + bi) * mb + bj] = scale;
@@ -374,10 +377,8 @@ void quantize_rows(uint8_t* q, float* scales, const void* x, DType dt, const int
     using T = typename decltype(tag)::type;
     const RowSource<T, kKind> source{static_cast<const T*>(x), k, index, x_rows};
     if (wide) {
-      const int64_t chunks = (k / kFp8Block + 7) / 8;
       quantize_rows_wide_kernel<T, kKind>
-          <<<grid_for(int64_t{g.start[groups]} * chunks * 32), kBlock, 0, stream>>>(q, scales,
-                                                                                    source, g, k);
+          <<<grid_for((items + 7) / 8 * 32), kBlock, 0, stream>>>(q, scales, source, g, k);
     } else {
       quantize_rows_kernel<T, kKind>
           <<<grid_for(items * 32), kBlock, 0, stream>>>(q, scales, source, g, k);
@@ -404,11 +405,22 @@ void swiglu_quantize_rows_fp8(uint8_t* q, float* scales, const void* h, DType dt
 void swiglu_backward_quantize_fp8(void* h, void* da, DType dt, uint8_t* q, float* scales,
                                   const int64_t* group_sizes, int64_t groups, int64_t f,
                                   Stream stream) {
-  const RowGroups g = row_groups(group_sizes, groups, "swiglu_backward_with_value_fp8_");
+  const char* op = "swiglu_backward_with_value_fp8_";
+  const RowGroups g = row_groups(group_sizes, groups, op);
   const int64_t rows = g.start[groups];
-  swiglu_backward(h, h, da, dt, rows, f, stream, da);
-  quantize_rows<RowKind::plain>(q, scales, h, dt, group_sizes, groups, 2 * f, stream,
-                                "swiglu_backward_with_value_fp8_");
+  if (rows * f == 0) return;
+  if (f % kFp8Block != 0 || !aligned16({h, da}) || reinterpret_cast<uintptr_t>(q) % 8 != 0) {
+    swiglu_backward(h, h, da, dt, rows, f, stream, da);
+    quantize_rows<RowKind::plain>(q, scales, h, dt, group_sizes, groups, 2 * f, stream, op);
+    return;
+  }
+  dispatch_float(dt, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    swiglu_backward_quantize_kernel<T>
+        <<<grid_for((rows * (f / kFp8Block) + 3) / 4 * 32), kBlock, 0, stream>>>(
+            static_cast<T*>(h), static_cast<T*>(da), q, scales, g, f);
+    CUDA_CHECK_LAUNCH();
+  });
 }
 
 void gather_quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,

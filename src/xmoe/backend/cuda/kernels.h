@@ -41,7 +41,7 @@ void quantize_rows_fp8(uint8_t* q, float* scales, const void* x, DType dt,
 void swiglu_quantize_rows_fp8(uint8_t* q, float* scales, const void* h, DType dt,
                               const int64_t* group_sizes, int64_t groups, int64_t f, Stream stream);
 // swiglu_backward(h, h, da, value = da) (h [rows, 2f] becomes dh, da [rows, f] swiglu(h)), then
-// quantize_rows_fp8 of that dh (today the two passes; one pass that never reads dh back is next).
+// quantize_rows_fp8 of that dh: one pass where f % 128 == 0 (dh is not read back), else the two.
 void swiglu_backward_quantize_fp8(void* h, void* da, DType dt, uint8_t* q, float* scales,
                                   const int64_t* group_sizes, int64_t groups, int64_t f,
                                   Stream stream);

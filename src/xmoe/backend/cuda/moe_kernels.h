@@ -22,7 +22,8 @@ void moe_row_dot_f32(float* out, const void* a, const void* b, DType dt, int64_t
 // dt; an index outside [0, t) gives a zero row and 0. d_rows may be rows (each element is read
 // before the same thread overwrites it).
 // With q (not null), also d_rows' FP8 rows (quantize_rows_fp8's bytes and scales, in groups of
-// group_sizes rows); today a quantising pass after this one (the same pass is next).
+// group_sizes rows): in the same pass where d % 128 == 0 and the rows are 16-byte aligned, else a
+// quantising pass after.
 void moe_gather_weighted_rows_dot(void* d_rows, float* dot, const void* dy, DType dy_dt,
                                   const void* rows, DType dt, const int32_t* idx, const float* w,
                                   int64_t n, int64_t t, int64_t d, Stream stream,

@@ -3,7 +3,7 @@
 // summed by one warp (or one thread for the short routing rows), so results do not depend on
 // timing; f32 math on f32 or bf16 storage.
 #include "xmoe/backend/cuda/common.cuh"
-#include "xmoe/backend/cuda/kernels.h"
+#include "xmoe/backend/cuda/fp8_rows.cuh"
 #include "xmoe/backend/cuda/moe_kernels.h"
 
 namespace xmoe::cuda {
@@ -32,6 +32,39 @@ __global__ void row_dot_f32_kernel(float* out, const T* a, const T* b, int64_t n
   }
 }
 
+/// Row r of a weighted gather's backward: dy's row of its token (zeros for an index outside
+/// [0, t)), its weight, the expert row it dots with and the gradient row it writes.
+template <class T, class TY>
+struct WeightedGatherRow {
+  bool valid;
+  float weight;
+  const TY* src;
+  const T* row;
+  T* out;
+  __device__ WeightedGatherRow(T* d_rows, const TY* dy, const T* rows, const int32_t* idx,
+                               const float* w, int64_t r, int64_t t, int64_t d) {
+    const int32_t tok = idx[r];
+    valid = tok >= 0 && tok < t;
+    weight = valid ? w[r] : 0.f;
+    src = dy + (valid ? static_cast<int64_t>(tok) : 0) * d;
+    row = rows + r * d;
+    out = d_rows + r * d;
+  }
+  /// dy's 8 values from column c into g (zeros when invalid), weighted, after adding their dot
+  /// with the row's 8 values to s.
+  __device__ __forceinline__ void load8_weighted(int64_t c, float (&g)[8], float& s) const {
+    float x[8];
+    load8(g, src + c);
+    load8(x, row + c);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      g[e] = valid ? g[e] : 0.f;
+      s += x[e] * g[e];
+      g[e] *= weight;
+    }
+  }
+};
+
 // One warp per row; VEC: 8 values per access (d % 8 == 0 and 16-byte aligned rows), else one.
 template <class T, class TY, bool VEC>
 __global__ void gather_weighted_rows_dot_kernel(T* d_rows, float* dot, const TY* dy, const T* rows,
@@ -40,32 +73,57 @@ __global__ void gather_weighted_rows_dot_kernel(T* d_rows, float* dot, const TY*
   const int lane = threadIdx.x & 31;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < n;
        r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const int32_t tok = idx[r];
-    const bool valid = tok >= 0 && tok < t;
-    const float wr = valid ? w[r] : 0.f;
-    const TY* src = dy + (valid ? static_cast<int64_t>(tok) : 0) * d;
-    const T* row = rows + r * d;
-    T* out = d_rows + r * d;
+    const WeightedGatherRow<T, TY> in(d_rows, dy, rows, idx, w, r, t, d);
     float s = 0.f;
     if constexpr (VEC) {
       for (int64_t c = 8 * lane; c < d; c += 8 * 32) {
-        float g[8], x[8];
-        load8(g, src + c);
-        load8(x, row + c);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          g[e] = valid ? g[e] : 0.f;
-          s += x[e] * g[e];
-          g[e] *= wr;
-        }
-        store8(out + c, g);
+        float g[8];
+        in.load8_weighted(c, g, s);
+        store8(in.out + c, g);
       }
     } else {
       for (int64_t c = lane; c < d; c += 32) {
-        const float g = valid ? to_float(src[c]) : 0.f;
-        s += to_float(row[c]) * g;
-        out[c] = from_float<T>(g * wr);
+        const float g = in.valid ? to_float(in.src[c]) : 0.f;
+        s += to_float(in.row[c]) * g;
+        in.out[c] = from_float<T>(g * in.weight);
       }
+    }
+    s = warp_sum(s);
+    if (lane == 0) dot[r] = s;
+  }
+}
+
+// gather_weighted_rows_dot_kernel's VEC form that also writes d_rows' FP8 rows (d % 128 == 0):
+// a half-warp's 8 values a lane are one 128-column block, quantised from their values rounded to
+// T (as quantize_rows_fp8 would read them back); every lane runs every 256-column step, so the
+// half-warps' shuffles see full warps.
+template <class T, class TY>
+__global__ void gather_weighted_rows_dot_fp8_kernel(T* d_rows, float* dot, const TY* dy,
+                                                    const T* rows, const int32_t* idx,
+                                                    const float* w, int64_t n, int64_t t, int64_t d,
+                                                    uint8_t* q, float* scales,
+                                                    const __grid_constant__ RowGroups groups) {
+  const int lane = threadIdx.x & 31;
+  const int64_t kb = d / kFp8Block;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < n;
+       r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const WeightedGatherRow<T, TY> in(d_rows, dy, rows, idx, w, r, t, d);
+    const WarpRowGroups row_groups_of(groups, r, r);
+    float s = 0.f;
+    for (int64_t base = 0; base < d; base += 8 * 32) {
+      const int64_t c = base + 8 * lane;
+      const bool active = c < d;  // a whole half-warp: d % 128 == 0
+      float g[8] = {};
+      if (active) in.load8_weighted(c, g, s);  // the plain kernel's arithmetic, in its order
+#pragma unroll
+      for (int e = 0; e < 8; ++e) g[e] = to_float(from_float<T>(g[e]));  // as stored
+      const float amax = half_warp_amax(g);
+      if (!active) continue;
+      store8(in.out + c, g);
+      float scale, inverse;
+      block_scale(amax, scale, inverse);
+      store_e4m3(q + r * d + c, g, inverse);
+      if ((lane & 15) == 0) scales[row_groups_of.scale_index(r, kb, c / kFp8Block)] = scale;
     }
     s = warp_sum(s);
     if (lane == 0) dot[r] = s;
@@ -192,14 +250,32 @@ void moe_gather_weighted_rows_dot(void* d_rows, float* dot, const void* dy, DTyp
                                   int64_t n, int64_t t, int64_t d, Stream stream, uint8_t* q,
                                   float* scales, const int64_t* group_sizes, int64_t groups) {
   if (n == 0) return;
+  const bool vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(d_rows) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(rows) % 16 == 0;
+  if (q && vec && d % kFp8Block == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    const RowGroups g = row_groups(group_sizes, groups, "gather_weighted_rows_dot");
+    dispatch_float(dt, "gather_weighted_rows_dot", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      auto launch = [&](auto dy_tag) {
+        using TY = typename decltype(dy_tag)::type;
+        gather_weighted_rows_dot_fp8_kernel<T, TY><<<warp_rows_grid(n), kBlock, 0, stream>>>(
+            static_cast<T*>(d_rows), dot, static_cast<const TY*>(dy), static_cast<const T*>(rows),
+            idx, w, n, t, d, q, scales, g);
+        CUDA_CHECK_LAUNCH();
+      };
+      if (dy_dt == DType::f32)
+        launch(Tag<float>{});
+      else
+        launch(tag);
+    });
+    return;
+  }
   if (q) {  // the plain pass, then its rows quantised
     moe_gather_weighted_rows_dot(d_rows, dot, dy, dy_dt, rows, dt, idx, w, n, t, d, stream);
     quantize_rows_fp8(q, scales, d_rows, dt, group_sizes, groups, d, stream);
     return;
   }
-  const bool vec = d % 8 == 0 && reinterpret_cast<uintptr_t>(d_rows) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(rows) % 16 == 0;
   dispatch_float(dt, "gather_weighted_rows_dot", [&](auto tag) {
     using T = typename decltype(tag)::type;
     auto launch = [&](auto dy_tag) {

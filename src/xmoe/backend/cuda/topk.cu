@@ -24,6 +24,19 @@ __device__ __forceinline__ bool before(float va, int ia, float vb, int ib) {
   return va > vb || (va == vb && ia < ib);
 }
 
+// The best (bv, bi) of the warp, in every lane: a butterfly.
+__device__ __forceinline__ void warp_best(float& bv, int& bi) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(kFullMask, bv, o);
+    const int oi = __shfl_xor_sync(kFullMask, bi, o);
+    if (before(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
 template <class T>
 __global__ void topk_kernel(T* values, int32_t* indices, const T* x, int64_t rows, int64_t cols,
                             int64_t k) {
@@ -44,15 +57,7 @@ __global__ void topk_kernel(T* values, int32_t* indices, const T* x, int64_t row
           bi = j;
         }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(kFullMask, bv, o);
-        const int oi = __shfl_xor_sync(kFullMask, bi, o);
-        if (before(ov, oi, bv, bi)) {
-          bv = ov;
-          bi = oi;
-        }
-      }
+      warp_best(bv, bi);
       if (lane == 0) {  // bi stays "none" only if NaNs left fewer than k comparable values
         values[r * k + t] = bi != INT_MAX ? xr[bi] : from_float<T>(NAN);
         indices[r * k + t] = bi != INT_MAX ? bi : -1;
@@ -82,15 +87,7 @@ __device__ __forceinline__ void warp_topk_registers(const float (&v)[N], int64_t
         bi = j;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(kFullMask, bv, o);
-      const int oi = __shfl_xor_sync(kFullMask, bi, o);
-      if (before(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    warp_best(bv, bi);
     if (lane == 0) {
       values[t] = bi != INT_MAX ? from_float<T>(bv) : from_float<T>(NAN);
       indices[t] = bi != INT_MAX ? bi : -1;
@@ -187,10 +184,6 @@ void softmax_topk(void* probs, void* values, int32_t* indices, const void* x, DT
   if (cols > kRegisterCols) {  // the two passes
     softmax_forward(probs, x, dt, rows, cols, stream);
     topk(values, indices, probs, dt, rows, cols, k, stream);
-    return;
-  }
-  if (k == 0) {
-    softmax_forward(probs, x, dt, rows, cols, stream);
     return;
   }
   dispatch_float(dt, "softmax_topk", [&](auto tag) {
