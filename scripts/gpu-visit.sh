@@ -6,8 +6,9 @@
 #   PARTS="tests ab breakdown" bash scripts/gpu-visit.sh run   # there: the `device` tool with
 #                                                             # carry [".gpu"]; logs in $OUT
 #
-# pack writes .gpu/ (git-ignored): bins.tar.xz (build/cuda's xmoe, benchmarks and CUDA tests),
-# lib/ (the shared libraries whose sonames the GPU machine's Ubuntu lacks: spdlog, fmt,
+# run leaves its logs in $OUT, in one logs.tgz when there are more than 8 files (what the device
+# tool brings back). pack writes .gpu/ (git-ignored): bins.tar.xz (build/cuda's xmoe,
+# benchmarks and CUDA tests), lib/ (the shared libraries whose sonames the GPU machine's Ubuntu lacks: spdlog, fmt,
 # yaml-cpp; docs/benchmarks.md, "GPU benchmarks: how to run"; and CUPTI's, which the timeline
 # opens at run time), base.tar.xz (BASE_DIR's
 # bin/bench_train_step, an earlier build's, for the `ab` part) and, where Debian's bible-kjv and
@@ -238,6 +239,14 @@ for line in open(sys.argv[1]):
     esac
   done
   echo "[gpu-visit] $((SECONDS - start)) s: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+  # The device tool brings back at most 8 files of $OUT: more go back as one archive.
+  local files
+  files=$(find "$out" -maxdepth 1 -type f | wc -l)
+  if ((files > 8)); then
+    (cd "$out" && tar czf logs.tgz --exclude=logs.tgz ./* && find . -maxdepth 1 -type f \
+      ! -name logs.tgz -delete)
+    echo "[gpu-visit] $files files in $out/logs.tgz"
+  fi
   return $status
 }
 
