@@ -60,8 +60,9 @@ Rates::Rates(Cluster cluster, std::optional<sched::Profile> profile)
 
 double Rates::gemm(Task kind, int64_t rows, int64_t in, int64_t out, bool fp8) const {
   if (rows <= 0) return 0;
-  if (fp8) require_fp8();
+  // A profile without FP8 models refuses in predict_gemm; a cluster without an FP8 rate here.
   if (profile_) return profile_->predict_gemm(kind, rows, in, out, fp8);
+  if (fp8) require_fp8();
   const double rate = fp8 ? cluster_.fp8_flops * cluster_.fp8_gemm_efficiency
                           : cluster_.peak_flops * cluster_.gemm_efficiency;
   return kGemmLatency + 2.0 * static_cast<double>(rows) * static_cast<double>(in) *
@@ -186,11 +187,12 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   const GroupSpan tp_span = group_span(tp, 1, g);
   const GroupSpan ep_span = group_span(ep, ssmb ? 1 : tp, g);
 
-  auto fwd = [&](int64_t n, int64_t in, int64_t out) {
-    return rates.gemm(Task::gemm_forward, n, in, out);
+  // on_fp8: the FP8 experts' GEMMs; their weight gradient stays in the compute dtype.
+  auto fwd = [&](int64_t n, int64_t in, int64_t out, bool on_fp8 = false) {
+    return rates.gemm(Task::gemm_forward, n, in, out, on_fp8);
   };
-  auto bwd = [&](int64_t n, int64_t in, int64_t out) {
-    return rates.gemm(Task::gemm_backward_data, n, out, in) +
+  auto bwd = [&](int64_t n, int64_t in, int64_t out, bool on_fp8 = false) {
+    return rates.gemm(Task::gemm_backward_data, n, out, in, on_fp8) +
            rates.gemm(Task::gemm_backward_weight, n, in, out);
   };
 
@@ -219,14 +221,7 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   // The MoE layer: router, the experts' grouped GEMMs over the busiest rank's rows, shared
   // experts, the row gathers and the weighted scatter-add of I-Order.
   const double router_f = fwd(Tm, d, moe.num_experts);
-  auto expert_fwd = [&](int64_t n, int64_t in, int64_t out) {
-    return rates.gemm(Task::gemm_forward, n, in, out, fp8);
-  };
-  auto expert_bwd = [&](int64_t n, int64_t in, int64_t out) {
-    return rates.gemm(Task::gemm_backward_data, n, out, in, fp8) +
-           rates.gemm(Task::gemm_backward_weight, n, in, out);
-  };
-  const double experts_f = expert_fwd(rows, d, 2 * f) + expert_fwd(rows, f, d);
+  const double experts_f = fwd(rows, d, 2 * f, fp8) + fwd(rows, f, d, fp8);
   // FP8's quantising passes beyond the bf16 layer's: the local experts' weights once per step
   // (the micro-batches share them; read, then written in both layouts the GEMMs read), and in
   // backward dy's and dh's rows for the data-gradient GEMMs (read, written a byte an element and
@@ -239,11 +234,10 @@ StepTime predict_step_time(const Config& c, const train::MemoryModel& mem, const
   const double moe_stream = rates.stream(rows * d * (elem + 4) + 3.0 * rows * f * elem +
                                          4.0 * Tm * moe.num_experts * 4 + 4.0 * Tm * d * 4);
   const double moe_f = router_f + experts_f + shared_f + moe_stream;
-  const double moe_b = bwd(Tm, d, moe.num_experts) + expert_bwd(rows, d, 2 * f) +
-                       expert_bwd(rows, f, d) + (sf > 0 ? bwd(Tm, d, 2 * sf) + bwd(Tm, sf, d) : 0) +
+  const double moe_b = bwd(Tm, d, moe.num_experts) + bwd(rows, d, 2 * f, fp8) +
+                       bwd(rows, f, d, fp8) + (sf > 0 ? bwd(Tm, d, 2 * sf) + bwd(Tm, sf, d) : 0) +
                        2 * moe_stream + quantize_b;
-  const double moe_recompute =
-      (rc.moe ? expert_fwd(rows, d, 2 * f) : 0) + (rc.router ? router_f : 0);
+  const double moe_recompute = (rc.moe ? fwd(rows, d, 2 * f, fp8) : 0) + (rc.router ? router_f : 0);
   // Dispatch + combine, forward and backward: 4 all-to-alls of the routed rows.
   double a2a = 0;
   const int per_node = ep_span.ranks / ep_span.nodes;

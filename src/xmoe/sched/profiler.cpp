@@ -77,6 +77,24 @@ std::string utc_date(std::time_t now) {
   return buf;
 }
 
+/// A grouped GEMM's model of `task` over w [groups, in, out] in `dtype`, before its sweep.
+TaskModel gemm_model(Task task, GemmShape shape, int64_t groups, std::string dtype) {
+  TaskModel m;
+  m.task = task;
+  m.in = shape.in;
+  m.out = shape.out;
+  m.groups = groups;
+  m.dtype = std::move(dtype);
+  return m;
+}
+
+/// `rows` split over `groups` experts as evenly as they go (the first rows % groups one more).
+std::vector<int64_t> even_groups(int64_t rows, int64_t groups) {
+  std::vector<int64_t> sizes(static_cast<size_t>(groups), rows / groups);
+  for (int64_t g = 0; g < rows % groups; ++g) ++sizes[static_cast<size_t>(g)];
+  return sizes;
+}
+
 /// Runs the measurements; each one is agreed over the world (max over ranks per repetition).
 class Profiler {
  public:
@@ -215,17 +233,11 @@ void Profiler::gemms(GemmShape shape) {
   // An f32 weight gradient, the default model.moe.expert_grad_dtype.
   Tensor dw = Tensor::zeros({G, shape.in, shape.out}, DType::f32, device_);
   for (Task task : {Task::gemm_forward, Task::gemm_backward_data, Task::gemm_backward_weight}) {
-    TaskModel model;
-    model.task = task;
-    model.in = shape.in;
-    model.out = shape.out;
-    model.groups = G;
-    model.dtype = std::string(dtype_name(compute_dtype_));
+    TaskModel model = gemm_model(task, shape, G, std::string(dtype_name(compute_dtype_)));
     const std::string label = fmt::format("{} {}x{}", task_name(task), shape.in, shape.out);
     sweep(model, plan_.gemm_rows, label, [&](double rows_d) -> std::pair<double, double> {
       const int64_t rows = std::max<int64_t>(1, std::llround(rows_d));
-      std::vector<int64_t> sizes(static_cast<size_t>(G), rows / G);
-      for (int64_t g = 0; g < rows % G; ++g) ++sizes[static_cast<size_t>(g)];
+      const std::vector<int64_t> sizes = even_groups(rows, G);
       const Tensor x = filled({rows, shape.in});
       const Tensor dy = filled({rows, shape.out});
       const double flops = 2.0 * static_cast<double>(rows) * shape.in * shape.out;
@@ -244,17 +256,11 @@ void Profiler::fp8_gemms(GemmShape shape) {
   const ops::Fp8Weights w = ops::quantize_weights_fp8(filled({G, shape.in, shape.out}));
   for (Task task : {Task::gemm_forward, Task::gemm_backward_data}) {
     const bool data_grad = task == Task::gemm_backward_data;
-    TaskModel model;
-    model.task = task;
-    model.in = shape.in;
-    model.out = shape.out;
-    model.groups = G;
-    model.dtype = "fp8";
+    TaskModel model = gemm_model(task, shape, G, "fp8");
     const std::string label = fmt::format("{} {}x{} fp8", task_name(task), shape.in, shape.out);
     sweep(model, plan_.gemm_rows, label, [&](double rows_d) -> std::pair<double, double> {
       const int64_t rows = std::max<int64_t>(1, std::llround(rows_d));
-      std::vector<int64_t> sizes(static_cast<size_t>(G), rows / G);
-      for (int64_t g = 0; g < rows % G; ++g) ++sizes[static_cast<size_t>(g)];
+      const std::vector<int64_t> sizes = even_groups(rows, G);
       // forward: x [rows, in] @ w; data gradient: dy [rows, out] @ w^T
       const ops::Fp8Rows x =
           ops::quantize_rows_fp8(filled({rows, data_grad ? shape.out : shape.in}), sizes);
